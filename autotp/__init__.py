@@ -1,0 +1,41 @@
+"""autotp: tensor-parallel plans for PyTorch language models, synthesized and verified.
+
+The API:
+
+- :func:`get_plan` chooses a plan (explicit, handwritten, transformers', or synthesized).
+- :func:`parallelize` shards a model over a tp mesh with it.
+- :func:`synthesize` / :func:`explain` build a plan from the model's dataflow graph.
+- :func:`verify` checks a plan numerically against the unsharded model on simulated ranks.
+"""
+
+from autotp.apply import parallelize, validate_tp_mesh
+from autotp.errors import AutoTPError
+from autotp.selection import PlanChoice, get_plan
+from autotp.verify import VerifyReport, verify
+
+
+def synthesize(model, **kwargs):
+    """Synthesize a plan for ``model`` from its dataflow graph; see :func:`autotp.synth.synthesize`."""
+    from autotp.synth import synthesize as _synthesize
+
+    return _synthesize(model, **kwargs)
+
+
+def explain(model, **kwargs):
+    """Per-module styles of the synthesized plan with their graph evidence; see :mod:`autotp.synth`."""
+    from autotp.synth import explain as _explain
+
+    return _explain(model, **kwargs)
+
+
+__all__ = [
+    "AutoTPError",
+    "PlanChoice",
+    "VerifyReport",
+    "explain",
+    "get_plan",
+    "parallelize",
+    "synthesize",
+    "validate_tp_mesh",
+    "verify",
+]

@@ -1,0 +1,53 @@
+"""Simulate W tensor-parallel ranks in one process with real numerics.
+
+This is the only module that touches torch's private ``LocalTensorMode`` and the ``"fake"``
+process group: every tensor created under it holds one value per rank, and collectives are
+computed across those values. If torch moves the API, only this file changes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import sys
+from collections.abc import Iterator
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+from autotp.errors import VerificationError
+
+
+@contextlib.contextmanager
+def simulated_mesh(tp_size: int) -> Iterator[DeviceMesh]:
+    """A 1-D ``DeviceMesh`` of ``tp_size`` simulated ranks, active for the ``with`` block.
+
+    Raises:
+        VerificationError: a real process group is already initialised in this process.
+    """
+    from torch.distributed._local_tensor import LocalTensorMode
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    if dist.is_initialized():
+        raise VerificationError(
+            f"cannot simulate {tp_size} ranks: this process already has a "
+            f"{dist.get_backend()} process group. Run verify before init_process_group, "
+            "or use autotp.verify_multiprocess."
+        )
+    excepthook = sys.excepthook  # init_process_group wraps it to prefix "[rank0]:" on every line
+    dist.init_process_group("fake", rank=0, world_size=tp_size, store=FakeStore())
+    try:
+        with LocalTensorMode(frozenset(range(tp_size))):
+            yield init_device_mesh("cpu", (tp_size,))
+    finally:
+        dist.destroy_process_group()
+        sys.excepthook = excepthook
+
+
+def per_rank(t: torch.Tensor, tp_size: int) -> list[torch.Tensor]:
+    """The value each simulated rank holds for ``t`` (the same tensor for all if not per-rank)."""
+    from torch.distributed._local_tensor import LocalTensor
+
+    if isinstance(t, LocalTensor):
+        return [t._local_tensors[r] for r in range(tp_size)]
+    return [t] * tp_size

@@ -1,0 +1,160 @@
+"""Apply a plan to a model: the one place where plans meet ``parallelize_module``.
+
+Everything that can be checked before sharding is checked first: the mesh is 1-D, every plan key
+matches a module, no two keys disagree on a module, and every size the plan splits is divisible by
+the tp size. Tied parameters stay tied after sharding.
+"""
+
+from __future__ import annotations
+
+import math
+
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor.parallel import parallelize_module
+
+from autotp.errors import MeshError, PlanError
+from autotp.plan import Plan, resolve, sharded_param_dims
+
+# Config attributes whose value counts attention heads: a tp size must divide each, or heads are
+# cut in half across ranks.
+_HEAD_COUNTS = ("num_attention_heads", "num_key_value_heads", "n_head", "num_heads")
+
+
+def _text_configs(model: nn.Module) -> list:
+    config = getattr(model, "config", None)
+    if config is None:
+        return []
+    subs = [getattr(config, name, None) for name in ("text_config", "language_config")]
+    return [config, *[c for c in subs if c is not None]]
+
+
+def _working_tp_sizes(sizes: list[int], limit: int = 64) -> list[int]:
+    """tp sizes (powers of two and other divisors up to ``limit``) that divide every size."""
+    common = math.gcd(*sizes) if sizes else 1
+    return [t for t in range(1, limit + 1) if common % t == 0]
+
+
+def validate_tp_mesh(model: nn.Module, tp_mesh: DeviceMesh, plan: Plan | None = None) -> None:
+    """Check that ``tp_mesh`` fits ``model`` (and ``plan``, when given) before any sharding.
+
+    Raises:
+        MeshError: the mesh is not 1-D, a head count is not divisible by its size, or a parameter
+            dimension the plan shards is not. The message names the module, the sizes, and the tp
+            sizes that would work.
+    """
+    if tp_mesh.ndim != 1:
+        raise MeshError(
+            f"the tp mesh must be 1-D, got a {tp_mesh.ndim}-D mesh {tuple(tp_mesh.shape)} "
+            f"(dims {tp_mesh.mesh_dim_names}); pass the tp sub-mesh, e.g. device_mesh['tp']."
+        )
+    tp = tp_mesh.size()
+    check_divisible(model, tp, plan)
+
+
+def check_divisible(model: nn.Module, tp: int, plan: Plan | None = None) -> None:
+    """Raise :class:`MeshError` if ``tp`` does not divide a head count or a dimension ``plan`` shards."""
+    for config in _text_configs(model):
+        counts = {a: getattr(config, a) for a in _HEAD_COUNTS if isinstance(getattr(config, a, None), int)}
+        bad = {a: n for a, n in counts.items() if n % tp}
+        if bad:
+            attr, n = next(iter(bad.items()))
+            raise MeshError(
+                f"{type(model).__name__}: {attr}={n} cannot be split over tp={tp} "
+                f"(config {type(config).__name__}: {counts}); "
+                f"use tp in {_working_tp_sizes(list(counts.values()))}."
+            )
+    if plan is None:
+        return
+    modules = dict(model.named_modules())
+    for fqn, (key, style) in resolve(model, plan).items():
+        module = modules[fqn]
+        for pname, dim in sharded_param_dims(module, style).items():
+            size = getattr(module, pname).shape[dim]
+            if size % tp:
+                raise MeshError(
+                    f"{fqn}.{pname}: {type(style).__name__} (plan key {key!r}) shards dim {dim} of "
+                    f"size {size}, which tp={tp} does not divide; use tp in {_working_tp_sizes([size])}."
+                )
+
+
+def _tied_groups(model: nn.Module) -> list[list[tuple[str, str]]]:
+    """Groups of ``(module fqn, param name)`` that share one Parameter object."""
+    owners: dict[int, list[tuple[str, str]]] = {}
+    for fqn, module in model.named_modules():
+        for pname, param in module.named_parameters(recurse=False):
+            owners.setdefault(id(param), []).append((fqn, pname))
+    return [group for group in owners.values() if len(group) > 1]
+
+
+def _retie(model: nn.Module, groups: list[list[tuple[str, str]]]) -> None:
+    """Make each group share one Parameter again after ``parallelize_module`` replaced some."""
+    for group in groups:
+        params = [model.get_submodule(fqn).get_parameter(p) for fqn, p in group]
+        layouts = {getattr(p, "placements", None) for p in params}
+        if len(layouts) > 1:
+            names = [f"{fqn}.{p}" if fqn else p for fqn, p in group]
+            raise PlanError(
+                f"tied parameters {names} were sharded differently ({sorted(map(str, layouts))}); "
+                "give their modules styles that place the shared weight the same way "
+                "(vocab-parallel embedding + colwise head both shard the vocabulary), or shard neither."
+            )
+        # Prefer the one that was sharded, so a replicated leftover does not win.
+        keep = next((p for p in params if hasattr(p, "placements")), params[0])
+        for fqn, pname in group:
+            setattr(model.get_submodule(fqn), pname, keep)
+
+
+def apply_plan(model: nn.Module, tp_mesh: DeviceMesh, plan: Plan) -> nn.Module:
+    """Validate ``plan`` against ``model`` and ``tp_mesh``, shard ``model`` in place, and return it."""
+    validate_tp_mesh(model, tp_mesh, plan)
+    groups = _tied_groups(model)
+    _check_tied_styles(model, plan, groups)
+    parallelize_module(model, tp_mesh, plan)
+    _retie(model, groups)
+    return model
+
+
+def _check_tied_styles(model: nn.Module, plan: Plan, groups) -> None:
+    """Refuse, before sharding, a plan that shards one copy of a tied weight and not the other."""
+    resolved = resolve(model, plan)
+    modules = dict(model.named_modules())
+    for group in groups:
+        dims = []
+        for fqn, pname in group:
+            style = resolved.get(fqn, (None, None))[1]
+            dims.append(sharded_param_dims(modules[fqn], style).get(pname) if style else None)
+        if len(set(dims)) > 1:
+            names = [f"{fqn}.{p}" for fqn, p in group]
+            raise PlanError(
+                f"tied parameters {names} would be sharded on dims {dims} (None = replicated); "
+                "a tied weight must be placed the same way everywhere: shard both (vocab-parallel "
+                "embedding + colwise head) or neither."
+            )
+
+
+def parallelize(
+    model: nn.Module,
+    tp_mesh: DeviceMesh,
+    *,
+    sequence_parallel: bool = False,
+    tp_shard_plan=None,
+) -> nn.Module:
+    """Shard ``model`` over ``tp_mesh`` with the plan :func:`autotp.get_plan` chooses.
+
+    Args:
+        model: the model, on the device the mesh uses (or meta, to be materialised after).
+        tp_mesh: a 1-D device mesh (the ``tp`` sub-mesh of a larger one).
+        sequence_parallel: use the sequence-parallel variant of the plan.
+        tp_shard_plan: a plan dict, a registered plan name, or a dotted import path to one.
+
+    Returns:
+        The same model, sharded in place.
+    """
+    from autotp.selection import get_plan
+
+    if tp_mesh.ndim != 1:
+        validate_tp_mesh(model, tp_mesh)
+    check_divisible(model, tp_mesh.size())
+    choice = get_plan(model, sequence_parallel=sequence_parallel, tp_shard_plan=tp_shard_plan)
+    return apply_plan(model, tp_mesh, choice.plan)

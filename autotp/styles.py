@@ -1,0 +1,509 @@
+"""ParallelStyles that torch does not ship but LLM plans need.
+
+Each style is a small class in the manner of ``torch.distributed.tensor.parallel.style``: keyword-only
+options, static ``_prepare_input_fn`` / ``_prepare_output_fn``, and a comment on the shard algebra.
+
+- :class:`VocabParallelEmbedding`: row-parallel embedding with the ``MaskPartial`` mask fix-up.
+- :class:`RotaryEmbedParallel`: a rotary module whose output is a tuple ``(cos, sin)``.
+- :class:`SequenceParallelAllGather`: a sequence-parallel norm that all-gathers its output once, so
+  that every column-parallel consumer (q, k, v or gate, up) shares one all-gather.
+- :class:`ReplicatedWithGradAllReduce` / :class:`HeadShardedNorm`: replicated parameters whose
+  gradients are partial (a per-head norm such as Qwen3's QK-norm on head-sharded tensors).
+- :class:`WidthShardedNorm`: a norm over a width that is sharded (OLMo2 QK-norm), kept exact by
+  reducing its statistic across ranks.
+- :class:`PackedColwiseParallel`: a column-parallel Linear whose output is split into parts
+  (fused ``qkv_proj`` / ``gate_up_proj``), sharded part by part.
+- :class:`ShardCounts`: divide a module's head counts by tp, for code that sizes slices from them.
+- :class:`ExpertsParallel`, :class:`AllReduceOutput`, :class:`GradAllReduceOutputSlice`: MoE experts
+  (3-D parameters) sharded on their FFN dim, and the reductions around them and around MLA.
+"""
+
+from __future__ import annotations
+
+import copy
+from functools import partial
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_module, distribute_tensor
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, SequenceParallel
+from torch.distributed.tensor.parallel.style import ParallelStyle
+from torch.distributed.tensor.placement_types import _MaskPartial
+
+__all__ = [
+    "AllReduceOutput",
+    "ExpertsParallel",
+    "GradAllReduceOutputSlice",
+    "ReplicatedWithGradAllReduce",
+    "HeadShardedNorm",
+    "PackedColwiseParallel",
+    "RotaryEmbedParallel",
+    "SequenceParallelAllGather",
+    "ShardCounts",
+    "VocabParallelEmbedding",
+    "WidthShardedNorm",
+    "packed_row_order",
+]
+
+
+class VocabParallelEmbedding(RowwiseParallel):
+    """Shard an ``nn.Embedding`` over the vocabulary, repairing the ``MaskPartial`` buffer.
+
+    Row-wise sharding puts ``weight`` on ``Shard(0)``: each rank holds a slice of the vocabulary,
+    looks up the ids it owns and zeroes the rest, and the partial outputs are summed. DTensor keeps
+    the "ids I do not own" mask in the ``_MaskPartial`` placement of the output; some torch releases
+    dispatch the embedding without filling it, and the reduction then fails with
+    ``assert self.mask_buffer.data is not None``. This style remembers the original ids and fills
+    the mask when it is missing; where dispatch filled it, nothing changes.
+
+    Keyword Args:
+        input_layouts, output_layouts, use_local_output: as for :class:`RowwiseParallel`.
+
+    Example::
+        >>> plan = {"model.embed_tokens": VocabParallelEmbedding(input_layouts=Replicate())}
+    """
+
+    @staticmethod
+    def _prepare_input_fn(input_layouts, desired_input_layouts, mod, inputs, device_mesh):
+        mod._autotp_input_ids = inputs[0]
+        return RowwiseParallel._prepare_input_fn(input_layouts, desired_input_layouts, mod, inputs, device_mesh)
+
+    @staticmethod
+    def _prepare_output_fn(output_layouts, use_local_output, mod, outputs, device_mesh):
+        ids = mod.__dict__.pop("_autotp_input_ids", None)
+        placement = outputs.placements[0]
+        if isinstance(placement, _MaskPartial) and placement.mask_buffer.data is None and ids is not None:
+            ids = ids.to_local() if isinstance(ids, DTensor) else ids
+            # The local shard is rows [offset, offset + size) of the full table.
+            size = mod.weight.to_local().shape[0]
+            offset = size * device_mesh.get_local_rank()
+            placement.mask_buffer.materialize_mask((ids < offset) | (ids >= offset + size))
+        return RowwiseParallel._prepare_output_fn(output_layouts, use_local_output, mod, outputs, device_mesh)
+
+
+def _to_local(x):
+    """Return the full local value of ``x``: a replicated plain tensor for any DTensor."""
+    if isinstance(x, DTensor):
+        return x.redistribute(placements=[Replicate()] * x.device_mesh.ndim).to_local()
+    return x
+
+
+class RotaryEmbedParallel(ParallelStyle):
+    """Make a rotary-embedding module return plain, full-sequence tensors under sequence parallel.
+
+    The rotary module gets the (sequence-sharded) hidden states only for their dtype and device, and
+    the position ids for the values; its output is a tuple ``(cos, sin)``, which the stock
+    ``SequenceParallel`` cannot handle. Inputs are turned local (the hidden states are not read, so
+    their shard is enough), and every tensor of the output tuple is returned local and whole: the
+    attention consumes cos/sin after its input has been all-gathered over the sequence.
+
+    Example::
+        >>> plan = {"model.rotary_emb": RotaryEmbedParallel()}
+    """
+
+    @staticmethod
+    def _prepare_input_fn(mod, inputs, kwargs):
+        inputs = tuple(x.to_local() if isinstance(x, DTensor) else x for x in inputs)
+        kwargs = {k: (v.to_local() if isinstance(v, DTensor) else v) for k, v in kwargs.items()}
+        return inputs, kwargs
+
+    @staticmethod
+    def _prepare_output_fn(mod, inputs, outputs):
+        if isinstance(outputs, (tuple, list)):
+            return type(outputs)(_to_local(o) for o in outputs)
+        return _to_local(outputs)
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        module.register_forward_pre_hook(self._prepare_input_fn, with_kwargs=True)
+        module.register_forward_hook(self._prepare_output_fn)
+        return module
+
+    def __repr__(self) -> str:
+        return f"{self.__class__.__name__}()"
+
+
+class SequenceParallelAllGather(SequenceParallel):
+    """A sequence-parallel norm whose output is all-gathered once, for column-parallel consumers.
+
+    The norm runs on the ``Shard(sequence_dim)`` input with replicated weights (their gradients are
+    partial sums and get all-reduced, as in :class:`SequenceParallel`). Its output is redistributed
+    to ``Replicate()`` and returned as a plain tensor, so q/k/v (or gate/up) projections that read it
+    share one all-gather instead of paying one each.
+
+    Keyword Args:
+        sequence_dim (int): the sequence dimension of the input. Default: 1.
+
+    Example::
+        >>> plan = {"model.layers.*.input_layernorm": SequenceParallelAllGather()}
+    """
+
+    def __init__(self, *, sequence_dim: int = 1):
+        super().__init__(sequence_dim=sequence_dim, use_local_output=True)
+
+    @staticmethod
+    def _prepare_output_fn(use_local_output, mod, outputs, device_mesh):
+        if isinstance(outputs, DTensor):
+            outputs = outputs.redistribute(placements=[Replicate()])
+            return outputs.to_local() if use_local_output else outputs
+        return outputs
+
+
+class _LocalParamsStyle(ParallelStyle):
+    """Base for styles whose module runs on plain local tensors with DTensor parameters.
+
+    Parameters are distributed by :meth:`_placement`; during each forward they are swapped for
+    ``param.to_local(grad_placements=...)`` views, so unmodified module code (indexing, F.linear,
+    ``weight * x``) runs on plain tensors while gradients still flow to the DTensor parameters with
+    the right placement. Subclasses may also transform inputs and outputs.
+    """
+
+    def _placement(self, name: str, param: torch.Tensor):
+        raise NotImplementedError
+
+    def _grad_placement(self, name: str, param: DTensor):
+        return param.placements
+
+    def sharded_param_dims(self, module: nn.Module) -> dict[str, int]:
+        dims = {}
+        for name, param in module.named_parameters(recurse=False):
+            placement = self._placement(name, param)
+            if isinstance(placement, Shard):
+                dims[name] = placement.dim
+        return dims
+
+    def _distribute(self, module: nn.Module, device_mesh: DeviceMesh) -> None:
+        for name, param in list(module.named_parameters(recurse=False)):
+            dist = distribute_tensor(param, device_mesh, [self._placement(name, param)])
+            module.register_parameter(name, nn.Parameter(dist, requires_grad=param.requires_grad))
+
+    def _prepare_inputs(self, args, kwargs, device_mesh):
+        return args, kwargs
+
+    def _prepare_output(self, output, device_mesh):
+        return output
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        self._distribute(module, device_mesh)
+        saved: dict[str, nn.Parameter] = {}
+
+        def pre_hook(mod, args, kwargs):
+            for name, param in list(mod._parameters.items()):
+                if isinstance(param, DTensor):
+                    saved[name] = param
+                    mod._parameters[name] = param.to_local(grad_placements=self._grad_placement(name, param))
+            return self._prepare_inputs(args, kwargs, device_mesh)
+
+        def post_hook(mod, args, kwargs, output):
+            mod._parameters.update(saved)
+            saved.clear()
+            return self._prepare_output(output, device_mesh)
+
+        module.register_forward_pre_hook(pre_hook, with_kwargs=True)
+        module.register_forward_hook(post_hook, with_kwargs=True)
+        return module
+
+    def __repr__(self) -> str:
+        return f"{self.__class__.__name__}()"
+
+
+def all_reduce_backward(x: torch.Tensor, device_mesh: DeviceMesh) -> torch.Tensor:
+    """Identity forward; all-reduce of the gradient in backward.
+
+    For a replicated activation consumed by sharded computation: each rank's gradient with respect
+    to it covers only its shard, so the full gradient is the sum over ranks.
+    """
+    if isinstance(x, DTensor) or not x.is_floating_point():
+        return x
+    return DTensor.from_local(x, device_mesh, [Replicate()], run_check=False).to_local(grad_placements=[Partial()])
+
+
+def all_reduce_forward(x: torch.Tensor, device_mesh: DeviceMesh) -> torch.Tensor:
+    """Sum a per-rank partial result over ranks (gradient passes through unchanged)."""
+    if isinstance(x, DTensor):
+        return x.redistribute(placements=[Replicate()]).to_local()
+    return DTensor.from_local(x, device_mesh, [Partial()], run_check=False).redistribute(placements=[Replicate()]).to_local()
+
+
+class ReplicatedWithGradAllReduce(_LocalParamsStyle):
+    """Keep a module's parameters replicated and all-reduce their gradients.
+
+    For a module between a column- and a row-parallel Linear that sees only this rank's part of
+    the activation: each rank's parameter gradient is a partial sum over its shard, and plain
+    replicated parameters would drift apart after one optimizer step, silently.
+
+    Example::
+        >>> plan = {"model.layers.*.mlp.gate_norm": ReplicatedWithGradAllReduce()}
+    """
+
+    def _placement(self, name, param):
+        return Replicate()
+
+    def _grad_placement(self, name, param):
+        return [Partial()]
+
+
+class HeadShardedNorm(ReplicatedWithGradAllReduce):
+    """A per-head norm (Qwen3 ``q_norm`` / ``k_norm``) on a tensor whose heads are sharded.
+
+    The input ``(..., heads / tp, head_dim)`` comes from a column-parallel projection; the norm
+    reduces over ``head_dim`` only, so the local result is exact. The weight (over ``head_dim``)
+    stays replicated; each rank's gradient sums over its own heads only, so it is all-reduced.
+
+    Example::
+        >>> plan = {"model.layers.*.self_attn.q_norm": HeadShardedNorm()}
+    """
+
+
+class WidthShardedNorm(ParallelStyle):
+    """A norm over a width that a column-parallel projection sharded (OLMo2 ``q_norm``).
+
+    ``RMSNorm(q_proj(x))`` normalises over all heads together. With ``q_proj`` column-parallel,
+    each rank holds a slice of that width. The norm runs on DTensors: the input is
+    ``Shard(shard_dim)``, the weight ``Shard(0)`` like its input, the mean of squares becomes a
+    partial sum that DTensor all-reduces (a ``(batch, seq, 1)`` statistic), and the result is exact
+    and stays sharded (returned local).
+
+    Keyword Args:
+        shard_dim (int): the sharded (normalised) dimension of the input. Default: -1.
+
+    Example::
+        >>> plan = {"model.layers.*.self_attn.q_norm": WidthShardedNorm()}
+    """
+
+    def __init__(self, *, shard_dim: int = -1):
+        super().__init__()
+        self.shard_dim = shard_dim
+
+    def sharded_param_dims(self, module: nn.Module) -> dict[str, int]:
+        return {name: 0 for name, _ in module.named_parameters(recurse=False)}
+
+    def _partition_fn(self, name, module, device_mesh):
+        for pname, param in list(module.named_parameters(recurse=False)):
+            dist = distribute_tensor(param, device_mesh, [Shard(0)])
+            module.register_parameter(pname, nn.Parameter(dist, requires_grad=param.requires_grad))
+
+    @staticmethod
+    def _prepare_input_fn(shard_dim, mod, inputs, device_mesh):
+        x = inputs[0]
+        if not isinstance(x, DTensor):
+            x = DTensor.from_local(x, device_mesh, [Shard(shard_dim % x.ndim)], run_check=False)
+        return (x, *inputs[1:])
+
+    @staticmethod
+    def _prepare_output_fn(mod, outputs, device_mesh):
+        return outputs.to_local() if isinstance(outputs, DTensor) else outputs
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        return distribute_module(
+            module,
+            device_mesh,
+            self._partition_fn,
+            partial(self._prepare_input_fn, self.shard_dim),
+            self._prepare_output_fn,
+        )
+
+    def __repr__(self) -> str:
+        return f"{self.__class__.__name__}(shard_dim={self.shard_dim})"
+
+
+class ExpertsParallel(_LocalParamsStyle):
+    """Shard every expert of a grouped-experts module on its FFN dimension (transformers 5 MoE).
+
+    transformers 5 stores experts as 3-D parameters: ``gate_up_proj`` (experts, 2 * ffn, hidden)
+    and ``down_proj`` (experts, hidden, ffn). Each rank keeps ``ffn / tp`` of every expert: the
+    fused gate/up rows part by part (dim 1, :func:`packed_row_order`), the down projection's input
+    columns (dim 2). Each rank runs the routing on the replicated tokens with its slice of every
+    expert and produces a partial sum, all-reduced once after the module: one all-reduce per MoE
+    layer, as for a dense MLP. The router stays replicated; the gradients of the hidden states and
+    of the routing weights are partial and are all-reduced in backward.
+
+    Keyword Args:
+        shard_dims (dict[str, int]): parameter name -> sharded dim.
+        packed (dict[str, int]): parameter name -> number of equal parts fused along its sharded dim.
+
+    Example::
+        >>> plan = {"model.layers.*.mlp.experts": ExpertsParallel()}
+    """
+
+    def __init__(self, *, shard_dims: dict[str, int] | None = None, packed: dict[str, int] | None = None):
+        super().__init__()
+        self.shard_dims = dict(shard_dims or {"gate_up_proj": 1, "down_proj": 2})
+        self.packed = dict(packed if packed is not None else {"gate_up_proj": 2})
+
+    def _placement(self, name, param):
+        return Shard(self.shard_dims[name]) if name in self.shard_dims else Replicate()
+
+    def _grad_placement(self, name, param):
+        # A replicated parameter (e.g. a bias added by every rank) gets a partial gradient.
+        return [Partial()] if name not in self.shard_dims else param.placements
+
+    def _distribute(self, module, device_mesh):
+        tp = device_mesh.size()
+        for name, param in list(module.named_parameters(recurse=False)):
+            value = param
+            parts = self.packed.get(name)
+            if parts:
+                dim = self.shard_dims[name]
+                with torch.no_grad():
+                    value = param.index_select(dim, packed_row_order((param.shape[dim] // parts,) * parts, tp))
+            dist = distribute_tensor(value, device_mesh, [self._placement(name, param)])
+            new = nn.Parameter(dist, requires_grad=param.requires_grad)
+            if parts:
+                new._autotp_packed = (self.shard_dims[name], (param.shape[self.shard_dims[name]] // parts,) * parts)
+            module.register_parameter(name, new)
+
+    def _prepare_inputs(self, args, kwargs, device_mesh):
+        args = tuple(all_reduce_backward(a, device_mesh) if isinstance(a, torch.Tensor) else a for a in args)
+        kwargs = {k: all_reduce_backward(v, device_mesh) if isinstance(v, torch.Tensor) else v for k, v in kwargs.items()}
+        return args, kwargs
+
+    def _prepare_output(self, output, device_mesh):
+        return all_reduce_forward(output, device_mesh)
+
+    def __repr__(self) -> str:
+        return f"{self.__class__.__name__}(shard_dims={self.shard_dims}, packed={self.packed})"
+
+
+class AllReduceOutput(ParallelStyle):
+    """Sum a module's per-rank partial output over ranks (e.g. shared experts run on shards).
+
+    Example::
+        >>> plan = {"model.layers.*.mlp.shared_experts": AllReduceOutput()}
+    """
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        module.register_forward_hook(lambda mod, args, out: all_reduce_forward(out, device_mesh))
+        return module
+
+    def __repr__(self) -> str:
+        return f"{self.__class__.__name__}()"
+
+
+class GradAllReduceOutputSlice(ParallelStyle):
+    """All-reduce, in backward, the gradient of the last ``width`` features of a replicated output.
+
+    MLA's ``kv_a_proj_with_mqa`` output splits into a part that feeds a column-parallel Linear
+    (whose input gradient is already reduced) and a rotary part that reaches head-sharded attention
+    directly, whose gradient is partial per rank.
+
+    Keyword Args:
+        width (int): features at the end of the output whose gradient is partial.
+    """
+
+    def __init__(self, *, width: int):
+        super().__init__()
+        self.width = width
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        def hook(mod, args, out):
+            keep, rope = out.split([out.shape[-1] - self.width, self.width], dim=-1)
+            return torch.cat([keep, all_reduce_backward(rope, device_mesh)], dim=-1)
+
+        module.register_forward_hook(hook)
+        return module
+
+    def __repr__(self) -> str:
+        return f"{self.__class__.__name__}(width={self.width})"
+
+
+def packed_row_order(sizes: tuple[int, ...], tp_size: int) -> torch.Tensor:
+    """Row permutation that makes a contiguous ``Shard(0)`` give each rank a slice of every part.
+
+    A fused weight stacks parts ``[q | k | v]`` along its rows. Reordered as
+    ``[q_0 k_0 v_0 | q_1 k_1 v_1 | ...]`` (``x_r`` = rank r's contiguous slice of part x), the r-th
+    contiguous chunk is exactly rank r's slice of each part, in order, so the local output can be
+    split with local sizes.
+
+    >>> packed_row_order((4, 2), 2).tolist()
+    [0, 1, 4, 2, 3, 5]
+    """
+    starts = torch.tensor([0, *sizes]).cumsum(0)[:-1].tolist()
+    order = []
+    for rank in range(tp_size):
+        for start, size in zip(starts, sizes):
+            step = size // tp_size
+            order.extend(range(start + rank * step, start + (rank + 1) * step))
+    return torch.tensor(order)
+
+
+class PackedColwiseParallel(ColwiseParallel):
+    """Column-parallel Linear whose output is a concatenation of parts, sharded part by part.
+
+    Plain ``ColwiseParallel`` on a fused ``[q | k | v]`` or ``[gate | up]`` weight hands rank 0 all
+    of q and rank 1 the rest of q plus k and v: the split after it then mixes parts and the logits
+    are wrong with no error. Here the weight rows (and bias) are first permuted by
+    :func:`packed_row_order`, then sharded ``Shard(0)``: each rank holds ``size / tp`` rows of every
+    part. Parts may be unequal (GQA: ``sizes=(heads * d, kv * d, kv * d)``). The parameter keeps the
+    permuted order; its ``_autotp_packed`` attribute, ``(dim, sizes)``, records the parts, for checkpoint
+    conversion and for :func:`autotp.verify`.
+
+    Keyword Args:
+        sizes (tuple[int, ...]): widths of the parts, summing to ``out_features``.
+        input_layouts, output_layouts, use_local_output: as for :class:`ColwiseParallel`.
+
+    Example::
+        >>> plan = {"model.layers.*.mlp.gate_up_proj": PackedColwiseParallel(sizes=(8192, 8192))}
+    """
+
+    def __init__(self, *, sizes: tuple[int, ...], **kwargs):
+        super().__init__(**kwargs)
+        self.sizes = tuple(int(s) for s in sizes)
+
+    def _partition_linear_fn(self, name, module, device_mesh):
+        tp = device_mesh.size()
+        order = packed_row_order(self.sizes, tp)
+        for pname, param in list(module.named_parameters(recurse=False)):
+            with torch.no_grad():
+                permuted = param[order]
+            dist = distribute_tensor(permuted, device_mesh, [Shard(0)], src_data_rank=self.src_data_rank)
+            new = nn.Parameter(dist, requires_grad=param.requires_grad)
+            new._autotp_packed = (0, self.sizes)
+            module.register_parameter(pname, new)
+
+    def __repr__(self) -> str:
+        return super().__repr__()[:-1] + f", sizes={self.sizes})"
+
+
+class ShardCounts(ParallelStyle):
+    """Divide integer attributes of a module (head counts) by the tp size.
+
+    Attention code that slices a fused projection with sizes computed from its head counts
+    (``qkv[..., : num_heads * head_dim]``) reads global counts while holding a local shard. After
+    this style, the module sees per-rank counts, as gpt-fast's ``tp.py`` does by hand. A dotted name
+    (``"config.num_attention_heads"``) changes a private shallow copy of the sub-object, so the
+    model's shared config keeps the global numbers.
+
+    Keyword Args:
+        names (tuple[str, ...]): attribute paths relative to the module.
+
+    Example::
+        >>> plan = {"model.layers.*.self_attn": ShardCounts(names=("num_key_value_heads",))}
+    """
+
+    def __init__(self, *, names: tuple[str, ...]):
+        super().__init__()
+        self.names = tuple(names)
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        tp = device_mesh.size()
+        copied: set[str] = set()
+        for name in self.names:
+            *path, attr = name.split(".")
+            owner = module
+            for i, part in enumerate(path):
+                child_path = ".".join(path[: i + 1])
+                if child_path not in copied:
+                    setattr(owner, part, copy.copy(getattr(owner, part)))
+                    copied.add(child_path)
+                owner = getattr(owner, part)
+            value = getattr(owner, attr)
+            if value % tp:
+                from autotp.errors import MeshError
+
+                raise MeshError(f"{type(module).__name__}.{name}={value} cannot be split over tp={tp}")
+            setattr(owner, attr, value // tp)
+        return module
+
+    def __repr__(self) -> str:
+        return f"{self.__class__.__name__}(names={self.names})"

@@ -1,0 +1,57 @@
+"""Gemma3: tied embeddings, four norms per layer, per-head q_norm / k_norm.
+
+This is the plan as NeMo ships it: embeddings and head stay replicated because they are tied, and
+every SP norm is a plain ``SequenceParallel``, so each of q, k, v, gate and up all-gathers its own
+input (11 all-gathers for 2 layers). ``autotp.synthesize`` finds the cheaper plan (vocab-parallel
+tied embedding and head; one all-gather per branch).
+"""
+
+from __future__ import annotations
+
+from torch import nn
+from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    ParallelStyle,
+    PrepareModuleInput,
+    PrepareModuleOutput,
+    SequenceParallel,
+)
+
+from autotp.styles import HeadShardedNorm, RotaryEmbedParallel
+from handwritten_plans._blocks import row_output
+
+_NORMS = ("input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm", "post_feedforward_layernorm")
+
+
+def text_prefix(model: nn.Module) -> str:
+    """Where the text decoder lives: ``model`` (causal LM) or ``model.language_model`` (VLM)."""
+    return "model.language_model" if hasattr(model.model, "language_model") else "model"
+
+
+def parallelize_gemma3(model: nn.Module, sequence_parallel: bool = False) -> dict[str, ParallelStyle]:
+    """Plan for ``Gemma3ForCausalLM`` and ``Gemma3ForConditionalGeneration`` (vision tower replicated)."""
+    prefix = text_prefix(model)
+    layer = f"{prefix}.layers.*"
+    plan: dict[str, ParallelStyle] = {
+        **{f"{layer}.self_attn.{p}_proj": ColwiseParallel() for p in "qkv"},
+        f"{layer}.self_attn.o_proj": row_output(sequence_parallel=sequence_parallel),
+        f"{layer}.self_attn.q_norm": HeadShardedNorm(),
+        f"{layer}.self_attn.k_norm": HeadShardedNorm(),
+        f"{layer}.mlp.gate_proj": ColwiseParallel(),
+        f"{layer}.mlp.up_proj": ColwiseParallel(),
+        f"{layer}.mlp.down_proj": row_output(sequence_parallel=sequence_parallel),
+    }
+    if sequence_parallel:
+        plan |= {
+            f"{prefix}.embed_tokens": PrepareModuleOutput(
+                output_layouts=Replicate(), desired_output_layouts=Shard(1), use_local_output=False
+            ),
+            f"{prefix}.rotary_emb": RotaryEmbedParallel(),
+            **{f"{layer}.{norm}": SequenceParallel() for norm in _NORMS},
+            f"{prefix}.norm": SequenceParallel(),
+            "lm_head": PrepareModuleInput(
+                input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),), use_local_output=True
+            ),
+        }
+    return plan
