@@ -11,7 +11,7 @@ The API:
 from autotp.apply import parallelize, validate_tp_mesh
 from autotp.errors import AutoTPError
 from autotp.selection import PlanChoice, get_plan
-from autotp.verify import VerifyReport, verify
+from autotp.verifier import VerifyReport, verify
 
 
 def synthesize(model, **kwargs):

@@ -1,0 +1,83 @@
+"""parallelize(): checks before sharding, and tied weights."""
+
+import copy
+
+import pytest
+import torch
+from torch.distributed.device_mesh import init_device_mesh
+
+import handwritten_plans
+from autotp import parallelize
+from autotp._simulate import simulated_mesh
+from autotp.apply import apply_plan, validate_tp_mesh
+from autotp.errors import MeshError, PlanError
+from autotp.models import build_model, load_config, shrink_config
+from autotp.verifier import verify
+
+
+def tiny_llama(**overrides):
+    config = shrink_config(load_config("llama"), tp=2)
+    for name, value in overrides.items():
+        setattr(config, name, value)
+    return build_model(config, device="cpu")
+
+
+@pytest.fixture(scope="module")
+def llama():
+    return build_model("llama", tiny=True, tp=2, device="cpu")
+
+
+def test_kv_heads_not_divisible_names_sizes_and_working_tp(llama):
+    kv = llama.config.num_key_value_heads
+    with simulated_mesh(2 * kv) as mesh:
+        with pytest.raises(MeshError) as info:
+            parallelize(copy.deepcopy(llama), mesh)
+    message = str(info.value)
+    assert f"num_key_value_heads={kv}" in message and f"tp={2 * kv}" in message
+    assert "use tp in [1, 2" in message
+
+
+def test_mesh_must_be_one_dimensional(llama):
+    with simulated_mesh(4):
+        mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+        with pytest.raises(MeshError, match="1-D"):
+            validate_tp_mesh(llama, mesh)
+
+
+def test_sharded_dimension_not_divisible_is_caught_before_sharding(llama):
+    model = tiny_llama(vocab_size=255)
+    with simulated_mesh(2) as mesh:
+        with pytest.raises(MeshError, match="embed_tokens.weight.*255"):
+            apply_plan(model, mesh, handwritten_plans.plan_for(model))
+        assert not hasattr(model.model.embed_tokens.weight, "placements")
+
+
+def test_conflicting_keys_are_refused(llama):
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+    plan = {"model.layers.*.mlp.up_proj": ColwiseParallel(), "model.layers.0.mlp.up_proj": RowwiseParallel()}
+    with simulated_mesh(2) as mesh:
+        with pytest.raises(PlanError, match="different styles"):
+            apply_plan(copy.deepcopy(llama), mesh, plan)
+
+
+def test_tied_embedding_and_head_stay_tied_and_correct():
+    """Vocab-parallel embedding and colwise head both shard the vocabulary (dim 0): one parameter."""
+    model = tiny_llama(tie_word_embeddings=True)
+    assert model.lm_head.weight is model.model.embed_tokens.weight
+    plan = handwritten_plans.plan_for(model)
+    with simulated_mesh(2) as mesh:
+        sharded = apply_plan(copy.deepcopy(model), mesh, plan)
+        assert sharded.lm_head.weight is sharded.model.embed_tokens.weight
+    report = verify(model, plan, tp_size=2)
+    assert report.ok, str(report)
+
+
+def test_tied_weights_sharded_differently_are_refused():
+    from torch.distributed.tensor.parallel import ColwiseParallel
+
+    model = tiny_llama(tie_word_embeddings=True)
+    plan = {"lm_head": ColwiseParallel()}
+    with simulated_mesh(2) as mesh:
+        with pytest.raises(PlanError, match="tied"):
+            apply_plan(model, mesh, plan)
