@@ -21,6 +21,13 @@ def synthesize(model, **kwargs):
     return _synthesize(model, **kwargs)
 
 
+def verify_multiprocess(model, plan, **kwargs):
+    """Verify ``plan`` on real gloo processes; see :func:`autotp.multiprocess.verify_multiprocess`."""
+    from autotp.multiprocess import verify_multiprocess as _verify_multiprocess
+
+    return _verify_multiprocess(model, plan, **kwargs)
+
+
 def explain(model, **kwargs):
     """Per-module styles of the synthesized plan with their graph evidence; see :mod:`autotp.synth`."""
     from autotp.synth import explain as _explain
@@ -38,4 +45,5 @@ __all__ = [
     "synthesize",
     "validate_tp_mesh",
     "verify",
+    "verify_multiprocess",
 ]

@@ -155,6 +155,16 @@ def _local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if isinstance(t, DTensor) else t
 
 
+def reference_run(model: nn.Module, inputs, backward: bool):
+    """Logits and (after the verify loss's backward) parameters of an unsharded copy of ``model``."""
+    reference = copy.deepcopy(model).eval()
+    reference.zero_grad(set_to_none=True)
+    ref_logits = _call(reference, inputs)
+    if backward:
+        _loss(ref_logits).backward()
+    return ref_logits.detach(), dict(reference.named_parameters())
+
+
 def verify(
     model: nn.Module,
     plan: Plan,
@@ -181,12 +191,7 @@ def verify(
     _check_materialised(model)
     if inputs is None:
         inputs = default_inputs(model, tp_size)
-    reference = copy.deepcopy(model).eval()
-    reference.zero_grad(set_to_none=True)
-    ref_logits = _call(reference, inputs)
-    if backward:
-        _loss(ref_logits).backward()
-    ref_params = dict(reference.named_parameters())
+    ref_logits, ref_params = reference_run(model, inputs, backward)
 
     with _simulate.simulated_mesh(tp_size) as mesh:
         sharded = copy.deepcopy(model).eval()
@@ -203,52 +208,66 @@ def verify(
 
 def _run_sharded(sharded, inputs, ref_logits, ref_params, tp_size, backward, tolerance) -> VerifyReport:
     """Forward (counting collectives) and backward on the sharded model; compare with the reference."""
-    with CollectiveCounter() as comm:
-        logits = _call(sharded, inputs)
-    counts = comm.counts
-    full = logits.full_tensor() if isinstance(logits, DTensor) else logits
-    logit_diffs = [
-        (value - ref_logits).abs().max().item() for value in _simulate.per_rank(full.detach(), tp_size)
-    ]
-    if backward:
-        _loss(full).backward()
-    grad_diffs, fractions = _compare_params(sharded, ref_params, tp_size, backward)
+    simulated = lambda t: list(enumerate(_simulate.per_rank(t, tp_size)))  # noqa: E731
+    logit_diffs, grad_diffs, held, counts = run_and_compare(sharded, inputs, ref_logits, ref_params, backward, simulated)
     return VerifyReport(
         tp_size=tp_size,
         tolerance=tolerance,
-        logits_max_abs_diff=logit_diffs,
+        logits_max_abs_diff=[logit_diffs[r] for r in range(tp_size)],
         grad_max_abs_diff=grad_diffs,
-        param_fraction=fractions,
+        param_fraction=[held[r] for r in range(tp_size)],
         collectives=dict(counts),
     )
 
 
-def _compare_params(sharded: nn.Module, ref_params: dict, tp_size: int, backward: bool):
+def run_and_compare(sharded, inputs, ref_logits, ref_params, backward, rank_values):
+    """One forward (collectives counted) and backward of ``sharded``, compared with the reference.
+
+    ``rank_values(t)`` lists ``(rank, local value)`` for the ranks this process holds: every rank
+    when simulated, its own one in a real process group.
+
+    Returns:
+        ``({rank: logits diff}, {param: grad diff}, {rank: parameter fraction}, collective counts)``.
+    """
+    with CollectiveCounter() as comm:
+        logits = _call(sharded, inputs)
+    full = logits.full_tensor() if isinstance(logits, DTensor) else logits
+    logit_diffs = {rank: (value - ref_logits).abs().max().item() for rank, value in rank_values(full.detach())}
+    if backward:
+        _loss(full).backward()
+    grad_diffs, held = _compare_params(sharded, ref_params, backward, rank_values)
+    return logit_diffs, grad_diffs, held, comm.counts
+
+
+def _compare_params(sharded: nn.Module, ref_params: dict, backward: bool, rank_values):
     """Per-parameter max gradient difference, and the fraction of parameters each rank holds."""
     grad_diffs: dict[str, float] = {}
-    held = [0] * tp_size
+    held: Counter[int] = Counter()
     total = 0
     for name, param in sharded.named_parameters():
         ref = ref_params[name]
         total += ref.numel()
-        locals_ = _simulate.per_rank(_local(param).detach(), tp_size)
-        for rank, value in enumerate(locals_):
+        for rank, value in rank_values(_local(param).detach()):
             held[rank] += value.numel()
         if not backward or ref.grad is None:
             continue
-        if param.grad is None:
+        grad = param.grad
+        if grad is None:
             grad_diffs[name] = float("inf")
             continue
-        grad = param.grad
         if isinstance(grad, DTensor) and grad.placements != param.placements:
             # An optimizer step redistributes the gradient to the parameter's layout; do the same.
             grad = grad.redistribute(param.device_mesh, param.placements)
         worst = 0.0
-        for rank, local_grad in enumerate(_simulate.per_rank(_local(grad), tp_size)):
-            expected = _reference_slice(ref.grad, param, rank, tp_size)
+        for rank, local_grad in rank_values(_local(grad)):
+            expected = _reference_slice(ref.grad, param, rank, _tp_size(param))
             if expected.shape != local_grad.shape:
                 worst = float("inf")
                 break
             worst = max(worst, (local_grad - expected).abs().max().item())
         grad_diffs[name] = worst
-    return grad_diffs, [h / total for h in held]
+    return grad_diffs, {rank: h / total for rank, h in held.items()}
+
+
+def _tp_size(param) -> int:
+    return param.device_mesh.size() if isinstance(param, DTensor) else 1
