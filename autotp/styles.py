@@ -14,6 +14,8 @@ options, static ``_prepare_input_fn`` / ``_prepare_output_fn``, and a comment on
 - :class:`PackedColwiseParallel`: a column-parallel Linear whose output is split into parts
   (fused ``qkv_proj`` / ``gate_up_proj``), sharded part by part.
 - :class:`ShardCounts`: divide a module's head counts by tp, for code that sizes slices from them.
+- :class:`ReplicatedKVColwise`, :class:`KVHeadCounts`: tp larger than the number of kv heads; each
+  rank holds the one kv head its query heads read, copies' gradients summed.
 - :class:`ExpertsParallel`, :class:`AllReduceOutput`, :class:`GradAllReduceOutputSlice`: MoE experts
   (3-D parameters) sharded on their FFN dim, and the reductions around them and around MLA.
 """
@@ -32,6 +34,8 @@ from torch.distributed.tensor.parallel.style import ParallelStyle
 from torch.distributed.tensor.placement_types import _MaskPartial
 
 __all__ = [
+    "KVHeadCounts",
+    "ReplicatedKVColwise",
     "AllReduceOutput",
     "ExpertsParallel",
     "GradAllReduceOutputSlice",
@@ -350,7 +354,9 @@ class ExpertsParallel(_LocalParamsStyle):
             dist = distribute_tensor(value, device_mesh, [self._placement(name, param)])
             new = nn.Parameter(dist, requires_grad=param.requires_grad)
             if parts:
-                new._autotp_packed = (self.shard_dims[name], (param.shape[self.shard_dims[name]] // parts,) * parts)
+                dim = self.shard_dims[name]
+                order = packed_row_order((param.shape[dim] // parts,) * parts, tp)
+                new._autotp_to_layout = partial(_permute_rows, dim=dim, order=order)
             module.register_parameter(name, new)
 
     def _prepare_inputs(self, args, kwargs, device_mesh):
@@ -427,6 +433,10 @@ def packed_row_order(sizes: tuple[int, ...], tp_size: int) -> torch.Tensor:
     return torch.tensor(order)
 
 
+def _permute_rows(tensor: torch.Tensor, *, dim: int, order: torch.Tensor) -> torch.Tensor:
+    return tensor.index_select(dim, order)
+
+
 class PackedColwiseParallel(ColwiseParallel):
     """Column-parallel Linear whose output is a concatenation of parts, sharded part by part.
 
@@ -435,7 +445,7 @@ class PackedColwiseParallel(ColwiseParallel):
     are wrong with no error. Here the weight rows (and bias) are first permuted by
     :func:`packed_row_order`, then sharded ``Shard(0)``: each rank holds ``size / tp`` rows of every
     part. Parts may be unequal (GQA: ``sizes=(heads * d, kv * d, kv * d)``). The parameter keeps the
-    permuted order; its ``_autotp_packed`` attribute, ``(dim, sizes)``, records the parts, for checkpoint
+    permuted order; its ``_autotp_to_layout`` attribute maps an unsharded tensor to that order, for checkpoint
     conversion and for :func:`autotp.verify`.
 
     Keyword Args:
@@ -458,7 +468,7 @@ class PackedColwiseParallel(ColwiseParallel):
                 permuted = param[order]
             dist = distribute_tensor(permuted, device_mesh, [Shard(0)], src_data_rank=self.src_data_rank)
             new = nn.Parameter(dist, requires_grad=param.requires_grad)
-            new._autotp_packed = (0, self.sizes)
+            new._autotp_to_layout = partial(_permute_rows, dim=0, order=order)
             module.register_parameter(pname, new)
 
     def __repr__(self) -> str:
@@ -507,3 +517,95 @@ class ShardCounts(ParallelStyle):
 
     def __repr__(self) -> str:
         return f"{self.__class__.__name__}(names={self.names})"
+
+
+def _expand_kv_rows(tensor: torch.Tensor, kv_heads: int, head_dim: int, tp_size: int) -> torch.Tensor:
+    """Repeat each kv head's rows ``tp / kv_heads`` times: row block r is the head rank r reads.
+
+    >>> _expand_kv_rows(torch.arange(4.0), kv_heads=2, head_dim=2, tp_size=4).tolist()
+    [0.0, 1.0, 0.0, 1.0, 2.0, 3.0, 2.0, 3.0]
+    """
+    copies = tp_size // kv_heads
+    rows = tensor.reshape(kv_heads, head_dim, *tensor.shape[1:])
+    return rows.repeat_interleave(copies, dim=0).reshape(tp_size * head_dim, *tensor.shape[1:])
+
+
+class ReplicatedKVColwise(ColwiseParallel):
+    """Column-parallel k/v projection when tp exceeds the number of kv heads.
+
+    With ``kv_heads < tp``, a contiguous split would cut a kv head in pieces. Instead each kv head
+    is repeated ``tp / kv_heads`` times (the ranks whose query heads read it), and that expanded
+    weight is sharded ``Shard(0)``: rank r holds exactly the ``head_dim`` rows of kv head
+    ``r // (tp / kv_heads)``, computes only that head, and the attention's grouped-query repeat is
+    local. Each copy's gradient covers only its rank's query heads; a gradient hook sums the copies
+    of a head (an all-gather of the small k/v gradient) so every copy gets the full gradient and the
+    copies stay identical after an optimizer step.
+
+    Keyword Args:
+        kv_heads (int): number of kv heads of the projection.
+        head_dim (int): size of one head.
+
+    Example::
+        >>> plan = {"model.layers.*.self_attn.k_proj": ReplicatedKVColwise(kv_heads=2, head_dim=128)}
+    """
+
+    def __init__(self, *, kv_heads: int, head_dim: int, **kwargs):
+        super().__init__(**kwargs)
+        self.kv_heads = kv_heads
+        self.head_dim = head_dim
+
+    def _partition_linear_fn(self, name, module, device_mesh):
+        tp = device_mesh.size()
+        if tp % self.kv_heads:
+            from autotp.errors import MeshError
+
+            raise MeshError(
+                f"{type(module).__name__}: tp={tp} is not a multiple of kv_heads={self.kv_heads}; "
+                "each kv head must be shared by the same number of ranks."
+            )
+        for pname, param in list(module.named_parameters(recurse=False)):
+            with torch.no_grad():
+                expanded = _expand_kv_rows(param, self.kv_heads, self.head_dim, tp)
+            new = nn.Parameter(distribute_tensor(expanded, device_mesh, [Shard(0)]), requires_grad=param.requires_grad)
+            new._autotp_to_layout = partial(_expand_kv_rows, kv_heads=self.kv_heads, head_dim=self.head_dim, tp_size=tp)
+            new.register_hook(partial(_sum_kv_copies, kv_heads=self.kv_heads, head_dim=self.head_dim))
+            module.register_parameter(pname, new)
+
+    def __repr__(self) -> str:
+        return super().__repr__()[:-1] + f", kv_heads={self.kv_heads}, head_dim={self.head_dim})"
+
+
+def _sum_kv_copies(grad: DTensor, *, kv_heads: int, head_dim: int) -> DTensor:
+    """Give every copy of a kv head the sum of all copies' gradients."""
+    tp = grad.device_mesh.size()
+    full = grad.redistribute(placements=[Replicate()]).to_local()
+    per_head = full.reshape(kv_heads, tp // kv_heads, head_dim, *full.shape[1:]).sum(dim=1)
+    summed = _expand_kv_rows(per_head.reshape(kv_heads * head_dim, *full.shape[1:]), kv_heads, head_dim, tp)
+    return DTensor.from_local(summed, grad.device_mesh, [Replicate()], run_check=False).redistribute(
+        placements=grad.placements
+    )
+
+
+class KVHeadCounts(ParallelStyle):
+    """Set an attention module's grouped-query ratio for the heads one rank holds.
+
+    When tp exceeds the kv heads, a rank holds ``heads / tp`` query heads and one kv head, so its
+    local ratio is ``heads / tp``, not the global ``heads / kv_heads``; code that repeats kv heads
+    by the stored ratio (``num_key_value_groups`` in transformers) must see the local one.
+
+    Keyword Args:
+        heads (int): query heads of the module.
+        attribute (str): the ratio attribute. Default: ``"num_key_value_groups"``.
+    """
+
+    def __init__(self, *, heads: int, attribute: str = "num_key_value_groups"):
+        super().__init__()
+        self.heads = heads
+        self.attribute = attribute
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        setattr(module, self.attribute, self.heads // device_mesh.size())
+        return module
+
+    def __repr__(self) -> str:
+        return f"{self.__class__.__name__}(heads={self.heads}, attribute={self.attribute!r})"

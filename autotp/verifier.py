@@ -23,7 +23,6 @@ from autotp import _simulate
 from autotp.apply import apply_plan
 from autotp.errors import AutoTPError, VerificationError
 from autotp.plan import Plan
-from autotp.styles import packed_row_order
 
 DEFAULT_TOLERANCE = 1e-5
 
@@ -141,10 +140,9 @@ def _reference_slice(ref: torch.Tensor, param, rank: int, tp_size: int) -> torch
     """The part of the unsharded tensor ``ref`` that ``rank`` should hold for sharded ``param``."""
     if not isinstance(param, DTensor):
         return ref
-    packed = getattr(param, "_autotp_packed", None)
-    if packed is not None:
-        dim, sizes = packed
-        ref = ref.index_select(dim, packed_row_order(sizes, tp_size))
+    to_layout = getattr(param, "_autotp_to_layout", None)  # styles that reorder or repeat rows
+    if to_layout is not None:
+        ref = to_layout(ref)
     for placement in param.placements:
         if isinstance(placement, Shard):
             ref = torch.chunk(ref, tp_size, dim=placement.dim)[rank]

@@ -1,0 +1,344 @@
+"""Models to plan and verify, built from configs alone (no weights are ever downloaded).
+
+Three ways to name a model:
+
+- a built-in short name (``llama``, ``qwen3-moe``, ...): the published config numbers of a public
+  checkpoint, listed in :data:`BUILTIN`;
+- any transformers ``model_type`` (``AutoConfig.for_model``): that family's default config;
+- a path to a ``config.json`` (or a folder holding one).
+
+Real sizes are built on the meta device (parameters have shapes, no storage), which is all
+planning and memory accounting need. :func:`shrink_config` keeps an architecture but makes it tiny,
+so verification can run the sharded model against the unsharded one on CPU in seconds.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from torch import nn
+from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig
+from transformers.initialization import no_init_weights
+from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
+
+from autotp.errors import AutoTPError
+
+
+@dataclass(frozen=True)
+class Builtin:
+    """A public checkpoint's config: its hub id (for reference only), family, and numbers."""
+
+    source: str
+    model_type: str
+    options: dict = field(default_factory=dict)
+
+
+def _llama3_rope(factor: float) -> dict:
+    return {
+        "rope_type": "llama3",
+        "rope_theta": 500000.0,
+        "factor": factor,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 8192,
+    }
+
+
+def _rope(theta: float) -> dict:
+    return {"rope_type": "default", "rope_theta": theta}
+
+
+# Numbers copied from each checkpoint's config.json. Token ids are left at the family defaults:
+# they change no shape.
+BUILTIN: dict[str, Builtin] = {
+    "llama": Builtin("meta-llama/Llama-3.1-8B", "llama", dict(
+        vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+        num_attention_heads=32, num_key_value_heads=8, head_dim=128, max_position_embeddings=131072,
+        rms_norm_eps=1e-5, rope_parameters=_llama3_rope(8.0), tie_word_embeddings=False)),
+    "llama-70b": Builtin("meta-llama/Llama-3.1-70B", "llama", dict(
+        vocab_size=128256, hidden_size=8192, intermediate_size=28672, num_hidden_layers=80,
+        num_attention_heads=64, num_key_value_heads=8, head_dim=128, max_position_embeddings=131072,
+        rms_norm_eps=1e-5, rope_parameters=_llama3_rope(8.0), tie_word_embeddings=False)),
+    "llama-1b": Builtin("meta-llama/Llama-3.2-1B", "llama", dict(
+        vocab_size=128256, hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
+        num_attention_heads=32, num_key_value_heads=8, head_dim=64, max_position_embeddings=131072,
+        rms_norm_eps=1e-5, rope_parameters=_llama3_rope(32.0), tie_word_embeddings=True)),
+    "mistral": Builtin("mistralai/Mistral-7B-v0.3", "mistral", dict(
+        vocab_size=32768, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+        num_attention_heads=32, num_key_value_heads=8, head_dim=128, max_position_embeddings=32768,
+        rms_norm_eps=1e-5, rope_parameters=_rope(1e6), sliding_window=None, tie_word_embeddings=False)),
+    "qwen2": Builtin("Qwen/Qwen2.5-7B", "qwen2", dict(
+        vocab_size=152064, hidden_size=3584, intermediate_size=18944, num_hidden_layers=28,
+        num_attention_heads=28, num_key_value_heads=4, max_position_embeddings=131072,
+        rms_norm_eps=1e-6, rope_parameters=_rope(1e6), use_sliding_window=False,
+        tie_word_embeddings=False)),
+    "qwen3": Builtin("Qwen/Qwen3-8B", "qwen3", dict(
+        vocab_size=151936, hidden_size=4096, intermediate_size=12288, num_hidden_layers=36,
+        num_attention_heads=32, num_key_value_heads=8, head_dim=128, max_position_embeddings=40960,
+        rms_norm_eps=1e-6, rope_parameters=_rope(1e6), tie_word_embeddings=False)),
+    "qwen3-32b": Builtin("Qwen/Qwen3-32B", "qwen3", dict(
+        vocab_size=151936, hidden_size=5120, intermediate_size=25600, num_hidden_layers=64,
+        num_attention_heads=64, num_key_value_heads=8, head_dim=128, max_position_embeddings=40960,
+        rms_norm_eps=1e-6, rope_parameters=_rope(1e6), tie_word_embeddings=False)),
+    "qwen3-moe": Builtin("Qwen/Qwen3-30B-A3B", "qwen3_moe", dict(
+        vocab_size=151936, hidden_size=2048, intermediate_size=6144, moe_intermediate_size=768,
+        num_hidden_layers=48, num_attention_heads=32, num_key_value_heads=4, head_dim=128,
+        num_experts=128, num_experts_per_tok=8, norm_topk_prob=True, decoder_sparse_step=1,
+        mlp_only_layers=[], max_position_embeddings=40960, rms_norm_eps=1e-6,
+        rope_parameters=_rope(1e6), tie_word_embeddings=False)),
+    "mixtral": Builtin("mistralai/Mixtral-8x7B-v0.1", "mixtral", dict(
+        vocab_size=32000, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+        num_attention_heads=32, num_key_value_heads=8, num_local_experts=8, num_experts_per_tok=2,
+        max_position_embeddings=32768, rms_norm_eps=1e-5, rope_parameters=_rope(1e6),
+        sliding_window=None, tie_word_embeddings=False)),
+    "phi3": Builtin("microsoft/Phi-3-mini-4k-instruct", "phi3", dict(
+        vocab_size=32064, hidden_size=3072, intermediate_size=8192, num_hidden_layers=32,
+        num_attention_heads=32, num_key_value_heads=32, max_position_embeddings=4096,
+        rms_norm_eps=1e-5, rope_parameters=_rope(10000.0), sliding_window=2047,
+        pad_token_id=32000, bos_token_id=1, eos_token_id=32000, tie_word_embeddings=False)),
+    "olmo2": Builtin("allenai/OLMo-2-1124-7B", "olmo2", dict(
+        vocab_size=100352, hidden_size=4096, intermediate_size=11008, num_hidden_layers=32,
+        num_attention_heads=32, num_key_value_heads=32, max_position_embeddings=4096,
+        rms_norm_eps=1e-6, rope_parameters=_rope(500000.0), pad_token_id=100277,
+        eos_token_id=100257, tie_word_embeddings=False)),
+    "gemma2": Builtin("google/gemma-2-2b", "gemma2", dict(
+        vocab_size=256000, hidden_size=2304, intermediate_size=9216, num_hidden_layers=26,
+        num_attention_heads=8, num_key_value_heads=4, head_dim=256, query_pre_attn_scalar=256,
+        sliding_window=4096, final_logit_softcapping=30.0, attn_logit_softcapping=50.0,
+        max_position_embeddings=8192, rms_norm_eps=1e-6, tie_word_embeddings=True)),
+    "gemma3": Builtin("google/gemma-3-1b-pt", "gemma3_text", dict(
+        vocab_size=262144, hidden_size=1152, intermediate_size=6912, num_hidden_layers=26,
+        num_attention_heads=4, num_key_value_heads=1, head_dim=256, query_pre_attn_scalar=256,
+        sliding_window=512, max_position_embeddings=32768, rms_norm_eps=1e-6,
+        tie_word_embeddings=True)),
+    "gemma3-vlm": Builtin("google/gemma-3-4b-pt", "gemma3", dict(
+        text_config=dict(
+            vocab_size=262208, hidden_size=2560, intermediate_size=10240, num_hidden_layers=34,
+            num_attention_heads=8, num_key_value_heads=4, head_dim=256, query_pre_attn_scalar=256,
+            sliding_window=1024, max_position_embeddings=131072, rms_norm_eps=1e-6,
+            rope_parameters={
+                "full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1e6},
+                "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+            }),
+        vision_config=dict(
+            hidden_size=1152, intermediate_size=4304, num_hidden_layers=27, num_attention_heads=16,
+            image_size=896, patch_size=14, vision_use_head=False),
+        mm_tokens_per_image=256, boi_token_index=255999, eoi_token_index=256000,
+        image_token_index=262144)),
+}
+
+
+def builtin_names() -> list[str]:
+    """The short names :func:`load_config` accepts, sorted."""
+    return sorted(BUILTIN)
+
+
+def load_config(name_or_path: str | Path) -> PretrainedConfig:
+    """The config that ``name_or_path`` names: a built-in, a transformers model type, or a file.
+
+    Raises:
+        AutoTPError: the name is none of those (the message lists the built-in names), or the
+            file is not a transformers config.
+    """
+    name = str(name_or_path)
+    if name in BUILTIN:
+        entry = BUILTIN[name]
+        return AutoConfig.for_model(entry.model_type, **entry.options)
+    path = Path(name)
+    if path.is_dir():
+        path = path / "config.json"
+    if path.is_file():
+        return _config_from_file(path)
+    if name in CONFIG_MAPPING_NAMES:
+        return AutoConfig.for_model(name)
+    raise AutoTPError(
+        f"unknown model {name!r}: not a built-in name, a transformers model type, or a config.json "
+        f"path. Built-in names: {', '.join(builtin_names())}."
+    )
+
+
+def _config_from_file(path: Path) -> PretrainedConfig:
+    try:
+        options = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError) as err:
+        raise AutoTPError(f"{path}: cannot read a JSON config ({err}).") from err
+    model_type = options.pop("model_type", None) if isinstance(options, dict) else None
+    if model_type not in CONFIG_MAPPING_NAMES:
+        raise AutoTPError(
+            f"{path}: 'model_type' is {model_type!r}, which transformers does not know; "
+            "a Hugging Face config.json names its family there (e.g. \"llama\")."
+        )
+    return AutoConfig.for_model(model_type, **options)
+
+
+# The tiny sizes. Every width is a multiple of 8 so a tiny model shards at tp 2, 4 and 8.
+TINY_HIDDEN = 64
+TINY_INTERMEDIATE = 128
+TINY_HEAD_DIM = 16
+TINY_VOCAB = 256
+TINY_LAYERS = 2
+TINY_EXPERTS = 4
+TINY_VISION = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+                   image_size=28, patch_size=14)
+# Per-head widths that must follow head_dim (Gemma scales scores by query_pre_attn_scalar**-0.5).
+_HEAD_DIM_TIED = ("query_pre_attn_scalar",)
+# Config attributes that are widths of an expert's MLP.
+_EXPERT_WIDTHS = ("moe_intermediate_size", "shared_expert_intermediate_size")
+_EXPERT_COUNTS = ("num_experts", "num_local_experts", "n_routed_experts")
+# Multi-head latent attention widths (DeepSeek-V3; its rotary part is head_dim), expert-group
+# routing that must fit in TINY_EXPERTS experts, and one dense layer before the MoE one.
+_TINY_EXTRAS = dict(q_lora_rank=32, kv_lora_rank=32, qk_rope_head_dim=TINY_HEAD_DIM, qk_nope_head_dim=8,
+                    v_head_dim=16, n_group=1, topk_group=1, first_k_dense_replace=1)
+_TOKEN_IDS = ("pad_token_id", "bos_token_id", "eos_token_id")
+# Lists that happen to be as long as the layer stack but are not one entry per layer.
+_NOT_PER_LAYER = ("architectures", "mlp_only_layers")
+
+
+def shrink_config(config: PretrainedConfig, *, tp: int = 8) -> PretrainedConfig:
+    """A tiny config of the same architecture, shardable at tensor-parallel size ``tp``.
+
+    Kept: the family (so the same module tree and code paths), the query/kv head ratio, every
+    distinct entry of per-layer lists such as ``layer_types`` (Gemma's sliding and full layers
+    both stay), MoE routing (with few experts), and sub-configs (``text_config`` shrinks like a
+    text model, ``vision_config`` to a one-layer encoder). ``tp`` key-value heads make every
+    head count divisible by ``tp``.
+
+    >>> small = shrink_config(load_config("llama"), tp=2)
+    >>> small.num_attention_heads // small.num_key_value_heads, small.num_key_value_heads
+    (4, 2)
+    """
+    if tp < 1:
+        raise AutoTPError(f"tp must be a positive integer, got {tp}.")
+    options = config.to_dict()
+    options.pop("model_type", None)
+    options.pop("transformers_version", None)
+    if "text_config" in options and options["text_config"] is not None:
+        options["text_config"] = _shrink_text(options["text_config"], tp, config.text_config.attribute_map)
+        if options.get("vision_config") is not None:
+            options["vision_config"] = {**options["vision_config"], **TINY_VISION}
+        if "mm_tokens_per_image" in options:
+            options["mm_tokens_per_image"] = 4  # a 2x2 grid of 14-pixel patches
+    else:
+        options = _shrink_text(options, tp, config.attribute_map)
+    return AutoConfig.for_model(config.model_type, **options)
+
+
+def _shrink_text(options: dict, tp: int, attribute_map: dict[str, str]) -> dict:
+    """Shrink the text-model part of a config given as a dict (see :func:`shrink_config`).
+
+    ``attribute_map`` is the config class's alias table (GPT-2 stores ``hidden_size`` as
+    ``n_embd``): keys are read and written under the standard names, then put back.
+    """
+    aliases = {actual: standard for standard, actual in attribute_map.items()}
+    options = {aliases.get(k, k): v for k, v in options.items() if k not in ("model_type", "transformers_version")}
+    options["vocab_size"] = TINY_VOCAB
+    if options.get("num_attention_heads"):
+        heads = options["num_attention_heads"]
+        ratio = max(1, heads // (options.get("num_key_value_heads") or heads))
+        options["num_attention_heads"] = tp * ratio
+        if "num_key_value_heads" in options:
+            options["num_key_value_heads"] = tp
+        if "head_dim" in options:
+            options.update(head_dim=TINY_HEAD_DIM, hidden_size=TINY_HIDDEN)
+        else:  # the family derives head_dim = hidden / heads: an even head_dim in [8, 32]
+            head_dim = max(8, min(2 * TINY_HEAD_DIM, 2 * (2 * TINY_HIDDEN // (tp * ratio) // 2)))
+            options["hidden_size"] = tp * ratio * head_dim
+    for name in _HEAD_DIM_TIED:
+        if options.get(name) is not None:
+            options[name] = TINY_HEAD_DIM
+    if options.get("intermediate_size") is not None:
+        options["intermediate_size"] = TINY_INTERMEDIATE
+    for name in _EXPERT_WIDTHS:
+        if options.get(name):
+            options[name] = TINY_INTERMEDIATE // 4
+    for name in _EXPERT_COUNTS:
+        if options.get(name):
+            options[name] = TINY_EXPERTS
+            if options.get("num_experts_per_tok"):
+                options["num_experts_per_tok"] = min(options["num_experts_per_tok"], 2)
+    options.update({k: v for k, v in _TINY_EXTRAS.items() if options.get(k)})
+    _shrink_layers(options)
+    _clamp_token_ids(options)
+    return {attribute_map.get(k, k): v for k, v in options.items()}
+
+
+def _shrink_layers(options: dict) -> None:
+    """Keep ``TINY_LAYERS`` layers (more if needed to keep one of each ``layer_types`` entry)."""
+    n = options.get("num_hidden_layers")
+    if not n:
+        return
+    layer_types = options.get("layer_types")
+    keep = []
+    if isinstance(layer_types, list) and len(layer_types) == n:
+        keep = [layer_types.index(t) for t in dict.fromkeys(layer_types)]  # first of each kind
+    keep += [i for i in range(n) if i not in keep][: max(0, TINY_LAYERS - len(keep))]
+    keep.sort()
+    for name, value in list(options.items()):
+        if isinstance(value, list) and len(value) == n and name not in _NOT_PER_LAYER:
+            options[name] = [value[i] for i in keep]
+    if isinstance(options.get("mlp_only_layers"), list):
+        options["mlp_only_layers"] = [keep.index(i) for i in options["mlp_only_layers"] if i in keep]
+    options["num_hidden_layers"] = len(keep)
+
+
+def _clamp_token_ids(options: dict) -> None:
+    """Token ids past the tiny vocabulary would index out of the embedding (``padding_idx``)."""
+    vocab = options["vocab_size"]
+    for name in _TOKEN_IDS:
+        value = options.get(name)
+        if isinstance(value, int) and value >= vocab:
+            options[name] = vocab - 1
+        elif isinstance(value, list):
+            options[name] = [min(v, vocab - 1) for v in value]
+
+
+def build_model(
+    name_or_path: str | Path | PretrainedConfig,
+    *,
+    tiny: bool = False,
+    tp: int = 8,
+    device: str | torch.device = "meta",
+    seed: int = 0,
+    dtype: torch.dtype = torch.float32,
+    attn_implementation: str = "sdpa",
+) -> nn.Module:
+    """Build a causal LM (``...ForCausalLM``, or ``...ForConditionalGeneration`` for VLMs), in eval mode.
+
+    Args:
+        name_or_path: a built-in name, a model type, a config.json path, or a config.
+        tiny: shrink the config first (:func:`shrink_config`), shardable at ``tp``.
+        tp: the tensor-parallel size the tiny model must shard at.
+        device: ``"meta"`` (shapes only, milliseconds at any size) or ``"cpu"``.
+        seed: seeds the random initialisation, so two builds are equal.
+        dtype: parameter dtype.
+        attn_implementation: ``"sdpa"`` or ``"eager"``; sdpa falls back to eager for families
+            that refuse it (Gemma2).
+    """
+    config = name_or_path if isinstance(name_or_path, PretrainedConfig) else load_config(name_or_path)
+    if tiny:
+        config = shrink_config(config, tp=tp)
+    device = torch.device(device)
+    if device.type == "meta":
+        # No initialisation on meta: there is nothing to fill, and HF's init walk costs ~0.5 s.
+        with torch.device("meta"), no_init_weights():
+            model = _from_config(config, dtype, attn_implementation)
+        model.tie_weights()  # skipped with the initialisation; tied parameters must stay one
+    else:
+        torch.manual_seed(seed)
+        with torch.device(device):
+            model = _from_config(config, dtype, attn_implementation)
+    return model.eval()
+
+
+def _from_config(config: PretrainedConfig, dtype: torch.dtype, attn_implementation: str) -> nn.Module:
+    """``AutoModelForCausalLM.from_config``, falling back to eager attention where sdpa is refused."""
+    try:
+        return AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation=attn_implementation)
+    except ValueError as err:
+        # Gemma2's logit soft-capping has no sdpa kernel; transformers refuses rather than ignore it.
+        if attn_implementation == "eager" or "attention implementation" not in str(err):
+            raise
+        return AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation="eager")

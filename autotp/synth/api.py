@@ -1,0 +1,124 @@
+"""``synthesize`` and ``explain``: the public entry points of plan synthesis."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import networkx as nx
+from torch import nn
+from torch.distributed.tensor.parallel.style import ParallelStyle
+
+from autotp.errors import MeshError
+from autotp.synth.analysis import Flow, analyse
+from autotp.synth.assign import assign_roles, tie_conflicts, tied_embedding_modules as _tied_embeddings
+from autotp.synth.build import build_plan, expand, generalise, style_for
+from autotp.synth.graph import build_graph
+from autotp.synth.roles import Role
+from autotp.synth.sequence import sequence_parallel_roles
+from autotp.synth.trace import LayerGroups, trace
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Analysis:
+    """Everything synthesis found about a model, keyed by traced FQNs."""
+
+    graph: nx.DiGraph
+    flow: Flow
+    roles: dict[str, Role]
+    groups: LayerGroups
+
+
+@dataclass(frozen=True)
+class ExplainRecord:
+    """Why one plan key (or one replicated module) got its style."""
+
+    key: str
+    role: str
+    style: str
+    reason: str
+    evidence: tuple[str, ...]
+
+    def __str__(self) -> str:
+        path = " -> ".join(self.evidence)
+        return f"{self.key}: {self.role} -> {self.style}; {self.reason}" + (f" [{path}]" if path else "")
+
+
+def analyse_model(model: nn.Module, *, example_inputs=None, sequence_parallel: bool = False,
+                  tp_size: int | None = None) -> Analysis:
+    """Trace, build the graph, propagate shards and assign roles (no styles yet)."""
+    program, groups = trace(model, example_inputs)
+    g = build_graph(program)
+    flow, dropped = analyse(g)
+    roles = assign_roles(g, flow, dropped)
+    conflicts = tie_conflicts(g, roles)
+    if conflicts:  # keep tied weights whole on every user, and analyse again without them
+        flow, dropped = analyse(g, conflicts)
+        forced = {m: r for m, r in _tied_embeddings(g, conflicts).items()}
+        roles = assign_roles(g, flow, dropped, forced)
+    if sequence_parallel:
+        roles = sequence_parallel_roles(g, flow, roles)
+    if tp_size is not None:
+        check_divisible(g, flow, roles, tp_size)
+    log.info("synthesis: %d graph nodes, %d roles", g.number_of_nodes(), len(roles))
+    return Analysis(g, flow, roles, groups)
+
+
+def check_divisible(g: nx.DiGraph, flow: Flow, roles: dict[str, Role], tp_size: int) -> None:
+    """Every sharded extent (heads, features, parts) must split evenly over ``tp_size`` ranks.
+
+    Raises:
+        MeshError: naming the module, the extent found and the tp sizes that would work.
+    """
+    from autotp.synth.assign import _owner
+
+    for root in sorted(flow.roots, key=lambda n: g.nodes[n]["order"]):
+        extent = flow.extent.get(root, 0)
+        sizes = roles.get(_owner(g, root)).sizes or () if _owner(g, root) in roles else ()
+        for size in (extent, *sizes):
+            if size and size % tp_size:
+                good = [t for t in range(1, size + 1) if size % t == 0 and t <= 64]
+                raise MeshError(
+                    f"{_owner(g, root)}: its sharded output reaches a dim of size {size} (heads or "
+                    f"features), which tp={tp_size} does not divide; use tp in {tuple(good)}"
+                )
+
+
+def synthesize(model: nn.Module, *, example_inputs=None, sequence_parallel: bool = False,
+               loss_parallel: bool = True, tp_size: int | None = None) -> dict[str, ParallelStyle]:
+    """Write a tensor-parallel plan for ``model`` from its traced graph.
+
+    Keyword Args:
+        example_inputs: a tuple of positional inputs, or a dict of keyword inputs; made from the
+            config (``input_ids`` of shape (2, 11)) for transformers models when omitted.
+        sequence_parallel: keep the residual stream sharded on the sequence between blocks.
+        loss_parallel: leave the head's logits vocab-sharded (``Shard(-1)`` DTensor).
+        tp_size: if given, check that every sharded extent divides evenly.
+
+    Returns:
+        ``{fnmatch key: ParallelStyle}`` for ``parallelize_module``, keys relative to ``model``.
+
+    Example::
+        >>> plan = synthesize(model)  # doctest: +SKIP
+        >>> plan["model.layers.*.self_attn.o_proj"]  # doctest: +SKIP
+        RowwiseParallel(...)
+    """
+    analysis = analyse_model(model, example_inputs=example_inputs, sequence_parallel=sequence_parallel,
+                             tp_size=tp_size)
+    return build_plan(analysis.roles, analysis.groups, loss_parallel=loss_parallel)
+
+
+def explain(model: nn.Module, *, example_inputs=None, sequence_parallel: bool = False,
+            loss_parallel: bool = True, tp_size: int | None = None) -> list[ExplainRecord]:
+    """Per plan key (and per replicated module that was considered): role, style, reason, evidence."""
+    analysis = analyse_model(model, example_inputs=example_inputs, sequence_parallel=sequence_parallel,
+                             tp_size=tp_size)
+    records = generalise(expand(analysis.roles, analysis.groups), analysis.groups)
+    out = []
+    for key, role in records.items():
+        style = style_for(role, loss_parallel=loss_parallel)
+        out.append(ExplainRecord(key, role.kind, repr(style) if style is not None else "replicated",
+                                 role.reason, role.evidence))
+    return out

@@ -1,0 +1,222 @@
+"""Turn a converged :class:`~autotp.synth.analysis.Flow` into one :class:`Role` per module."""
+
+from __future__ import annotations
+
+import networkx as nx
+
+from autotp.synth.analysis import Flow, Shard, is_linear, linear_weight, param_source, tied_params, weight_of
+from autotp.synth.graph import Ref, refs
+from autotp.synth.roles import Role
+
+
+def shard_path(g: nx.DiGraph, flow: Flow, name: str) -> list[str]:
+    """Nodes a shard went through to reach ``name``, from the Linear that started it."""
+    path = [name]
+    value = flow.state.get(name)
+    while isinstance(value, (Shard, tuple)):
+        shard = value if isinstance(value, Shard) else next((v for v in value if v), None)
+        if shard is None or shard.prev is None:
+            break
+        path.append(shard.prev)
+        value = flow.state.get(shard.prev)
+    return path[::-1]
+
+
+def root_path(g: nx.DiGraph, flow: Flow, root: str, ends: set[str]) -> list[str]:
+    """Shortest path of ``root``'s shard from ``root`` to one of ``ends`` (rows or the output)."""
+    def carries(n):
+        value = flow.state.get(n)
+        values = value if isinstance(value, tuple) else (value,)
+        return any(isinstance(v, Shard) and root in v.origins for v in values)
+
+    allowed = {n for n in g.nodes if carries(n)} | set(ends)
+    paths = nx.single_source_shortest_path(g.subgraph(allowed), root)
+    reached = [paths[e] for e in ends if e in paths]
+    return min(reached, key=len) if reached else [root]
+
+
+def _describe(g: nx.DiGraph, path: list[str], end: str) -> tuple[str, ...]:
+    owner = _owner(g, path[0])
+    return (owner, *[g.nodes[n]["op"] for n in path[1:]], end)
+
+
+def _owner(g: nx.DiGraph, name: str) -> str:
+    """Module a Linear/Embedding node belongs to: the module that ran it (export names a tied
+    parameter after one of its users only), or for a grouped matmul the owner of its 3-D weight."""
+    data = g.nodes[name]
+    weight = linear_weight(g, name) if is_linear(g, name) else None
+    if weight is not None and (len(g.nodes[weight]["shape"]) == 3 or not data["module"]):
+        return g.nodes[weight]["param"].rpartition(".")[0]
+    return data["module"]
+
+
+def linear_roles(g: nx.DiGraph, flow: Flow, dropped: dict[str, str]) -> dict[str, Role]:
+    """Roles of every module that runs a Linear: column, packed, row, head or replicate."""
+    roles: dict[str, Role] = {}
+    for row in flow.rows:
+        x = g.nodes[row]["args"][0].name
+        path = _describe(g, shard_path(g, flow, x), _owner(g, row))
+        roles[_owner(g, row)] = Role("row", "contracts over the sharded input features", path)
+    for root in sorted(flow.roots, key=lambda n: g.nodes[n]["order"]):
+        owner = _owner(g, root)
+        if root in flow.heads:
+            path = _describe(g, shard_path(g, flow, flow.heads[root]), "output")
+            roles[owner] = Role("head", "its sharded output features are the model output", path)
+            continue
+        rows = {r for r, origins in flow.rows.items() if root in origins}
+        path = root_path(g, flow, root, rows)
+        evidence = (*_describe(g, path[:-1], _owner(g, path[-1])),)
+        if root in flow.splits:
+            sizes = tuple(e - s for s, e in sorted(set(flow.splits[root])))
+            roles[owner] = Role("packed_column", f"its output is split into parts {sizes}", evidence, sizes=sizes)
+        else:
+            roles[owner] = Role("column", "its output features stay sharded until a row Linear", evidence)
+    for name, reason in dropped.items():
+        roles.setdefault(_owner(g, name), Role("replicate", reason))
+    roles.update(expert_roles(g, flow, dropped, roles))
+    return roles
+
+
+def expert_roles(g: nx.DiGraph, flow: Flow, dropped: dict[str, str], roles: dict[str, Role]) -> dict[str, Role]:
+    """Modules whose 3-D (per-expert) weights are a column/row pair: one ``experts`` role each."""
+    dims: dict[str, dict[str, int]] = {}
+    parts: dict[str, dict[str, int]] = {}
+    evidence: dict[str, tuple] = {}
+    for name in set(flow.rows) | set(flow.roots) | set(dropped):
+        weight = weight_of(g, name)
+        if weight is None or len(g.nodes[weight.node]["shape"]) != 3:
+            continue
+        module, _, pname = g.nodes[weight.node]["param"].rpartition(".")
+        dims.setdefault(module, {})
+        if name in flow.rows:
+            dims[module][pname] = weight.in_dim
+        elif name in flow.roots:
+            dims[module][pname] = weight.out_dim
+            if name in flow.splits:
+                parts.setdefault(module, {})[pname] = len(set(flow.splits[name]))
+        else:
+            dims[module][pname] = -1
+        evidence[module] = evidence.get(module, ()) + roles[module].evidence
+    out = {}
+    for module, by_param in dims.items():
+        if -1 in by_param.values():
+            out[module] = roles[module]
+            continue
+        out[module] = Role("experts", "per-expert column/row pair over the FFN dim", evidence[module],
+                           param_dims=tuple(sorted(by_param.items())),
+                           param_parts=tuple(sorted(parts.get(module, {}).items())))
+    return out
+
+
+# Which weight dim each role shards (None: replicated); tied users must agree for the tie to hold.
+_WEIGHT_DIM = {"column": 0, "packed_column": 0, "head": 0, "vocab_embedding": 0, "row": 1}
+
+
+def tie_conflicts(g: nx.DiGraph, roles: dict[str, Role]) -> dict[str, str]:
+    """Linear nodes whose tied weight another user shards differently: node -> reason."""
+    users: dict[str, list[tuple[str, str]]] = {}
+    for name, data in g.nodes(data=True):
+        if is_linear(g, name) or data["op"] == "embedding":
+            module = _owner(g, name) if data["op"] != "embedding" else None
+            weight = linear_weight(g, name) if module else (
+                param_source(g, data["args"][0].name) if isinstance(data["args"][0], Ref) else None)
+            if weight:
+                users.setdefault(weight, []).append((name, data["module"]))
+    conflicts = {}
+    for weight, nodes in users.items():
+        if len(nodes) < 2:
+            continue
+        dims = {_WEIGHT_DIM.get(roles.get(module, Role("replicate", "")).kind) for _, module in nodes}
+        if len(dims) > 1:
+            names = ", ".join(m for _, m in nodes)
+            for name, _ in nodes:
+                if is_linear(g, name):
+                    conflicts[name] = f"its weight {g.nodes[weight]['param']} is tied ({names}) and the users would shard it differently"
+    return conflicts
+
+
+def reads_model_input(g: nx.DiGraph, name: str) -> bool:
+    """Whether node ``name`` is computed from a model input (token ids, possibly masked or
+    remapped), rather than from shapes alone (positions from ``arange``)."""
+    if g.nodes[name]["kind"] == "input":
+        return True
+    return any(g.nodes[a]["kind"] == "input" for a in nx.ancestors(g, name))
+
+
+def embedding_roles(g: nx.DiGraph, forced: dict[str, str]) -> dict[str, Role]:
+    """Embeddings looked up by a model input are vocab-parallel (``forced``: module -> why not)."""
+    roles = {}
+    for name, data in g.nodes(data=True):
+        if data["op"] != "embedding":
+            continue
+        weight = param_source(g, data["args"][0].name) if isinstance(data["args"][0], Ref) else None
+        if weight is None:
+            continue
+        owner = data["module"]
+        ids = data["args"][1].name
+        if owner in forced:
+            roles[owner] = Role("replicate", forced[owner])
+        elif not reads_model_input(g, ids):
+            roles[owner] = Role("replicate", f"looked up by {ids}, computed in the model (positions), not input ids")
+        else:
+            roles[owner] = Role("vocab_embedding", f"looked up by model input {ids}", (ids, "embedding", owner))
+    return roles
+
+
+def norm_roles(g: nx.DiGraph, flow: Flow, taken: set[str]) -> dict[str, Role]:
+    """Parametrised non-Linear modules that read a shard: head-sharded or width-sharded norms."""
+    roles = {}
+    for name, data in sorted(g.nodes(data=True), key=lambda item: item[1]["order"]):
+        if data["kind"] != "call":
+            continue
+        for ref in refs(data["args"], data["kwargs"]):
+            shard = flow.state.get(ref.name)
+            if not isinstance(shard, Shard):
+                continue
+            for module in data["stack"]:
+                if module in taken or module in roles or module in g.nodes[ref.name]["stack"]:
+                    continue
+                if module not in _owners_of_params(g):
+                    continue
+                dim = shard.dim - len(g.nodes[ref.name]["shape"])
+                path = _describe(g, shard_path(g, flow, ref.name), module)
+                if module in flow.width_norms:
+                    roles[module] = Role("width_norm", "reduces over the sharded width; the statistic is all-reduced",
+                                         path, shard_dim=dim)
+                else:
+                    roles[module] = Role("head_norm", f"reads a tensor sharded on dim {dim} and reduces over other dims",
+                                         path, shard_dim=dim)
+    return roles
+
+
+def _owners_of_params(g: nx.DiGraph) -> set[str]:
+    cached = g.graph.get("_param_owners")
+    if cached is None:
+        cached = {d["param"].rpartition(".")[0] for _, d in g.nodes(data=True) if d["kind"] == "param"}
+        g.graph["_param_owners"] = cached
+    return cached
+
+
+def assign_roles(g: nx.DiGraph, flow: Flow, dropped: dict[str, str],
+                 forced: dict[str, str] | None = None) -> dict[str, Role]:
+    """Every module's role (modules absent from the result run replicated with no style).
+
+    Args:
+        forced: embedding modules that must stay replicated (a tie conflict), with the reason.
+    """
+    roles = linear_roles(g, flow, dropped)
+    roles.update(embedding_roles(g, forced or {}))
+    roles.update(norm_roles(g, flow, set(roles)))
+    return roles
+
+
+def tied_embedding_modules(g: nx.DiGraph, conflicts: dict[str, str]) -> dict[str, str]:
+    """Embedding modules sharing a weight with a conflicting Linear: module -> reason."""
+    weights = {linear_weight(g, n): reason for n, reason in conflicts.items()}
+    out = {}
+    for name, data in g.nodes(data=True):
+        if data["op"] == "embedding" and isinstance(data["args"][0], Ref):
+            weight = param_source(g, data["args"][0].name)
+            if weight in weights:
+                out[data["module"]] = weights[weight]
+    return out

@@ -1,0 +1,120 @@
+"""Roles -> ParallelStyles (one function), and traced FQNs -> plan keys (``layers.*`` patterns)."""
+
+from __future__ import annotations
+
+from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    PrepareModuleInput,
+    PrepareModuleOutput,
+    RowwiseParallel,
+    SequenceParallel,
+)
+from torch.distributed.tensor.parallel.style import ParallelStyle
+
+from autotp import styles
+from autotp.plan import describe_style
+from autotp.synth.roles import Role
+from autotp.synth.trace import LayerGroups
+
+
+def _seq_in(role: Role) -> dict:
+    return {"input_layouts": Shard(1)} if role.seq_input else {}
+
+
+def style_for(role: Role, *, loss_parallel: bool = True) -> ParallelStyle | None:
+    """The ParallelStyle that realises ``role`` (``None``: leave the module replicated).
+
+    Column Linears shard weight rows (Shard(0), as Linear is x @ W^T + b); rows shard weight
+    columns and reduce (all-reduce, or reduce-scatter to Shard(1) when the residual stream is
+    sequence-sharded). The head keeps its vocab-sharded logits as a DTensor for loss parallel.
+    """
+    kind = role.kind
+    if kind == "column":
+        return ColwiseParallel(**_seq_in(role))
+    if kind == "packed_column":
+        return styles.PackedColwiseParallel(sizes=role.sizes, **_seq_in(role))
+    if kind == "row":
+        if role.seq_output:
+            return RowwiseParallel(output_layouts=Shard(1), use_local_output=False)
+        return RowwiseParallel()
+    if kind == "head":
+        if loss_parallel:
+            return ColwiseParallel(**_seq_in(role), output_layouts=Shard(-1), use_local_output=False)
+        return ColwiseParallel(**_seq_in(role), output_layouts=Replicate())
+    if kind == "vocab_embedding":
+        if role.seq_output:
+            return styles.VocabParallelEmbedding(input_layouts=Replicate(), output_layouts=Shard(1),
+                                                 use_local_output=False)
+        return styles.VocabParallelEmbedding(input_layouts=Replicate())
+    if kind == "head_norm":
+        return styles.HeadShardedNorm()
+    if kind == "width_norm":
+        return styles.WidthShardedNorm(shard_dim=role.shard_dim)
+    if kind == "seq_norm":
+        return SequenceParallel()
+    if kind == "seq_norm_gather":
+        return styles.SequenceParallelAllGather()
+    if kind == "experts":
+        return styles.ExpertsParallel(shard_dims=dict(role.param_dims), packed=dict(role.param_parts))
+    if kind == "rotary":
+        return styles.RotaryEmbedParallel()
+    if kind == "replicate":
+        return _replicated_at_sequence_edge(role)
+    raise ValueError(f"unknown role kind {kind!r}")
+
+
+def _replicated_at_sequence_edge(role: Role) -> ParallelStyle | None:
+    """A replicated module at the edge of the sequence-sharded stream converts its layout."""
+    if role.seq_output:
+        return PrepareModuleOutput(output_layouts=Replicate(), desired_output_layouts=Shard(1),
+                                   use_local_output=False)
+    if role.seq_input:
+        return PrepareModuleInput(input_layouts=Shard(1), desired_input_layouts=Replicate(),
+                                  use_local_output=True)
+    return None
+
+
+def expand(traced: dict[str, object], groups: LayerGroups) -> dict[str, object]:
+    """Values keyed by traced FQN -> keyed by every model FQN they stand for."""
+    out = {}
+    for fqn, value in traced.items():
+        for original in groups.original(fqn):
+            out[original] = value
+    return out
+
+
+def generalise(per_module: dict[str, ParallelStyle], groups: LayerGroups) -> dict[str, ParallelStyle]:
+    """Fold per-layer keys into ``prefix.*.rest`` where every layer has the same style.
+
+    >>> from torch.distributed.tensor.parallel import ColwiseParallel
+    >>> g = LayerGroups({"layers": [[0, 1]]})
+    >>> sorted(generalise({"layers.0.q": ColwiseParallel(), "layers.1.q": ColwiseParallel()}, g))
+    ['layers.*.q']
+    """
+    plan: dict[str, ParallelStyle] = {}
+    by_tail: dict[tuple[str, str], dict[int, ParallelStyle]] = {}
+    for fqn, style in per_module.items():
+        prefix = next((p for p in groups.groups if fqn.startswith(p + ".")), None)
+        if prefix is None:
+            plan[fqn] = style
+            continue
+        index, _, tail = fqn[len(prefix) + 1:].partition(".")
+        by_tail.setdefault((prefix, tail), {})[int(index)] = style
+    for (prefix, tail), styles_at in by_tail.items():
+        count = sum(len(g) for g in groups.groups[prefix])
+        described = {repr(describe_style(s)) for s in styles_at.values()}
+        suffix = "." + tail if tail else ""
+        if len(styles_at) == count and len(described) == 1:
+            plan[f"{prefix}.*{suffix}"] = next(iter(styles_at.values()))
+        else:
+            for index in sorted(styles_at):
+                plan[f"{prefix}.{index}{suffix}"] = styles_at[index]
+    return plan
+
+
+def build_plan(roles: dict[str, Role], groups: LayerGroups, *, loss_parallel: bool = True) -> dict[str, ParallelStyle]:
+    """The plan: a style for every role that needs one, with repeated layers folded into ``*``."""
+    traced = {fqn: style_for(role, loss_parallel=loss_parallel) for fqn, role in roles.items()}
+    traced = {fqn: style for fqn, style in traced.items() if style is not None}
+    return generalise(expand(traced, groups), groups)

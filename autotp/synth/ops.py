@@ -1,0 +1,387 @@
+"""How each op moves a sharded dimension: the shard algebra of the analysis, as tables and rules.
+
+A rule gets the node and, for each of its inputs that is sharded, the sharded dimension of that
+input. It returns :class:`Out` (the output is sharded on ``dim``), :class:`Parts` (a tuple output,
+one state per element), ``None`` (the output is a replicated statistic), :class:`Split` (the
+sharded dimension is cut into parts: a fused projection) or :class:`Break` (the op needs the whole
+dimension on one rank).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import networkx as nx
+
+from autotp.synth.graph import Ref
+
+# Ops that return their input's values in the same layout (casts, copies, no-op dropout at trace).
+PASSTHROUGH = frozenset({
+    "to", "_to_copy", "clone", "contiguous", "alias", "detach", "dropout", "lift_fresh_copy", "type_as",
+    "float", "half", "bfloat16", "view_as_real", "view_as_complex", "feature_dropout", "alpha_dropout",
+})
+
+# Pointwise ops: output[i] depends on input[i] only (after broadcasting), so any dim can stay sharded.
+ELEMENTWISE = frozenset({
+    "add", "sub", "mul", "div", "pow", "neg", "exp", "log", "rsqrt", "sqrt", "reciprocal", "abs",
+    "silu", "gelu", "relu", "tanh", "sigmoid", "sin", "cos", "erf", "softplus", "clamp", "clamp_min",
+    "clamp_max", "maximum", "minimum", "where", "masked_fill", "eq", "ne", "lt", "le", "gt", "ge",
+    "logical_and", "logical_or", "logical_not", "__and__", "__or__", "square", "rsub", "mish",
+    "hardtanh", "leaky_relu", "elu", "gelu_tanh", "sign", "floor", "ceil", "round", "fill", "zeros_like",
+    "ones_like", "full_like", "log1p", "expm1", "true_divide", "floor_divide", "fmod", "remainder",
+    "relu6", "hardswish", "hardsigmoid", "selu", "celu", "logit", "sgn", "trunc", "nan_to_num",
+})
+
+# Ops whose output is a new view of the same elements, described by the input and output shapes.
+VIEW_LIKE = frozenset({"view", "reshape", "_unsafe_view", "flatten", "unflatten", "view_as", "reshape_as"})
+
+# Reductions: (position of the dim argument, whether the output keeps the input's shape).
+# A reduction over the sharded dimension needs the whole dimension (a norm statistic, a softmax).
+REDUCTIONS = {
+    "mean": (1, False), "sum": (1, False), "amax": (1, False), "amin": (1, False),
+    "var": (1, False), "std": (1, False), "var_mean": (1, False), "logsumexp": (1, False),
+    "argmax": (1, False), "argmin": (1, False), "max": (1, False), "min": (1, False),
+    "linalg_vector_norm": (2, False), "norm": (2, False), "prod": (1, False), "all": (1, False),
+    "any": (1, False),
+    "softmax": (1, True), "_softmax": (1, True), "log_softmax": (1, True), "_log_softmax": (1, True),
+    "cumsum": (1, True), "cumprod": (1, True),
+}
+
+# Fused norms over the trailing ``len(normalized_shape)`` dims (argument 1); the shape is kept.
+FUSED_NORMS = frozenset({"layer_norm", "rms_norm", "native_layer_norm", "_fused_rms_norm"})
+
+# Attention kernels: batch and head dims are independent; the last two (sequence, head_dim) mix.
+ATTENTION = frozenset({
+    "scaled_dot_product_attention", "_scaled_dot_product_flash_attention",
+    "_scaled_dot_product_efficient_attention", "_scaled_dot_product_flash_attention_for_cpu",
+})
+
+# Batched matmuls: leading (batch) dims are independent, the last two take part in the product.
+MATMULS = frozenset({"matmul", "bmm"})
+
+# Ops that consume a tensor without producing one the analysis follows.
+SINKS = frozenset({"_assert_tensor_metadata", "sym_size", "sym_numel", "_assert_scalar"})
+
+
+@dataclass(frozen=True)
+class Out:
+    """The output is sharded on ``dim``; ``intact`` if that dim is still a whole Linear output."""
+
+    dim: int
+    intact: bool = False
+
+
+@dataclass(frozen=True)
+class Parts:
+    """A tuple output: one ``Out`` (or ``None``) per element."""
+
+    parts: tuple
+
+
+@dataclass(frozen=True)
+class Split:
+    """The sharded dim is cut into pieces ``[start, end)`` (a fused projection's parts)."""
+
+    dim: int
+    ranges: tuple[tuple[int, int], ...]
+    tuple_output: bool
+
+
+@dataclass(frozen=True)
+class Break:
+    """The op needs the whole sharded dimension; ``reason`` says why, for ``explain``."""
+
+    reason: str
+    reduction: bool = False
+
+
+def _arg(g: nx.DiGraph, name: str, index: int, key: str, default=None):
+    data = g.nodes[name]
+    if len(data["args"]) > index:
+        return data["args"][index]
+    return data["kwargs"].get(key, default)
+
+
+def _ndim(g, name):
+    return len(g.nodes[name]["shape"] or ())
+
+
+def _norm(dim: int, ndim: int) -> int:
+    return dim % ndim if ndim else 0
+
+
+def view_dim(in_shape: tuple, out_shape: tuple, dim: int) -> int | None:
+    """Where sharded ``dim`` of ``in_shape`` lands after a view to ``out_shape``; None if interleaved.
+
+    The shard of dim d is a contiguous block of the flattened tensor only when d is the outermost
+    varying dim of its output group: the output dim e that starts where d starts (same product of
+    preceding sizes) and either splits d or merges it with inner dims.
+
+    >>> view_dim((2, 11, 64), (2, 11, 4, 16), 2)
+    2
+    >>> view_dim((2, 4, 11, 16), (2, 44, 16), 1)
+    1
+    >>> view_dim((2, 11, 4, 16), (2, 44, 16), 2) is None
+    True
+    """
+    size, before = in_shape[dim], math.prod(in_shape[:dim])
+    if size == 1:
+        return None
+    for e, out in enumerate(out_shape):
+        if out > 1 and math.prod(out_shape[:e]) == before and (out % size == 0 or size % out == 0):
+            return e
+    return None
+
+
+def _view(g, name, dims, ctx):
+    (src, dim), = dims.items()
+    in_shape, out_shape = g.nodes[src]["shape"], g.nodes[name]["shape"]
+    e = view_dim(in_shape, out_shape, dim)
+    if e is None:
+        return Break(f"{g.nodes[name]['op']} {in_shape} -> {out_shape} interleaves sharded dim {dim}")
+    return Out(e, intact=out_shape[e] == in_shape[dim] and ctx.intact(src))
+
+
+def _passthrough(g, name, dims, ctx):
+    src, dim = next(iter(dims.items()))
+    return Out(dim, intact=ctx.intact(src))
+
+
+def _broadcast_ok(g, name, other, out_dim, out_ndim, ctx) -> bool:
+    """Whether unsharded input ``other`` can meet a tensor sharded on ``out_dim``: it must broadcast
+    there (size 1 or absent), or be a parameter of a module that shards it along with the input."""
+    shape = g.nodes[other]["shape"]
+    if shape is None:
+        return True
+    offset = out_ndim - len(shape)
+    if out_dim < offset or shape[out_dim - offset] == 1:
+        return True
+    return ctx.shards_along(other, name)
+
+
+def _elementwise(g, name, dims, ctx):
+    out_ndim = _ndim(g, name)
+    aligned = {src: out_ndim - _ndim(g, src) + d for src, d in dims.items()}
+    if len(set(aligned.values())) > 1:
+        return Break(f"{g.nodes[name]['op']} combines tensors sharded on different dims {sorted(set(aligned.values()))}")
+    out_dim = next(iter(aligned.values()))
+    data = g.nodes[name]
+    for ref in _tensor_refs(data):
+        if ref.name not in dims and not _broadcast_ok(g, name, ref.name, out_dim, out_ndim, ctx):
+            return Break(f"{data['op']} combines the sharded dim {out_dim} with the full-size tensor "
+                         f"{ref.name} {g.nodes[ref.name]['shape']}")
+    intact = all(ctx.intact(src) for src in dims) and g.nodes[name]["shape"][out_dim] == g.nodes[next(iter(dims))]["shape"][dims[next(iter(dims))]]
+    return Out(out_dim, intact=intact)
+
+
+def _tensor_refs(data):
+    found = []
+    for value in list(data["args"]) + list(data["kwargs"].values()):
+        if isinstance(value, Ref):
+            found.append(value)
+    return found
+
+
+def _reduction(g, name, dims, ctx):
+    src, dim = next(iter(dims.items()))
+    op = g.nodes[name]["op"]
+    position, keeps_shape = REDUCTIONS[op]
+    ndim = _ndim(g, src)
+    reduced = _arg(g, name, position, "dim")
+    if reduced is None or (isinstance(reduced, (list, tuple)) and len(reduced) == 0):
+        reduced = list(range(ndim))
+    reduced = {_norm(r, ndim) for r in (reduced if isinstance(reduced, (list, tuple)) else [reduced])}
+    if dim in reduced:
+        return Break(f"{op} reduces over the sharded dim {dim}", reduction=True)
+    if keeps_shape or _ndim(g, name) == ndim:
+        return Out(dim)
+    return Out(dim - sum(1 for r in reduced if r < dim))
+
+
+def _fused_norm(g, name, dims, ctx):
+    src, dim = next(iter(dims.items()))
+    normalized = _arg(g, name, 1, "normalized_shape")
+    ndim = _ndim(g, src)
+    if dim >= ndim - len(normalized):
+        return Break(f"{g.nodes[name]['op']} normalises over the sharded dim {dim}", reduction=True)
+    return Out(dim)
+
+
+def _transpose(g, name, dims, ctx):
+    (src, dim), = dims.items()
+    ndim = _ndim(g, src)
+    a, b = (_norm(x, ndim) for x in g.nodes[name]["args"][1:3]) if len(g.nodes[name]["args"]) > 2 else (0, 1)
+    return Out(b if dim == a else a if dim == b else dim)
+
+
+def _permute(g, name, dims, ctx):
+    (src, dim), = dims.items()
+    order = [_norm(d, _ndim(g, src)) for d in g.nodes[name]["args"][1]]
+    return Out(order.index(dim))
+
+
+def _unsqueeze(g, name, dims, ctx):
+    (src, dim), = dims.items()
+    at = _norm(g.nodes[name]["args"][1], _ndim(g, name))
+    return Out(dim + 1 if at <= dim else dim, intact=ctx.intact(src))
+
+
+def _squeeze(g, name, dims, ctx):
+    (src, dim), = dims.items()
+    in_shape, ndim = g.nodes[src]["shape"], _ndim(g, src)
+    args = g.nodes[name]["args"]
+    squeezed = args[1] if len(args) > 1 else list(range(ndim))
+    squeezed = [_norm(d, ndim) for d in (squeezed if isinstance(squeezed, (list, tuple)) else [squeezed])]
+    return Out(dim - sum(1 for d in squeezed if d < dim and in_shape[d] == 1), intact=ctx.intact(src))
+
+
+def _expand(g, name, dims, ctx):
+    (src, dim), = dims.items()
+    return Out(dim + _ndim(g, name) - _ndim(g, src), intact=ctx.intact(src))
+
+
+def _repeat(g, name, dims, ctx):
+    (src, dim), = dims.items()
+    counts = g.nodes[name]["args"][1]
+    out_dim = dim + len(counts) - _ndim(g, src)
+    if counts[out_dim] != 1:
+        return Break(f"repeat copies the sharded dim {dim}")
+    return Out(out_dim)
+
+
+def _select(g, name, dims, ctx):
+    (src, dim), = dims.items()
+    at = _norm(g.nodes[name]["args"][1], _ndim(g, src))
+    if at == dim:
+        return Break(f"select picks one index of the sharded dim {dim}")
+    return Out(dim - 1 if at < dim else dim)
+
+
+def _slice(g, name, dims, ctx):
+    (src, dim), = dims.items()
+    args = g.nodes[name]["args"]
+    at = _norm(args[1] if len(args) > 1 else 0, _ndim(g, src))
+    if at != dim:
+        return Out(dim)
+    size = g.nodes[src]["shape"][dim]
+    start = args[2] if len(args) > 2 and args[2] is not None else 0
+    end = min(args[3] if len(args) > 3 and args[3] is not None else size, size)
+    step = args[4] if len(args) > 4 else 1
+    if step != 1 or not ctx.intact(src):
+        return Break(f"slice of the sharded dim {dim} [{start}:{end}:{step}]")
+    return Split(dim, ((_norm(start, size) if start < 0 else start, end),), tuple_output=False)
+
+
+def _split_parts(g, name, dims, ctx, sizes, at):
+    (src, dim), = dims.items()
+    at = _norm(at, _ndim(g, src))
+    if at != dim:
+        return Parts(tuple(Out(dim) for _ in sizes))
+    if not ctx.intact(src):
+        return Break(f"split of the sharded dim {dim} into {list(sizes)}")
+    starts = [sum(sizes[:i]) for i in range(len(sizes))]
+    return Split(dim, tuple((s, s + n) for s, n in zip(starts, sizes)), tuple_output=True)
+
+
+def _split(g, name, dims, ctx):
+    (src, dim), = dims.items()
+    args = g.nodes[name]["args"]
+    at = args[2] if len(args) > 2 else g.nodes[name]["kwargs"].get("dim", 0)
+    size = g.nodes[src]["shape"][_norm(at, _ndim(g, src))]
+    sizes = args[1]
+    if not isinstance(sizes, (list, tuple)):
+        sizes = [min(sizes, size - i) for i in range(0, size, sizes)]
+    return _split_parts(g, name, dims, ctx, list(sizes), at)
+
+
+def _chunk(g, name, dims, ctx):
+    (src, dim), = dims.items()
+    args = g.nodes[name]["args"]
+    at = args[2] if len(args) > 2 else 0
+    size = g.nodes[src]["shape"][_norm(at, _ndim(g, src))]
+    step = -(-size // args[1])
+    return _split_parts(g, name, dims, ctx, [min(step, size - i) for i in range(0, size, step)], at)
+
+
+def _cat(g, name, dims, ctx):
+    data = g.nodes[name]
+    tensors = data["args"][0]
+    ndim = _ndim(g, name)
+    at = _norm(data["args"][1] if len(data["args"]) > 1 else 0, ndim)
+    if len(set(dims.values())) > 1:
+        return Break("cat of tensors sharded on different dims")
+    dim = next(iter(dims.values()))
+    if at == dim:
+        return Break(f"cat along the sharded dim {dim}")
+    if any(ref.name not in dims for ref in tensors if isinstance(ref, Ref)):
+        return Break(f"cat joins sharded and replicated tensors along dim {at}")
+    return Out(dim)
+
+
+def _stack(g, name, dims, ctx):
+    data = g.nodes[name]
+    at = _norm(data["args"][1] if len(data["args"]) > 1 else 0, _ndim(g, name))
+    if len(set(dims.values())) > 1 or any(r.name not in dims for r in data["args"][0] if isinstance(r, Ref)):
+        return Break("stack of tensors sharded on different dims, or of sharded and replicated ones")
+    dim = next(iter(dims.values()))
+    return Out(dim + 1 if at <= dim else dim)
+
+
+def _attention(g, name, dims, ctx):
+    q, k, v = (g.nodes[name]["args"][i] for i in range(3))
+    ndim = _ndim(g, name)
+    states = [dims.get(ref.name) for ref in (q, k, v)]
+    if None in states or len(set(states)) > 1:
+        return Break("attention mixes sharded and replicated query/key/value")
+    dim = states[0]
+    if dim >= ndim - 2:
+        return Break(f"attention contracts over the sharded dim {dim}")
+    mask = _arg(g, name, 3, "attn_mask")
+    if isinstance(mask, Ref) and mask.name in dims:
+        return Break("attention mask is sharded")
+    return Out(dim)
+
+
+def _matmul(g, name, dims, ctx):
+    a, b = g.nodes[name]["args"][:2]
+    out_ndim = _ndim(g, name)
+    aligned = {}
+    for ref in (a, b):
+        if ref.name in dims:
+            aligned[ref.name] = out_ndim - _ndim(g, ref.name) + dims[ref.name]
+            if dims[ref.name] >= _ndim(g, ref.name) - 2:
+                return Break(f"matmul over the sharded dim {dims[ref.name]}")
+    if len(set(aligned.values())) > 1:
+        return Break("matmul of tensors sharded on different dims")
+    out_dim = next(iter(aligned.values()))
+    for ref in (a, b):
+        if ref.name not in dims and not _broadcast_ok(g, name, ref.name, out_dim, out_ndim, ctx):
+            return Break("matmul of a sharded batch dim with a replicated one")
+    return Out(out_dim)
+
+
+RULES = {
+    **{op: _passthrough for op in PASSTHROUGH},
+    **{op: _elementwise for op in ELEMENTWISE},
+    **{op: _view for op in VIEW_LIKE},
+    **{op: _reduction for op in REDUCTIONS},
+    **{op: _fused_norm for op in FUSED_NORMS},
+    **{op: _attention for op in ATTENTION},
+    **{op: _matmul for op in MATMULS},
+    "transpose": _transpose, "t": _transpose, "permute": _permute, "unsqueeze": _unsqueeze,
+    "squeeze": _squeeze, "expand": _expand, "repeat": _repeat, "select": _select, "slice": _slice,
+    "split": _split, "split_with_sizes": _split, "chunk": _chunk,
+    "cat": _cat, "stack": _stack,
+}
+
+
+def apply_rule(g: nx.DiGraph, name: str, dims: dict[str, int], ctx):
+    """The effect of node ``name`` on the sharded inputs ``dims`` (see the module docstring)."""
+    op = g.nodes[name]["op"]
+    if op in SINKS:
+        return None
+    rule = RULES.get(op)
+    if rule is None:
+        return Break(f"{op} is not known to keep a sharded dim")
+    return rule(g, name, dims, ctx)

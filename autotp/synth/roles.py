@@ -1,0 +1,48 @@
+"""What analysis decides about a module: its :class:`Role`, with the reason and the graph evidence."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+# Role kinds and what each means; ``build.style_for`` turns them into ParallelStyles.
+ROLE_KINDS = {
+    "column": "Linear whose output features are sharded; consumers keep the shard until a row",
+    "packed_column": "column Linear whose output is split into parts (fused qkv / gate_up)",
+    "row": "Linear contracting over a sharded dim; partial sums are reduced after it",
+    "head": "column Linear whose sharded output is the model output (vocab-sharded logits)",
+    "vocab_embedding": "Embedding looked up by input ids, sharded over the vocabulary",
+    "head_norm": "norm on a head-sharded tensor, reducing over unsharded dims only",
+    "width_norm": "norm reducing over a sharded width; its statistic is all-reduced",
+    "seq_norm": "sequence-parallel norm on the residual stream (output stays sequence-sharded)",
+    "seq_norm_gather": "sequence-parallel norm whose output is all-gathered once for column Linears",
+    "experts": "grouped experts (3-D parameters) sharded on the FFN dim; output all-reduced after the module",
+    "rotary": "parameter-free module producing position tables for the sharded region",
+    "replicate": "kept whole on every rank",
+}
+
+
+@dataclass(frozen=True)
+class Role:
+    """One module's role in the plan.
+
+    Attributes:
+        kind: a key of :data:`ROLE_KINDS`.
+        reason: why, in words (what ``explain`` prints).
+        evidence: the graph path that decided it (producer -> ops -> consumer).
+        sizes: part widths of a ``packed_column``.
+        shard_dim: the sharded input dim of a norm (negative, from the end).
+        seq_input: under sequence parallel, the input arrives sharded on the sequence.
+        seq_output: under sequence parallel, the output leaves sharded on the sequence.
+        param_dims: of ``experts``, (parameter name, sharded dim) pairs.
+        param_parts: of ``experts``, (parameter name, number of fused parts) pairs.
+    """
+
+    kind: str
+    reason: str
+    evidence: tuple[str, ...] = ()
+    sizes: tuple[int, ...] | None = None
+    shard_dim: int | None = None
+    seq_input: bool = False
+    seq_output: bool = False
+    param_dims: tuple[tuple[str, int], ...] = ()
+    param_parts: tuple[tuple[str, int], ...] = ()

@@ -1,0 +1,150 @@
+"""Sequence parallel: which modules see the residual stream sharded on the sequence dim.
+
+Between blocks the residual stream is replicated under plain TP; under sequence parallel it stays a
+DTensor sharded on dim 1. It starts at the embeddings and at every row Linear (which reduce-scatter
+instead of all-reduce) and flows through pointwise ops and norms until a Linear reads it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import networkx as nx
+
+from autotp.synth.analysis import Flow, Shard, is_linear, linear_weight
+from autotp.synth.assign import reads_model_input
+from autotp.synth.graph import refs
+from autotp.synth.ops import PASSTHROUGH
+from autotp.synth.roles import Role
+
+# Linear roles that take a replicated input and can share one all-gather before them.
+_GATHERING = frozenset({"column", "packed_column"})
+# Hops from a parameter-free module's output to a sharded op for it to count as a position table.
+_ROTARY_HOPS = 4
+
+
+def residual_region(g: nx.DiGraph, flow: Flow) -> set[str]:
+    """Nodes carrying the sequence-sharded residual stream: reachable from embeddings and rows."""
+    starts = [n for n, d in g.nodes(data=True) if n in flow.rows or (
+        d["op"] == "embedding" and reads_model_input(g, d["args"][1].name))]
+    region, todo = set(starts), list(starts)
+    while todo:
+        for succ in g.successors(todo.pop()):
+            data = g.nodes[succ]
+            if succ in region or data["kind"] != "call" or is_linear(g, succ):
+                continue
+            if isinstance(flow.state.get(succ), (Shard, tuple)):
+                continue
+            region.add(succ)
+            todo.append(succ)
+    return region
+
+
+def _input_alias(g: nx.DiGraph, name: str, module: str) -> bool:
+    """Whether ``name`` is only a cast/copy of a value from outside ``module`` (``x.to(float32)``
+    on a float32 ``x`` returns ``x`` itself, so the caller may keep using it)."""
+    while g.nodes[name]["op"] in PASSTHROUGH:
+        inputs = [r.name for r in refs(g.nodes[name]["args"])]
+        if not inputs:
+            return False
+        name = inputs[0]
+        if module not in g.nodes[name]["stack"]:
+            return True
+    return False
+
+
+def _module_outputs(g: nx.DiGraph, module: str) -> tuple[list[str], list[str]]:
+    """Nodes of ``module`` read from outside it, and those outside readers."""
+    outputs, readers = [], []
+    for name, data in g.nodes(data=True):
+        if module not in data["stack"] or _input_alias(g, name, module):
+            continue
+        outside = [s for s in g.successors(name) if module not in g.nodes[s]["stack"]]
+        if outside:
+            outputs.append(name)
+            readers.extend(outside)
+    return outputs, readers
+
+
+def _owner(g, name):
+    from autotp.synth.assign import _owner as owner
+
+    return owner(g, name)
+
+
+def sequence_norms(g: nx.DiGraph, region: set[str], roles: dict[str, Role]) -> dict[str, Role]:
+    """Parametrised modules on the residual stream (norms): gather ones feed only column Linears."""
+    owners = {d["param"].rpartition(".")[0] for _, d in g.nodes(data=True) if d["kind"] == "param"}
+    found = {}
+    for name in sorted(region, key=lambda n: g.nodes[n]["order"]):
+        for module in g.nodes[name]["stack"]:
+            if module not in owners or module in roles or module in found:
+                continue
+            _, readers = _module_outputs(g, module)
+            consumers = {roles.get(_owner(g, r), Role("replicate", "")).kind if is_linear(g, r)
+                         else "other" for r in readers}
+            readers_text = ", ".join(sorted({_owner(g, r) for r in readers}))
+            if consumers and consumers <= _GATHERING:
+                found[module] = Role("seq_norm_gather", "norm on the sequence-sharded residual stream, read only "
+                                     "by column Linears: all-gathered once", ("residual", module, readers_text))
+            else:
+                found[module] = Role("seq_norm", "norm on the sequence-sharded residual stream; its output "
+                                     "stays sharded", ("residual", module, readers_text))
+    return found
+
+
+def rotary_modules(g: nx.DiGraph, flow: Flow, roles: dict[str, Role]) -> dict[str, Role]:
+    """Parameter-free modules with buffers whose outputs soon meet a sharded tensor (cos/sin tables)."""
+    buffer_owners = {d["param"].rpartition(".")[0] for _, d in g.nodes(data=True) if d["kind"] == "buffer"}
+    param_owners = {d["param"].rpartition(".")[0] for _, d in g.nodes(data=True) if d["kind"] == "param"}
+    found = {}
+    for module in sorted(buffer_owners - param_owners - set(roles)):
+        if not module:
+            continue
+        outputs, _ = _module_outputs(g, module)
+        if _meets_shard(g, flow, outputs, module):
+            found[module] = Role("rotary", "computes position tables that the sharded attention reads; "
+                                 "its output must be whole and local", (module, "attention"))
+    return found
+
+
+def _meets_shard(g, flow, starts, module) -> bool:
+    frontier = set(starts)
+    for _ in range(_ROTARY_HOPS):
+        nxt = set()
+        for name in frontier:
+            for succ in g.successors(name):
+                if module in g.nodes[succ]["stack"]:
+                    continue
+                if any(isinstance(flow.state.get(r.name), Shard) for r in refs(g.nodes[succ]["args"])):
+                    return True
+                nxt.add(succ)
+        frontier = nxt
+    return False
+
+
+def sequence_parallel_roles(g: nx.DiGraph, flow: Flow, roles: dict[str, Role]) -> dict[str, Role]:
+    """Roles under sequence parallel: add seq norms and rotary, and mark sequence-sharded ends."""
+    region = residual_region(g, flow)
+    out = dict(roles)
+    out.update(sequence_norms(g, region, roles))
+    out.update(rotary_modules(g, flow, out))
+    gathered = {m for m, r in out.items() if r.kind == "seq_norm_gather"}
+    for name, data in g.nodes(data=True):
+        linear = data["kind"] == "call" and is_linear(g, name)
+        owner = _owner(g, name) if linear or data["op"] == "embedding" else None
+        role = out.get(owner)
+        if data["op"] == "embedding":
+            # Token embeddings start the (batch, seq, dim) residual stream; position tables do not.
+            if role is not None and reads_model_input(g, data["args"][1].name):
+                out[owner] = replace(role, seq_output=True)
+            continue
+        if role is None:
+            continue
+        elif linear and role.kind == "row":
+            out[owner] = replace(role, seq_output=True)
+        elif linear and data["args"][0].name in region:
+            src_stack = g.nodes[data["args"][0].name]["stack"]
+            if not gathered & set(src_stack):
+                out[owner] = replace(role, seq_input=True)
+    return out

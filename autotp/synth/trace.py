@@ -1,0 +1,178 @@
+"""Trace a model once per distinct block type with ``torch.export`` (non-strict, default IR).
+
+Repeated blocks (the entries of an ``nn.ModuleList``) are grouped by structure: class plus parameter
+and buffer shapes. Only one representative per group is traced, so tracing cost does not grow with
+depth; :class:`LayerGroups` maps the traced FQNs back to every layer they stand for.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from autotp.errors import TraceError
+
+EXAMPLE_BATCH = 2
+# An odd length, so that no sequence dimension coincides with a head or hidden size in the traces.
+EXAMPLE_SEQ = 11
+
+
+@dataclass
+class LayerGroups:
+    """For each collapsed ``ModuleList`` FQN, the original indices each traced entry stands for."""
+
+    groups: dict[str, list[list[int]]] = field(default_factory=dict)
+
+    def original(self, fqn: str) -> list[str]:
+        """Original FQNs that traced module ``fqn`` stands for (itself if it is not in a block).
+
+        >>> LayerGroups({"layers": [[0, 2], [1]]}).original("layers.0.attn")
+        ['layers.0.attn', 'layers.2.attn']
+        """
+        for prefix, groups in self.groups.items():
+            head = prefix + "."
+            if fqn.startswith(head):
+                index, _, rest = fqn[len(head):].partition(".")
+                if index.isdigit():
+                    tail = "." + rest if rest else ""
+                    return [f"{head}{i}{tail}" for i in groups[int(index)]]
+        return [fqn]
+
+
+def block_signature(module: nn.Module) -> tuple:
+    """What makes two blocks interchangeable for planning: class and every parameter/buffer shape."""
+    params = tuple((n, tuple(p.shape)) for n, p in module.named_parameters())
+    buffers = tuple((n, tuple(b.shape)) for n, b in module.named_buffers())
+    modules = tuple((n, type(m).__name__) for n, m in module.named_modules())
+    return (type(module).__name__, params, buffers, modules)
+
+
+def repeated_lists(model: nn.Module) -> dict[str, nn.ModuleList]:
+    """Outermost ``ModuleList``s with more than one entry (decoder layers), by FQN."""
+    found: dict[str, nn.ModuleList] = {}
+    for name, module in model.named_modules():
+        if isinstance(module, nn.ModuleList) and len(module) > 1:
+            if not any(name.startswith(outer + ".") for outer in found):
+                found[name] = module
+    return found
+
+
+def group_entries(entries: nn.ModuleList) -> list[list[int]]:
+    """Indices of structurally identical entries, groups in order of first appearance."""
+    groups: dict[tuple, list[int]] = {}
+    for index, entry in enumerate(entries):
+        groups.setdefault(block_signature(entry), []).append(index)
+    return list(groups.values())
+
+
+def _per_layer_config_lists(model: nn.Module, length: int) -> list[tuple[object, str, list]]:
+    """Config lists with one entry per layer (``layer_types``), which must shrink with the layers."""
+    found = []
+    for module in model.modules():
+        config = getattr(module, "config", None)
+        if config is None or not hasattr(config, "__dict__"):
+            continue
+        for key, value in vars(config).items():
+            if isinstance(value, list) and len(value) == length:
+                found.append((config, key, value))
+    return found
+
+
+@contextlib.contextmanager
+def collapsed(model: nn.Module):
+    """Temporarily keep one entry per structural group in every repeated ``ModuleList``.
+
+    Yields:
+        :class:`LayerGroups` for the FQNs of the collapsed model.
+    """
+    layer_groups, restore = LayerGroups(), []
+    try:
+        for name, entries in repeated_lists(model).items():
+            groups = group_entries(entries)
+            if len(groups) == len(entries):
+                continue
+            keep = [g[0] for g in groups]
+            parent_name, _, attr = name.rpartition(".")
+            parent = model.get_submodule(parent_name)
+            setattr(parent, attr, nn.ModuleList([entries[i] for i in keep]))
+            restore.append(lambda p=parent, a=attr, e=entries: setattr(p, a, e))
+            for config, key, value in _per_layer_config_lists(model, len(entries)):
+                setattr(config, key, [value[i] for i in keep])
+                restore.append(lambda c=config, k=key, v=value: setattr(c, k, v))
+            layer_groups.groups[name] = groups
+        yield layer_groups
+    finally:
+        for undo in reversed(restore):
+            undo()
+
+
+def _device(model: nn.Module) -> torch.device:
+    for p in model.parameters():
+        return p.device
+    return torch.device("cpu")
+
+
+def hf_example_inputs(model: nn.Module) -> tuple[tuple, dict] | None:
+    """``input_ids`` of shape (2, 11) for a transformers model (one with a ``config``), else None."""
+    config = getattr(model, "config", None)
+    if config is None:
+        return None
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    vocab = getattr(text, "vocab_size", None)
+    if vocab is None:
+        return None
+    ids = torch.randint(0, vocab, (EXAMPLE_BATCH, EXAMPLE_SEQ), device=_device(model))
+    return (), {"input_ids": ids, "use_cache": False}
+
+
+def _split_inputs(example_inputs) -> tuple[tuple, dict]:
+    if isinstance(example_inputs, dict):
+        return (), dict(example_inputs)
+    if isinstance(example_inputs, torch.Tensor):
+        return (example_inputs,), {}
+    return tuple(example_inputs), {}
+
+
+def export_model(model: nn.Module, example_inputs=None) -> torch.export.ExportedProgram:
+    """``torch.export.export(strict=False)`` with good errors; inputs from the config if not given.
+
+    Raises:
+        TraceError: no inputs could be made, or export failed.
+    """
+    if example_inputs is None:
+        made = hf_example_inputs(model)
+        if made is None:
+            raise TraceError(
+                f"{type(model).__name__}: no example inputs given and the model has no transformers "
+                "config to make input_ids from. Pass example_inputs=(tensor, ...) or a kwargs dict."
+            )
+        args, kwargs = made
+    else:
+        args, kwargs = _split_inputs(example_inputs)
+    try:
+        with torch.no_grad():
+            return torch.export.export(model, args, kwargs, strict=False)
+    except Exception as error:  # export raises many unrelated types; all mean "cannot trace"
+        raise TraceError(
+            f"{type(model).__name__}: torch.export.export(strict=False) failed: "
+            f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}. "
+            "Pass example_inputs that the forward accepts, or write the plan by hand."
+        ) from error
+
+
+def trace(model: nn.Module, example_inputs=None) -> tuple[torch.export.ExportedProgram, LayerGroups]:
+    """Export ``model`` with repeated blocks collapsed; retry uncollapsed if the forward needs them all.
+
+    Returns:
+        The exported program and the :class:`LayerGroups` mapping traced FQNs to the model's.
+    """
+    try:
+        with collapsed(model) as groups:
+            return export_model(model, example_inputs), groups
+    except TraceError:
+        if not repeated_lists(model):
+            raise
+    return export_model(model, example_inputs), LayerGroups()

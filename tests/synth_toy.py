@@ -1,0 +1,122 @@
+"""Non-transformers models for synthesis tests: nanoGPT-style, torchtitan-style, parallel block."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+DIM, HEADS, KV_HEADS, VOCAB, SEQ = 64, 4, 2, 256, 11
+
+
+class TwoLinear(nn.Module):
+    """The smallest column/row pair: up -> gelu -> down."""
+
+    def __init__(self):
+        super().__init__()
+        self.up = nn.Linear(DIM, 4 * DIM)
+        self.down = nn.Linear(4 * DIM, DIM)
+
+    def forward(self, x):
+        return self.down(F.gelu(self.up(x)))
+
+
+class GPTBlock(nn.Module):
+    """nanoGPT block: fused ``c_attn`` split into q, k, v; LayerNorms with bias."""
+
+    def __init__(self):
+        super().__init__()
+        self.ln_1, self.ln_2 = nn.LayerNorm(DIM), nn.LayerNorm(DIM)
+        self.c_attn, self.c_proj = nn.Linear(DIM, 3 * DIM), nn.Linear(DIM, DIM)
+        self.c_fc, self.mlp_proj = nn.Linear(DIM, 4 * DIM), nn.Linear(4 * DIM, DIM)
+
+    def forward(self, x):
+        b, t, c = x.shape
+        q, k, v = self.c_attn(self.ln_1(x)).split(DIM, dim=2)
+        q, k, v = (z.view(b, t, HEADS, c // HEADS).transpose(1, 2) for z in (q, k, v))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        x = x + self.c_proj(y.transpose(1, 2).contiguous().view(b, t, c))
+        return x + self.mlp_proj(F.gelu(self.c_fc(self.ln_2(x))))
+
+
+class NanoGPT(nn.Module):
+    """nanoGPT: token + position embeddings, blocks, final LayerNorm, head tied to ``wte``."""
+
+    def __init__(self, layers: int = 2):
+        super().__init__()
+        self.wte, self.wpe = nn.Embedding(VOCAB, DIM), nn.Embedding(64, DIM)
+        self.h = nn.ModuleList(GPTBlock() for _ in range(layers))
+        self.ln_f = nn.LayerNorm(DIM)
+        self.lm_head = nn.Linear(DIM, VOCAB, bias=False)
+        self.lm_head.weight = self.wte.weight
+
+    def forward(self, idx):
+        pos = torch.arange(idx.shape[1], device=idx.device)
+        x = self.wte(idx) + self.wpe(pos)
+        for block in self.h:
+            x = block(x)
+        return self.lm_head(self.ln_f(x))
+
+
+class TitanAttention(nn.Module):
+    """torchtitan Llama attention: wq/wk/wv/wo, GQA by ``repeat_interleave``-free expand."""
+
+    def __init__(self):
+        super().__init__()
+        hd = DIM // HEADS
+        self.wq, self.wo = nn.Linear(DIM, DIM, bias=False), nn.Linear(DIM, DIM, bias=False)
+        self.wk, self.wv = nn.Linear(DIM, KV_HEADS * hd, bias=False), nn.Linear(DIM, KV_HEADS * hd, bias=False)
+
+    def forward(self, x):
+        b, t, _ = x.shape
+        q = self.wq(x).view(b, t, -1, DIM // HEADS).transpose(1, 2)
+        k = self.wk(x).view(b, t, -1, DIM // HEADS).transpose(1, 2)
+        v = self.wv(x).view(b, t, -1, DIM // HEADS).transpose(1, 2)
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+        return self.wo(y.transpose(1, 2).reshape(b, t, -1))
+
+
+class TitanFeedForward(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.w1, self.w3 = nn.Linear(DIM, 2 * DIM, bias=False), nn.Linear(DIM, 2 * DIM, bias=False)
+        self.w2 = nn.Linear(2 * DIM, DIM, bias=False)
+
+    def forward(self, x):
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+
+class TitanBlock(nn.Module):
+    def __init__(self, parallel: bool = False):
+        super().__init__()
+        self.parallel = parallel
+        self.attention_norm, self.ffn_norm = nn.RMSNorm(DIM), nn.RMSNorm(DIM)
+        self.attention, self.feed_forward = TitanAttention(), TitanFeedForward()
+
+    def forward(self, x):
+        if self.parallel:  # GPT-J / PaLM: attention and MLP read the same normed input
+            h = self.attention_norm(x)
+            return x + self.attention(h) + self.feed_forward(h)
+        x = x + self.attention(self.attention_norm(x))
+        return x + self.feed_forward(self.ffn_norm(x))
+
+
+class TitanLlama(nn.Module):
+    """torchtitan-style Llama (``tok_embeddings``, ``layers``, ``norm``, ``output``)."""
+
+    def __init__(self, layers: int = 2, parallel: bool = False):
+        super().__init__()
+        self.tok_embeddings = nn.Embedding(VOCAB, DIM)
+        self.layers = nn.ModuleList(TitanBlock(parallel) for _ in range(layers))
+        self.norm = nn.RMSNorm(DIM)
+        self.output = nn.Linear(DIM, VOCAB, bias=False)
+
+    def forward(self, tokens):
+        h = self.tok_embeddings(tokens)
+        for layer in self.layers:
+            h = layer(h)
+        return self.output(self.norm(h))
+
+
+def example_tokens() -> torch.Tensor:
+    return torch.randint(0, VOCAB, (2, SEQ))

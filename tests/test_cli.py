@@ -1,0 +1,216 @@
+"""The ``autotp`` command line (autotp.cli), driven through ``main([...])`` and once as a script."""
+
+import doctest
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor.parallel import ColwiseParallel, PrepareModuleInput, SequenceParallel
+
+from autotp import cli
+from autotp.cli import main, plan_rows
+
+
+def _has(module: str, attr: str) -> bool:
+    try:
+        return importlib.util.find_spec(module) is not None and hasattr(importlib.import_module(module), attr)
+    except ImportError:
+        return False
+
+
+needs_selection = pytest.mark.skipif(not _has("autotp.selection", "get_plan"), reason="autotp.selection not there yet")
+needs_synth = pytest.mark.skipif(not _has("autotp.synth", "synthesize"), reason="autotp.synth not there yet")
+
+
+def test_plan_prints_table_and_per_rank_memory(capsys):
+    assert main(["plan", "llama", "--source", "handwritten"]) == 0
+    out = capsys.readouterr().out
+    assert "LlamaForCausalLM (8.03B parameters, config of meta-llama/Llama-3.1-8B)" in out
+    assert "plan source: handwritten, tp=8" in out
+    assert "model.layers.*.self_attn.o_proj | RowwiseParallel" in out
+    assert "parameters per rank at tp=8 (bfloat16): 1.87 GiB of 14.96 GiB (12.5%)" in out
+
+
+def test_plan_json_reports_plan_and_memory(capsys):
+    assert main(["plan", "llama", "--source", "handwritten", "--tp", "4", "--dtype", "float32", "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["source"] == "handwritten" and report["tp"] == 4
+    assert report["plan"]["lm_head"]["style"] == "ColwiseParallel"
+    memory = report["memory"]
+    assert memory["total_bytes"] == 8_030_261_248 * 4
+    assert memory["total_bytes"] / 4 < memory["per_rank_bytes"] < memory["total_bytes"] / 4 * 1.01
+
+
+def test_plan_sp_variant_shows_sequence_parallel_norms(capsys):
+    assert main(["plan", "llama", "--source", "handwritten", "--sp"]) == 0
+    out = capsys.readouterr().out
+    assert "sequence parallel: on" in out
+    assert "SequenceParallel" in out
+
+
+def test_plan_check_passes_when_tp_divides(capsys):
+    assert main(["plan", "llama", "--source", "handwritten", "--check"]) == 0
+    assert "check: tp=8 divides" in capsys.readouterr().out
+
+
+def test_plan_check_fails_with_message_when_heads_do_not_divide(capsys):
+    """Qwen2.5-7B has 28 query heads: tp=8 cannot split them."""
+    assert main(["plan", "qwen2", "--source", "handwritten", "--check"]) == 2
+    captured = capsys.readouterr()
+    assert captured.err.startswith("autotp: error: Qwen2ForCausalLM: num_attention_heads=28")
+    assert "use tp in [1, 2, 4]" in captured.err
+    assert "Traceback" not in captured.err
+
+
+def test_plan_without_check_only_warns_about_indivisible_heads(capsys):
+    assert main(["plan", "qwen2", "--source", "handwritten"]) == 0
+    captured = capsys.readouterr()
+    assert captured.err.startswith("autotp: warning: Qwen2ForCausalLM: num_attention_heads=28")
+    assert "parameters per rank at tp=8" in captured.out
+
+
+def test_unknown_model_exits_2_naming_the_builtins(capsys):
+    assert main(["plan", "no-such-model"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("autotp: error: unknown model 'no-such-model'")
+    assert "llama-70b" in err
+
+
+def test_source_without_a_plan_exits_2(capsys):
+    assert main(["plan", "qwen3-moe", "--source", "handwritten"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("autotp: error: no handwritten plan for") and "Qwen3MoeForCausalLM" in err
+
+
+def test_bad_arguments_exit_2_via_argparse(capsys):
+    with pytest.raises(SystemExit) as info:
+        main(["plan", "llama", "--tp", "0"])
+    assert info.value.code == 2
+    with pytest.raises(SystemExit):
+        main(["plan", "llama", "--source", "guess"])
+
+
+def test_verify_tiny_model_passes_and_prints_report(capsys):
+    assert main(["verify", "llama", "--tp", "2", "--source", "handwritten"]) == 0
+    out = capsys.readouterr().out
+    assert "llama: tiny LlamaForCausalLM, plan source: handwritten, tp=2" in out
+    assert "tp=2  OK" in out
+
+
+def test_verify_exits_1_when_the_plan_is_wrong(capsys, monkeypatch):
+    """A plan that shards the MLP output but never reduces it must be reported, not trusted."""
+    wrong = {"model.layers.*.mlp.up_proj": ColwiseParallel(), "model.layers.*.mlp.down_proj": ColwiseParallel()}
+    monkeypatch.setattr(cli, "choose_plan", lambda model, **_: (wrong, "custom"))
+    assert main(["verify", "llama", "--tp", "2"]) == 1
+    out = capsys.readouterr().out
+    assert "FAILED" in out or "MISMATCH" in out
+
+
+def test_verify_procs_hands_model_and_plan_to_the_multiprocess_verifier(capsys, monkeypatch):
+    from autotp import multiprocess
+    from autotp.verifier import VerifyReport
+
+    calls = []
+
+    def fake(model, plan, *, procs, backward):
+        calls.append((model.config.num_key_value_heads, sorted(plan), procs, backward))
+        return VerifyReport(tp_size=procs, tolerance=1e-5, logits_max_abs_diff=[0.0] * procs)
+
+    monkeypatch.setattr(multiprocess, "verify_multiprocess", fake)
+    assert main(["verify", "llama", "--procs", "4", "--source", "handwritten", "--no-backward"]) == 0
+    (kv_heads, keys, procs, backward), = calls
+    assert (kv_heads, procs, backward) == (4, 4, False)  # the tiny model is built for tp = procs
+    assert "model.layers.*.self_attn.o_proj" in keys
+    assert "tp=4 on 4 gloo processes" in capsys.readouterr().out
+
+
+def test_verify_procs_and_tp_must_agree(capsys):
+    assert main(["verify", "llama", "--procs", "2", "--tp", "4"]) == 2
+    assert "--procs 2 and --tp 4 disagree" in capsys.readouterr().err
+
+
+@pytest.mark.multiprocess
+def test_verify_procs_runs_real_gloo_processes():
+    """End to end through the console entry point: 2 forked gloo ranks must agree with the reference."""
+    done = subprocess.run(
+        [sys.executable, "-m", "autotp", "verify", "llama", "--procs", "2", "--source", "handwritten"],
+        capture_output=True, text=True, timeout=120, stdin=subprocess.DEVNULL,
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "tp=2  OK" in done.stdout
+
+
+@needs_selection
+def test_plan_auto_source_names_the_source_it_used(capsys):
+    assert main(["plan", "llama", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["source"] in {"custom", "handwritten", "hf", "synthesized"}
+
+
+@needs_selection
+def test_verify_auto_source_on_tiny_qwen3(capsys):
+    assert main(["verify", "qwen3", "--tp", "2"]) == 0
+
+
+@needs_synth
+def test_plan_synth_source_reports_synthesized(capsys):
+    assert main(["plan", "llama", "--source", "synth", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["source"] == "synthesized"
+
+
+@needs_synth
+def test_plan_explain_adds_the_synthesizer_reasons(capsys):
+    assert main(["plan", "qwen3", "--explain"]) == 0
+    out = capsys.readouterr().out
+    assert "why each module got its role (synthesizer):" in out
+    assert "model.layers.*.self_attn.q_norm | head_norm" in out
+
+
+def test_plan_accepts_a_config_json_path(tmp_path, capsys):
+    from autotp.models import load_config
+
+    (tmp_path / "config.json").write_text(json.dumps(load_config("mistral").to_dict()))
+    assert main(["plan", str(tmp_path / "config.json"), "--source", "handwritten", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["model_class"] == "MistralForCausalLM"
+
+
+def test_plan_rows_show_layout_changes_and_options():
+    plan = {
+        "norm": SequenceParallel(),
+        "head": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
+        "proj": ColwiseParallel(output_layouts=Shard(1), use_local_output=False),
+    }
+    rows = {row[0]: row[1:] for row in plan_rows(plan)}
+    assert rows["norm"] == ["SequenceParallel", "S(1)", "S(1)", "no", ""]
+    assert rows["head"][:2] == ["PrepareModuleInput", "S(1) -> R"]
+    assert rows["proj"] == ["ColwiseParallel", "R", "S(1)", "no", ""]
+
+
+def test_doctests_pass():
+    assert doctest.testmod(cli).failed == 0
+
+
+def test_console_script_prints_json():
+    script = Path(sys.executable).with_name("autotp")
+    if not script.exists():
+        pytest.skip("the autotp console script is not installed (pip install -e .)")
+    env = {**os.environ, "PYTHONWARNINGS": "ignore"}
+    done = subprocess.run(
+        [str(script), "plan", "mistral", "--source", "handwritten", "--json"],
+        capture_output=True, text=True, timeout=120, env=env, stdin=subprocess.DEVNULL,
+    )
+    assert done.returncode == 0, done.stderr
+    assert json.loads(done.stdout)["model_class"] == "MistralForCausalLM"
+
+
+def test_module_entry_point_reports_errors_without_traceback():
+    done = subprocess.run(
+        [sys.executable, "-m", "autotp", "plan", "nope"],
+        capture_output=True, text=True, timeout=120, stdin=subprocess.DEVNULL,
+    )
+    assert done.returncode == 2
+    assert done.stderr.strip().startswith("autotp: error: unknown model 'nope'")

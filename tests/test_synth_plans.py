@@ -1,0 +1,160 @@
+"""Synthesized plans equal the handwritten ones, module by module, style class and every option."""
+
+import time
+
+import pytest
+import torch
+from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, SequenceParallel
+
+from autotp import styles
+from autotp.errors import MeshError, TraceError
+from autotp.plan import plan_diff
+from autotp.synth import explain, synthesize
+from handwritten_plans import plan_for
+from synth_models import tiny_model
+from synth_toy import NanoGPT, TitanLlama, TwoLinear, example_tokens
+
+
+@pytest.mark.parametrize("family", ["llama", "mistral", "qwen2", "qwen3"])
+@pytest.mark.parametrize("sequence_parallel", [False, True])
+def test_synthesized_plan_equals_handwritten(family, sequence_parallel):
+    """Would catch any missing module, wrong style class or layout option against the lead's plans."""
+    model = tiny_model(family)
+    plan = synthesize(model, sequence_parallel=sequence_parallel)
+    assert plan_diff(model, plan, plan_for(model, sequence_parallel=sequence_parallel)) == {}
+
+
+def test_phi3_fused_projections_are_packed_with_gqa_sizes():
+    model = tiny_model("phi3")
+    plan = synthesize(model)
+    hand = plan_for(model)
+    # ShardCounts (head counts read by the attention's slicing) is not derivable from the graph.
+    hand.pop("model.layers.*.self_attn")
+    assert plan_diff(model, plan, hand) == {}
+    assert plan["model.layers.*.self_attn.qkv_proj"].sizes == (64, 32, 32)
+
+
+def test_gemma3_shards_tied_embedding_and_head_together_and_gathers_prenorms():
+    """Tied weights are sharded when both users shard the same weight dim (vocab); post-norms sit
+    before the residual add so they stay plain SequenceParallel; pre-norms gather once."""
+    model = tiny_model("gemma3")
+    plan = synthesize(model, sequence_parallel=True)
+    layer = "model.layers.*"
+    expected = {
+        "model.embed_tokens": styles.VocabParallelEmbedding(input_layouts=Replicate(), output_layouts=Shard(1),
+                                                            use_local_output=False),
+        "model.rotary_emb": styles.RotaryEmbedParallel(),
+        **{f"{layer}.self_attn.{p}_proj": ColwiseParallel() for p in "qkv"},
+        **{f"{layer}.self_attn.{n}": styles.HeadShardedNorm() for n in ("q_norm", "k_norm")},
+        f"{layer}.self_attn.o_proj": RowwiseParallel(output_layouts=Shard(1), use_local_output=False),
+        f"{layer}.mlp.gate_proj": ColwiseParallel(),
+        f"{layer}.mlp.up_proj": ColwiseParallel(),
+        f"{layer}.mlp.down_proj": RowwiseParallel(output_layouts=Shard(1), use_local_output=False),
+        f"{layer}.input_layernorm": styles.SequenceParallelAllGather(),
+        f"{layer}.pre_feedforward_layernorm": styles.SequenceParallelAllGather(),
+        f"{layer}.post_attention_layernorm": SequenceParallel(),
+        f"{layer}.post_feedforward_layernorm": SequenceParallel(),
+        "model.norm": SequenceParallel(),
+        "lm_head": ColwiseParallel(input_layouts=Shard(1), output_layouts=Shard(-1), use_local_output=False),
+    }
+    assert plan_diff(model, plan, expected) == {}
+
+
+def test_olmo2_width_norm_keeps_attention_sharded():
+    """q_norm normalises the full projected width: kept exact by WidthShardedNorm, not replicated."""
+    plan = synthesize(tiny_model("olmo2"))
+    assert isinstance(plan["model.layers.*.self_attn.q_norm"], styles.WidthShardedNorm)
+    assert isinstance(plan["model.layers.*.self_attn.q_proj"], ColwiseParallel)
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral"])
+def test_moe_experts_sharded_on_ffn_dim_router_replicated(family):
+    model = tiny_model(family)
+    plan = synthesize(model)
+    experts = plan["model.layers.*.mlp.experts"]
+    assert (experts.shard_dims, experts.packed) == ({"gate_up_proj": 1, "down_proj": 2}, {"gate_up_proj": 2})
+    assert "model.layers.*.mlp.gate" not in plan
+    reasons = {r.key: r.reason for r in explain(model)}
+    assert "softmax" in reasons["model.layers.*.mlp.gate"]
+
+
+def test_loss_parallel_off_gathers_the_logits():
+    plan = synthesize(tiny_model("llama"), loss_parallel=False)
+    assert plan["lm_head"].output_layouts == (Replicate(),)
+    assert plan["lm_head"].use_local_output
+
+
+def test_torchtitan_names_get_the_llama_plan():
+    plan = synthesize(TitanLlama(), example_inputs=(example_tokens(),))
+    kinds = {k: type(v).__name__ for k, v in plan.items()}
+    assert kinds == {
+        "tok_embeddings": "VocabParallelEmbedding", "output": "ColwiseParallel",
+        **{f"layers.*.attention.{w}": "ColwiseParallel" for w in ("wq", "wk", "wv")},
+        "layers.*.attention.wo": "RowwiseParallel",
+        "layers.*.feed_forward.w1": "ColwiseParallel", "layers.*.feed_forward.w3": "ColwiseParallel",
+        "layers.*.feed_forward.w2": "RowwiseParallel",
+    }
+
+
+def test_nanogpt_fused_c_attn_packed_and_tied_head_vocab_sharded():
+    plan = synthesize(NanoGPT(), example_inputs=(example_tokens(),))
+    assert plan["h.*.c_attn"].sizes == (64, 64, 64)
+    assert isinstance(plan["wte"], styles.VocabParallelEmbedding)
+    assert plan["lm_head"].output_layouts == (Shard(-1),)
+    assert "wpe" not in plan  # looked up by positions computed in the model
+
+
+class _SoftmaxFeedForward(TitanLlama().layers[0].feed_forward.__class__):
+    """A feed-forward whose softmax over the hidden features forbids sharding them."""
+
+    def forward(self, x):
+        return self.w2(torch.softmax(self.w1(x), dim=-1) * self.w3(x))
+
+
+def test_layers_that_differ_get_per_layer_keys():
+    """Would catch one layer's plan silently applied to a structurally different layer."""
+    model = TitanLlama(layers=3)
+    odd = _SoftmaxFeedForward()
+    odd.load_state_dict(model.layers[1].feed_forward.state_dict())
+    model.layers[1].feed_forward = odd
+    plan = synthesize(model, example_inputs=(example_tokens(),))
+    assert "layers.*.attention.wq" in plan
+    assert {"layers.0.feed_forward.w1", "layers.2.feed_forward.w1"} <= set(plan)
+    assert not any(key.startswith("layers.1.feed_forward") for key in plan)
+    assert "layers.*.feed_forward.w1" not in plan
+
+
+def test_explain_gives_graph_evidence_from_producer_to_consumer():
+    records = {r.key: r for r in explain(tiny_model("llama"))}
+    k = records["model.layers.*.self_attn.k_proj"]
+    assert k.role == "column"
+    assert k.evidence[0].endswith("k_proj") and k.evidence[-1].endswith("o_proj")
+    assert "scaled_dot_product_attention" in k.evidence
+    assert "k_proj" in str(k)
+
+
+def test_indivisible_heads_raise_mesh_error_naming_module():
+    with pytest.raises(MeshError, match=r"self_attn\.k_proj: .*size 2.*tp=4 does not divide; use tp in \(1, 2\)"):
+        synthesize(tiny_model("llama", num_key_value_heads=2, num_attention_heads=4), tp_size=4)
+
+
+def test_plain_module_without_inputs_raises_trace_error():
+    with pytest.raises(TraceError, match="example_inputs"):
+        synthesize(TwoLinear())
+
+
+def test_real_size_configs_synthesize_on_meta_fast_and_flat_in_depth():
+    """70B-shaped Llama on meta: well under 2 s, and 80 layers cost about what 2 do."""
+    shape = dict(hidden_size=8192, num_attention_heads=64, num_key_value_heads=8, intermediate_size=28672,
+                 vocab_size=128256)
+    synthesize(tiny_model("llama", **shape))  # warm-up: the first export pays one-off costs
+    times = {}
+    for layers in (2, 80):
+        model = tiny_model("llama", num_hidden_layers=layers, **shape)
+        start = time.perf_counter()
+        plan = synthesize(model, tp_size=8)
+        times[layers] = time.perf_counter() - start
+        assert len(plan) == 9
+    assert times[80] < 2.0
+    assert times[80] < 2 * times[2] + 0.5
