@@ -15,6 +15,7 @@ from torch.distributed.tensor.parallel import parallelize_module
 
 from autotp.errors import MeshError, PlanError
 from autotp.plan import Plan, resolve, sharded_param_dims
+from autotp.styles import ReplicatedKVColwise
 
 # Config attributes whose value counts attention heads: a tp size must divide each, or heads are
 # cut in half across ranks.
@@ -54,15 +55,21 @@ def validate_tp_mesh(model: nn.Module, tp_mesh: DeviceMesh, plan: Plan | None = 
 
 def check_divisible(model: nn.Module, tp: int, plan: Plan | None = None) -> None:
     """Raise :class:`MeshError` if ``tp`` does not divide a head count or a dimension ``plan`` shards."""
+    kv_replicated = plan is not None and any(isinstance(s, ReplicatedKVColwise) for s in plan.values())
     for config in _text_configs(model):
         counts = {a: getattr(config, a) for a in _HEAD_COUNTS if isinstance(getattr(config, a, None), int)}
         bad = {a: n for a, n in counts.items() if n % tp}
+        if kv_replicated:  # kv heads may be fewer than tp; each is repeated over tp / kv ranks
+            bad = {a: n for a, n in bad.items() if not (a == "num_key_value_heads" and tp % n == 0)}
         if bad:
             attr, n = next(iter(bad.items()))
+            hint = ""
+            if attr == "num_key_value_heads" and tp % n == 0:
+                hint = " or replicate kv heads across ranks (autotp.kv.replicate_kv_heads / synthesize(tp_size=...))"
             raise MeshError(
                 f"{type(model).__name__}: {attr}={n} cannot be split over tp={tp} "
                 f"(config {type(config).__name__}: {counts}); "
-                f"use tp in {_working_tp_sizes(list(counts.values()))}."
+                f"use tp in {_working_tp_sizes(list(counts.values()))}{hint}."
             )
     if plan is None:
         return
@@ -155,6 +162,5 @@ def parallelize(
 
     if tp_mesh.ndim != 1:
         validate_tp_mesh(model, tp_mesh)
-    check_divisible(model, tp_mesh.size())
     choice = get_plan(model, sequence_parallel=sequence_parallel, tp_shard_plan=tp_shard_plan)
     return apply_plan(model, tp_mesh, choice.plan)

@@ -16,7 +16,7 @@ from collections.abc import Callable
 from torch import nn
 from torch.distributed.tensor.parallel import ParallelStyle
 
-from handwritten_plans import gemma3, llama, phi3, qwen
+from handwritten_plans import falcon_h1, gemma3, gemma4, llama, mistral3, phi, phi3, qwen, qwen3_5, qwen_classification
 
 PlanFunction = Callable[..., dict[str, ParallelStyle]]
 
@@ -30,6 +30,20 @@ PARALLELIZE_FUNCTIONS: dict[str, PlanFunction] = {
     f"{_TRANSFORMERS}.gemma3.modeling_gemma3.Gemma3ForCausalLM": gemma3.parallelize_gemma3,
     f"{_TRANSFORMERS}.gemma3.modeling_gemma3.Gemma3ForConditionalGeneration": gemma3.parallelize_gemma3,
     f"{_TRANSFORMERS}.phi3.modeling_phi3.Phi3ForCausalLM": phi3.parallelize_phi3,
+    f"{_TRANSFORMERS}.phi.modeling_phi.PhiForCausalLM": phi.parallelize_phi,
+    f"{_TRANSFORMERS}.ministral3.modeling_ministral3.Ministral3ForCausalLM": llama.parallelize_llama,
+    f"{_TRANSFORMERS}.mistral3.modeling_mistral3.Mistral3ForConditionalGeneration": mistral3.parallelize_mistral3,
+    f"{_TRANSFORMERS}.qwen2.modeling_qwen2.Qwen2ForSequenceClassification": (
+        qwen_classification.parallelize_qwen_classification
+    ),
+    f"{_TRANSFORMERS}.qwen3.modeling_qwen3.Qwen3ForSequenceClassification": (
+        qwen_classification.parallelize_qwen_classification
+    ),
+    f"{_TRANSFORMERS}.falcon_h1.modeling_falcon_h1.FalconH1ForCausalLM": falcon_h1.parallelize_falcon_h1,
+    f"{_TRANSFORMERS}.qwen3_5.modeling_qwen3_5.Qwen3_5ForCausalLM": qwen3_5.parallelize_qwen3_5,
+    f"{_TRANSFORMERS}.qwen3_5.modeling_qwen3_5.Qwen3_5ForConditionalGeneration": qwen3_5.parallelize_qwen3_5,
+    f"{_TRANSFORMERS}.gemma4.modeling_gemma4.Gemma4ForCausalLM": gemma4.parallelize_gemma4,
+    f"{_TRANSFORMERS}.gemma4.modeling_gemma4.Gemma4ForConditionalGeneration": gemma4.parallelize_gemma4,
 }
 
 
@@ -43,7 +57,20 @@ def plan_function(model: nn.Module) -> PlanFunction | None:
     return PARALLELIZE_FUNCTIONS.get(class_qualname(type(model)))
 
 
-def plan_for(model: nn.Module, *, sequence_parallel: bool = False) -> dict[str, ParallelStyle] | None:
-    """The handwritten plan for ``model``, or ``None`` if its class has none."""
+def plan_for(
+    model: nn.Module, *, sequence_parallel: bool = False, replicate_kv_for_tp: int | None = None
+) -> dict[str, ParallelStyle] | None:
+    """The handwritten plan for ``model``, or ``None`` if its class has none.
+
+    ``replicate_kv_for_tp=N`` opts in to tp sizes larger than the kv heads: the k/v projections
+    are rewritten by :func:`autotp.kv.replicate_kv_heads` for tp=N.
+    """
     function = plan_function(model)
-    return None if function is None else function(model, sequence_parallel=sequence_parallel)
+    if function is None:
+        return None
+    plan = function(model, sequence_parallel=sequence_parallel)
+    if replicate_kv_for_tp is not None:
+        from autotp.kv import replicate_kv_heads
+
+        plan = replicate_kv_heads(model, plan, replicate_kv_for_tp)
+    return plan

@@ -1,0 +1,58 @@
+"""tp larger than the number of kv heads (GQA with few kv heads, MQA), for handwritten plans.
+
+Each rank holds the one kv head its query heads read; the verifier compares every rank's copy (and
+its gradient, after the copies' gradients are summed) with that head's rows of the reference.
+"""
+
+import pytest
+
+import handwritten_plans
+from autotp._simulate import simulated_mesh
+from autotp.apply import apply_plan
+from autotp.errors import MeshError
+from autotp.models import build_model, load_config, shrink_config
+from autotp.verifier import verify
+
+
+def tiny(name: str, kv_heads: int):
+    config = shrink_config(load_config(name), tp=8)
+    config.num_key_value_heads = kv_heads
+    return build_model(config, device="cpu")
+
+
+CASES = [  # 2 kv heads (Llama-shaped, Qwen2 with k/v biases) and MQA (Qwen3 with QK-norm), tp 4 and 8
+    ("llama", 2, 4, True),
+    ("llama", 2, 8, False),
+    ("qwen2", 2, 4, False),
+    ("qwen3", 1, 4, False),
+    ("qwen3", 1, 8, True),
+]
+
+
+@pytest.mark.parametrize("name,kv_heads,tp_size,sequence_parallel", CASES)
+def test_kv_heads_replicated_across_ranks_match_unsharded(name, kv_heads, tp_size, sequence_parallel):
+    model = tiny(name, kv_heads)
+    plan = handwritten_plans.plan_for(model, sequence_parallel=sequence_parallel, replicate_kv_for_tp=tp_size)
+    report = verify(model, plan, tp_size=tp_size)
+    assert report.ok, str(report)
+    # No collective is added to the forward: k/v are computed locally from the replicated input.
+    layers = model.config.num_hidden_layers
+    expected = (
+        {"all_gather_into_tensor": 2 * layers + 1, "reduce_scatter_tensor": 2 * layers + 1}
+        if sequence_parallel
+        else {"all_reduce": 2 * layers + 1}
+    )
+    assert report.collectives == expected
+
+
+def test_without_opt_in_tp_above_kv_heads_is_refused_with_the_way_out():
+    model = tiny("llama", 2)
+    with simulated_mesh(4) as mesh:
+        with pytest.raises(MeshError, match="num_key_value_heads=2.*replicate kv heads"):
+            apply_plan(model, mesh, handwritten_plans.plan_for(model))
+
+
+def test_tp_not_a_multiple_of_kv_heads_is_refused():
+    model = tiny("llama", 2)
+    with pytest.raises(MeshError, match="multiple of 2"):
+        handwritten_plans.plan_for(model, replicate_kv_for_tp=3)
