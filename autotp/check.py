@@ -1,0 +1,173 @@
+"""Static plan checking: find what makes a plan wrong before any numerics run.
+
+:func:`check_plan` reads any plan (handwritten, transformers', a user's dict) against the model's
+dataflow graph, the same graph the synthesizer analyses: it starts a shard at every Linear the plan
+shards column-wise and follows it with the synthesizer's propagation rules. What the shard meets
+says what the plan must do: a row-parallel Linear to close it, a packed style where the output is
+cut into parts, an exact style for a norm that reduces over it or whose gradient becomes partial.
+Each :class:`Finding` names the module, the problem and the fix.
+
+Only the traced representatives of repeated layers are checked (``layers.0`` of each distinct
+layer type); per-layer overrides in a plan for other layers are checked for keys and sizes only.
+Sequence-parallel layouts are not checked here; :func:`autotp.verify` covers them numerically.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from torch import nn
+from torch.distributed.tensor import Replicate
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+from torch.distributed.tensor.parallel.style import ParallelStyle
+
+from autotp import styles
+from autotp.errors import AutoTPError
+from autotp.plan import Plan, describe_style, key_matches
+
+# What each role the graph demands needs from the plan: (acceptable style classes, fix).
+_REQUIRED = {
+    "head_norm": (
+        (styles.ReplicatedWithGradAllReduce,),
+        "its weight gradient is a per-rank partial sum over the heads each rank holds; "
+        "use HeadShardedNorm() (replicated weight, gradient all-reduced)",
+    ),
+    "width_norm": (
+        (styles.WidthShardedNorm,),
+        "it reduces over the sharded width (a norm over the full projected features); "
+        "use WidthShardedNorm() or leave the projection before it replicated",
+    ),
+    "experts": (
+        (styles.ExpertsParallel,),
+        "its experts read sharded activations; use ExpertsParallel()",
+    ),
+}
+
+
+@dataclass(frozen=True)
+class Finding:
+    """One problem of a plan: where, what, and how to fix it."""
+
+    module: str
+    problem: str
+    fix: str
+    kind: str
+
+    def __str__(self) -> str:
+        return f"{self.module}: {self.problem.rstrip('.')}. Fix: {self.fix.rstrip('.')}."
+
+
+def _resolve_findings(model: nn.Module, plan: Plan) -> tuple[dict[str, tuple[str, ParallelStyle]], list[Finding]]:
+    """Plan keys per module, plus findings for keys matching nothing and keys in conflict."""
+    names = [name for name, _ in model.named_modules() if name]
+    resolved: dict[str, tuple[str, ParallelStyle]] = {}
+    findings = []
+    for key, style in plan.items():
+        hits = [name for name in names if key_matches(key, name)]
+        if not hits:
+            findings.append(Finding(key, f"plan key matches no module ({type(style).__name__})",
+                                    "correct the key or remove it", "unmatched_key"))
+        for name in hits:
+            if name in resolved and describe_style(resolved[name][1]) != describe_style(style):
+                other_key, other = resolved[name]
+                findings.append(Finding(name, f"matched by {other_key!r} ({other!r}) and {key!r} ({style!r})",
+                                        "keep one key for this module", "conflicting_keys"))
+            resolved[name] = (key, style)
+    return resolved, findings
+
+
+def _size_findings(model: nn.Module, plan: Plan, tp_size: int) -> list[Finding]:
+    from autotp.apply import _check_tied_styles, _tied_groups, check_divisible
+
+    findings = []
+    for check, kind in ((lambda: check_divisible(model, tp_size, plan), "indivisible"),
+                        (lambda: _check_tied_styles(model, plan, _tied_groups(model)), "tied_weights")):
+        try:
+            check()
+        except AutoTPError as error:
+            module, _, problem = str(error).partition(": ")
+            findings.append(Finding(module, problem.split("; ")[0], problem.partition("; ")[2] or str(error), kind))
+    return findings
+
+
+def _starts_shard(style: ParallelStyle | None) -> bool:
+    """Column styles whose output stays sharded (a gathered output ends the shard at once)."""
+    return isinstance(style, ColwiseParallel) and tuple(style.output_layouts) != (Replicate(),)
+
+
+def _graph_findings(model: nn.Module, resolved: dict, example_inputs) -> list[Finding]:
+    from autotp.synth.analysis import _bad_packs, _endless, is_linear, propagate
+    from autotp.synth.assign import expert_roles, norm_roles
+    from autotp.synth.graph import build_graph
+    from autotp.synth.trace import trace
+
+    program, _ = trace(model, example_inputs)
+    g = build_graph(program)
+    style_of = {fqn: style for fqn, (_, style) in resolved.items()}
+    linears = {n: g.nodes[n]["module"] for n in g.nodes if is_linear(g, n)}
+    active = {n for n, module in linears.items() if _starts_shard(style_of.get(module))}
+    flow = propagate(g, active)
+    findings = []
+
+    def where(node):
+        return f"{g.nodes[node]['op']} in {g.nodes[node]['module'] or 'the root'}"
+
+    for root, (reason, node) in flow.broken.items():
+        findings.append(Finding(linears[root], f"its column-sharded output meets {where(node)}: {reason}",
+                                "replicate this Linear, gather its output, or shard what follows it exactly",
+                                "breaks_shard"))
+    for root, reason in {**_bad_packs(flow), **_endless(flow)}.items():
+        findings.append(Finding(linears[root], f"column-sharded, but {reason}",
+                                "pair it with a row-parallel Linear or gather its output", "unclosed_column"))
+    for root, ranges in flow.splits.items():
+        module, style = linears[root], style_of.get(linears[root])
+        sizes = tuple(e - s for s, e in sorted(set(ranges)))
+        if not isinstance(style, styles.PackedColwiseParallel):
+            findings.append(Finding(module, f"its output is split into parts {sizes} but it is sharded "
+                                    "contiguously, so ranks get mixed parts and the logits are wrong",
+                                    f"use PackedColwiseParallel(sizes={sizes})", "fused_contiguous"))
+        elif style.sizes != sizes:
+            findings.append(Finding(module, f"PackedColwiseParallel sizes {style.sizes} differ from the parts "
+                                    f"{sizes} the graph cuts", f"use sizes={sizes}", "fused_sizes"))
+    reached_rows = {linears[r] for r in flow.rows}
+    for row in reached_rows:
+        if not isinstance(style_of.get(row), RowwiseParallel):
+            findings.append(Finding(row, "receives a column-sharded input but is not row-parallel, so it "
+                                    "reads a slice of the features as if it were all of them",
+                                    "make it RowwiseParallel() (or gather the producer's output)", "missing_row"))
+    for module, style in style_of.items():
+        linear_modules = set(linears.values())
+        expects_shard = isinstance(style, RowwiseParallel) and tuple(style.input_layouts) != (Replicate(),)
+        if expects_shard and module in linear_modules and module not in reached_rows:
+            findings.append(Finding(module, "row-parallel, but its input is not column-sharded by the plan",
+                                    "shard the Linear that produces its input column-wise, or use "
+                                    "RowwiseParallel(input_layouts=Replicate())", "row_without_shard"))
+    demanded = {**norm_roles(g, flow, set(linears.values())), **expert_roles(g, flow, {}, {})}
+    for module, role in demanded.items():
+        need = _REQUIRED.get(role.kind)
+        if need and not isinstance(style_of.get(module), need[0]):
+            problem, _, fix = need[1].partition("; ")
+            findings.append(Finding(module, problem, fix, f"{role.kind}_style"))
+    return findings
+
+
+def check_plan(model: nn.Module, plan: Plan, *, tp_size: int, example_inputs=None) -> list[Finding]:
+    """Problems of ``plan`` for ``model`` at ``tp_size``, found statically (no numerics run).
+
+    Args:
+        model: the model (meta device is fine).
+        plan: the plan to check.
+        tp_size: the tensor-parallel size the plan is meant for.
+        example_inputs: inputs to trace a non-transformers model with (as for ``synthesize``).
+
+    Returns:
+        The findings, empty when the plan is consistent with the graph.
+    """
+    resolved, findings = _resolve_findings(model, plan)
+    if any(f.kind == "conflicting_keys" for f in findings):
+        return findings
+    findings += _size_findings(model, plan, tp_size)
+    if any(f.kind == "indivisible" for f in findings):
+        return findings  # heads cut in pieces: every graph finding would repeat this one
+    findings += _graph_findings(model, resolved, example_inputs)
+    return findings

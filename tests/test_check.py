@@ -1,0 +1,100 @@
+"""check_plan: each known-bad plan is caught statically; good plans yield no finding."""
+
+import pytest
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+import handwritten_plans
+from autotp import synthesize
+from autotp.check import check_plan
+from autotp.models import build_model, load_config, shrink_config
+
+FAMILIES = ["llama", "mistral", "qwen2", "qwen3", "gemma3", "gemma3-vlm", "phi3"]
+
+
+@pytest.fixture(scope="module")
+def models():
+    return {name: build_model(name, tiny=True, tp=4, device="cpu") for name in FAMILIES + ["olmo2"]}
+
+
+def kinds(findings):
+    return {f.kind for f in findings}
+
+
+@pytest.mark.parametrize("sequence_parallel", [False, True], ids=["tp", "sp"])
+@pytest.mark.parametrize("name", FAMILIES)
+def test_handwritten_plans_have_no_finding(models, name, sequence_parallel):
+    model = models[name]
+    assert check_plan(model, handwritten_plans.plan_for(model, sequence_parallel=sequence_parallel), tp_size=4) == []
+
+
+@pytest.mark.parametrize("name", ["llama", "qwen3", "gemma3", "phi3", "olmo2"])
+def test_synthesized_plans_have_no_finding(models, name):
+    model = models[name]
+    assert check_plan(model, synthesize(model), tp_size=4) == []
+
+
+def test_key_matching_nothing(models):
+    plan = handwritten_plans.plan_for(models["llama"]) | {"model.layers.*.attn.qkv": ColwiseParallel()}
+    findings = check_plan(models["llama"], plan, tp_size=2)
+    assert [f.module for f in findings if f.kind == "unmatched_key"] == ["model.layers.*.attn.qkv"]
+
+
+def test_conflicting_keys(models):
+    plan = handwritten_plans.plan_for(models["llama"]) | {"model.layers.0.mlp.up_proj": RowwiseParallel()}
+    assert "conflicting_keys" in kinds(check_plan(models["llama"], plan, tp_size=2))
+
+
+def test_column_output_without_row_partner(models):
+    plan = handwritten_plans.plan_for(models["llama"])
+    del plan["model.layers.*.mlp.down_proj"]
+    findings = check_plan(models["llama"], plan, tp_size=2)
+    assert [(f.module, f.kind) for f in findings] == [("model.layers.0.mlp.down_proj", "missing_row")]
+
+
+def test_row_parallel_without_sharded_input(models):
+    plan = handwritten_plans.plan_for(models["llama"])
+    del plan["model.layers.*.mlp.up_proj"], plan["model.layers.*.mlp.gate_proj"]
+    findings = check_plan(models["llama"], plan, tp_size=2)
+    assert [(f.module, f.kind) for f in findings] == [("model.layers.0.mlp.down_proj", "row_without_shard")]
+
+
+def test_fused_gate_up_sharded_contiguously(models):
+    plan = handwritten_plans.plan_for(models["phi3"])
+    plan["model.layers.*.mlp.gate_up_proj"] = ColwiseParallel()
+    findings = check_plan(models["phi3"], plan, tp_size=2)
+    assert [(f.module, f.kind) for f in findings] == [("model.layers.0.mlp.gate_up_proj", "fused_contiguous")]
+    assert "PackedColwiseParallel(sizes=" in findings[0].fix
+
+
+def test_reduction_over_sharded_width_olmo2_under_llama_plan(models):
+    """OLMo2 normalises q and k over all heads together: a Llama plan leaves that norm inexact."""
+    model = models["olmo2"]
+    plan = handwritten_plans.plan_for(models["llama"])
+    findings = check_plan(model, plan, tp_size=2)
+    assert {(f.module.rsplit(".", 1)[-1], f.kind) for f in findings} == {
+        ("q_norm", "width_norm_style"),
+        ("k_norm", "width_norm_style"),
+    }
+
+
+def test_missing_qk_norm_style_leaves_partial_gradients(models):
+    plan = handwritten_plans.plan_for(models["qwen3"])
+    del plan["model.layers.*.self_attn.q_norm"]
+    findings = check_plan(models["qwen3"], plan, tp_size=2)
+    assert [(f.module, f.kind) for f in findings] == [("model.layers.0.self_attn.q_norm", "head_norm_style")]
+
+
+def test_size_tp_does_not_divide(models):
+    model = models["llama"]
+    findings = check_plan(model, handwritten_plans.plan_for(model), tp_size=3)
+    assert kinds(findings) == {"indivisible"}
+    assert "tp=3" in findings[0].problem
+
+
+def test_tied_weights_sharded_differently():
+    config = shrink_config(load_config("llama"), tp=2)
+    config.tie_word_embeddings = True
+    model = build_model(config, device="cpu")
+    plan = handwritten_plans.plan_for(model)
+    plan["lm_head"] = RowwiseParallel()
+    assert "tied_weights" in kinds(check_plan(model, plan, tp_size=2))
