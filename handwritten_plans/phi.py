@@ -1,0 +1,42 @@
+"""Phi (Phi-1.5 / Phi-2): attention and MLP side by side on one LayerNorm, partial rotary.
+
+Each layer computes ``x + dense(attn(ln(x))) + fc2(gelu(fc1(ln(x))))``: the one ``input_layernorm``
+feeds both branches, so under SP a single all-gather serves q, k, v and fc1, and each branch closes
+with its own reduce-scatter (the two partial sums are reduced separately). Partial rotary touches
+the first ``rotary_ndims`` features of every head: a per-head operation, exact on sharded heads.
+"""
+
+from __future__ import annotations
+
+from torch import nn
+from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, SequenceParallel
+
+from autotp.styles import HeadShardedNorm, RotaryEmbedParallel, SequenceParallelAllGather
+from handwritten_plans._blocks import row_output, vocab_embedding, vocab_head
+
+
+def parallelize_phi(model: nn.Module, sequence_parallel: bool = False) -> dict[str, ParallelStyle]:
+    """Plan for ``PhiForCausalLM``.
+
+    Plain TP: 2 all-reduces per layer (dense, fc2) + 1 for the vocab-parallel embedding. SP: 1
+    all-gather per layer (the shared LayerNorm) + 1 before the head; 2 reduce-scatters per layer +
+    1 at the embedding.
+    """
+    layer = "model.layers.*"
+    plan: dict[str, ParallelStyle] = {
+        "model.embed_tokens": vocab_embedding(sequence_parallel=sequence_parallel),
+        **{f"{layer}.self_attn.{p}_proj": ColwiseParallel() for p in "qkv"},
+        f"{layer}.self_attn.dense": row_output(sequence_parallel=sequence_parallel),
+        f"{layer}.mlp.fc1": ColwiseParallel(),
+        f"{layer}.mlp.fc2": row_output(sequence_parallel=sequence_parallel),
+        "lm_head": vocab_head(sequence_parallel=sequence_parallel),
+    }
+    if getattr(model.config, "qk_layernorm", False):  # LayerNorm over head_dim, on sharded heads
+        plan |= {f"{layer}.self_attn.{n}": HeadShardedNorm() for n in ("q_layernorm", "k_layernorm")}
+    if sequence_parallel:
+        plan |= {
+            "model.rotary_emb": RotaryEmbedParallel(),
+            f"{layer}.input_layernorm": SequenceParallelAllGather(),
+            "model.final_layernorm": SequenceParallel(),
+        }
+    return plan

@@ -1,0 +1,249 @@
+"""The second set of handwritten plans (Phi, Ministral3 / Mistral3, Qwen3 classification,
+Falcon-H1, Qwen3.5, Gemma4), verified against the unsharded model and compared with the synthesizer.
+
+Tolerance: 1e-5 max abs difference on fp32 logits and on every parameter gradient, at tp 2 and 4.
+Every tiny model has 2 decoder layers.
+
+Tiny configs: most come from :func:`autotp.models.shrink_config`. Two need extra shrinking to keep
+verification in seconds: Falcon-H1's Mamba2 mixer and Qwen3.5's Gated DeltaNet run transformers'
+pure-PyTorch reference kernels, whose op count (not tensor size) dominates under simulated ranks,
+so their SSM / linear-attention widths are cut further (they stay replicated; only their cost
+changes). Gemma4 is built from a hand-written config: ``shrink_config`` cannot shrink it under
+transformers 5.23, because ``Gemma4TextConfig`` derives a ``per_layer_config`` keyed by the layer
+indices of the full-size model (``[5, 11, ...]``), which the 2-layer config then rejects
+(``per_layer_config keys must be integer layer indices in the range [0, 2)``).
+
+Plain-TP verifies of Falcon-H1 and Qwen3.5 take several seconds each: the reference SSM / delta-rule
+kernels issue thousands of small ops, each run once per simulated rank.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import transformers
+from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor.parallel import PrepareModuleInput, PrepareModuleOutput, SequenceParallel
+from transformers import AutoConfig
+
+import handwritten_plans
+from autotp.errors import PlanError
+from autotp.models import build_model, load_config, shrink_config
+from autotp.plan import plan_diff, resolve
+from autotp.verifier import verify
+
+pytestmark = pytest.mark.filterwarnings("ignore:Parallelize plan key")
+
+LAYERS = 2
+TP = 4  # the tiny models shard at 2 and 4
+# Reference-kernel widths small enough for a few seconds per verify (see the module docstring).
+_TINY_MAMBA = dict(mamba_d_ssm=64, mamba_n_heads=8, mamba_d_head=8, mamba_d_state=16, mamba_chunk_size=16)
+_TINY_DELTANET = dict(linear_key_head_dim=16, linear_value_head_dim=16, linear_num_key_heads=2,
+                      linear_num_value_heads=4)
+_GEMMA4_TEXT = dict(
+    vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=LAYERS, num_attention_heads=8,
+    num_key_value_heads=4, head_dim=16, global_head_dim=16, sliding_window=4,
+    layer_types=["sliding_attention", "full_attention"], vocab_size_per_layer_input=256,
+    hidden_size_per_layer_input=16, max_position_embeddings=128,
+)
+
+
+def _tiny_config(model_type: str, **options):
+    """``shrink_config`` of the family's default config, with extra options applied."""
+    config = shrink_config(load_config(model_type), tp=TP).to_dict()
+    config.pop("model_type", None)
+    return AutoConfig.for_model(model_type, **{**config, **options})
+
+
+def _seeded(cls, config):
+    torch.manual_seed(0)
+    return cls(config).eval()
+
+
+def _build(name: str) -> torch.nn.Module:
+    if name == "mistral3":  # a Ministral3 text backbone, as the released Ministral3 VLMs have
+        config = shrink_config(AutoConfig.for_model("mistral3", text_config={"model_type": "ministral3"}), tp=TP)
+        return _seeded(transformers.Mistral3ForConditionalGeneration, config)
+    if name == "qwen3-cls":
+        config = _tiny_config("qwen3", pad_token_id=0, num_labels=3)
+        return _seeded(transformers.Qwen3ForSequenceClassification, config)
+    if name == "falcon_h1":
+        return build_model(_tiny_config("falcon_h1", **_TINY_MAMBA), device="cpu")
+    if name == "qwen3_5":
+        return build_model(_tiny_config("qwen3_5", **_TINY_DELTANET), device="cpu")
+    if name == "gemma4":
+        return _seeded(transformers.Gemma4ForCausalLM, transformers.Gemma4TextConfig(**_GEMMA4_TEXT))
+    if name == "gemma4-vlm":
+        config = transformers.Gemma4Config(text_config=_GEMMA4_TEXT, vision_config=None, audio_config=None)
+        return _seeded(transformers.Gemma4ForConditionalGeneration, config)
+    return build_model(name, tiny=True, tp=TP, device="cpu")
+
+
+SP_FAMILIES = ["phi", "ministral3", "mistral3", "qwen3-cls", "qwen3_5"]
+TP_ONLY_FAMILIES = ["falcon_h1", "gemma4", "gemma4-vlm"]
+FAMILIES = SP_FAMILIES + TP_ONLY_FAMILIES
+
+
+@pytest.fixture(scope="module")
+def tiny_models():
+    return {name: _build(name) for name in FAMILIES}
+
+
+def expected_collectives(name: str, sequence_parallel: bool) -> dict[str, int]:
+    """Collectives of one forward, as each plan is designed (2 layers).
+
+    - Llama-shaped (Ministral3, Mistral3, Qwen3 classification), Falcon-H1: 2 all-reduces per layer
+      (o_proj, down_proj) + 1 for the vocab-parallel embedding. Falcon-H1's replicated Mamba2 branch
+      adds none. SP: 2 all-gathers and 2 reduce-scatters per layer, + 1 reduce-scatter at the
+      embedding and 1 all-gather before the head (the replicated ``score`` for classification).
+    - Phi: attention and MLP share one LayerNorm, so SP has 1 all-gather per layer (+ 1 at the
+      head); each branch still closes with its own all-reduce / reduce-scatter.
+    - Qwen3.5 (layer 0 linear attention, layer 1 full attention): the replicated ``linear_attn``
+      has no reduction, so layer 0 has 1 (its MLP's) and layer 1 has 2, + 1 at the embedding. SP:
+      both pre-norms of both layers all-gather (4, + 1 at the head); reduce-scatters as the
+      all-reduces. Slicing the replicated ``linear_attn`` output back to the local positions is free.
+    - Gemma4: 2 per layer + 1 for each vocab-parallel table (``embed_tokens``, ``embed_tokens_per_layer``);
+      the VLM keeps its tied ``embed_tokens`` / head replicated, so only the per-layer table reduces.
+    """
+    if name == "qwen3_5":
+        return {"all_gather_into_tensor": 5, "reduce_scatter_tensor": 4} if sequence_parallel else {"all_reduce": 4}
+    if name.startswith("gemma4"):
+        return {"all_reduce": 2 * LAYERS + (1 if name == "gemma4-vlm" else 2)}
+    if sequence_parallel:
+        gathers = (1 if name == "phi" else 2) * LAYERS + 1
+        return {"all_gather_into_tensor": gathers, "reduce_scatter_tensor": 2 * LAYERS + 1}
+    return {"all_reduce": 2 * LAYERS + 1}
+
+
+def _check(model, plan, tp_size, name, sequence_parallel):
+    report = verify(model, plan, tp_size=tp_size)
+    assert report.ok, str(report)
+    assert max(report.logits_max_abs_diff) <= 1e-5
+    assert report.worst_grad[1] <= 1e-5
+    assert report.collectives == expected_collectives(name, sequence_parallel)
+    return report
+
+
+@pytest.mark.parametrize("sequence_parallel", [False, True], ids=["tp", "sp"])
+@pytest.mark.parametrize("tp_size", [2, 4])
+@pytest.mark.parametrize("name", SP_FAMILIES)
+def test_handwritten_plan_matches_unsharded_model(tiny_models, name, tp_size, sequence_parallel):
+    model = tiny_models[name]
+    assert model.config.get_text_config().num_hidden_layers == LAYERS
+    plan = handwritten_plans.plan_for(model, sequence_parallel=sequence_parallel)
+    report = _check(model, plan, tp_size, name, sequence_parallel)
+    if name in ("phi", "ministral3"):  # every parameter sharded
+        assert all(abs(f - 1 / tp_size) < 0.01 for f in report.param_fraction), report.param_fraction
+
+
+@pytest.mark.parametrize("tp_size", [2, 4])
+@pytest.mark.parametrize("name", TP_ONLY_FAMILIES)
+def test_tp_only_plan_matches_unsharded_model(tiny_models, name, tp_size):
+    model = tiny_models[name]
+    assert model.config.get_text_config().num_hidden_layers == LAYERS
+    _check(model, handwritten_plans.plan_for(model), tp_size, name, False)
+
+
+@pytest.mark.parametrize("name", TP_ONLY_FAMILIES)
+def test_tp_only_plan_refuses_sequence_parallel_by_name(tiny_models, name):
+    """Asking for SP raises rather than silently returning the plain plan (NeMo ignores the flag)."""
+    with pytest.raises(PlanError, match=type(tiny_models[name]).__name__):
+        handwritten_plans.plan_for(tiny_models[name], sequence_parallel=True)
+
+
+def test_falcon_h1_keeps_the_mamba_mixer_replicated(tiny_models):
+    """Would catch a plan that shards in_proj: its output is split into gate / conv / dt groups."""
+    model = tiny_models["falcon_h1"]
+    plan = handwritten_plans.plan_for(model)
+    assert not any(".mamba" in key for key in plan)
+    report = verify(model, plan, tp_size=2, backward=False)
+    sharded = {f"{fqn}.{n}" for fqn in resolve(model, plan) for n, _ in model.get_submodule(fqn).named_parameters()}
+    numel = {n: p.numel() for n, p in model.named_parameters()}
+    replicated = sum(v for n, v in numel.items() if n not in sharded)
+    assert any(".mamba." in n for n in numel) and not any(".mamba." in n for n in sharded)
+    total = sum(numel.values())
+    assert report.param_fraction[0] == pytest.approx((replicated + (total - replicated) / 2) / total, abs=1e-6)
+
+
+def test_qwen3_5_keys_select_each_layer_kind_only(tiny_models):
+    """self_attn keys match only the full-attention layer, linear_attn only the linear one."""
+    model = tiny_models["qwen3_5"]
+    assert model.config.layer_types == ["linear_attention", "full_attention"]
+    touched = resolve(model, handwritten_plans.plan_for(model, sequence_parallel=True))
+    assert "model.layers.1.self_attn.q_proj" in touched and "model.layers.0.linear_attn" in touched
+    assert not any(fqn.startswith("model.layers.0.linear_attn.") for fqn in touched)
+
+
+def test_mistral3_vision_tower_and_projector_stay_replicated(tiny_models):
+    model = tiny_models["mistral3"]
+    plan = handwritten_plans.plan_for(model, sequence_parallel=True)
+    assert all(key.startswith(("model.language_model.", "lm_head")) for key in plan)
+
+
+# --- Plan equivalence with the synthesizer --------------------------------------------------------
+
+
+def _synthesize(model, sequence_parallel):
+    synthesize = pytest.importorskip("autotp.synth").synthesize
+    return synthesize(model, sequence_parallel=sequence_parallel)
+
+
+@pytest.mark.parametrize("sequence_parallel", [False, True], ids=["tp", "sp"])
+@pytest.mark.parametrize("name", ["phi", "ministral3", "mistral3", "qwen3-cls"])
+def test_synthesized_plan_equals_handwritten(tiny_models, name, sequence_parallel):
+    """Would catch a handwritten plan that drifts from what the graph analysis derives."""
+    model = tiny_models[name]
+    hand = handwritten_plans.plan_for(model, sequence_parallel=sequence_parallel)
+    assert plan_diff(model, _synthesize(model, sequence_parallel), hand) == {}
+
+
+@pytest.mark.parametrize("name", ["falcon_h1", "qwen3_5", "gemma4"])
+def test_synthesized_tp_plan_equals_handwritten(tiny_models, name):
+    """Hybrid and per-layer-input models: plain TP plans agree module for module (the synthesizer
+    writes per-layer keys where Qwen3.5's layers differ; plans are compared per module)."""
+    model = tiny_models[name]
+    assert plan_diff(model, _synthesize(model, False), handwritten_plans.plan_for(model)) == {}
+
+
+def test_qwen3_5_sp_differs_from_synthesized_on_the_linear_attention_layer(tiny_models):
+    """The one SP difference, and why the handwritten plan is the one to use.
+
+    The synthesizer gathers each ``linear_attn`` in-projection's input (4 ``PrepareModuleInput``)
+    and leaves layer 0's ``input_layernorm`` a plain ``SequenceParallel``; nothing converts the
+    replicated ``linear_attn`` output back to a sequence shard, so the residual add mixes a Tensor
+    with a DTensor. The handwritten plan all-gathers once at the norm (like every other pre-norm)
+    and slices the output with ``PrepareModuleOutput`` (free forward): verified above at tp 2 and 4.
+    """
+    model = tiny_models["qwen3_5"]
+    hand = handwritten_plans.plan_for(model, sequence_parallel=True)
+    diff = plan_diff(model, _synthesize(model, True), hand)
+    prefix = "model.layers.0"
+    assert set(diff) == {
+        f"{prefix}.input_layernorm", f"{prefix}.linear_attn",
+        *(f"{prefix}.linear_attn.in_proj_{p}" for p in ("qkv", "z", "b", "a")),
+    }
+    assert diff[f"{prefix}.linear_attn"][0] is None
+    assert diff[f"{prefix}.linear_attn"][1]["style"] == PrepareModuleOutput.__name__
+    assert diff[f"{prefix}.input_layernorm"][0]["style"] == SequenceParallel.__name__
+    assert diff[f"{prefix}.linear_attn.in_proj_qkv"] == (
+        {"style": PrepareModuleInput.__name__, **_layouts(PrepareModuleInput(
+            input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),), use_local_output=True))},
+        None,
+    )
+
+
+def _layouts(style) -> dict:
+    from autotp.plan import describe_style
+
+    return {k: v for k, v in describe_style(style).items() if k != "style"}
+
+
+def test_gemma4_vlm_differs_from_synthesized_on_the_tied_embedding(tiny_models):
+    """The synthesizer shards the tied embedding and head over the vocabulary, as it does for the
+    causal LM; but ``Gemma4Model.forward`` indexes ``embed_tokens.weight[pad_token_id]`` itself, a
+    read the vocab-sharded DTensor cannot serve (``aten.where`` mixing Tensor and DTensor). The
+    handwritten plan keeps those two replicated on the VLM; everything else agrees."""
+    model = tiny_models["gemma4-vlm"]
+    diff = plan_diff(model, _synthesize(model, False), handwritten_plans.plan_for(model))
+    assert set(diff) == {"model.language_model.embed_tokens", "lm_head"}
+    assert all(hand is None for _, hand in diff.values())
