@@ -9,6 +9,7 @@ The API:
 """
 
 from autotp.apply import parallelize, validate_tp_mesh
+from autotp.check import Finding, check_plan
 from autotp.errors import AutoTPError
 from autotp.selection import PlanChoice, get_plan
 from autotp.verifier import VerifyReport, verify
@@ -35,8 +36,18 @@ def explain(model, **kwargs):
     return _explain(model, **kwargs)
 
 
+def fsdp2_strategy_parallelize(model, device_mesh, **kwargs):
+    """TP (plan from :func:`get_plan`) then FSDP2; see :func:`autotp.training.fsdp2_strategy_parallelize`."""
+    from autotp.training import fsdp2_strategy_parallelize as _fsdp2
+
+    return _fsdp2(model, device_mesh, **kwargs)
+
+
 __all__ = [
     "AutoTPError",
+    "Finding",
+    "check_plan",
+    "fsdp2_strategy_parallelize",
     "PlanChoice",
     "VerifyReport",
     "explain",

@@ -53,6 +53,37 @@ def import_object(path: str):
     return getattr(module, attr)
 
 
+def load_plan_file(spec: str, model: nn.Module, *, sequence_parallel: bool = False) -> Plan:
+    """The plan ``NAME`` defined in a Python file, from ``"path/to/plans.py:NAME"``.
+
+    ``NAME`` may be a plan dict or a function ``f(model, sequence_parallel=...)`` returning one.
+
+    Raises:
+        PlanError: the file, the name, or the plan is missing or malformed.
+    """
+    import importlib.util
+    from pathlib import Path
+
+    path, sep, name = spec.rpartition(":")
+    if not sep or not path.endswith(".py"):
+        raise PlanError(f"--plan {spec!r}: expected FILE.py:NAME, e.g. my_plans.py:PLAN.")
+    if not Path(path).is_file():
+        raise PlanError(f"--plan {spec!r}: no file {path!r}.")
+    module_spec = importlib.util.spec_from_file_location(Path(path).stem, path)
+    module = importlib.util.module_from_spec(module_spec)
+    try:
+        module_spec.loader.exec_module(module)
+    except Exception as error:
+        raise PlanError(f"--plan {spec!r}: importing {path!r} failed: {type(error).__name__}: {error}") from error
+    if not hasattr(module, name):
+        raise PlanError(f"--plan {spec!r}: {path!r} defines no {name!r}.")
+    target = getattr(module, name)
+    plan = target(model, sequence_parallel=sequence_parallel) if callable(target) else target
+    if not isinstance(plan, dict):
+        raise PlanError(f"--plan {spec!r}: {name!r} is a {type(plan).__name__}, not a plan dict.")
+    return plan
+
+
 def _custom_plan(model: nn.Module, tp_shard_plan, sequence_parallel: bool) -> tuple[Plan, str]:
     if isinstance(tp_shard_plan, dict):
         return tp_shard_plan, "dict"
