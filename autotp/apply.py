@@ -7,13 +7,12 @@ the tp size. Tied parameters stay tied after sharding.
 
 from __future__ import annotations
 
-import math
 
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor.parallel import parallelize_module
 
-from autotp.errors import MeshError, PlanError
+from autotp.errors import MeshError, PlanError, working_tp_sizes
 from autotp.plan import Plan, resolve, sharded_param_dims
 from autotp.styles import ReplicatedKVColwise
 
@@ -28,12 +27,6 @@ def _text_configs(model: nn.Module) -> list:
         return []
     subs = [getattr(config, name, None) for name in ("text_config", "language_config")]
     return [config, *[c for c in subs if c is not None]]
-
-
-def _working_tp_sizes(sizes: list[int], limit: int = 64) -> list[int]:
-    """tp sizes (powers of two and other divisors up to ``limit``) that divide every size."""
-    common = math.gcd(*sizes) if sizes else 1
-    return [t for t in range(1, limit + 1) if common % t == 0]
 
 
 def validate_tp_mesh(model: nn.Module, tp_mesh: DeviceMesh, plan: Plan | None = None) -> None:
@@ -69,7 +62,7 @@ def check_divisible(model: nn.Module, tp: int, plan: Plan | None = None) -> None
             raise MeshError(
                 f"{type(model).__name__}: {attr}={n} cannot be split over tp={tp} "
                 f"(config {type(config).__name__}: {counts}); "
-                f"use tp in {_working_tp_sizes(list(counts.values()))}{hint}."
+                f"use tp in {working_tp_sizes(list(counts.values()))}{hint}."
             )
     if plan is None:
         return
@@ -81,7 +74,7 @@ def check_divisible(model: nn.Module, tp: int, plan: Plan | None = None) -> None
             if size % tp:
                 raise MeshError(
                     f"{fqn}.{pname}: {type(style).__name__} (plan key {key!r}) shards dim {dim} of "
-                    f"size {size}, which tp={tp} does not divide; use tp in {_working_tp_sizes([size])}."
+                    f"size {size}, which tp={tp} does not divide; use tp in {working_tp_sizes([size])}."
                 )
 
 

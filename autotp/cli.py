@@ -262,10 +262,6 @@ def format_table(header: list[str], rows: list[list[str]]) -> str:
 
 def _run_verify(args: argparse.Namespace) -> int:
     tp = _verify_tp(args)
-    if args.procs:
-        # The ranks are forked after the reference run; a child of a process whose OpenMP pool is
-        # running hangs on its first parallel op. A tiny model loses nothing with one thread.
-        torch.set_num_threads(1)
     model = models.build_model(args.model, tiny=True, tp=tp, device="cpu", seed=args.seed)
     plan, source = choose_plan(model, source=args.source, sequence_parallel=args.sp)
     where = f"{args.procs} gloo processes" if args.procs else "simulated ranks"

@@ -3,6 +3,8 @@
 Every message names the module (FQN) it is about, what was found, what was required, and the fix.
 """
 
+import math
+
 
 class AutoTPError(Exception):
     """Base class of every error autotp raises on bad input or an unusable plan."""
@@ -22,3 +24,13 @@ class TraceError(AutoTPError):
 
 class VerificationError(AutoTPError):
     """The model or inputs cannot be verified (e.g. parameters on the meta device)."""
+
+
+def working_tp_sizes(sizes, limit: int = 64) -> tuple[int, ...]:
+    """tp sizes up to ``limit`` that divide every one of ``sizes``: the fix a MeshError suggests.
+
+    >>> working_tp_sizes([8, 12])
+    (1, 2, 4)
+    """
+    common = math.gcd(*sizes) if sizes else 1
+    return tuple(t for t in range(1, limit + 1) if common % t == 0)

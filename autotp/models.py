@@ -189,9 +189,11 @@ _HEAD_DIM_TIED = ("query_pre_attn_scalar",)
 _EXPERT_WIDTHS = ("moe_intermediate_size", "shared_expert_intermediate_size")
 _EXPERT_COUNTS = ("num_experts", "num_local_experts", "n_routed_experts")
 # Multi-head latent attention widths (DeepSeek-V3; its rotary part is head_dim), expert-group
-# routing that must fit in TINY_EXPERTS experts, and one dense layer before the MoE one.
+# routing that must fit in TINY_EXPERTS experts, one dense layer before the MoE one, and Gemma4's
+# per-layer input embeddings (a vocabulary-sized table per layer).
 _TINY_EXTRAS = dict(q_lora_rank=32, kv_lora_rank=32, qk_rope_head_dim=TINY_HEAD_DIM, qk_nope_head_dim=8,
-                    v_head_dim=16, n_group=1, topk_group=1, first_k_dense_replace=1)
+                    v_head_dim=16, n_group=1, topk_group=1, first_k_dense_replace=1,
+                    vocab_size_per_layer_input=TINY_VOCAB, hidden_size_per_layer_input=16)
 _TOKEN_IDS = ("pad_token_id", "bos_token_id", "eos_token_id")
 # Lists that happen to be as long as the layer stack but are not one entry per layer.
 _NOT_PER_LAYER = ("architectures", "mlp_only_layers")
@@ -260,13 +262,17 @@ def _shrink_text(options: dict, tp: int, attribute_map: dict[str, str]) -> dict:
             if options.get("num_experts_per_tok"):
                 options["num_experts_per_tok"] = min(options["num_experts_per_tok"], 2)
     options.update({k: v for k, v in _TINY_EXTRAS.items() if options.get(k)})
-    _shrink_layers(options)
+    _shrink_layers(options, tp)
     _clamp_token_ids(options)
     return {attribute_map.get(k, k): v for k, v in options.items()}
 
 
-def _shrink_layers(options: dict) -> None:
-    """Keep ``TINY_LAYERS`` layers (more if needed to keep one of each ``layer_types`` entry)."""
+def _shrink_layers(options: dict, tp: int) -> None:
+    """Keep ``TINY_LAYERS`` layers (more if needed to keep one of each ``layer_types`` entry).
+
+    Per-layer lists are cut to the kept layers; per-layer override dicts keyed by layer index
+    (Gemma4's ``per_layer_config``) are renumbered, with their widths shrunk like the rest.
+    """
     n = options.get("num_hidden_layers")
     if not n:
         return
@@ -279,9 +285,25 @@ def _shrink_layers(options: dict) -> None:
     for name, value in list(options.items()):
         if isinstance(value, list) and len(value) == n and name not in _NOT_PER_LAYER:
             options[name] = [value[i] for i in keep]
+        elif isinstance(value, dict) and value and all(str(k).isdigit() for k in value):
+            options[name] = {
+                keep.index(int(k)): _shrink_override(v, tp) for k, v in value.items() if int(k) in keep
+            }
     if isinstance(options.get("mlp_only_layers"), list):
         options["mlp_only_layers"] = [keep.index(i) for i in options["mlp_only_layers"] if i in keep]
     options["num_hidden_layers"] = len(keep)
+
+
+def _shrink_override(override, tp: int):
+    """A per-layer override's head widths, tiny (a wider head_dim stays wider than the default)."""
+    if not isinstance(override, dict):
+        return override
+    shrunk = dict(override)
+    if "head_dim" in shrunk:
+        shrunk["head_dim"] = 2 * TINY_HEAD_DIM
+    if shrunk.get("num_key_value_heads"):
+        shrunk["num_key_value_heads"] = tp
+    return shrunk
 
 
 def _clamp_token_ids(options: dict) -> None:

@@ -36,3 +36,13 @@ def tiny_model(family: str, device: str = "meta", **overrides) -> torch.nn.Modul
     torch.manual_seed(0)
     with torch.device(device):
         return getattr(transformers, model_name)(config).eval()
+
+
+def shardable_model(name: str, tp: int = 4) -> torch.nn.Module:
+    """A 2-layer cpu model of ``name`` (a family above, or ``gemma3-vlm``) shardable at ``tp``:
+    as many kv heads as heads where the family allows, so tp up to 4 splits every head count."""
+    if name == "gemma3-vlm":
+        from autotp.models import build_model
+
+        return build_model(name, tiny=True, tp=tp, device="cpu").eval()
+    return tiny_model(name, device="cpu", num_key_value_heads=4)

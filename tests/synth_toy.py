@@ -21,34 +21,77 @@ class TwoLinear(nn.Module):
         return self.down(F.gelu(self.up(x)))
 
 
-class GPTBlock(nn.Module):
-    """nanoGPT block: fused ``c_attn`` split into q, k, v; LayerNorms with bias."""
+class CausalSelfAttention(nn.Module):
+    """nanoGPT attention: fused ``c_attn`` split into q, k, v with sizes from ``n_embd`` / ``n_head``.
+
+    The common attribute-based variant: every width is computed from ``self.n_embd`` and
+    ``self.n_head``, so dividing both by tp makes the split and the views per-rank.
+    """
 
     def __init__(self):
         super().__init__()
-        self.ln_1, self.ln_2 = nn.LayerNorm(DIM), nn.LayerNorm(DIM)
+        self.n_embd, self.n_head = DIM, HEADS
         self.c_attn, self.c_proj = nn.Linear(DIM, 3 * DIM), nn.Linear(DIM, DIM)
-        self.c_fc, self.mlp_proj = nn.Linear(DIM, 4 * DIM), nn.Linear(4 * DIM, DIM)
 
     def forward(self, x):
-        b, t, c = x.shape
-        q, k, v = self.c_attn(self.ln_1(x)).split(DIM, dim=2)
-        q, k, v = (z.view(b, t, HEADS, c // HEADS).transpose(1, 2) for z in (q, k, v))
+        b, t, _ = x.shape
+        q, k, v = self.c_attn(x).split(self.n_embd, dim=2)
+        q, k, v = (z.view(b, t, self.n_head, self.n_embd // self.n_head).transpose(1, 2) for z in (q, k, v))
         y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        x = x + self.c_proj(y.transpose(1, 2).contiguous().view(b, t, c))
-        return x + self.mlp_proj(F.gelu(self.c_fc(self.ln_2(x))))
+        return self.c_proj(y.transpose(1, 2).contiguous().view(b, t, self.n_embd))
+
+
+class SizeFromInputAttention(CausalSelfAttention):
+    """nanoGPT's original attention: head size and output width from ``x.size()``, the global width.
+
+    ``C // n_head`` and ``view(B, T, C)`` read the replicated input's width, so no attribute
+    division makes the per-rank shapes right: synthesis must keep ``c_attn`` whole.
+    """
+
+    def forward(self, x):
+        b, t, c = x.size()
+        q, k, v = self.c_attn(x).split(self.n_embd, dim=2)
+        q, k, v = (z.view(b, t, self.n_head, c // self.n_head).transpose(1, 2) for z in (q, k, v))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.c_proj(y.transpose(1, 2).contiguous().view(b, t, c))
+
+
+class MLP(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.c_fc, self.c_proj = nn.Linear(DIM, 4 * DIM), nn.Linear(4 * DIM, DIM)
+
+    def forward(self, x):
+        return self.c_proj(F.gelu(self.c_fc(x)))
+
+
+class GPTBlock(nn.Module):
+    """nanoGPT block: pre-LayerNorms (with bias), attention, MLP."""
+
+    def __init__(self, attention: type[nn.Module] = CausalSelfAttention):
+        super().__init__()
+        self.ln_1, self.ln_2 = nn.LayerNorm(DIM), nn.LayerNorm(DIM)
+        self.attn, self.mlp = attention(), MLP()
+
+    def forward(self, x):
+        x = x + self.attn(self.ln_1(x))
+        return x + self.mlp(self.ln_2(x))
 
 
 class NanoGPT(nn.Module):
     """nanoGPT: token + position embeddings, blocks, final LayerNorm, head tied to ``wte``."""
 
-    def __init__(self, layers: int = 2):
+    def __init__(self, layers: int = 2, attention: type[nn.Module] = CausalSelfAttention):
         super().__init__()
+        torch.manual_seed(0)
         self.wte, self.wpe = nn.Embedding(VOCAB, DIM), nn.Embedding(64, DIM)
-        self.h = nn.ModuleList(GPTBlock() for _ in range(layers))
+        self.h = nn.ModuleList(GPTBlock(attention) for _ in range(layers))
         self.ln_f = nn.LayerNorm(DIM)
         self.lm_head = nn.Linear(DIM, VOCAB, bias=False)
         self.lm_head.weight = self.wte.weight
+        for module in self.modules():  # nanoGPT's init: N(0, 0.02) keeps the tied logits O(1)
+            if isinstance(module, (nn.Linear, nn.Embedding)):
+                nn.init.normal_(module.weight, std=0.02)
 
     def forward(self, idx):
         pos = torch.arange(idx.shape[1], device=idx.device)

@@ -63,7 +63,7 @@ def test_plan_check_fails_with_message_when_heads_do_not_divide(capsys):
     assert main(["plan", "qwen2", "--source", "handwritten", "--check"]) == 2
     captured = capsys.readouterr()
     assert captured.err.startswith("autotp: error: Qwen2ForCausalLM: num_attention_heads=28")
-    assert "use tp in [1, 2, 4]" in captured.err
+    assert "use tp in (1, 2, 4)" in captured.err
     assert "Traceback" not in captured.err
 
 

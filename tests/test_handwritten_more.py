@@ -22,8 +22,7 @@ from __future__ import annotations
 import pytest
 import torch
 import transformers
-from torch.distributed.tensor import Replicate, Shard
-from torch.distributed.tensor.parallel import PrepareModuleInput, PrepareModuleOutput, SequenceParallel
+from torch.distributed.tensor.parallel import PrepareModuleOutput, SequenceParallel
 from transformers import AutoConfig
 
 import handwritten_plans
@@ -206,36 +205,32 @@ def test_synthesized_tp_plan_equals_handwritten(tiny_models, name):
 
 
 def test_qwen3_5_sp_differs_from_synthesized_on_the_linear_attention_layer(tiny_models):
-    """The one SP difference, and why the handwritten plan is the one to use.
+    """The one SP difference, and why both plans are equivalent.
 
-    The synthesizer gathers each ``linear_attn`` in-projection's input (4 ``PrepareModuleInput``)
-    and leaves layer 0's ``input_layernorm`` a plain ``SequenceParallel``; nothing converts the
-    replicated ``linear_attn`` output back to a sequence shard, so the residual add mixes a Tensor
-    with a DTensor. The handwritten plan all-gathers once at the norm (like every other pre-norm)
-    and slices the output with ``PrepareModuleOutput`` (free forward): verified above at tp 2 and 4.
+    The replicated ``linear_attn`` (Gated DeltaNet) must see the whole sequence. The handwritten plan
+    all-gathers at ``input_layernorm`` (like every other pre-norm) and slices the output back with
+    ``PrepareModuleOutput``; the synthesizer keeps the norm a plain ``SequenceParallel`` and gathers at
+    the ``linear_attn`` entry instead (``GatherSequenceInput``), wrapping ``out_proj``'s output as a
+    ``Replicate()`` DTensor so the slice back to ``Shard(1)`` is free. Same parameter placements, same
+    collectives per forward, same numerics at tp 2 and 4: would catch either plan losing the gather
+    (a Tensor/DTensor mix in the residual add) or paying an extra collective.
     """
     model = tiny_models["qwen3_5"]
     hand = handwritten_plans.plan_for(model, sequence_parallel=True)
-    diff = plan_diff(model, _synthesize(model, True), hand)
+    synth = _synthesize(model, True)
+    diff = plan_diff(model, synth, hand)
     prefix = "model.layers.0"
-    assert set(diff) == {
-        f"{prefix}.input_layernorm", f"{prefix}.linear_attn",
-        *(f"{prefix}.linear_attn.in_proj_{p}" for p in ("qkv", "z", "b", "a")),
-    }
-    assert diff[f"{prefix}.linear_attn"][0] is None
-    assert diff[f"{prefix}.linear_attn"][1]["style"] == PrepareModuleOutput.__name__
+    assert set(diff) == {f"{prefix}.input_layernorm", f"{prefix}.linear_attn", f"{prefix}.linear_attn.out_proj"}
     assert diff[f"{prefix}.input_layernorm"][0]["style"] == SequenceParallel.__name__
-    assert diff[f"{prefix}.linear_attn.in_proj_qkv"] == (
-        {"style": PrepareModuleInput.__name__, **_layouts(PrepareModuleInput(
-            input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),), use_local_output=True))},
-        None,
-    )
-
-
-def _layouts(style) -> dict:
-    from autotp.plan import describe_style
-
-    return {k: v for k, v in describe_style(style).items() if k != "style"}
+    assert diff[f"{prefix}.linear_attn"][0]["style"] == "GatherSequenceInput"
+    assert diff[f"{prefix}.linear_attn"][1]["style"] == PrepareModuleOutput.__name__
+    assert diff[f"{prefix}.linear_attn.out_proj"][1] is None
+    for tp_size in (2, TP):
+        synth_report = verify(model, synth, tp_size=tp_size)
+        hand_report = verify(model, hand, tp_size=tp_size)
+        assert synth_report.ok, str(synth_report)
+        assert synth_report.collectives == hand_report.collectives
+        assert synth_report.param_fraction == pytest.approx(hand_report.param_fraction)
 
 
 def test_gemma4_vlm_differs_from_synthesized_on_the_tied_embedding(tiny_models):

@@ -19,6 +19,7 @@ PUBLISHED_BILLIONS = {
     "mistral": 7.25,
     "qwen2": 7.62,
     "qwen3": 8.19,
+    "qwen3-32b": 32.76,
     "qwen3-moe": 30.53,
     "mixtral": 46.70,
     "phi3": 3.82,
@@ -41,7 +42,7 @@ def test_meta_build_matches_published_parameter_count(name):
 
 
 def test_every_builtin_has_a_published_count():
-    assert set(BUILTIN) <= set(PUBLISHED_BILLIONS) | {"qwen3-32b"}
+    assert set(BUILTIN) == set(PUBLISHED_BILLIONS)
 
 
 def test_real_size_meta_build_takes_milliseconds():
@@ -105,6 +106,15 @@ def test_shrink_keeps_one_layer_of_each_type():
     assert small.num_hidden_layers == 2
 
 
+def test_shrink_renumbers_per_layer_overrides_to_the_kept_layers():
+    """Gemma4 widens full-attention heads through per_layer_config keyed by layer index ('05')."""
+    small = shrink_config(load_config("gemma4_text"), tp=2)
+    assert small.layer_types == ["sliding_attention", "full_attention"]
+    overrides = small.to_dict()["per_layer_config"]
+    assert {int(k) for k in overrides} == {1}
+    assert next(iter(overrides.values()))["head_dim"] == 2 * models.TINY_HEAD_DIM
+
+
 def test_shrink_keeps_moe_routing_with_few_experts():
     small = shrink_config(load_config("qwen3-moe"), tp=2)
     assert small.num_experts == models.TINY_EXPERTS
@@ -152,7 +162,9 @@ def test_dtype_option_sets_parameter_dtype():
     assert next(build_model("llama", dtype=torch.bfloat16).parameters()).dtype == torch.bfloat16
 
 
-@pytest.mark.parametrize("model_type", ["gpt2", "gpt_neox", "granite", "qwen2_moe", "olmoe", "deepseek_v3"])
+@pytest.mark.parametrize(
+    "model_type", ["gpt2", "gpt_neox", "granite", "qwen2_moe", "olmoe", "deepseek_v3", "gemma4_text"]
+)
 def test_any_transformers_model_type_shrinks_and_runs(model_type):
     """GPT-2 names its sizes n_embd / n_layer (attribute_map); DeepSeek-V3 has latent attention."""
     assert load_config(model_type).model_type == model_type

@@ -264,16 +264,25 @@ def test_nemotron_super_fused_gate_up_is_packed(standins):
     assert plan["layers.*.mlp.gate_up_proj"].sizes == (2 * DIM, 2 * DIM)
 
 
-@pytest.mark.xfail(reason="synthesizer keeps qkv_proj whole here: localize finds no attribute subset "
-                          "(tried heads, kv_heads) that makes the split sizes per-rank; reported to the lead",
-                   strict=True)
 def test_nemotron_super_fused_qkv_is_packed_with_gqa_sizes(standins):
+    """The cut sizes come from ``heads`` and ``kv_heads``: both divided by tp make them per-rank.
+    Would catch the fused qkv left replicated, or cut with global sizes (a split_with_sizes error)."""
     plan = autotp.synthesize(standins["nemotron_super"], example_inputs=_ids())
     assert plan["layers.*.self_attn.qkv_proj"].sizes == (8 * HEAD_DIM, 4 * HEAD_DIM, 4 * HEAD_DIM)
     assert plan["layers.*.self_attn"].names == ("heads", "kv_heads")
 
 
-def test_decilm_layer_with_fewer_kv_heads_than_tp_is_refused_by_name(standins):
-    """Layer 0 has 2 kv heads: tp=4 cannot split them, and the error says where and what works."""
-    with pytest.raises(autotp.AutoTPError, match=r"layers\.0\.self_attn\.k_proj: .*tp=4 .*use tp in \(1, 2"):
-        autotp.synthesize(standins["decilm"], example_inputs=_ids(), tp_size=4)
+def test_decilm_layer_with_fewer_kv_heads_than_tp_replicates_them(standins):
+    """Layer 0 has 2 kv heads: at tp=4 each rank holds the kv head its query heads read, and the plan
+    still matches the unsharded model. Would catch kv heads split below one head per rank."""
+    model = standins["decilm"]
+    plan = autotp.synthesize(model, example_inputs=_ids(), tp_size=4)
+    assert plan["layers.0.self_attn.k_proj"].kv_heads == 2
+    report = autotp.verify(model, plan, tp_size=4, inputs=_ids(1))
+    assert report.ok, str(report)
+
+
+def test_decilm_query_heads_that_tp_cannot_split_are_refused_by_name(standins):
+    """4 query heads over tp=8: the error names the module and the tp sizes that work."""
+    with pytest.raises(autotp.AutoTPError, match=r"layers\.0\.self_attn\.k_proj: 4 query heads .*tp=8.*use tp in \(1, 2, 4\)"):
+        autotp.synthesize(standins["decilm"], example_inputs=_ids(), tp_size=8)

@@ -6,6 +6,10 @@ The pipeline is a literal sequence of passes::
     g = build_graph(program)                   # networkx view of the program
     flow, dropped = analyse(g)                 # shard propagation to a fixpoint
     roles = assign_roles(g, flow, dropped)     # one Role (with its reason) per module
+    local = localize(model, ..., g, flow, roles, tp)  # fused outputs cut with global sizes:
+                                               # ShardCounts names, or keep the Linear whole
+    roles |= replicate_kv(...)                 # tp > kv heads: ReplicatedKVColwise + KVHeadCounts
+    roles = sequence_parallel_roles(...)       # SP only
     plan = build_plan(roles, groups)           # one function maps roles to styles
 """
 

@@ -41,6 +41,7 @@ class Flow:
     rows: dict = field(default_factory=dict)  # row linear node -> origins
     heads: dict = field(default_factory=dict)  # root -> output node's sharded input
     splits: dict = field(default_factory=dict)  # root -> list of (start, end)
+    split_nodes: dict = field(default_factory=dict)  # root -> nodes that cut its output into parts
     width_norms: dict = field(default_factory=dict)  # module -> node that reduces
     extent: dict = field(default_factory=dict)  # root -> gcd of every sharded extent it reached
     roots: set = field(default_factory=set)  # candidates that started a shard this pass
@@ -159,6 +160,7 @@ def _record(flow: Flow, name: str, result, origins: frozenset, prev: str):
     elif isinstance(result, Split):
         for o in origins:
             flow.splits.setdefault(o, []).extend(result.ranges)
+            flow.split_nodes.setdefault(o, []).append(name)
         shard = Shard(result.dim, origins, False, prev)
         flow.state[name] = tuple(shard for _ in result.ranges) if result.tuple_output else shard
 

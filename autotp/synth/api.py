@@ -9,14 +9,17 @@ import networkx as nx
 from torch import nn
 from torch.distributed.tensor.parallel.style import ParallelStyle
 
-from autotp.errors import MeshError
+from autotp.errors import MeshError, working_tp_sizes
 from autotp.synth.analysis import Flow, analyse
 from autotp.synth.assign import assign_roles, tie_conflicts, tied_embedding_modules as _tied_embeddings
 from autotp.synth.build import build_plan, expand, generalise, style_for
 from autotp.synth.graph import build_graph
+from autotp.synth.kvheads import replicate_kv
+from autotp.synth.localize import localize
 from autotp.synth.roles import Role
 from autotp.synth.sequence import sequence_parallel_roles
-from autotp.synth.trace import LayerGroups, trace
+from autotp.synth.trace import LayerGroups, repeated_lists, trace
+from autotp.synth.validate import require_language_model, require_repeated_block
 
 log = logging.getLogger(__name__)
 
@@ -49,40 +52,56 @@ class ExplainRecord:
 def analyse_model(model: nn.Module, *, example_inputs=None, sequence_parallel: bool = False,
                   tp_size: int | None = None) -> Analysis:
     """Trace, build the graph, propagate shards and assign roles (no styles yet)."""
+    require_repeated_block(model, repeated_lists(model))
     program, groups = trace(model, example_inputs)
     g = build_graph(program)
+    require_language_model(model, g)
     flow, dropped = analyse(g)
     roles = assign_roles(g, flow, dropped)
     conflicts = tie_conflicts(g, roles)
+    forced: dict[str, str] = {}
     if conflicts:  # keep tied weights whole on every user, and analyse again without them
         flow, dropped = analyse(g, conflicts)
-        forced = {m: r for m, r in _tied_embeddings(g, conflicts).items()}
+        forced = _tied_embeddings(g, conflicts)
         roles = assign_roles(g, flow, dropped, forced)
+    local = localize(model, example_inputs, g, flow, roles, tp_size or 2)
+    if local.unlocal:  # fused outputs cut with global sizes: keep those Linears whole
+        flow, dropped = analyse(g, {**conflicts, **local.unlocal})
+        roles = assign_roles(g, flow, dropped, forced)
+    for module, names in local.counts.items():
+        roles[module] = Role("shard_counts", f"its attributes {', '.join(names)} size the cuts of a fused "
+                             "output; divided by tp, the cuts are the per-rank parts", (module,), names=names)
+    kv_handled: set[str] = set()
+    if tp_size is not None:
+        kv_roles, kv_handled = replicate_kv(model, example_inputs, g, flow, roles, tp_size)
+        roles.update(kv_roles)
     if sequence_parallel:
         roles = sequence_parallel_roles(g, flow, roles)
     if tp_size is not None:
-        check_divisible(g, flow, roles, tp_size)
+        check_divisible(g, flow, roles, tp_size, skip=kv_handled)
     log.info("synthesis: %d graph nodes, %d roles", g.number_of_nodes(), len(roles))
     return Analysis(g, flow, roles, groups)
 
 
-def check_divisible(g: nx.DiGraph, flow: Flow, roles: dict[str, Role], tp_size: int) -> None:
+def check_divisible(g: nx.DiGraph, flow: Flow, roles: dict[str, Role], tp_size: int,
+                    skip: set[str] = frozenset()) -> None:
     """Every sharded extent (heads, features, parts) must split evenly over ``tp_size`` ranks.
+
+    ``skip``: roots sharded another way (kv projections replicated per head).
 
     Raises:
         MeshError: naming the module, the extent found and the tp sizes that would work.
     """
     from autotp.synth.assign import _owner
 
-    for root in sorted(flow.roots, key=lambda n: g.nodes[n]["order"]):
+    for root in sorted(set(flow.roots) - set(skip), key=lambda n: g.nodes[n]["order"]):
         extent = flow.extent.get(root, 0)
         sizes = roles.get(_owner(g, root)).sizes or () if _owner(g, root) in roles else ()
         for size in (extent, *sizes):
             if size and size % tp_size:
-                good = [t for t in range(1, size + 1) if size % t == 0 and t <= 64]
                 raise MeshError(
                     f"{_owner(g, root)}: its sharded output reaches a dim of size {size} (heads or "
-                    f"features), which tp={tp_size} does not divide; use tp in {tuple(good)}"
+                    f"features), which tp={tp_size} does not divide; use tp in {working_tp_sizes([size])}"
                 )
 
 
@@ -95,7 +114,8 @@ def synthesize(model: nn.Module, *, example_inputs=None, sequence_parallel: bool
             config (``input_ids`` of shape (2, 11)) for transformers models when omitted.
         sequence_parallel: keep the residual stream sharded on the sequence between blocks.
         loss_parallel: leave the head's logits vocab-sharded (``Shard(-1)`` DTensor).
-        tp_size: if given, check that every sharded extent divides evenly.
+        tp_size: if given, check that every sharded extent divides evenly; k/v projections with
+            fewer heads than ``tp_size`` (a multiple of them) get one kv head per rank.
 
     Returns:
         ``{fnmatch key: ParallelStyle}`` for ``parallelize_module``, keys relative to ``model``.

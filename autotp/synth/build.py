@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
-from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor import Partial, Replicate, Shard
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     PrepareModuleInput,
+    PrepareModuleInputOutput,
     PrepareModuleOutput,
     RowwiseParallel,
     SequenceParallel,
@@ -14,6 +15,7 @@ from torch.distributed.tensor.parallel.style import ParallelStyle
 
 from autotp import styles
 from autotp.plan import describe_style
+from autotp.synth_styles import GatherSequenceInput, PartialExpertsParallel
 from autotp.synth.roles import Role
 from autotp.synth.trace import LayerGroups
 
@@ -32,6 +34,10 @@ def style_for(role: Role, *, loss_parallel: bool = True) -> ParallelStyle | None
     kind = role.kind
     if kind == "column":
         return ColwiseParallel(**_seq_in(role))
+    if kind == "kv_column":
+        return styles.ReplicatedKVColwise(kv_heads=role.kv_heads, head_dim=role.head_dim, **_seq_in(role))
+    if kind == "kv_head_counts":
+        return styles.KVHeadCounts(heads=role.heads, attribute=role.names[0])
     if kind == "packed_column":
         return styles.PackedColwiseParallel(sizes=role.sizes, **_seq_in(role))
     if kind == "row":
@@ -56,9 +62,17 @@ def style_for(role: Role, *, loss_parallel: bool = True) -> ParallelStyle | None
     if kind == "seq_norm_gather":
         return styles.SequenceParallelAllGather()
     if kind == "experts":
-        return styles.ExpertsParallel(shard_dims=dict(role.param_dims), packed=dict(role.param_parts))
+        experts = PartialExpertsParallel if role.seq_output else styles.ExpertsParallel
+        return experts(shard_dims=dict(role.param_dims), packed=dict(role.param_parts))
+    if kind == "seq_gather":
+        return GatherSequenceInput()
+    if kind == "moe_block":
+        # The experts' output is a partial sum on every rank: reduce-scatter it to the stream.
+        return PrepareModuleOutput(output_layouts=Partial(), desired_output_layouts=Shard(1), use_local_output=False)
     if kind == "rotary":
         return styles.RotaryEmbedParallel()
+    if kind == "shard_counts":
+        return styles.ShardCounts(names=role.names)
     if kind == "replicate":
         return _replicated_at_sequence_edge(role)
     raise ValueError(f"unknown role kind {kind!r}")
@@ -68,6 +82,13 @@ def _replicated_at_sequence_edge(role: Role) -> ParallelStyle | None:
     """A replicated module at the edge of the sequence-sharded stream converts its layout."""
     if role.seq_output:
         return PrepareModuleOutput(output_layouts=Replicate(), desired_output_layouts=Shard(1),
+                                   use_local_output=False)
+    if role.seq_join and role.seq_input:  # a whole Linear between two points of the stream
+        return PrepareModuleInputOutput(input_layouts=Shard(1), desired_input_layouts=Replicate(),
+                                        use_local_input=True, output_layouts=Replicate(),
+                                        desired_output_layouts=Replicate(), use_local_output=False)
+    if role.seq_join:
+        return PrepareModuleOutput(output_layouts=Replicate(), desired_output_layouts=Replicate(),
                                    use_local_output=False)
     if role.seq_input:
         return PrepareModuleInput(input_layouts=Shard(1), desired_input_layouts=Replicate(),

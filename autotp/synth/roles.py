@@ -8,6 +8,8 @@ from dataclasses import dataclass
 ROLE_KINDS = {
     "column": "Linear whose output features are sharded; consumers keep the shard until a row",
     "packed_column": "column Linear whose output is split into parts (fused qkv / gate_up)",
+    "kv_column": "k/v projection with fewer heads than ranks: each kv head repeated to the ranks that read it",
+    "kv_head_counts": "attention whose grouped-query ratio must be the per-rank one (tp > kv heads)",
     "row": "Linear contracting over a sharded dim; partial sums are reduced after it",
     "head": "column Linear whose sharded output is the model output (vocab-sharded logits)",
     "vocab_embedding": "Embedding looked up by input ids, sharded over the vocabulary",
@@ -16,7 +18,10 @@ ROLE_KINDS = {
     "seq_norm": "sequence-parallel norm on the residual stream (output stays sequence-sharded)",
     "seq_norm_gather": "sequence-parallel norm whose output is all-gathered once for column Linears",
     "experts": "grouped experts (3-D parameters) sharded on the FFN dim; output all-reduced after the module",
+    "seq_gather": "module whose column Linears read the sequence-sharded stream directly: gathered once at entry",
+    "moe_block": "module around grouped experts; under sequence parallel it reduce-scatters their partial sum",
     "rotary": "parameter-free module producing position tables for the sharded region",
+    "shard_counts": "module whose integer attributes size the cuts of a fused output; divided by tp",
     "replicate": "kept whole on every rank",
 }
 
@@ -33,8 +38,15 @@ class Role:
         shard_dim: the sharded input dim of a norm (negative, from the end).
         seq_input: under sequence parallel, the input arrives sharded on the sequence.
         seq_output: under sequence parallel, the output leaves sharded on the sequence.
+        seq_join: under sequence parallel, the replicated output is combined with the
+            sequence-sharded stream (a position embedding, a Linear kept whole), so it must be a
+            ``Replicate()`` DTensor there.
         param_dims: of ``experts``, (parameter name, sharded dim) pairs.
         param_parts: of ``experts``, (parameter name, number of fused parts) pairs.
+        names: of ``shard_counts``, the attribute paths divided by tp; of ``kv_head_counts``, the
+            grouped-query ratio attribute.
+        kv_heads, head_dim: of ``kv_column``, its kv heads and head size.
+        heads: of ``kv_head_counts``, the query heads of the attention.
     """
 
     kind: str
@@ -44,5 +56,10 @@ class Role:
     shard_dim: int | None = None
     seq_input: bool = False
     seq_output: bool = False
+    seq_join: bool = False
     param_dims: tuple[tuple[str, int], ...] = ()
     param_parts: tuple[tuple[str, int], ...] = ()
+    names: tuple[str, ...] = ()
+    kv_heads: int = 0
+    head_dim: int = 0
+    heads: int = 0

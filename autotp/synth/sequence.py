@@ -18,7 +18,7 @@ from autotp.synth.ops import PASSTHROUGH
 from autotp.synth.roles import Role
 
 # Linear roles that take a replicated input and can share one all-gather before them.
-_GATHERING = frozenset({"column", "packed_column"})
+_GATHERING = frozenset({"column", "packed_column", "kv_column"})
 # Hops from a parameter-free module's output to a sharded op for it to count as a position table.
 _ROTARY_HOPS = 4
 
@@ -72,16 +72,58 @@ def _owner(g, name):
     return owner(g, name)
 
 
+def expert_blocks(roles: dict[str, Role]) -> set[str]:
+    """Modules that hold grouped experts (the MoE block: router, experts, the combine around them)."""
+    return {fqn.rpartition(".")[0] for fqn, role in roles.items() if role.kind == "experts"}
+
+
+def _in_block(g: nx.DiGraph, name: str, blocks: set[str]) -> bool:
+    return bool(blocks & set(g.nodes[name]["stack"]))
+
+
+def replicated_blocks(g: nx.DiGraph, region: set[str], roles: dict[str, Role]) -> dict[str, Role]:
+    """Outermost modules that run Linears, all kept whole, and read the stream themselves.
+
+    A module kept replicated (Qwen3.5's linear attention: conv1d, gated delta rule) must see the
+    whole sequence: its inputs are gathered once at entry; its output is wrapped where it meets the
+    stream again (:func:`joining_modules`). Without this, its own ops (a padding-mask multiply)
+    would mix the ``Shard(1)`` DTensor with plain tensors.
+    """
+    linear_modules: dict[str, list[str]] = {}
+    for name in g.nodes:
+        if g.nodes[name]["kind"] == "call" and is_linear(g, name):
+            for module in g.nodes[name]["stack"][:-1]:
+                linear_modules.setdefault(module, []).append(_owner(g, name))
+    found = {}
+    for name in sorted(region, key=lambda n: g.nodes[n]["order"]):
+        if is_linear(g, name):
+            continue
+        for module in g.nodes[name]["stack"]:
+            owners = linear_modules.get(module)
+            if not owners or module in roles or any(module.startswith(f + ".") for f in found):
+                continue
+            if all(roles.get(o, Role("replicate", "")).kind == "replicate" for o in owners):
+                found[module] = Role("seq_gather", "kept whole (its Linears cannot be sharded) and reads the "
+                                     "sequence-sharded stream: gathered once at entry", (name, module))
+                break
+    return found
+
+
 def sequence_norms(g: nx.DiGraph, region: set[str], roles: dict[str, Role]) -> dict[str, Role]:
-    """Parametrised modules on the residual stream (norms): gather ones feed only column Linears."""
+    """Parametrised modules on the residual stream (norms): gather ones feed only column Linears
+    or MoE blocks (whose router and experts both need every token)."""
     owners = {d["param"].rpartition(".")[0] for _, d in g.nodes(data=True) if d["kind"] == "param"}
+    blocks = expert_blocks(roles)
     found = {}
     for name in sorted(region, key=lambda n: g.nodes[n]["order"]):
         for module in g.nodes[name]["stack"]:
             if module not in owners or module in roles or module in found:
                 continue
+            if any(module.startswith(m + ".") for m, r in roles.items() if r.kind == "seq_gather"):
+                continue  # inside a module that gathers at entry: it sees the whole sequence
             _, readers = _module_outputs(g, module)
-            consumers = {roles.get(_owner(g, r), Role("replicate", "")).kind if is_linear(g, r)
+            consumers = {"column" if _in_block(g, r, blocks) else
+                         roles.get(_owner(g, r), Role("replicate", "")).kind if is_linear(g, r)
                          else "other" for r in readers}
             readers_text = ", ".join(sorted({_owner(g, r) for r in readers}))
             if consumers and consumers <= _GATHERING:
@@ -123,13 +165,81 @@ def _meets_shard(g, flow, starts, module) -> bool:
     return False
 
 
+def joining_modules(g: nx.DiGraph, flow: Flow, region: set[str], roles: dict[str, Role]) -> dict[str, Role]:
+    """Replicated modules whose output an op of the residual stream reads directly.
+
+    The stream is a ``Shard(1)`` DTensor; a plain tensor cannot meet it (nanoGPT's position
+    embedding ``wte(idx) + wpe(pos)``, a Linear kept whole whose output is added back). Wrapped as a
+    ``Replicate()`` DTensor, DTensor slices it locally, with no communication.
+    """
+    found = {}
+    for name in region:
+        stack = set(g.nodes[name]["stack"])
+        for ref in refs(g.nodes[name]["args"], g.nodes[name]["kwargs"]):
+            data = g.nodes[ref.name]
+            if ref.name in region or data["kind"] != "call" or data["shape"] is None:
+                continue
+            if isinstance(flow.state.get(ref.name), (Shard, tuple)):  # a TP shard, not a replica
+                continue
+            outer = [m for m in data["stack"] if m not in stack]
+            if not outer:
+                continue
+            module = outer[-1]  # innermost: the module whose output this node is
+            role = roles.get(module, Role("replicate", "runs whole on every rank"))
+            if role.kind == "replicate" and not role.seq_output and not role.seq_input:
+                found[module] = replace(role, seq_join=True)
+    return found
+
+
+def shared_gathers(g: nx.DiGraph, region: set[str], roles: dict[str, Role]) -> dict[str, Role]:
+    """Modules whose several column Linears read one stream tensor directly: gather once at entry.
+
+    The module is the innermost one holding all those Linears; every reader of the tensor inside
+    it must be one of them (anything else there would get the gathered, replicated value), and it
+    must have no role already.
+    """
+    found = {}
+    gathered = {m for m, r in roles.items() if r.kind == "seq_norm_gather"}
+    for name in region:
+        if gathered & set(g.nodes[name]["stack"]):  # already gathered by its norm
+            continue
+        readers = [s for s in g.successors(name) if is_linear(g, s)]
+        if len(readers) < 2 or any(roles.get(_owner(g, r), Role("", "")).kind not in _GATHERING for r in readers):
+            continue
+        module = _common_module([g.nodes[r]["stack"] for r in readers])
+        if not module or module in roles or module in g.nodes[name]["stack"]:
+            continue
+        inside = [s for s in g.successors(name) if module in g.nodes[s]["stack"]]
+        if set(inside) == set(readers):
+            found[module] = Role("seq_gather", "its column Linears read the sequence-sharded stream with no "
+                                 "norm before them: one all-gather at entry", (name, module))
+    return found
+
+
+def _common_module(stacks: list[tuple[str, ...]]) -> str:
+    common = ""
+    for level in zip(*stacks):
+        if len(set(level)) > 1:
+            break
+        common = level[0]
+    return common
+
+
 def sequence_parallel_roles(g: nx.DiGraph, flow: Flow, roles: dict[str, Role]) -> dict[str, Role]:
     """Roles under sequence parallel: add seq norms and rotary, and mark sequence-sharded ends."""
     region = residual_region(g, flow)
     out = dict(roles)
-    out.update(sequence_norms(g, region, roles))
+    out.update(replicated_blocks(g, region, out))
+    out.update(sequence_norms(g, region, out))
     out.update(rotary_modules(g, flow, out))
-    gathered = {m for m, r in out.items() if r.kind == "seq_norm_gather"}
+    blocks = expert_blocks(out)
+    for block in blocks:
+        out[block] = Role("moe_block", "holds grouped experts whose per-rank partial sums go back to the "
+                          "sequence-sharded stream: reduce-scattered once", (block,), seq_output=True)
+    out.update({m: replace(r, seq_output=True) for m, r in out.items() if r.kind == "experts"})
+    out.update(joining_modules(g, flow, region, out))
+    out.update(shared_gathers(g, region, out))
+    gathered = {m for m, r in out.items() if r.kind in ("seq_norm_gather", "seq_gather")}
     for name, data in g.nodes(data=True):
         linear = data["kind"] == "call" and is_linear(g, name)
         owner = _owner(g, name) if linear or data["op"] == "embedding" else None
@@ -143,8 +253,8 @@ def sequence_parallel_roles(g: nx.DiGraph, flow: Flow, roles: dict[str, Role]) -
             continue
         elif linear and role.kind == "row":
             out[owner] = replace(role, seq_output=True)
-        elif linear and data["args"][0].name in region:
+        elif linear and data["args"][0].name in region and not _in_block(g, name, blocks):
             src_stack = g.nodes[data["args"][0].name]["stack"]
-            if not gathered & set(src_stack):
+            if not gathered & (set(src_stack) | set(data["stack"])):
                 out[owner] = replace(role, seq_input=True)
     return out

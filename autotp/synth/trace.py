@@ -116,7 +116,7 @@ def _device(model: nn.Module) -> torch.device:
 
 
 def hf_example_inputs(model: nn.Module) -> tuple[tuple, dict] | None:
-    """``input_ids`` of shape (2, 11) for a transformers model (one with a ``config``), else None."""
+    """``input_ids`` of shape (2, 11) and a full attention mask for a transformers model, else None."""
     config = getattr(model, "config", None)
     if config is None:
         return None
@@ -125,7 +125,9 @@ def hf_example_inputs(model: nn.Module) -> tuple[tuple, dict] | None:
     if vocab is None:
         return None
     ids = torch.randint(0, vocab, (EXAMPLE_BATCH, EXAMPLE_SEQ), device=_device(model))
-    return (), {"input_ids": ids, "use_cache": False}
+    # An explicit all-ones mask: without one, transformers probes position ids for packed
+    # sequences with a data-dependent branch (sliding-window masks) that torch.export cannot trace.
+    return (), {"input_ids": ids, "attention_mask": torch.ones_like(ids), "use_cache": False}
 
 
 def _split_inputs(example_inputs) -> tuple[tuple, dict]:
@@ -136,30 +138,43 @@ def _split_inputs(example_inputs) -> tuple[tuple, dict]:
     return tuple(example_inputs), {}
 
 
+def example_args(model: nn.Module, example_inputs=None) -> tuple[tuple, dict]:
+    """``(args, kwargs)`` for one forward: ``example_inputs`` split, or made from the config.
+
+    Raises:
+        TraceError: no inputs given and none can be made.
+    """
+    if example_inputs is not None:
+        return _split_inputs(example_inputs)
+    made = hf_example_inputs(model)
+    if made is None:
+        raise TraceError(
+            f"{type(model).__name__}: no example inputs given and the model has no transformers "
+            "config to make input_ids from. Pass example_inputs=(tensor, ...) or a kwargs dict."
+        )
+    return made
+
+
 def export_model(model: nn.Module, example_inputs=None) -> torch.export.ExportedProgram:
     """``torch.export.export(strict=False)`` with good errors; inputs from the config if not given.
 
     Raises:
         TraceError: no inputs could be made, or export failed.
     """
-    if example_inputs is None:
-        made = hf_example_inputs(model)
-        if made is None:
-            raise TraceError(
-                f"{type(model).__name__}: no example inputs given and the model has no transformers "
-                "config to make input_ids from. Pass example_inputs=(tensor, ...) or a kwargs dict."
-            )
-        args, kwargs = made
-    else:
-        args, kwargs = _split_inputs(example_inputs)
+    args, kwargs = example_args(model, example_inputs)
     try:
         with torch.no_grad():
             return torch.export.export(model, args, kwargs, strict=False)
     except Exception as error:  # export raises many unrelated types; all mean "cannot trace"
+        from autotp.synth.validate import failing_module
+
+        where = failing_module(model, error)
+        inside = f" inside {where}" if where else ""
         raise TraceError(
-            f"{type(model).__name__}: torch.export.export(strict=False) failed: "
+            f"{type(model).__name__}: torch.export.export(strict=False) failed{inside}: "
             f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}. "
-            "Pass example_inputs that the forward accepts, or write the plan by hand."
+            "Pass example_inputs that the forward accepts (shapes that avoid the failing branch), "
+            f"or write the plan by hand and leave {where or 'that module'} replicated (no plan key for it)."
         ) from error
 
 

@@ -1,0 +1,125 @@
+"""tp larger than the kv heads: replicate each kv head to the ranks whose query heads read it.
+
+With ``kv_heads < tp`` (a multiple of it), a column split would cut kv heads in pieces. Each rank
+instead holds the one kv head its ``heads / tp`` query heads read
+(:class:`~autotp.styles.ReplicatedKVColwise`), and the attention's grouped-query ratio becomes the
+per-rank ``heads / tp`` (:class:`~autotp.styles.KVHeadCounts`). Which attribute holds that ratio is
+found as :mod:`autotp.synth.localize` finds head counts: integer attributes of the attention module
+equal to ``heads / kv_heads``, confirmed by running the module alone at per-rank shapes.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import networkx as nx
+from torch import nn
+
+from autotp.errors import MeshError, working_tp_sizes
+from autotp.synth.analysis import Flow, Shard
+from autotp.synth.graph import refs
+from autotp.synth.local_run import capture_inputs, run_local
+from autotp.synth.localize import _is_count, cutting_module
+from autotp.synth.ops import ATTENTION, MATMULS
+from autotp.synth.roles import Role
+from autotp.synth.trace import collapsed
+
+log = logging.getLogger(__name__)
+
+
+def kv_roots(g: nx.DiGraph, flow: Flow, roles: dict[str, Role], tp: int) -> dict[str, tuple[int, str]]:
+    """Column roots with fewer heads than ``tp`` and than the attention they feed (k/v of grouped-query
+    attention): root -> (kv heads, attention node)."""
+    from autotp.synth.assign import _owner
+
+    found = {}
+    for root in sorted(flow.roots, key=lambda n: g.nodes[n]["order"]):
+        extent = flow.extent.get(root, 0)
+        if not extent or extent >= tp or roles.get(_owner(g, root), Role("", "")).kind != "column":
+            continue
+        for name, data in g.nodes(data=True):
+            if data["op"] not in ATTENTION | MATMULS:
+                continue
+            if any(isinstance(flow.state.get(r.name), Shard) and root in flow.state[r.name].origins
+                   for r in refs(data["args"])):
+                state = flow.state.get(name)
+                heads = data["shape"][state.dim] if isinstance(state, Shard) else 0
+                if extent < heads:  # fewer heads than the attention's: kv of grouped-query attention
+                    found[root] = (extent, name)
+                break
+    return found
+
+
+def ratio_attribute(module: nn.Module, inputs, roles: dict[str, Role], ratio: int, local_ratio: int,
+                    tp: int) -> str | None:
+    """The integer attribute of ``module`` equal to ``ratio`` that, set to ``local_ratio``, lets the
+    module run at per-rank shapes with its global output shapes; ``""`` if it runs so with none
+    changed (grouped-query repeat from shapes), None if neither."""
+    reference = run_local(module, inputs, roles, [], (), 1)
+    if reference is None:
+        return None
+    for name in sorted(n for n, v in vars(module).items() if _is_count(v) and v == ratio):
+        result = run_local(module, inputs, roles, [], (), tp, {name: local_ratio})
+        if result is not None and result[0] == reference[0]:
+            return name
+    bare = run_local(module, inputs, roles, [], (), tp)
+    # No attribute, yet the module runs at per-rank shapes: it repeats kv heads from the shapes
+    # (``enable_gqa=True``), and nothing needs setting.
+    return "" if bare is not None and bare[0] == reference[0] else None
+
+
+def replicate_kv(model: nn.Module, example_inputs, g: nx.DiGraph, flow: Flow, roles: dict[str, Role],
+                 tp: int) -> tuple[dict[str, Role], set[str]]:
+    """Roles for k/v projections with fewer heads than ``tp`` and for their attention modules.
+
+    Returns:
+        ``(new roles by traced FQN, the kv root nodes handled)``.
+    Raises:
+        MeshError: tp is not a multiple of the kv heads, the query heads do not divide over tp, or
+            no attribute of the attention holds the grouped-query ratio.
+    """
+    from autotp.synth.assign import _owner
+
+    found = kv_roots(g, flow, roles, tp)
+    out: dict[str, Role] = {}
+    attention: dict[str, tuple[int, int]] = {}
+    for root, (kv, node) in found.items():
+        owner = _owner(g, root)
+        if tp % kv:
+            raise MeshError(f"{owner}: {kv} kv heads cannot be shared evenly by tp={tp} ranks; use tp a "
+                            f"divisor or a multiple of {kv}")
+        heads = g.nodes[node]["shape"][flow.state[node].dim] if isinstance(flow.state.get(node), Shard) else 0
+        width = g.nodes[root]["shape"][-1]
+        if not heads or heads % tp:
+            raise MeshError(f"{owner}: {heads} query heads cannot be split over tp={tp}; "
+                            f"use tp in {working_tp_sizes([heads])}")
+        out[owner] = Role("kv_column", f"{kv} kv heads < tp={tp}: each rank holds the kv head its query "
+                          "heads read; the copies' gradients are summed", roles[owner].evidence,
+                          kv_heads=kv, head_dim=width // kv)
+        attention[cutting_module(g, root, [node])] = (heads, kv)
+    if attention:
+        out.update(_ratio_roles(model, example_inputs, roles, out, attention, tp))
+    return out, set(found)
+
+
+def _ratio_roles(model, example_inputs, roles, kv_roles, attention, tp) -> dict[str, Role]:
+    captured = capture_inputs(model, example_inputs, set(attention))
+    out = {}
+    for fqn, (heads, kv) in attention.items():
+        prefix = fqn + "."
+        inner = {m[len(prefix):]: r for m, r in {**roles, **kv_roles}.items()
+                 if m.startswith(prefix) and r.kind != "replicate"}
+        with collapsed(model):
+            module = model.get_submodule(fqn)
+            name = None
+            if fqn in captured:
+                name = ratio_attribute(module, captured[fqn], inner, heads // kv, heads // tp, tp)
+        if name is None:
+            raise MeshError(f"{fqn}: tp={tp} exceeds its {kv} kv heads and no integer attribute equal to "
+                            f"heads / kv_heads = {heads // kv} sets its grouped-query ratio; use tp <= {kv} "
+                            "or write the plan by hand with KVHeadCounts")
+        if not name:
+            continue
+        out[fqn] = Role("kv_head_counts", f"tp={tp} > {kv} kv heads: {name} becomes the per-rank ratio "
+                        f"heads / tp = {heads // tp}", (fqn,), names=(name,), heads=heads)
+    return out

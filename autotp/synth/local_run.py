@@ -1,0 +1,225 @@
+"""Run one module alone on meta tensors at per-rank shapes, to confirm what the graph cannot show.
+
+Synthesis sees constants in the traced graph, not the attributes they came from. To check a guess
+(divide these head counts; set this grouped-query ratio), the module is copied to meta with its
+Linears at their per-rank widths, run on the inputs it got in a fake forward of the model, and
+either its cuts of a fused output are recorded (:func:`run_local`) or it is re-traced and compared
+op for op with the global trace (:func:`trace_local`, :func:`shapes_are_local`). Nothing is
+allocated: meta tensors have shapes only.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+
+import networkx as nx
+import torch
+from torch import nn
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from autotp.synth.analysis import Shard, is_linear, propagate
+from autotp.synth.graph import build_graph
+from autotp.synth.ops import PASSTHROUGH
+from autotp.synth.roles import Role
+from autotp.synth.trace import collapsed, example_args
+
+log = logging.getLogger(__name__)
+
+# Cuts whose sizes are absolute numbers; ``chunk`` (a count of parts) is local-correct as it is.
+FIXED_SIZE_CUTS = frozenset({"slice", "split", "split_with_sizes"})
+
+
+def _to_meta(value):
+    if isinstance(value, torch.Tensor):
+        return torch.empty(value.shape, dtype=value.dtype, device="meta")
+    if isinstance(value, (tuple, list)):
+        return type(value)(_to_meta(v) for v in value)
+    if isinstance(value, dict):
+        return {k: _to_meta(v) for k, v in value.items()}
+    return value
+
+
+def capture_inputs(model: nn.Module, example_inputs, fqns: set[str]) -> dict[str, tuple[tuple, dict]]:
+    """The inputs each module in ``fqns`` (traced FQNs) gets, as meta tensors, from one fake forward."""
+    captured: dict[str, tuple[tuple, dict]] = {}
+    args, kwargs = example_args(model, example_inputs)
+    with collapsed(model):
+        handles = []
+        for fqn in fqns:
+            def hook(mod, a, k, fqn=fqn):
+                captured.setdefault(fqn, (a, k))
+            handles.append(model.get_submodule(fqn).register_forward_pre_hook(hook, with_kwargs=True))
+        try:
+            with torch.no_grad(), FakeTensorMode(allow_non_fake_inputs=True):
+                model(*args, **kwargs)
+        except Exception as error:  # any failure only means we cannot confirm: fall back
+            log.debug("fake forward for localization failed: %s", error)
+        finally:
+            for handle in handles:
+                handle.remove()
+    # Fake tensors belong to the fake mode: keep only their shapes, as plain meta tensors.
+    return {fqn: (_to_meta(a), _to_meta(k)) for fqn, (a, k) in captured.items()}
+
+
+def _meta_copy(module: nn.Module) -> nn.Module:
+    """A copy of ``module`` on meta (parameters are not copied, only their shapes)."""
+    memo = {id(t): nn.Parameter(torch.empty(t.shape, dtype=t.dtype, device="meta"), requires_grad=False)
+            for t in module.parameters()}
+    memo.update({id(t): torch.empty(t.shape, dtype=t.dtype, device="meta") for t in module.buffers()})
+    return copy.deepcopy(module, memo)
+
+
+# Role kind -> which dim of each parameter is per-rank (None: the role's own ``param_dims``).
+_LOCAL_DIMS = {"column": 0, "packed_column": 0, "head": 0, "row": 1, "width_norm": 0, "kv_column": 0}
+
+
+def _shrink(module: nn.Module, role: Role, tp: int) -> None:
+    """Give ``module``'s parameters their per-rank shapes under ``role``."""
+    dims = dict(role.param_dims) if role.kind == "experts" else None
+    for name, param in list(module.named_parameters(recurse=False)):
+        dim = dims.get(name) if dims is not None else _LOCAL_DIMS.get(role.kind)
+        if dim is None or (role.kind == "row" and param.ndim < 2):
+            continue
+        shape = list(param.shape)
+        # A replicated kv projection holds one head per rank, whatever tp is.
+        shape[dim] = role.head_dim if role.kind == "kv_column" else shape[dim] // tp
+        setattr(module, name, nn.Parameter(torch.empty(shape, dtype=param.dtype, device="meta"), requires_grad=False))
+
+
+def _local_copy(module: nn.Module, roles: dict[str, Role], names: tuple[str, ...], tp: int) -> nn.Module:
+    """A meta copy of ``module`` with per-rank parameter shapes and ``names`` divided by ``tp``."""
+    local = _meta_copy(module)
+    if tp > 1:
+        for name, role in roles.items():
+            _shrink(local.get_submodule(name), role, tp)
+        _divide(local, names, tp)
+    return local
+
+
+def _divide(module: nn.Module, names: tuple[str, ...], tp: int) -> None:
+    for name in names:
+        *path, attr = name.split(".")
+        owner = module
+        for part in path:
+            owner = getattr(owner, part)
+        setattr(owner, attr, getattr(owner, attr) // tp)
+
+
+class _CutRecorder(TorchDispatchMode):
+    """Records ``[start, end)`` of every cut along the last dim of the tensors in ``watched``."""
+
+    def __init__(self):
+        super().__init__()
+        self.watched: dict[int, int] = {}  # id(tensor) -> index of the fused Linear
+        self.cuts: dict[int, set] = {}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        source = args[0] if args else None
+        index = self.watched.get(id(source)) if isinstance(source, torch.Tensor) else None
+        if index is not None:
+            self._record(index, func._schema.name.split("::")[-1], source, args)
+        return out
+
+    def _record(self, index, op, source, args):
+        width, last = source.shape[-1], source.ndim - 1
+        dim = (args[1] if len(args) > 1 else 0) if op == "slice" else (args[2] if len(args) > 2 else 0)
+        if op not in FIXED_SIZE_CUTS | {"chunk"} or dim % source.ndim != last:
+            return
+        if op == "slice":
+            start = (args[2] or 0) if len(args) > 2 else 0
+            end = min(args[3], width) if len(args) > 3 and args[3] is not None else width
+            ranges = [(start % width if start < 0 else start, end % width if end < 0 else end)]
+        else:
+            sizes = args[1] if op == "split_with_sizes" else None
+            if op == "split":
+                sizes = [min(args[1], width - s) for s in range(0, width, args[1])]
+            ranges = [(sum(sizes[:i]), sum(sizes[: i + 1])) for i in range(len(sizes))]
+        self.cuts.setdefault(index, set()).update(ranges)
+
+
+def run_local(module: nn.Module, inputs: tuple[tuple, dict], roles: dict[str, Role], fused: list[str],
+              names: tuple[str, ...], tp: int, assign: dict[str, int] | None = None):
+    """Run a meta copy of ``module`` with per-rank widths and ``names`` divided by ``tp``.
+
+    Args:
+        roles: roles of ``module``'s submodules, by name relative to ``module``.
+        fused: relative names of the fused Linears whose cuts are recorded.
+        assign: attributes of ``module`` set to the given per-rank values.
+    Returns:
+        ``(output shapes, {fused index: set of cuts})``, or None if the forward fails.
+    """
+    local = _local_copy(module, roles, names, tp)
+    for name, value in (assign or {}).items():
+        setattr(local, name, value)
+    recorder = _CutRecorder()
+    keep = []  # the watched outputs stay alive, so their ids are not reused
+
+    def watch(index):
+        def hook(mod, args, out):
+            keep.append(out)
+            recorder.watched[id(out)] = index
+        return hook
+
+    for index, name in enumerate(fused):
+        local.get_submodule(name).register_forward_hook(watch(index))
+    args, kwargs = inputs
+    try:
+        with torch.no_grad(), recorder:
+            out = local(*args, **kwargs)
+    except Exception as error:  # a wrong guess usually fails on a shape: that is the answer
+        log.debug("local run of %s with %s divided failed: %s", type(module).__name__, names, error)
+        return None
+    return _shapes(out), recorder.cuts
+
+
+def _shapes(out):
+    if isinstance(out, torch.Tensor):
+        return tuple(out.shape)
+    if isinstance(out, (tuple, list)):
+        return tuple(_shapes(o) for o in out)
+    return None
+
+def trace_local(module: nn.Module, inputs, roles: dict[str, Role], names: tuple[str, ...], tp: int):
+    """The analysis graph of a meta copy of ``module`` at per-rank widths (``tp`` 1: global)."""
+    local = _local_copy(module, roles, names, tp)
+    args, kwargs = inputs
+    try:
+        with torch.no_grad():
+            return build_graph(torch.export.export(local, args, kwargs, strict=False))
+    except Exception as error:  # cannot trace alone: cannot confirm
+        log.debug("export of %s alone failed: %s", type(module).__name__, error)
+        return None
+
+
+def shapes_are_local(g: nx.DiGraph, local: nx.DiGraph, roles: dict[str, Role], tp: int) -> bool:
+    """Whether graph ``local`` is ``g`` op for op, with each sharded dim divided by ``tp``.
+
+    The sharded dims are those of :func:`~autotp.synth.analysis.propagate` on ``g`` started from
+    the Linears that ``roles`` shards; every other dim must keep its global size (parameters are
+    per-rank by construction and not compared).
+    """
+    from autotp.synth.assign import _owner
+
+    active = {n for n in g.nodes if is_linear(g, n) and roles.get(_owner(g, n), Role("", "")).kind in _STARTS}
+    flow = propagate(g, active)
+    order = lambda graph: sorted(graph.nodes, key=lambda n: graph.nodes[n]["order"])  # noqa: E731
+    # Copies may vanish at per-rank shapes (``contiguous`` of a tensor with one head is a no-op).
+    nodes = [n for n in order(g) if g.nodes[n]["op"] not in PASSTHROUGH]
+    local_nodes = [n for n in order(local) if local.nodes[n]["op"] not in PASSTHROUGH]
+    if [g.nodes[n]["op"] for n in nodes] != [local.nodes[n]["op"] for n in local_nodes]:
+        return False
+    for name, local_name in zip(nodes, local_nodes):
+        shape, local_shape = g.nodes[name]["shape"], local.nodes[local_name]["shape"]
+        state = flow.state.get(name)
+        if isinstance(state, Shard) and shape is not None:
+            shape = tuple(s // tp if d == state.dim else s for d, s in enumerate(shape))
+        if shape != local_shape and not isinstance(state, tuple) and g.nodes[name]["kind"] == "call":
+            return False
+    return True
+
+
+# Roles whose Linear starts a shard in the module re-traced alone.
+_STARTS = frozenset({"column", "packed_column", "head"})

@@ -1,0 +1,190 @@
+"""Fused outputs cut with fixed sizes: find the integer attributes that make the cuts local.
+
+A packed column Linear (``qkv_proj``, nanoGPT's ``c_attn``) holds ``size / tp`` of every part on
+each rank, but the code that cuts its output often computes the cut points from attributes that
+hold global numbers (``qkv[..., : config.num_attention_heads * head_dim]``, ``split(self.n_embd)``).
+The traced graph shows only the constants, not where they came from. This pass:
+
+1. lists the parts' widths and head counts (head size from the view that follows each part);
+2. takes as candidates the integer attributes of the module that cuts the output (and of the plain
+   objects it holds, such as its ``config``, one level deep) equal to one of those numbers;
+3. re-runs that module alone on meta tensors, with its Linears at their per-rank widths and a
+   subset of the candidates divided by tp, and records where the fused output is cut. The smallest
+   subset whose cuts are exactly the per-rank parts (and whose outputs keep their global shapes) is
+   the answer, realised by :class:`~autotp.styles.ShardCounts`.
+
+When no subset works (widths taken from ``x.size()``, module constants), the fused Linear is
+reported with the reason and stays replicated: never a plan that runs and computes the wrong thing.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+from dataclasses import dataclass, field
+
+import networkx as nx
+import torch
+from torch import nn
+
+from autotp.synth.analysis import Flow, Shard
+from autotp.synth.graph import Ref
+from autotp.synth.local_run import FIXED_SIZE_CUTS, capture_inputs, run_local, shapes_are_local, trace_local
+from autotp.synth.ops import VIEW_LIKE
+from autotp.synth.roles import Role
+from autotp.synth.trace import collapsed
+
+log = logging.getLogger(__name__)
+
+# How many candidate attributes one module may need divided together (Phi3 needs 2).
+MAX_NAMES = 3
+
+
+@dataclass
+class Localization:
+    """What the pass found: attribute names per module, and fused Linears that cannot be localized."""
+
+    counts: dict[str, tuple[str, ...]] = field(default_factory=dict)
+    unlocal: dict[str, str] = field(default_factory=dict)  # linear node -> reason
+
+
+def fixed_size_roots(g: nx.DiGraph, flow: Flow) -> dict[str, list[str]]:
+    """Packed candidates whose output is cut by a fixed-size op: root -> the cutting nodes."""
+    found = {}
+    for root, nodes in flow.split_nodes.items():
+        if root in flow.roots and any(g.nodes[n]["op"] in FIXED_SIZE_CUTS for n in nodes):
+            found[root] = nodes
+    return found
+
+
+def cutting_module(g: nx.DiGraph, root: str, nodes: list[str]) -> str:
+    """Innermost module that ran the Linear and every cut: the one whose code computes the cuts."""
+    stacks = [g.nodes[n]["stack"] for n in (root, *nodes)]
+    common = ""
+    for level in zip(*stacks):
+        if len(set(level)) > 1:
+            break
+        common = level[0]
+    return common
+
+
+def part_numbers(g: nx.DiGraph, flow: Flow, root: str) -> set[int]:
+    """Widths of ``root``'s parts and, where a view splits a part into heads, its head count."""
+    numbers = set()
+    for start, end in set(flow.splits[root]):
+        numbers.add(end - start)
+    for node in flow.split_nodes[root]:
+        for succ in nx.bfs_tree(g, node, depth_limit=4):
+            data = g.nodes[succ]
+            state = flow.state.get(succ)
+            if data["op"] not in VIEW_LIKE or not isinstance(state, Shard) or root not in state.origins:
+                continue
+            source = data["args"][0]
+            in_shape = g.nodes[source.name]["shape"] if isinstance(source, Ref) else None
+            if in_shape and data["shape"][state.dim] < in_shape[-1]:
+                numbers.add(data["shape"][state.dim])
+    return {n for n in numbers if n > 1}
+
+
+def candidate_names(module: nn.Module, values: set[int]) -> list[str]:
+    """Integer attributes of ``module`` and of the plain objects it holds (one level) in ``values``.
+
+    Sorted module attributes first, then dotted ones, so the result is stable and readable.
+    """
+    names = []
+    for name, value in vars(module).items():
+        if _is_count(value) and value in values:
+            names.append(name)
+        elif _plain_object(value):
+            for sub, inner in vars(value).items():
+                if _is_count(inner) and inner in values:
+                    names.append(f"{name}.{sub}")
+    return sorted(names, key=lambda n: (n.count("."), n))
+
+
+def _is_count(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _plain_object(value) -> bool:
+    return (hasattr(value, "__dict__") and not isinstance(value, (nn.Module, torch.Tensor, type))
+            and not callable(value))
+
+def local_ranges(sizes: tuple[int, ...], tp: int) -> set[tuple[int, int]]:
+    """The per-rank parts of a fused output of parts ``sizes``.
+
+    >>> sorted(local_ranges((64, 32, 32), 2))
+    [(0, 32), (32, 48), (48, 64)]
+    """
+    local = [s // tp for s in sizes]
+    return {(sum(local[:i]), sum(local[: i + 1])) for i in range(len(local))}
+
+
+def find_names(module: nn.Module, inputs, roles: dict[str, Role], fused: dict[str, tuple[int, ...]],
+               candidates: list[str], tp: int) -> tuple[str, ...] | None:
+    """The smallest set of ``candidates`` that makes every fused output's cuts per-rank, or None."""
+    names_of = list(fused)
+    reference = run_local(module, inputs, roles, names_of, (), 1)
+    if reference is None:
+        return None
+    expected = {i: local_ranges(fused[n], tp) for i, n in enumerate(names_of)}
+    traced = None
+    for count in range(min(MAX_NAMES, len(candidates)) + 1):
+        for names in itertools.combinations(candidates, count):
+            result = run_local(module, inputs, roles, names_of, names, tp)
+            if result is None or result[0] != reference[0] or result[1] != expected:
+                continue
+            # Right cuts, right outputs; now every intermediate shape must be the per-rank one
+            # (a head size halved instead of the head count would pass the checks above).
+            if traced is None:
+                traced = trace_local(module, inputs, roles, (), 1)
+                if traced is None:
+                    return None
+            local = trace_local(module, inputs, roles, names, tp)
+            if local is not None and shapes_are_local(traced, local, roles, tp):
+                return names
+    return None
+
+def localize(model: nn.Module, example_inputs, g: nx.DiGraph, flow: Flow, roles: dict[str, Role],
+             tp: int) -> Localization:
+    """For every fused Linear cut with fixed sizes: the attributes to divide, or why it cannot be.
+
+    Args:
+        model: the model that was traced (its traced FQNs are those of ``roles``).
+        example_inputs: as given to ``synthesize``.
+        g, flow, roles: the converged analysis.
+        tp: the tp size to check the cuts at (any size that divides the parts behaves alike).
+    Returns:
+        A :class:`Localization`.
+    """
+    from autotp.synth.assign import _owner
+
+    result = Localization()
+    by_module: dict[str, list[str]] = {}
+    for root, nodes in fixed_size_roots(g, flow).items():
+        by_module.setdefault(cutting_module(g, root, nodes), []).append(root)
+    if not by_module:
+        return result
+    captured = capture_inputs(model, example_inputs, {m for m in by_module if m})
+    for fqn, roots in by_module.items():
+        prefix = fqn + "." if fqn else ""
+        inner = {m[len(prefix):]: r for m, r in roles.items() if m.startswith(prefix) and r.kind != "replicate"}
+        fused = {_owner(g, r)[len(prefix):]: roles[_owner(g, r)].sizes for r in roots}
+        values = set().union(*(part_numbers(g, flow, r) for r in roots))
+        with collapsed(model):
+            module = model.get_submodule(fqn)
+            candidates = candidate_names(module, values)
+            names = None
+            if fqn in captured:
+                names = find_names(module, captured[fqn], inner, fused, candidates, tp)
+        if names is None:
+            tried = ", ".join(candidates) or "none found"
+            for root in roots:
+                result.unlocal[root] = (
+                    f"its output is cut with fixed sizes {sorted(set(flow.splits[root]))} in "
+                    f"{fqn or 'the root'}, and no integer attributes there (tried: {tried}) divided by tp "
+                    "make the cuts per-rank (sizes from x.size() or constants?); kept whole")
+        elif names:
+            result.counts[fqn] = names
+        log.info("localize %s: %s", fqn, names)
+    return result

@@ -1,0 +1,82 @@
+"""ParallelStyles that only synthesized plans use (kept apart from :mod:`autotp.styles`).
+
+- :class:`PartialExpertsParallel`: :class:`~autotp.styles.ExpertsParallel` that leaves its output a
+  per-rank partial sum, for the MoE block around it to reduce-scatter under sequence parallel.
+- :class:`GatherSequenceInput`: all-gather a module's sequence-sharded inputs once at its entry,
+  for column Linears that read the residual stream with no norm before them.
+"""
+
+from __future__ import annotations
+
+from functools import partial
+
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor.parallel.style import ParallelStyle
+
+from autotp.styles import ExpertsParallel
+
+__all__ = ["GatherSequenceInput", "PartialExpertsParallel"]
+
+
+class PartialExpertsParallel(ExpertsParallel):
+    """Experts sharded on their FFN dim whose output stays a per-rank partial sum (no all-reduce).
+
+    Under sequence parallel the MoE block's output goes back to the ``Shard(1)`` residual stream.
+    :class:`~autotp.styles.ExpertsParallel` would all-reduce the partial sum and the block would
+    then drop all but its own sequence slice: a reduce-scatter does the same with half the traffic.
+    So the reduction is left to the block: ``PrepareModuleOutput(output_layouts=Partial(),
+    desired_output_layouts=Shard(1))``. The inputs' gradients are still all-reduced (each rank's
+    slice of every expert contributes to them), as in the parent style.
+
+    Keyword Args:
+        shard_dims, packed: as for :class:`~autotp.styles.ExpertsParallel`.
+
+    Example::
+        >>> plan = {"model.layers.*.mlp.experts": PartialExpertsParallel(),
+        ...         "model.layers.*.mlp": PrepareModuleOutput(output_layouts=Partial(),
+        ...                                                   desired_output_layouts=Shard(1))}
+    """
+
+    def _prepare_output(self, output, device_mesh):
+        return output
+
+
+class GatherSequenceInput(ParallelStyle):
+    """All-gather a module's sequence-sharded inputs once, for the column Linears inside it.
+
+    Without a norm before them (OLMo2 normalises after attention and MLP), q, k and v read the
+    ``Shard(1)`` residual stream directly, and ``ColwiseParallel(input_layouts=Shard(1))`` on each
+    would all-gather the same tensor three times. Here every DTensor argument sharded on the
+    sequence is redistributed to ``Replicate()`` once, at the module's entry, and passed on as a
+    plain tensor; positional or keyword, whatever the caller used.
+
+    Keyword Args:
+        sequence_dim (int): the sequence dimension of the sharded inputs. Default: 1.
+
+    Example::
+        >>> plan = {"model.layers.*.self_attn": GatherSequenceInput()}
+    """
+
+    def __init__(self, *, sequence_dim: int = 1):
+        super().__init__()
+        self.sequence_dim = sequence_dim
+
+    @staticmethod
+    def _gather(sequence_dim, value):
+        if isinstance(value, DTensor) and value.placements == (Shard(sequence_dim),):
+            return value.redistribute(placements=[Replicate()]).to_local()
+        return value
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        gather = partial(self._gather, self.sequence_dim)
+
+        def pre_hook(mod, args, kwargs):
+            return tuple(gather(a) for a in args), {k: gather(v) for k, v in kwargs.items()}
+
+        module.register_forward_pre_hook(pre_hook, with_kwargs=True)
+        return module
+
+    def __repr__(self) -> str:
+        return f"{self.__class__.__name__}(sequence_dim={self.sequence_dim})"

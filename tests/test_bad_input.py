@@ -1,0 +1,113 @@
+"""Every bad input ends in an AutoTPError subclass with a message that names the fix (README table)."""
+
+import pytest
+import torch
+from torch import nn
+
+import handwritten_plans
+from autotp import get_plan, synthesize, verify
+from autotp._simulate import simulated_mesh
+from autotp.apply import apply_plan, validate_tp_mesh
+from autotp.errors import AutoTPError, MeshError, PlanError, TraceError, VerificationError
+from autotp.models import build_model
+from torch.distributed.device_mesh import init_device_mesh
+
+
+class DataDependent(nn.Module):
+    """A decoder whose block branches on a tensor value: torch.export cannot trace it."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Embedding(64, 32)
+        self.layers = nn.ModuleList([Branchy(), Branchy()])
+        self.head = nn.Linear(32, 64)
+
+    def forward(self, ids):
+        h = self.embed(ids)
+        for layer in self.layers:
+            h = layer(h)
+        return self.head(h)
+
+
+class Branchy(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(32, 32)
+
+    def forward(self, h):
+        if h.sum() > 0:
+            return h + self.fc(h)
+        return h
+
+
+class NoBlocks(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Embedding(64, 32)
+        self.up, self.down, self.head = nn.Linear(32, 64), nn.Linear(64, 32), nn.Linear(32, 64)
+
+    def forward(self, ids):
+        return self.head(self.down(torch.relu(self.up(self.embed(ids)))))
+
+
+class ConvNet(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.layers = nn.ModuleList([nn.Conv2d(3, 3, 3, padding=1) for _ in range(2)])
+        self.fc = nn.Linear(3, 10)
+
+    def forward(self, x):
+        for conv in self.layers:
+            x = torch.relu(conv(x))
+        return self.fc(x.mean((2, 3)))
+
+
+IDS = torch.randint(0, 64, (2, 8))
+
+
+def test_untraceable_model_names_module_and_ways_out():
+    with pytest.raises(TraceError) as info:
+        synthesize(DataDependent(), example_inputs=(IDS,))
+    message = str(info.value)
+    assert "layers.0" in message and "example_inputs" in message and "replicate" in message
+
+
+def test_model_without_repeated_block():
+    with pytest.raises(TraceError, match="no repeated block"):
+        synthesize(NoBlocks(), example_inputs=(IDS,))
+
+
+def test_non_language_model():
+    with pytest.raises(TraceError, match="not a language model"):
+        synthesize(ConvNet(), example_inputs=(torch.randn(2, 3, 8, 8),))
+
+
+def test_mesh_of_wrong_dimension():
+    model = build_model("llama", tiny=True, tp=2, device="cpu")
+    with simulated_mesh(4):
+        with pytest.raises(MeshError, match="1-D"):
+            validate_tp_mesh(model, init_device_mesh("cpu", (2, 2)))
+
+
+def test_sizes_tp_does_not_divide():
+    model = build_model("llama", tiny=True, tp=2, device="cpu")
+    with simulated_mesh(3) as mesh:
+        with pytest.raises(MeshError, match="tp=3"):
+            apply_plan(model, mesh, handwritten_plans.plan_for(model))
+
+
+def test_meta_model_passed_to_verify():
+    model = build_model("llama")
+    with pytest.raises(VerificationError, match="meta device"):
+        verify(model, handwritten_plans.plan_for(model))
+
+
+def test_tp_shard_plan_import_path_that_does_not_exist():
+    model = build_model("llama")
+    with pytest.raises(PlanError, match="cannot import module"):
+        get_plan(model, tp_shard_plan="my_project.plans.LLAMA_PLAN")
+
+
+def test_all_errors_share_one_root():
+    for cls in (MeshError, PlanError, TraceError, VerificationError):
+        assert issubclass(cls, AutoTPError)
