@@ -166,7 +166,8 @@ def check_plan(model: nn.Module, plan: Plan, *, tp_size: int, example_inputs=Non
     resolved, findings = _resolve_findings(model, plan)
     if any(f.kind == "conflicting_keys" for f in findings):
         return findings
-    findings += _size_findings(model, plan, tp_size)
+    unmatched = {f.module for f in findings if f.kind == "unmatched_key"}
+    findings += _size_findings(model, {k: v for k, v in plan.items() if k not in unmatched}, tp_size)
     if any(f.kind == "indivisible" for f in findings):
         return findings  # heads cut in pieces: every graph finding would repeat this one
     findings += _graph_findings(model, resolved, example_inputs)

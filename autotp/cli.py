@@ -2,8 +2,10 @@
 
 ``autotp plan MODEL`` builds the real-size model on the meta device (milliseconds, no weights),
 chooses a plan, and prints it as a table with the parameter memory each rank would hold.
-``autotp verify MODEL`` builds a tiny random model of the same architecture on CPU, shards it over
-simulated ranks and compares it with the unsharded model. This is the only module that prints.
+``autotp check MODEL`` reads a plan (chosen, or a user's ``--plan FILE.py:NAME``) against the model's
+dataflow graph and prints what would make it wrong. ``autotp verify MODEL`` builds a tiny random
+model of the same architecture on CPU, shards it over simulated ranks and compares it with the
+unsharded model. This is the only module that prints.
 """
 
 from __future__ import annotations
@@ -19,15 +21,17 @@ from torch import nn
 
 from autotp import models
 from autotp.apply import check_divisible
+from autotp.check import Finding, check_plan
 from autotp.errors import AutoTPError, MeshError
 from autotp.memory import format_bytes, param_bytes_per_rank
 from autotp.plan import Plan, describe_plan, describe_style
-from autotp.selection import get_plan
+from autotp.selection import get_plan, load_plan_file
 from autotp.verifier import verify
 
 SOURCES = ("auto", "handwritten", "hf", "synth")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-# Exit codes: 1 = verification ran and found a difference; 2 = bad input (argparse uses 2 too).
+# Exit codes: 1 = verification found a difference, or the checker found a problem in the plan;
+# 2 = bad input (argparse uses 2 too).
 EXIT_MISMATCH, EXIT_ERROR = 1, 2
 
 
@@ -59,9 +63,16 @@ def _parser() -> argparse.ArgumentParser:
     plan.add_argument("--explain", action="store_true", help="also print why each module got its role")
     plan.add_argument(
         "--check", action="store_true",
-        help="exit 2 unless tp divides every head count and sharded dim (otherwise only a warning)",
+        help="check the plan against the model's graph (as `autotp check`): exit 2 unless tp divides "
+             "every head count and sharded dim (otherwise only a warning), 1 if the checker finds a problem",
     )
     plan.set_defaults(run=_run_plan)
+
+    check = commands.add_parser("check", help="find what would make a plan wrong, statically (no numerics)")
+    check.add_argument("model", metavar="MODEL", help=model_help)
+    _add_plan_options(check, default_tp=8)
+    check.add_argument("--json", action="store_true", help="print the findings as JSON")
+    check.set_defaults(run=_run_check)
 
     verify = commands.add_parser("verify", help="check the plan numerically on a tiny model")
     verify.add_argument("model", metavar="MODEL", help=model_help)
@@ -82,7 +93,11 @@ def _add_plan_options(parser: argparse.ArgumentParser, *, default_tp: int | None
     parser.add_argument("--sp", action="store_true", help="sequence-parallel variant of the plan")
     parser.add_argument(
         "--source", choices=SOURCES, default="auto",
-        help="where the plan comes from; auto = custom, handwritten, hf, synthesized, in that order",
+        help="where the plan comes from; auto = handwritten, hf, synthesized, in that order",
+    )
+    parser.add_argument(
+        "--plan", metavar="FILE.py:NAME", default=None,
+        help="use your own plan: NAME in FILE.py, a plan dict or a function f(model, sequence_parallel=...)",
     )
 
 
@@ -93,12 +108,16 @@ def _positive_int(text: str) -> int:
     return value
 
 
-def choose_plan(model: nn.Module, *, source: str = "auto", sequence_parallel: bool = False) -> tuple[Plan, str]:
-    """The plan for ``model`` from ``source`` (a :data:`SOURCES` name), and the source that supplied it.
+def choose_plan(model: nn.Module, *, source: str = "auto", sequence_parallel: bool = False,
+                plan_file: str | None = None) -> tuple[Plan, str]:
+    """The plan for ``model`` from ``plan_file`` or else ``source`` (a :data:`SOURCES` name), and
+    where it came from.
 
     Raises:
-        PlanError: the source has no plan for this model.
+        PlanError: the file or the source has no plan for this model.
     """
+    if plan_file is not None:
+        return load_plan_file(plan_file, model, sequence_parallel=sequence_parallel), plan_file
     choice = get_plan(
         model, sequence_parallel=sequence_parallel, source="synthesized" if source == "synth" else source
     )
@@ -110,7 +129,7 @@ def choose_plan(model: nn.Module, *, source: str = "auto", sequence_parallel: bo
 
 def _run_plan(args: argparse.Namespace) -> int:
     model = models.build_model(args.model, dtype=DTYPES[args.dtype])
-    plan, source = choose_plan(model, source=args.source, sequence_parallel=args.sp)
+    plan, source = _args_plan(args, model)
     try:
         check_divisible(model, args.tp, plan)
     except MeshError as error:
@@ -124,8 +143,9 @@ def _run_plan(args: argparse.Namespace) -> int:
 
         explanation = explain(model, sequence_parallel=args.sp)
     if args.json:
-        print(json.dumps(_plan_json(args, model, plan, source, per_rank, total, explanation), indent=2))
-        return 0
+        findings = check_plan(model, plan, tp_size=args.tp) if args.check else None
+        print(json.dumps(_plan_json(args, model, plan, source, per_rank, total, explanation, findings), indent=2))
+        return EXIT_MISMATCH if findings else 0
     print(_plan_heading(args, model, source))
     print()
     print(format_table(["pattern", "style", "input", "output", "local", "options"], plan_rows(plan)))
@@ -135,13 +155,19 @@ def _run_plan(args: argparse.Namespace) -> int:
         f"parameters per rank at tp={args.tp} ({args.dtype}): {format_bytes(per_rank)} "
         f"of {format_bytes(total)} ({share:.1%})"
     )
+    findings = check_plan(model, plan, tp_size=args.tp) if args.check else []
     if args.check:
         print(f"check: tp={args.tp} divides every head count and every sharded dimension")
+        print(_findings_text(findings))
     if explanation is not None:
         print()
         print("why each module got its role (synthesizer):")
         print(format_table(["module", "role", "style", "reason"], [_explain_row(r) for r in explanation]))
-    return 0
+    return EXIT_MISMATCH if findings else 0
+
+
+def _args_plan(args: argparse.Namespace, model: nn.Module) -> tuple[Plan, str]:
+    return choose_plan(model, source=args.source, sequence_parallel=args.sp, plan_file=args.plan)
 
 
 def _explain_row(record) -> list[str]:
@@ -159,7 +185,7 @@ def _plan_heading(args: argparse.Namespace, model: nn.Module, source: str) -> st
     )
 
 
-def _plan_json(args, model, plan, source, per_rank, total, explanation) -> dict:
+def _plan_json(args, model, plan, source, per_rank, total, explanation, findings=None) -> dict:
     return {
         "model": args.model,
         "model_class": type(model).__name__,
@@ -169,7 +195,37 @@ def _plan_json(args, model, plan, source, per_rank, total, explanation) -> dict:
         "plan": describe_plan(plan),
         "memory": {"dtype": args.dtype, "per_rank_bytes": per_rank, "total_bytes": total},
         **({"explanation": [_record_json(r) for r in explanation]} if explanation is not None else {}),
+        **({"findings": [_finding_json(f) for f in findings]} if findings is not None else {}),
     }
+
+
+def _finding_json(finding: Finding) -> dict:
+    return {"module": finding.module, "kind": finding.kind, "problem": finding.problem, "fix": finding.fix}
+
+
+def _findings_text(findings: list[Finding]) -> str:
+    if not findings:
+        return "check: no finding (every shard is closed, fused outputs packed, norms exact)"
+    rows = [[f.module, f.kind, f.problem, f.fix] for f in findings]
+    return f"check: {len(findings)} finding(s)\n" + format_table(["module", "kind", "problem", "fix"], rows)
+
+
+# --- autotp check ------------------------------------------------------------------------------
+
+
+def _run_check(args: argparse.Namespace) -> int:
+    """Check the plan statically on the real-size model (meta device: shapes only)."""
+    model = models.build_model(args.model)
+    plan, source = _args_plan(args, model)
+    findings = check_plan(model, plan, tp_size=args.tp)
+    if args.json:
+        print(json.dumps({"model": args.model, "model_class": type(model).__name__, "source": source,
+                          "tp": args.tp, "sequence_parallel": args.sp,
+                          "findings": [_finding_json(f) for f in findings]}, indent=2))
+    else:
+        print(_plan_heading(args, model, source))
+        print(_findings_text(findings))
+    return EXIT_MISMATCH if findings else 0
 
 
 def _record_json(record) -> dict:
@@ -263,7 +319,7 @@ def format_table(header: list[str], rows: list[list[str]]) -> str:
 def _run_verify(args: argparse.Namespace) -> int:
     tp = _verify_tp(args)
     model = models.build_model(args.model, tiny=True, tp=tp, device="cpu", seed=args.seed)
-    plan, source = choose_plan(model, source=args.source, sequence_parallel=args.sp)
+    plan, source = _args_plan(args, model)
     where = f"{args.procs} gloo processes" if args.procs else "simulated ranks"
     print(f"{args.model}: tiny {type(model).__name__}, plan source: {source}, tp={tp} on {where}")
     backward = not args.no_backward

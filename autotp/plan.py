@@ -7,6 +7,7 @@ tables, JSON and plan comparison), and the per-module difference of two plans.
 
 from __future__ import annotations
 
+import difflib
 import re
 from fnmatch import fnmatch
 
@@ -75,11 +76,17 @@ def resolve(model: nn.Module, plan: Plan) -> dict[str, tuple[str, ParallelStyle]
 
 
 def _close_names(key: str, names: list[str], limit: int = 3) -> list[str]:
-    """Module names sharing the key's last atom, to suggest in an error."""
+    """Module names to suggest in an error: those sharing the key's last atom, else the most
+    similar ones (a wildcard compared as layer 0).
+
+    >>> _close_names("model.layers.*.mlp.gate_up_proj", ["model.layers.0.mlp", "model.layers.0.mlp.up_proj"])
+    ['model.layers.0.mlp.up_proj', 'model.layers.0.mlp']
+    """
     leaf = key.rsplit(".", 1)[-1]
     pattern = re.compile(re.escape(leaf).replace(r"\*", ".*"))
     close = [name for name in names if pattern.fullmatch(name.rsplit(".", 1)[-1])]
-    return close[:limit] or names[:limit]
+    similar = difflib.get_close_matches(key.replace("*", "0"), names, n=limit, cutoff=0.5)
+    return close[:limit] or similar or names[:limit]
 
 
 def describe_style(style: ParallelStyle) -> dict:

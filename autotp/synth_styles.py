@@ -34,6 +34,8 @@ class PartialExpertsParallel(ExpertsParallel):
         shard_dims, packed: as for :class:`~autotp.styles.ExpertsParallel`.
 
     Example::
+        >>> from torch.distributed.tensor import Partial, Shard
+        >>> from torch.distributed.tensor.parallel import PrepareModuleOutput
         >>> plan = {"model.layers.*.mlp.experts": PartialExpertsParallel(),
         ...         "model.layers.*.mlp": PrepareModuleOutput(output_layouts=Partial(),
         ...                                                   desired_output_layouts=Shard(1))}

@@ -111,3 +111,13 @@ def test_tp_shard_plan_import_path_that_does_not_exist():
 def test_all_errors_share_one_root():
     for cls in (MeshError, PlanError, TraceError, VerificationError):
         assert issubclass(cls, AutoTPError)
+
+
+def test_meta_model_whose_rotary_branches_on_values_asks_for_a_materialised_model():
+    """On meta there are no values to decide the dynamic-NTK branch: say so, and what to do."""
+    from autotp.models import load_config
+
+    config = load_config("llama-1b")
+    config.rope_parameters = {"rope_type": "dynamic", "rope_theta": 10000.0, "factor": 2.0}
+    with pytest.raises(TraceError, match=r"inside model\.rotary_emb: .*materialised model"):
+        synthesize(build_model(config))

@@ -214,3 +214,69 @@ def test_module_entry_point_reports_errors_without_traceback():
     )
     assert done.returncode == 2
     assert done.stderr.strip().startswith("autotp: error: unknown model 'nope'")
+
+
+# --- autotp check and --plan FILE.py:NAME ----------------------------------------------------------
+
+_PLANS_FILE = '''
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+# Phi3's fused gate_up_proj split contiguously: runs, gives wrong logits.
+CONTIGUOUS_GATE_UP = {
+    "model.layers.*.mlp.gate_up_proj": ColwiseParallel(),
+    "model.layers.*.mlp.down_proj": RowwiseParallel(),
+}
+# A Llama MLP whose column outputs reach no row-parallel Linear.
+UNCLOSED_MLP = {"model.layers.*.mlp.gate_proj": ColwiseParallel(), "model.layers.*.mlp.up_proj": ColwiseParallel()}
+
+
+def llama_mlp(model, sequence_parallel=False):
+    return {**UNCLOSED_MLP, "model.layers.*.mlp.down_proj": RowwiseParallel()}
+'''
+
+
+@pytest.fixture
+def plans_file(tmp_path):
+    path = tmp_path / "my_plans.py"
+    path.write_text(_PLANS_FILE)
+    return path
+
+
+def test_check_of_a_handwritten_plan_finds_nothing(capsys):
+    assert main(["check", "llama"]) == 0
+    assert "check: no finding" in capsys.readouterr().out
+
+
+def test_check_names_a_contiguously_split_fused_projection_and_its_fix(capsys, plans_file):
+    """Would catch the checker missing the silent-wrong-logits case the issue names (Phi3 gate_up)."""
+    assert main(["check", "phi3", "--plan", f"{plans_file}:CONTIGUOUS_GATE_UP"]) == 1
+    out = capsys.readouterr().out
+    assert "model.layers.0.mlp.gate_up_proj | fused_contiguous" in out
+    assert "use PackedColwiseParallel(sizes=(8192, 8192))" in out
+
+
+def test_check_json_reports_an_unmatched_key_once_and_nothing_spurious(capsys, plans_file):
+    assert main(["check", "llama", "--plan", f"{plans_file}:CONTIGUOUS_GATE_UP", "--json"]) == 1
+    findings = json.loads(capsys.readouterr().out)["findings"]
+    assert sorted(f["kind"] for f in findings) == ["row_without_shard", "unmatched_key"]
+    unmatched = next(f for f in findings if f["kind"] == "unmatched_key")
+    assert unmatched["module"] == "model.layers.*.mlp.gate_up_proj"
+
+
+def test_plan_check_prints_findings_and_exits_1(capsys, plans_file):
+    assert main(["plan", "llama", "--plan", f"{plans_file}:UNCLOSED_MLP", "--check"]) == 1
+    out = capsys.readouterr().out
+    assert "unclosed_column" in out or "missing_row" in out
+
+
+def test_verify_runs_a_plan_function_from_a_file_and_reports_the_mismatch(capsys, plans_file):
+    """``llama_mlp`` is a correct MLP plan (a function of the model): it verifies. UNCLOSED_MLP
+    leaves down_proj reading half the features as if they were all: exit 1."""
+    assert main(["verify", "llama", "--plan", f"{plans_file}:llama_mlp"]) == 0
+    assert main(["verify", "llama", "--plan", f"{plans_file}:UNCLOSED_MLP"]) == 1
+    assert "plan source: " + f"{plans_file}:UNCLOSED_MLP" in capsys.readouterr().out
+
+
+def test_plan_file_without_the_name_exits_2(capsys, plans_file):
+    assert main(["check", "llama", "--plan", f"{plans_file}:NOPE"]) == 2
+    assert capsys.readouterr().err.startswith(f"autotp: error: --plan '{plans_file}:NOPE': ")

@@ -70,3 +70,16 @@ def test_nanogpt_widths_from_input_size_fall_back_exactly(sequence_parallel):
     plan = synthesize(model, example_inputs=(example_tokens(),), sequence_parallel=sequence_parallel)
     report = _verify(model, plan, 2, inputs=(torch.randint(0, 256, (2, 16)),))
     assert report.param_fraction[0] > 0.6  # the attention is replicated: visibly not Megatron
+
+
+DYNAMIC_ROPE = {"rope_type": "dynamic", "rope_theta": 10000.0, "factor": 2.0}
+
+
+@pytest.mark.parametrize("sequence_parallel", [False, True], ids=["tp", "sp"])
+def test_dynamic_ntk_rope_is_traced_with_real_values(sequence_parallel):
+    """Dynamic-NTK rotary embeddings branch on ``position_ids.max()``: fake tensors cannot decide
+    it, so a materialised model is re-exported with real values (the branch is in a module without
+    parameters). Would catch that retry being lost (a TraceError) or the plan going wrong."""
+    model = tiny_model("llama", device="cpu", rope_parameters=DYNAMIC_ROPE)
+    plan = synthesize(model, sequence_parallel=sequence_parallel, tp_size=2)
+    _verify(model, plan, 2)

@@ -8,12 +8,18 @@ depth; :class:`LayerGroups` maps the traced FQNs back to every layer they stand 
 from __future__ import annotations
 
 import contextlib
+import io
+import itertools
+import logging
+import sys
 from dataclasses import dataclass, field
 
 import torch
 from torch import nn
 
 from autotp.errors import TraceError
+
+log = logging.getLogger(__name__)
 
 EXAMPLE_BATCH = 2
 # An odd length, so that no sequence dimension coincides with a head or hidden size in the traces.
@@ -155,27 +161,99 @@ def example_args(model: nn.Module, example_inputs=None) -> tuple[tuple, dict]:
     return made
 
 
+# Loggers that warn about each data-dependent guard export meets; the TraceError raised below
+# already names the module and the way out.
+_EXPORT_LOGGERS = ("torch.fx.experimental.symbolic_shapes",)
+
+
+@contextlib.contextmanager
+def _quiet(names: tuple[str, ...]):
+    """Silence ``names`` below ERROR, and hold back what is printed to stderr meanwhile: on a failed
+    export torch prints the whole partial graph there. Passed on only if the block succeeds."""
+    loggers = [logging.getLogger(n) for n in names]
+    levels = [lg.level for lg in loggers]
+    for lg in loggers:
+        lg.setLevel(logging.ERROR)
+    held = io.StringIO()
+    try:
+        with contextlib.redirect_stderr(held):
+            yield
+        sys.stderr.write(held.getvalue())
+    finally:
+        for lg, level in zip(loggers, levels):
+            lg.setLevel(level)
+
+
 def export_model(model: nn.Module, example_inputs=None) -> torch.export.ExportedProgram:
     """``torch.export.export(strict=False)`` with good errors; inputs from the config if not given.
+
+    A branch on a tensor's value (dynamic-NTK rotary embeddings test ``position_ids.max()``) cannot
+    be traced on fake tensors. When it sits in a module without parameters, the branch can change
+    the values it computes (position tables) but not which parameters run, so for a materialised
+    model the export is retried with real values propagated: the graph follows the branch these
+    inputs take. A branch in a module with parameters could skip a Linear the plan shards on
+    other inputs, so it stays an error.
 
     Raises:
         TraceError: no inputs could be made, or export failed.
     """
     args, kwargs = example_args(model, example_inputs)
     try:
-        with torch.no_grad():
-            return torch.export.export(model, args, kwargs, strict=False)
+        return _export(model, args, kwargs, real_values=False)
     except Exception as error:  # export raises many unrelated types; all mean "cannot trace"
-        from autotp.synth.validate import failing_module
+        if _data_dependent(error) and not _on_meta(model) and _parameter_free(model, error):
+            log.info("export met a data-dependent branch; retrying with real values: %s", error)
+            try:
+                return _export(model, args, kwargs, real_values=True)
+            except Exception:  # report the first failure: it names the branch
+                pass
+        raise _trace_error(model, error) from error
 
-        where = failing_module(model, error)
-        inside = f" inside {where}" if where else ""
-        raise TraceError(
-            f"{type(model).__name__}: torch.export.export(strict=False) failed{inside}: "
-            f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}. "
-            "Pass example_inputs that the forward accepts (shapes that avoid the failing branch), "
-            f"or write the plan by hand and leave {where or 'that module'} replicated (no plan key for it)."
-        ) from error
+
+def _export(model: nn.Module, args: tuple, kwargs: dict, *, real_values: bool) -> torch.export.ExportedProgram:
+    import torch._functorch.config as functorch_config
+
+    with torch.no_grad(), _quiet(_EXPORT_LOGGERS), \
+            functorch_config.patch(fake_tensor_propagate_real_tensors=real_values):
+        return torch.export.export(model, args, kwargs, strict=False)
+
+
+def _data_dependent(error: BaseException) -> bool:
+    from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
+
+    return isinstance(error, GuardOnDataDependentSymNode) or "data-dependent" in str(error)
+
+
+def _parameter_free(model: nn.Module, error: BaseException) -> bool:
+    """Whether the innermost module running when ``error`` was raised holds no parameters."""
+    from autotp.synth.validate import failing_module
+
+    where = failing_module(model, error)
+    if where is None:
+        return False
+    module = model if where == "<root>" else model.get_submodule(where)
+    return next(module.parameters(), None) is None
+
+
+def _on_meta(model: nn.Module) -> bool:
+    return any(t.is_meta for t in itertools.chain(model.parameters(), model.buffers()))
+
+
+def _trace_error(model: nn.Module, error: BaseException) -> TraceError:
+    from autotp.synth.validate import failing_module
+
+    where = failing_module(model, error)
+    inside = f" inside {where}" if where else ""
+    hint = ""
+    if _data_dependent(error) and _on_meta(model):
+        hint = ("The forward branches on a tensor's value, which a meta-device model cannot decide: "
+                "synthesize on a materialised model of the same config (e.g. built tiny on cpu), or ")
+    return TraceError(
+        f"{type(model).__name__}: torch.export.export(strict=False) failed{inside}: "
+        f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}. "
+        f"{hint}{'p' if hint else 'P'}ass example_inputs that the forward accepts (shapes that avoid the failing "
+        f"branch), or write the plan by hand and leave {where or 'that module'} replicated (no plan key for it)."
+    )
 
 
 def trace(model: nn.Module, example_inputs=None) -> tuple[torch.export.ExportedProgram, LayerGroups]:

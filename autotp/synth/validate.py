@@ -37,13 +37,14 @@ def require_language_model(model: nn.Module, g: nx.DiGraph) -> None:
 
 
 def failing_module(model: nn.Module, error: BaseException) -> str | None:
-    """FQN of the innermost module of ``model`` whose forward was running when ``error`` was raised."""
+    """FQN of the innermost module of ``model`` whose code was running when ``error`` was raised
+    (its forward, or a method or decorator wrapper with the module as ``self``)."""
     names = {id(module): name for name, module in model.named_modules()}
     found = None
     tb = error.__traceback__
     while tb is not None:
         owner = tb.tb_frame.f_locals.get("self")
-        if id(owner) in names and tb.tb_frame.f_code.co_name == "forward":
+        if id(owner) in names and not tb.tb_frame.f_code.co_name.startswith("_"):
             found = names[id(owner)] or "<root>"
         tb = tb.tb_next
     if found is None and error.__cause__ is not None and error.__cause__ is not error:
