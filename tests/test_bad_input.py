@@ -121,3 +121,14 @@ def test_meta_model_whose_rotary_branches_on_values_asks_for_a_materialised_mode
     config.rope_parameters = {"rope_type": "dynamic", "rope_theta": 10000.0, "factor": 2.0}
     with pytest.raises(TraceError, match=r"inside model\.rotary_emb: .*materialised model"):
         synthesize(build_model(config))
+
+
+def test_plan_key_matching_no_module_is_refused_with_close_names():
+    """parallelize_module only warns on such a key, leaving the module silently replicated."""
+    from torch.distributed.tensor.parallel import ColwiseParallel
+
+    model = build_model("llama", tiny=True, tp=2, device="cpu")
+    with simulated_mesh(2) as mesh:
+        with pytest.raises(PlanError, match=r"'model\.layers\.\*\.mlp\.gate_up_proj' .*matches no module.*"
+                                            r"model\.layers\.0\.mlp\.up_proj"):
+            apply_plan(model, mesh, {"model.layers.*.mlp.gate_up_proj": ColwiseParallel()})

@@ -11,7 +11,7 @@ from torch.distributed.tensor.parallel.style import ParallelStyle
 
 from autotp.errors import MeshError, working_tp_sizes
 from autotp.synth.analysis import Flow, analyse
-from autotp.synth.assign import assign_roles, tie_conflicts, tied_embedding_modules as _tied_embeddings
+from autotp.synth.assign import assign_roles, foreign_reads, tie_conflicts, tied_embedding_modules as _tied_embeddings
 from autotp.synth.build import build_plan, expand, generalise, style_for
 from autotp.synth.graph import build_graph
 from autotp.synth.kvheads import replicate_kv
@@ -56,13 +56,13 @@ def analyse_model(model: nn.Module, *, example_inputs=None, sequence_parallel: b
     program, groups = trace(model, example_inputs)
     g = build_graph(program)
     require_language_model(model, g)
-    flow, dropped = analyse(g)
-    roles = assign_roles(g, flow, dropped)
-    conflicts = tie_conflicts(g, roles)
-    forced: dict[str, str] = {}
-    if conflicts:  # keep tied weights whole on every user, and analyse again without them
+    foreign, forced = foreign_reads(g)  # weights read outside their modules stay whole
+    flow, dropped = analyse(g, foreign)
+    roles = assign_roles(g, flow, dropped, forced)
+    conflicts = {**foreign, **tie_conflicts(g, roles)}
+    if len(conflicts) > len(foreign):  # keep tied weights whole on every user, and analyse again without them
         flow, dropped = analyse(g, conflicts)
-        forced = _tied_embeddings(g, conflicts)
+        forced = {**forced, **_tied_embeddings(g, conflicts)}
         roles = assign_roles(g, flow, dropped, forced)
     local = localize(model, example_inputs, g, flow, roles, tp_size or 2)
     if local.unlocal:  # fused outputs cut with global sizes: keep those Linears whole

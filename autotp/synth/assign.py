@@ -135,6 +135,47 @@ def tie_conflicts(g: nx.DiGraph, roles: dict[str, Role]) -> dict[str, str]:
     return conflicts
 
 
+def foreign_reads(g: nx.DiGraph) -> tuple[dict[str, str], dict[str, str]]:
+    """Linear and embedding weights that code outside their modules reads directly.
+
+    A sharded weight is a DTensor; an op outside the module that owns it (Gemma4's
+    ``embed_tokens.weight[pad_token_id]`` in the model's forward) then mixes it with plain tensors,
+    or reads a shard as the whole. Such weights stay whole on every user.
+
+    Returns:
+        ``(linear node -> reason, embedding module -> reason)``, in the shapes
+        :func:`~autotp.synth.analysis.analyse` (``dropped``) and :func:`assign_roles` (``forced``) take.
+    """
+    weight_users: dict[str, list[tuple[str, str]]] = {}  # placeholder -> (node, module) using it as a weight
+    for name, data in g.nodes(data=True):
+        if is_linear(g, name):
+            weight = linear_weight(g, name)
+        elif data["op"] == "embedding" and isinstance(data["args"][0], Ref):
+            weight = param_source(g, data["args"][0].name)
+        else:
+            continue
+        if weight:
+            weight_users.setdefault(weight, []).append((name, data["module"]))
+    linears, embeddings = {}, {}
+    for weight, users in weight_users.items():
+        owners = {g.nodes[weight]["param"].rpartition(".")[0], *(module for _, module in users)}
+        used = {node for node, _ in users}
+        outside = [s for s in g.successors(weight) if s not in used and not owners & set(g.nodes[s]["stack"])]
+        # A cast on the way to a weight use (``weight.to(dtype)`` then linear) is not a foreign read.
+        outside = [s for s in outside if not used & nx.descendants(g, s)]
+        if not outside:
+            continue
+        node = g.nodes[outside[0]]
+        reason = (f"its weight {g.nodes[weight]['param']} is also read by {node['op']} in "
+                  f"{node['module'] or 'the root'}, outside the module: a shard there would be read as the whole")
+        for user, module in users:
+            if is_linear(g, user):
+                linears[user] = reason
+            else:
+                embeddings[module] = reason
+    return linears, embeddings
+
+
 def reads_model_input(g: nx.DiGraph, name: str) -> bool:
     """Whether node ``name`` is computed from a model input (token ids, possibly masked or
     remapped), rather than from shapes alone (positions from ``arange``)."""
