@@ -155,5 +155,6 @@ def parallelize(
 
     if tp_mesh.ndim != 1:
         validate_tp_mesh(model, tp_mesh)
-    choice = get_plan(model, sequence_parallel=sequence_parallel, tp_shard_plan=tp_shard_plan)
+    choice = get_plan(model, sequence_parallel=sequence_parallel, tp_shard_plan=tp_shard_plan,
+                      tp_size=tp_mesh.size())
     return apply_plan(model, tp_mesh, choice.plan)

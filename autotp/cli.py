@@ -109,7 +109,7 @@ def _positive_int(text: str) -> int:
 
 
 def choose_plan(model: nn.Module, *, source: str = "auto", sequence_parallel: bool = False,
-                plan_file: str | None = None) -> tuple[Plan, str]:
+                plan_file: str | None = None, tp_size: int | None = None) -> tuple[Plan, str]:
     """The plan for ``model`` from ``plan_file`` or else ``source`` (a :data:`SOURCES` name), and
     where it came from.
 
@@ -119,7 +119,8 @@ def choose_plan(model: nn.Module, *, source: str = "auto", sequence_parallel: bo
     if plan_file is not None:
         return load_plan_file(plan_file, model, sequence_parallel=sequence_parallel), plan_file
     choice = get_plan(
-        model, sequence_parallel=sequence_parallel, source="synthesized" if source == "synth" else source
+        model, sequence_parallel=sequence_parallel, source="synthesized" if source == "synth" else source,
+        tp_size=tp_size,
     )
     return choice.plan, choice.source
 
@@ -129,7 +130,13 @@ def choose_plan(model: nn.Module, *, source: str = "auto", sequence_parallel: bo
 
 def _run_plan(args: argparse.Namespace) -> int:
     model = models.build_model(args.model, dtype=DTYPES[args.dtype])
-    plan, source = _args_plan(args, model)
+    try:
+        plan, source = _args_plan(args, model)
+    except MeshError as error:  # a synthesized plan checked for --tp: shown anyway, with the warning
+        if args.check:
+            raise
+        print(f"autotp: warning: {error}", file=sys.stderr)
+        plan, source = choose_plan(model, source=args.source, sequence_parallel=args.sp, plan_file=args.plan)
     try:
         check_divisible(model, args.tp, plan)
     except MeshError as error:
@@ -167,7 +174,8 @@ def _run_plan(args: argparse.Namespace) -> int:
 
 
 def _args_plan(args: argparse.Namespace, model: nn.Module) -> tuple[Plan, str]:
-    return choose_plan(model, source=args.source, sequence_parallel=args.sp, plan_file=args.plan)
+    return choose_plan(model, source=args.source, sequence_parallel=args.sp, plan_file=args.plan,
+                       tp_size=_verify_tp(args) if args.run is _run_verify else args.tp)
 
 
 def _explain_row(record) -> list[str]:

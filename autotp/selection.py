@@ -105,6 +105,7 @@ def get_plan(
     sequence_parallel: bool = False,
     tp_shard_plan=None,
     source: str = "auto",
+    tp_size: int | None = None,
 ) -> PlanChoice:
     """The plan for ``model`` and where it came from.
 
@@ -115,6 +116,8 @@ def get_plan(
             dict or to a function ``f(model, sequence_parallel=...)``.
         source: ``"auto"`` (the order above), or one of ``"handwritten"``, ``"hf"``, ``"synthesized"``
             to insist on one source.
+        tp_size: the tp size the plan is for, when known: a synthesized plan is then checked for
+            it and replicates kv heads where there are fewer than ``tp_size``.
 
     Raises:
         PlanError: ``tp_shard_plan`` cannot be resolved, or the insisted-on source has no plan.
@@ -143,4 +146,5 @@ def get_plan(
         raise PlanError("transformers plans have no sequence-parallel variant; use source='synthesized'.")
     from autotp.synth import synthesize
 
-    return PlanChoice(synthesize(model, sequence_parallel=sequence_parallel), "synthesized", "graph analysis")
+    plan = synthesize(model, sequence_parallel=sequence_parallel, tp_size=tp_size)
+    return PlanChoice(plan, "synthesized", "graph analysis")

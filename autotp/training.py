@@ -206,7 +206,8 @@ def fsdp2_strategy_parallelize(
     """
     dp_mesh, tp_mesh = _sub_meshes(device_mesh, dp_replicate_mesh_name, dp_shard_cp_mesh_name, tp_mesh_name)
     if tp_mesh is not None:
-        choice = get_plan(model, sequence_parallel=sequence_parallel, tp_shard_plan=tp_shard_plan)
+        choice = get_plan(model, sequence_parallel=sequence_parallel, tp_shard_plan=tp_shard_plan,
+                          tp_size=tp_mesh.size())
         size, source, entries = tp_mesh.size(), choice.source, len(choice.plan)
         logger.info("tensor parallel over %d ranks with the %s plan (%d entries)", size, source, entries)
         apply_plan(model, tp_mesh, choice.plan)

@@ -280,3 +280,12 @@ def test_verify_runs_a_plan_function_from_a_file_and_reports_the_mismatch(capsys
 def test_plan_file_without_the_name_exits_2(capsys, plans_file):
     assert main(["check", "llama", "--plan", f"{plans_file}:NOPE"]) == 2
     assert capsys.readouterr().err.startswith(f"autotp: error: --plan '{plans_file}:NOPE': ")
+
+
+def test_synthesized_plan_at_tp_above_the_kv_heads_replicates_them(capsys):
+    """Llama-3.1-70B has 8 kv heads: at --tp 16 the synthesized plan gives each rank its kv head
+    instead of cutting heads in half (or refusing, as transformers does)."""
+    assert main(["plan", "llama-70b", "--tp", "16", "--source", "synth", "--json"]) == 0
+    plan = json.loads(capsys.readouterr().out)["plan"]
+    assert plan["model.layers.*.self_attn.k_proj"]["style"] == "ReplicatedKVColwise"
+    assert plan["model.layers.*.self_attn"]["style"] == "KVHeadCounts"
