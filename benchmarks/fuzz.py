@@ -48,9 +48,12 @@ def main() -> None:
                               rope=options["rope_parameters"]["rope_type"]))
             print(f"{len(cases):4d} {model_type:8s} tp={tp} sp={sequence_parallel!s:5s} {outcome}", flush=True)
 
+    began = time.perf_counter()
     run()
     passed = sum(c["outcome"] == "ok" for c in cases)
-    summary = dict(cases=len(cases), passed=passed, failed=len(cases) - passed)
+    summary = dict(cases=len(cases), passed=passed, failed=len(cases) - passed,
+                   command=f"python benchmarks/fuzz.py --examples {args.examples}",
+                   wall_s=round(time.perf_counter() - began, 1), date=time.strftime("%Y-%m-%d"))
     Path(args.out).write_text(json.dumps(dict(summary=summary, cases=cases), indent=1))
     print(f"{passed}/{len(cases)} passed; wrote {args.out}")
 
