@@ -48,13 +48,19 @@ def test_tp_above_kv_heads_replicates_kv_heads_exactly(family, tp_size, sequence
     assert report.collectives == optimum
 
 
-@pytest.mark.xfail(strict=True, raises=MeshError, reason=(
-    "1 kv head (MQA): the view to (b, t, 1, head_dim) moves the shard onto head_dim, the analysis "
-    "drops k/v to replicated, and apply's config check rejects num_key_value_heads=1 at tp>1 for a "
-    "plan without ReplicatedKVColwise"))
-def test_tp_above_one_kv_head_replicates_it():
+@pytest.mark.parametrize("tp_size", [2, 4, 8])
+@pytest.mark.parametrize("sequence_parallel", [False, True], ids=["tp", "sp"])
+def test_tp_above_one_kv_head_replicates_it(tp_size, sequence_parallel):
+    """One kv head (MQA): the view to (b, t, 1, head_dim) is read as a split into one head, so each
+    rank holds that head whole instead of half of its head_dim (or, as before, the whole attention
+    left replicated). Would catch a head_dim split (wrong logits), unsummed k/v gradients, or
+    extra collectives."""
     model = tiny_model("llama", device="cpu", num_key_value_heads=1, **WIDE)
-    _verify(model, synthesize(model, tp_size=4), 4)
+    plan = synthesize(model, sequence_parallel=sequence_parallel, tp_size=tp_size)
+    assert plan["model.layers.*.self_attn.k_proj"].kv_heads == 1
+    report = _verify(model, plan, tp_size)
+    optimum = {"all_gather_into_tensor": 5, "reduce_scatter_tensor": 5} if sequence_parallel else {"all_reduce": 5}
+    assert report.collectives == optimum
 
 
 def test_tp_not_a_multiple_of_kv_heads_raises_naming_the_projection():

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 import networkx as nx
 
 from autotp.synth.graph import Ref, refs
-from autotp.synth.ops import ELEMENTWISE, PASSTHROUGH, Break, Out, Parts, Split, apply_rule
+from autotp.synth.ops import ATTENTION, ELEMENTWISE, MATMULS, PASSTHROUGH, Break, Out, Parts, Split, apply_rule
 
 log = logging.getLogger(__name__)
 
@@ -45,6 +45,12 @@ class Flow:
     width_norms: dict = field(default_factory=dict)  # module -> node that reduces
     extent: dict = field(default_factory=dict)  # root -> gcd of every sharded extent it reached
     roots: set = field(default_factory=set)  # candidates that started a shard this pass
+    unit_heads: frozenset = frozenset()  # candidates whose views may split off one head (one-kv-head k/v)
+
+    def unit_heads_of(self, name: str) -> bool:
+        """Whether the shard of ``name`` comes only from candidates read as one-kv-head k/v."""
+        value = self.state.get(name)
+        return isinstance(value, Shard) and bool(value.origins) and value.origins <= self.unit_heads
 
     def intact(self, name: str) -> bool:
         value = self.state.get(name)
@@ -199,16 +205,17 @@ def _reduction_in_norm(flow: Flow, data, origins, param_modules) -> bool:
     return False
 
 
-def propagate(g: nx.DiGraph, active: set[str]) -> Flow:
+def propagate(g: nx.DiGraph, active: set[str], unit_heads: frozenset = frozenset()) -> Flow:
     """Follow the shard of every active candidate Linear through ``g`` (one pass, program order).
 
     Args:
         g: the analysis graph.
         active: ``linear`` node names allowed to start a shard.
+        unit_heads: candidates whose views may split off a single head (see :func:`analyse`).
     Returns:
         The :class:`Flow`: node states, rows, heads, splits and the candidates that broke.
     """
-    flow, param_modules = Flow(g), _param_modules(g)
+    flow, param_modules = Flow(g, unit_heads=frozenset(unit_heads)), _param_modules(g)
     for name in sorted(g.nodes, key=lambda n: g.nodes[n]["order"]):
         data = g.nodes[name]
         if data["kind"] == "output":
@@ -259,20 +266,45 @@ def _endless(flow: Flow) -> dict[str, str]:
     return {r: "its output is never contracted by a Linear" for r in flow.roots - reached - set(flow.broken)}
 
 
-def analyse(g: nx.DiGraph, forbidden: dict[str, str] | None = None) -> tuple[Flow, dict[str, str]]:
+def analyse(g: nx.DiGraph, forbidden: dict[str, str] | None = None, *,
+            unit_heads: bool = False) -> tuple[Flow, dict[str, str]]:
     """Run :func:`propagate` to a fixpoint, dropping candidates that break.
 
     Args:
         forbidden: Linear nodes that may not start a shard, with the reason (tie conflicts).
+        unit_heads: when candidates were dropped, try once more reading their views as splits into
+            a single head (the k/v of one-kv-head attention, whose shard then has extent 1). Kept
+            only for candidates that reach an attention with more heads than that; for a tp size
+            is then needed to replicate them per rank (:mod:`autotp.synth.kvheads`).
     Returns:
         The final :class:`Flow` and, for each dropped candidate, why it was dropped.
     """
-    dropped: dict[str, str] = dict(forbidden or {})
+    flow, dropped = _fixpoint(g, dict(forbidden or {}), frozenset())
+    retry = frozenset(dropped) - set(forbidden or {})
+    if not unit_heads or not retry:
+        return flow, dropped
+    forbidden_now = dict(forbidden or {})
+    for _ in range(2):  # the second round drops extent-1 roots that feed no wider attention
+        second, second_dropped = _fixpoint(g, dict(forbidden_now), retry)
+        stray = {r: dropped[r] for r in second.roots & retry
+                 if second.extent.get(r) == 1 and wider_attention(second, r) is None}
+        if not stray:
+            break
+        forbidden_now.update(stray)
+    else:
+        return flow, dropped
+    if len(second.roots) > len(flow.roots):
+        log.debug("one-kv-head reading rescued %s", sorted(second.roots - flow.roots))
+        return second, second_dropped
+    return flow, dropped
+
+
+def _fixpoint(g: nx.DiGraph, dropped: dict[str, str], unit_heads: frozenset) -> tuple[Flow, dict[str, str]]:
     active = {name for name in g.nodes if is_linear(g, name)} - set(dropped)
     rounds = 0
     while True:
         rounds += 1
-        flow = propagate(g, active)
+        flow = propagate(g, active, unit_heads)
         bad = {r: f"{reason} (at {g.nodes[node]['op']} in {g.nodes[node]['module'] or 'the root'})"
                for r, (reason, node) in flow.broken.items()}
         bad.update(_bad_packs(flow))
@@ -282,3 +314,20 @@ def analyse(g: nx.DiGraph, forbidden: dict[str, str] | None = None) -> tuple[Flo
             return flow, dropped
         dropped.update(bad)
         active -= set(bad)
+
+
+def wider_attention(flow: Flow, root: str) -> str | None:
+    """The first attention or batched matmul ``root``'s shard reaches, if its sharded dim there
+    holds more heads than ``root``'s extent (the k/v of grouped-query attention), else None."""
+    g = flow.g
+    extent = flow.extent.get(root, 0)
+    for name in sorted(g.nodes, key=lambda n: g.nodes[n]["order"]):
+        data = g.nodes[name]
+        if data["op"] not in ATTENTION | MATMULS:
+            continue
+        if any(isinstance(flow.state.get(r.name), Shard) and root in flow.state[r.name].origins
+               for r in refs(data["args"])):
+            state = flow.state.get(name)
+            heads = data["shape"][state.dim] if isinstance(state, Shard) else 0
+            return name if extent < heads else None
+    return None

@@ -57,16 +57,17 @@ def analyse_model(model: nn.Module, *, example_inputs=None, sequence_parallel: b
     g = build_graph(program)
     require_language_model(model, g)
     foreign, forced = foreign_reads(g)  # weights read outside their modules stay whole
-    flow, dropped = analyse(g, foreign)
+    one_kv = tp_size is not None  # one-kv-head k/v can be replicated per rank only for a known tp
+    flow, dropped = analyse(g, foreign, unit_heads=one_kv)
     roles = assign_roles(g, flow, dropped, forced)
-    conflicts = {**foreign, **tie_conflicts(g, roles)}
+    conflicts = {**foreign, **tie_conflicts(g, roles, flow)}
     if len(conflicts) > len(foreign):  # keep tied weights whole on every user, and analyse again without them
-        flow, dropped = analyse(g, conflicts)
+        flow, dropped = analyse(g, conflicts, unit_heads=one_kv)
         forced = {**forced, **_tied_embeddings(g, conflicts)}
         roles = assign_roles(g, flow, dropped, forced)
     local = localize(model, example_inputs, g, flow, roles, tp_size or 2)
     if local.unlocal:  # fused outputs cut with global sizes: keep those Linears whole
-        flow, dropped = analyse(g, {**conflicts, **local.unlocal})
+        flow, dropped = analyse(g, {**conflicts, **local.unlocal}, unit_heads=one_kv)
         roles = assign_roles(g, flow, dropped, forced)
     for module, names in local.counts.items():
         roles[module] = Role("shard_counts", f"its attributes {', '.join(names)} size the cuts of a fused "

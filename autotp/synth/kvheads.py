@@ -16,11 +16,9 @@ import networkx as nx
 from torch import nn
 
 from autotp.errors import MeshError, working_tp_sizes
-from autotp.synth.analysis import Flow, Shard
-from autotp.synth.graph import refs
+from autotp.synth.analysis import Flow, Shard, wider_attention
 from autotp.synth.local_run import capture_inputs, run_local
 from autotp.synth.localize import _is_count, cutting_module
-from autotp.synth.ops import ATTENTION, MATMULS
 from autotp.synth.roles import Role
 from autotp.synth.trace import collapsed
 
@@ -37,16 +35,9 @@ def kv_roots(g: nx.DiGraph, flow: Flow, roles: dict[str, Role], tp: int) -> dict
         extent = flow.extent.get(root, 0)
         if not extent or extent >= tp or roles.get(_owner(g, root), Role("", "")).kind != "column":
             continue
-        for name, data in g.nodes(data=True):
-            if data["op"] not in ATTENTION | MATMULS:
-                continue
-            if any(isinstance(flow.state.get(r.name), Shard) and root in flow.state[r.name].origins
-                   for r in refs(data["args"])):
-                state = flow.state.get(name)
-                heads = data["shape"][state.dim] if isinstance(state, Shard) else 0
-                if extent < heads:  # fewer heads than the attention's: kv of grouped-query attention
-                    found[root] = (extent, name)
-                break
+        attention = wider_attention(flow, root)
+        if attention is not None:
+            found[root] = (extent, attention)
     return found
 
 

@@ -111,12 +111,18 @@ def _norm(dim: int, ndim: int) -> int:
     return dim % ndim if ndim else 0
 
 
-def view_dim(in_shape: tuple, out_shape: tuple, dim: int) -> int | None:
+def view_dim(in_shape: tuple, out_shape: tuple, dim: int, *, unit_heads: bool = False) -> int | None:
     """Where sharded ``dim`` of ``in_shape`` lands after a view to ``out_shape``; None if interleaved.
 
     The shard of dim d is a contiguous block of the flattened tensor only when d is the outermost
     varying dim of its output group: the output dim e that starts where d starts (same product of
     preceding sizes) and either splits d or merges it with inner dims.
+
+    ``unit_heads`` reads a view that puts a size-1 dim before the whole of d (``(b, t, hd) ->
+    (b, t, 1, hd)``) as a split into one head, the shard landing on that size-1 dim, and lets a
+    size-1 sharded dim merge into the dims after it (the grouped-query repeat of that one head).
+    That is the k/v projection of one-kv-head attention, whose one head each rank holds whole
+    (:mod:`autotp.synth.kvheads`); the analysis tries it only for candidates it otherwise drops.
 
     >>> view_dim((2, 11, 64), (2, 11, 4, 16), 2)
     2
@@ -124,9 +130,15 @@ def view_dim(in_shape: tuple, out_shape: tuple, dim: int) -> int | None:
     1
     >>> view_dim((2, 11, 4, 16), (2, 44, 16), 2) is None
     True
+    >>> view_dim((2, 11, 16), (2, 11, 1, 16), 2), view_dim((2, 11, 16), (2, 11, 1, 16), 2, unit_heads=True)
+    (3, 2)
     """
     size, before = in_shape[dim], math.prod(in_shape[:dim])
-    if size == 1:
+    if unit_heads:
+        for e, out in enumerate(out_shape[:-1]):
+            if out == 1 and math.prod(out_shape[:e]) == before and out_shape[e + 1] == size:
+                return e
+    elif size == 1:
         return None
     for e, out in enumerate(out_shape):
         if out > 1 and math.prod(out_shape[:e]) == before and (out % size == 0 or size % out == 0):
@@ -137,7 +149,7 @@ def view_dim(in_shape: tuple, out_shape: tuple, dim: int) -> int | None:
 def _view(g, name, dims, ctx):
     (src, dim), = dims.items()
     in_shape, out_shape = g.nodes[src]["shape"], g.nodes[name]["shape"]
-    e = view_dim(in_shape, out_shape, dim)
+    e = view_dim(in_shape, out_shape, dim, unit_heads=ctx.unit_heads_of(src))
     if e is None:
         return Break(f"{g.nodes[name]['op']} {in_shape} -> {out_shape} interleaves sharded dim {dim}")
     return Out(e, intact=out_shape[e] == in_shape[dim] and ctx.intact(src))
