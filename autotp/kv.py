@@ -16,20 +16,26 @@ from autotp.plan import Plan, resolve
 from autotp.styles import KVHeadCounts, ReplicatedKVColwise
 
 
-def _attention_shape(config) -> tuple[int, int, int]:
-    heads, kv = config.num_attention_heads, config.num_key_value_heads
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
-    return heads, kv, head_dim
+def _config_head_dim(config) -> int | None:
+    """``config.head_dim``, or hidden / heads; None where the config has no single value (Gemma4's
+    head size differs between layer types and reading it raises)."""
+    try:
+        return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    except Exception:  # transformers raises its own error types for per-layer attributes
+        return None
 
 
 def replicate_kv_heads(model: nn.Module, plan: Plan, tp_size: int) -> Plan:
     """Return ``plan`` rewritten for ``tp_size`` > kv heads (unchanged when tp divides the kv heads).
 
+    The head size is read per attention module (its ``head_dim``), falling back to the config's,
+    so models whose layer types differ in head size are rewritten layer by layer.
+
     Raises:
         MeshError: tp is not a multiple of the kv heads, or does not divide the query heads.
     """
     config = model.config.get_text_config()
-    heads, kv, head_dim = _attention_shape(config)
+    heads, kv = config.num_attention_heads, config.num_key_value_heads
     if kv % tp_size == 0:
         return plan
     if tp_size % kv or heads % tp_size:
@@ -38,13 +44,18 @@ def replicate_kv_heads(model: nn.Module, plan: Plan, tp_size: int) -> Plan:
             f"replicating kv heads needs tp to be a multiple of {kv} and to divide {heads}."
         )
     modules = dict(model.named_modules())
-    kv_width = kv * head_dim
+    default_head_dim = _config_head_dim(config)
     rewritten = dict(plan)
     for fqn, (key, style) in resolve(model, plan).items():
         module = modules[fqn]
-        is_kv = type(style) is ColwiseParallel and isinstance(module, nn.Linear) and module.out_features == kv_width
+        parent_key = key.rsplit(".", 1)[0]
+        head_dim = getattr(modules[fqn.rsplit(".", 1)[0]], "head_dim", None) or default_head_dim
+        if head_dim is None:
+            raise MeshError(f"{fqn}: no head size found (neither its attention's head_dim nor the config's); "
+                            "rewrite the plan by hand with ReplicatedKVColwise.")
+        is_kv = (type(style) is ColwiseParallel and isinstance(module, nn.Linear)
+                 and module.out_features == kv * head_dim)
         if is_kv and key in rewritten:
             rewritten[key] = ReplicatedKVColwise(kv_heads=kv, head_dim=head_dim)
-            parent_key = key.rsplit(".", 1)[0]
             rewritten[parent_key] = KVHeadCounts(heads=heads)
     return rewritten

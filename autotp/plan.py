@@ -19,10 +19,10 @@ from autotp.errors import PlanError
 
 Plan = dict[str, ParallelStyle]
 
-# Options a style mutates when applied (RowwiseParallel sets desired_input_layouts in _apply), or
-# that carry no layout meaning: left out of descriptions so that a plan compares equal before and
-# after use.
-_VOLATILE_OPTIONS = frozenset({"desired_input_layouts"})
+# Options a style mutates when applied (RowwiseParallel sets desired_input_layouts in _apply;
+# parallelize_module sets src_data_rank on every style), or that carry no layout meaning: left out
+# of descriptions so that a plan compares equal before and after use.
+_VOLATILE_OPTIONS = frozenset({"desired_input_layouts", "src_data_rank"})
 
 
 def key_matches(key: str, fqn: str) -> bool:

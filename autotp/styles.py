@@ -576,13 +576,18 @@ class ReplicatedKVColwise(ColwiseParallel):
 
 
 def _sum_kv_copies(grad: DTensor, *, kv_heads: int, head_dim: int) -> DTensor:
-    """Give every copy of a kv head the sum of all copies' gradients."""
+    """Give every copy of a kv head the sum of all copies' gradients.
+
+    The result is placed like the parameter (``Shard(0)``), not like ``grad``: depending on the
+    sharding strategy DTensor picks for the projection's backward, ``grad`` may arrive ``Partial``,
+    and a replicated tensor cannot be redistributed back to a pending sum.
+    """
     tp = grad.device_mesh.size()
     full = grad.redistribute(placements=[Replicate()]).to_local()
     per_head = full.reshape(kv_heads, tp // kv_heads, head_dim, *full.shape[1:]).sum(dim=1)
     summed = _expand_kv_rows(per_head.reshape(kv_heads * head_dim, *full.shape[1:]), kv_heads, head_dim, tp)
     return DTensor.from_local(summed, grad.device_mesh, [Replicate()], run_check=False).redistribute(
-        placements=grad.placements
+        placements=[Shard(0)]
     )
 
 

@@ -81,3 +81,15 @@ def test_tied_weights_sharded_differently_are_refused():
     with simulated_mesh(2) as mesh:
         with pytest.raises(PlanError, match="tied"):
             apply_plan(model, mesh, plan)
+
+
+def test_a_plan_describes_the_same_after_it_was_applied(llama):
+    """parallelize_module writes into the style objects (src_data_rank, RowwiseParallel's desired
+    input layouts): a reused plan must still compare equal to a fresh one."""
+    from autotp.plan import describe_plan
+
+    plan = handwritten_plans.plan_for(llama)
+    before = describe_plan(plan)
+    with simulated_mesh(2) as mesh:
+        apply_plan(copy.deepcopy(llama), mesh, plan)
+    assert describe_plan(plan) == before

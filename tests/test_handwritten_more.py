@@ -242,3 +242,13 @@ def test_gemma4_vlm_tied_embedding_read_outside_its_module_stays_whole(tiny_mode
     assert plan_diff(model, _synthesize(model, False), handwritten_plans.plan_for(model)) == {}
     reasons = {r.key: r.reason for r in pytest.importorskip("autotp.synth").explain(model)}
     assert "read by select in model, outside the module" in reasons["lm_head"]
+
+def test_gemma4_kv_heads_replicated_beyond_tp_by_each_attention_head_size(tiny_models):
+    """Gemma4's config refuses a single ``head_dim`` (it differs per layer type); the kv-replication
+    opt-in reads each attention's own. 4 kv heads at tp=8: each rank holds the kv head it reads.
+    Would catch the rewrite failing on the config, or a head split through its rows."""
+    model = tiny_models["gemma4"]
+    plan = handwritten_plans.plan_for(model, replicate_kv_for_tp=8)
+    assert plan["model.layers.*.self_attn.k_proj"].kv_heads == 4
+    report = verify(model, plan, tp_size=8)
+    assert report.ok, str(report)

@@ -56,3 +56,24 @@ def test_tp_not_a_multiple_of_kv_heads_is_refused():
     model = tiny("llama", 2)
     with pytest.raises(MeshError, match="multiple of 2"):
         handwritten_plans.plan_for(model, replicate_kv_for_tp=3)
+
+
+def test_summed_kv_gradient_is_placed_like_the_weight_even_from_a_pending_sum():
+    """DTensor may hand the weight hook a ``Partial`` gradient (its strategy for long sequences):
+    the summed copies must come back ``Shard(0)``, as the weight is, holding each head's total.
+    Would catch the hook redistributing to the gradient's own (Partial) placement, which fails."""
+    import torch
+    from torch.distributed.tensor import Partial, Shard, distribute_tensor
+
+    from autotp.styles import _expand_kv_rows, _sum_kv_copies
+
+    a, b = torch.arange(32.0).reshape(8, 4), torch.ones(4, 1)
+    full = a @ b  # 1 kv head of head_dim 2, expanded to tp=4 rows
+    with simulated_mesh(4) as mesh:
+        grad = distribute_tensor(a, mesh, [Shard(1)]) @ distribute_tensor(b, mesh, [Shard(0)])
+        assert grad.placements == (Partial(),)  # a row-parallel product: a pending sum
+        summed = _sum_kv_copies(grad, kv_heads=1, head_dim=2)
+        assert summed.placements == (Shard(0),)
+        total = summed.full_tensor()
+    per_head = full.reshape(1, 4, 2, 1).sum(dim=1).reshape(2, 1)
+    assert torch.equal(total, _expand_kv_rows(per_head, 1, 2, 4))
