@@ -47,10 +47,18 @@ def validate_tp_mesh(model: nn.Module, tp_mesh: DeviceMesh, plan: Plan | None = 
 
 
 def check_divisible(model: nn.Module, tp: int, plan: Plan | None = None) -> None:
-    """Raise :class:`MeshError` if ``tp`` does not divide a head count or a dimension ``plan`` shards."""
+    """Raise :class:`MeshError` if ``tp`` does not divide a head count or a dimension ``plan`` shards.
+
+    Head counts are checked when there is no plan, or when the plan shards a dimension as wide as
+    some heads (q, k, v or o projections): a plan that keeps attention whole (a one-kv-head model
+    whose synthesized plan shards only the MLP) does not need them to divide.
+    """
+    sharded = _sharded_sizes(model, plan) if plan is not None else None
     kv_replicated = plan is not None and any(isinstance(s, ReplicatedKVColwise) for s in plan.values())
     for config in _text_configs(model):
         counts = {a: getattr(config, a) for a in _HEAD_COUNTS if isinstance(getattr(config, a, None), int)}
+        if sharded is not None and not _shards_heads(model, config, counts, sharded):
+            continue
         bad = {a: n for a, n in counts.items() if n % tp}
         if kv_replicated:  # kv heads may be fewer than tp; each is repeated over tp / kv ranks
             bad = {a: n for a, n in bad.items() if not (a == "num_key_value_heads" and tp % n == 0)}
@@ -64,18 +72,33 @@ def check_divisible(model: nn.Module, tp: int, plan: Plan | None = None) -> None
                 f"(config {type(config).__name__}: {counts}); "
                 f"use tp in {working_tp_sizes(list(counts.values()))}{hint}."
             )
-    if plan is None:
-        return
+    for where, size in (sharded or {}).items():
+        if size % tp:
+            raise MeshError(f"{where} of size {size}, which tp={tp} does not divide; "
+                            f"use tp in {working_tp_sizes([size])}.")
+
+
+def _sharded_sizes(model: nn.Module, plan: Plan) -> dict[str, int]:
+    """``"fqn.param: Style (plan key ...) shards dim d"`` -> size, for every dimension ``plan`` shards."""
     modules = dict(model.named_modules())
+    sizes = {}
     for fqn, (key, style) in resolve(model, plan).items():
         module = modules[fqn]
         for pname, dim in sharded_param_dims(module, style).items():
-            size = getattr(module, pname).shape[dim]
-            if size % tp:
-                raise MeshError(
-                    f"{fqn}.{pname}: {type(style).__name__} (plan key {key!r}) shards dim {dim} of "
-                    f"size {size}, which tp={tp} does not divide; use tp in {working_tp_sizes([size])}."
-                )
+            where = f"{fqn}.{pname}: {type(style).__name__} (plan key {key!r}) shards dim {dim}"
+            sizes[where] = getattr(module, pname).shape[dim]
+    return sizes
+
+
+def _shards_heads(model: nn.Module, config, counts: dict[str, int], sharded: dict[str, int]) -> bool:
+    """Whether a sharded size is a whole number of heads of ``config`` (head sizes from the config
+    and from the modules' own ``head_dim``)."""
+    from autotp.kv import config_head_dim
+
+    head_dims = {config_head_dim(config)} | {
+        m.head_dim for m in model.modules() if isinstance(getattr(m, "head_dim", None), int)}
+    widths = {n * d for n in counts.values() for d in head_dims if d}
+    return bool(widths & set(sharded.values()))
 
 
 def _tied_groups(model: nn.Module) -> list[list[tuple[str, str]]]:

@@ -16,7 +16,7 @@ from autotp.plan import Plan, resolve
 from autotp.styles import KVHeadCounts, ReplicatedKVColwise
 
 
-def _config_head_dim(config) -> int | None:
+def config_head_dim(config) -> int | None:
     """``config.head_dim``, or hidden / heads; None where the config has no single value (Gemma4's
     head size differs between layer types and reading it raises)."""
     try:
@@ -44,7 +44,7 @@ def replicate_kv_heads(model: nn.Module, plan: Plan, tp_size: int) -> Plan:
             f"replicating kv heads needs tp to be a multiple of {kv} and to divide {heads}."
         )
     modules = dict(model.named_modules())
-    default_head_dim = _config_head_dim(config)
+    default_head_dim = config_head_dim(config)
     rewritten = dict(plan)
     for fqn, (key, style) in resolve(model, plan).items():
         module = modules[fqn]

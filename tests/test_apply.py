@@ -93,3 +93,21 @@ def test_a_plan_describes_the_same_after_it_was_applied(llama):
     with simulated_mesh(2) as mesh:
         apply_plan(copy.deepcopy(llama), mesh, plan)
     assert describe_plan(plan) == before
+
+
+def test_head_counts_are_checked_only_when_the_plan_shards_heads():
+    """One kv head at tp=2: a plan that shards only the MLP is fine (and exact); one that shards
+    the attention projections is refused before sharding. Would catch MQA models refused outright."""
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+    config = shrink_config(load_config("llama"), tp=2)
+    config.num_key_value_heads = 1
+    config.intermediate_size = 96  # not a whole number of heads, as the FFN width of real models
+    model = build_model(config, device="cpu")
+    mlp = {"model.layers.*.mlp.gate_proj": ColwiseParallel(), "model.layers.*.mlp.up_proj": ColwiseParallel(),
+           "model.layers.*.mlp.down_proj": RowwiseParallel()}
+    assert verify(model, mlp, tp_size=2).ok
+    attention = {**mlp, "model.layers.*.self_attn.k_proj": ColwiseParallel()}
+    with simulated_mesh(2) as mesh:
+        with pytest.raises(MeshError, match="num_key_value_heads=1 cannot be split over tp=2"):
+            apply_plan(copy.deepcopy(model), mesh, attention)
