@@ -252,3 +252,14 @@ def test_gemma4_kv_heads_replicated_beyond_tp_by_each_attention_head_size(tiny_m
     assert plan["model.layers.*.self_attn.k_proj"].kv_heads == 4
     report = verify(model, plan, tp_size=8)
     assert report.ok, str(report)
+
+
+@pytest.mark.parametrize("tp_size", [2, TP])
+def test_falcon_h1_synthesized_sp_plan_is_exact_where_the_handwritten_offers_none(tiny_models, tp_size):
+    """The Mamba mixer stays whole: gathered at entry, its scaled output wrapped as a replicated
+    DTensor where it meets the sequence-sharded stream. Would catch the Tensor/DTensor mix in the
+    residual add (the reason the handwritten plan offers no SP)."""
+    model = tiny_models["falcon_h1"]
+    report = verify(model, _synthesize(model, True), tp_size=tp_size)
+    assert report.ok, str(report)
+    assert report.collectives["reduce_scatter_tensor"] == 5  # 2 per layer and the embedding's

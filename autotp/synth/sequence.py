@@ -14,7 +14,7 @@ import networkx as nx
 from autotp.synth.analysis import Flow, Shard, is_linear, linear_weight
 from autotp.synth.assign import reads_model_input
 from autotp.synth.graph import refs
-from autotp.synth.ops import PASSTHROUGH
+from autotp.synth.ops import ELEMENTWISE, PASSTHROUGH
 from autotp.synth.roles import Role
 
 # Linear roles that take a replicated input and can share one all-gather before them.
@@ -169,8 +169,9 @@ def joining_modules(g: nx.DiGraph, flow: Flow, region: set[str], roles: dict[str
     """Replicated modules whose output an op of the residual stream reads directly.
 
     The stream is a ``Shard(1)`` DTensor; a plain tensor cannot meet it (nanoGPT's position
-    embedding ``wte(idx) + wpe(pos)``, a Linear kept whole whose output is added back). Wrapped as a
-    ``Replicate()`` DTensor, DTensor slices it locally, with no communication.
+    embedding ``wte(idx) + wpe(pos)``, a Linear kept whole whose output is added back, Falcon-H1's
+    replicated Mamba mixer whose output is scaled, then added). Wrapped as a ``Replicate()``
+    DTensor, DTensor slices it locally, with no communication.
     """
     found = {}
     for name in region:
@@ -182,6 +183,9 @@ def joining_modules(g: nx.DiGraph, flow: Flow, region: set[str], roles: dict[str
             if isinstance(flow.state.get(ref.name), (Shard, tuple)):  # a TP shard, not a replica
                 continue
             outer = [m for m in data["stack"] if m not in stack]
+            if not outer:  # scaled or cast on the way, in the stream's own module: look behind that
+                data = g.nodes[_behind_pointwise(g, ref.name)]
+                outer = [m for m in data["stack"] if m not in stack]
             if not outer:
                 continue
             module = outer[-1]  # innermost: the module whose output this node is
@@ -189,6 +193,17 @@ def joining_modules(g: nx.DiGraph, flow: Flow, region: set[str], roles: dict[str
             if role.kind == "replicate" and not role.seq_output and not role.seq_input:
                 found[module] = replace(role, seq_join=True)
     return found
+
+
+def _behind_pointwise(g: nx.DiGraph, name: str) -> str:
+    """Follow ``name`` back through casts and pointwise ops of a single tensor input (a scale by a
+    number): the node whose value it carries."""
+    while g.nodes[name]["kind"] == "call" and g.nodes[name]["op"] in PASSTHROUGH | ELEMENTWISE:
+        tensors = [r.name for r in refs(g.nodes[name]["args"], g.nodes[name]["kwargs"]) if g.nodes[r.name]["shape"]]
+        if len(tensors) != 1:
+            break
+        name = tensors[0]
+    return name
 
 
 def shared_gathers(g: nx.DiGraph, region: set[str], roles: dict[str, Role]) -> dict[str, Role]:
