@@ -181,6 +181,7 @@ TINY_HEAD_DIM = 16
 TINY_VOCAB = 256
 TINY_LAYERS = 2
 TINY_EXPERTS = 4
+TINY_SSM_HEADS = 8
 TINY_VISION = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
                    image_size=28, patch_size=14)
 # Per-head widths that must follow head_dim (Gemma scales scores by query_pre_attn_scalar**-0.5).
@@ -244,7 +245,11 @@ def _shrink_text(options: dict, tp: int, attribute_map: dict[str, str]) -> dict:
         if "num_key_value_heads" in options:
             options["num_key_value_heads"] = tp
         if "head_dim" in options:
-            options.update(head_dim=TINY_HEAD_DIM, hidden_size=TINY_HIDDEN)
+            # Families that check hidden % heads (with a head_dim of their own) get a multiple,
+            # unless that is large (MQA with 64 query heads per kv head keeps hidden 64).
+            multiple = tp * ratio * TINY_HEAD_DIM
+            hidden = TINY_HIDDEN if TINY_HIDDEN % (tp * ratio) == 0 or multiple > 4 * TINY_HIDDEN else multiple
+            options.update(head_dim=TINY_HEAD_DIM, hidden_size=hidden)
         else:  # the family derives head_dim = hidden / heads: an even head_dim in [8, 32]
             head_dim = max(8, min(2 * TINY_HEAD_DIM, 2 * (2 * TINY_HIDDEN // (tp * ratio) // 2)))
             options["hidden_size"] = tp * ratio * head_dim
@@ -259,12 +264,32 @@ def _shrink_text(options: dict, tp: int, attribute_map: dict[str, str]) -> dict:
     for name in _EXPERT_COUNTS:
         if options.get(name):
             options[name] = TINY_EXPERTS
-            if options.get("num_experts_per_tok"):
-                options["num_experts_per_tok"] = min(options["num_experts_per_tok"], 2)
+            if "num_experts_per_tok" in options:  # None in some configs that route top-k anyway
+                options["num_experts_per_tok"] = min(options["num_experts_per_tok"] or 2, 2)
     options.update({k: v for k, v in _TINY_EXTRAS.items() if options.get(k)})
+    _shrink_rotary_and_ssm(options)
     _shrink_layers(options, tp)
     _clamp_token_ids(options)
     return {attribute_map.get(k, k): v for k, v in options.items()}
+
+
+def _shrink_rotary_and_ssm(options: dict) -> None:
+    """Widths tied to the (shrunk) head size or hidden size: a rotary part, Mamba heads.
+
+    ``rotary_dim`` (GPT-J, CodeGen) rotates part of each head, so it cannot exceed head_dim. Mamba-2
+    mixers need ``mamba_n_heads * mamba_d_head == mamba_expand * hidden_size`` unless the family sizes
+    the mixer itself (``mamba_d_ssm``).
+    """
+    heads = options.get("num_attention_heads")
+    head_dim = options.get("head_dim") or (options["hidden_size"] // heads if heads and options.get("hidden_size") else None)
+    if isinstance(options.get("rotary_dim"), int) and head_dim and options["rotary_dim"] > head_dim:
+        options["rotary_dim"] = head_dim // 2 - head_dim // 2 % 2
+    mamba = options.get("mamba_n_heads"), options.get("mamba_d_head"), options.get("mamba_expand")
+    if all(isinstance(v, int) for v in mamba) and not options.get("mamba_d_ssm") and options.get("hidden_size"):
+        options["mamba_n_heads"] = TINY_SSM_HEADS
+        options["mamba_d_head"] = mamba[2] * options["hidden_size"] // TINY_SSM_HEADS
+        if isinstance(options.get("mamba_d_state"), int):
+            options["mamba_d_state"] = min(options["mamba_d_state"], TINY_HEAD_DIM)
 
 
 def _shrink_layers(options: dict, tp: int) -> None:
@@ -280,7 +305,7 @@ def _shrink_layers(options: dict, tp: int) -> None:
     keep = []
     if isinstance(layer_types, list) and len(layer_types) == n:
         keep = [layer_types.index(t) for t in dict.fromkeys(layer_types)]  # first of each kind
-    keep += [i for i in range(n) if i not in keep][: max(0, TINY_LAYERS - len(keep))]
+    keep += [i for i in range(n) if i not in keep][: max(0, _layers_needed(options, n) - len(keep))]
     keep.sort()
     for name, value in list(options.items()):
         if isinstance(value, list) and len(value) == n and name not in _NOT_PER_LAYER:
@@ -294,6 +319,26 @@ def _shrink_layers(options: dict, tp: int) -> None:
     options["num_hidden_layers"] = len(keep)
 
 
+def _layers_needed(options: dict, n: int) -> int:
+    """``TINY_LAYERS``, or more where a layer pattern needs more layers to show each kind once.
+
+    A repeating pattern shorter than the stack (RecurrentGemma's ``block_types``: recurrent,
+    recurrent, attention) and a period with an offset (Jamba's ``attn_layer_period`` 8, offset 4)
+    place a layer kind past the first ``TINY_LAYERS`` layers. Periods are shortened to fit instead.
+    """
+    needed = TINY_LAYERS
+    for name, value in options.items():
+        if (isinstance(value, list) and 1 < len(value) < n and all(isinstance(v, str) for v in value)
+                and name not in _NOT_PER_LAYER):
+            needed = max(needed, max(value.index(v) for v in set(value)) + 1)
+        if name.endswith("_period") and isinstance(value, int) and value > TINY_LAYERS:
+            offset = name[: -len("period")] + "offset"
+            options[name] = TINY_LAYERS
+            if isinstance(options.get(offset), int):
+                options[offset] = options[offset] % TINY_LAYERS
+    return min(n, needed)
+
+
 def _shrink_override(override, tp: int):
     """A per-layer override's head widths, tiny (a wider head_dim stays wider than the default)."""
     if not isinstance(override, dict):
@@ -302,7 +347,10 @@ def _shrink_override(override, tp: int):
     if "head_dim" in shrunk:
         shrunk["head_dim"] = 2 * TINY_HEAD_DIM
     if shrunk.get("num_key_value_heads"):
+        if shrunk.get("num_attention_heads"):  # keep the layer's query/kv ratio, as for the model
+            shrunk["num_attention_heads"] = tp * max(1, shrunk["num_attention_heads"] // shrunk["num_key_value_heads"])
         shrunk["num_key_value_heads"] = tp
+    shrunk.update({k: v for k, v in _TINY_EXTRAS.items() if shrunk.get(k)})
     return shrunk
 
 

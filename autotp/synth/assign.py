@@ -112,8 +112,12 @@ def expert_roles(g: nx.DiGraph, flow: Flow, dropped: dict[str, str], roles: dict
 _WEIGHT_DIM = {"column": 0, "packed_column": 0, "head": 0, "vocab_embedding": 0, "row": 1}
 
 
-def tie_conflicts(g: nx.DiGraph, roles: dict[str, Role]) -> dict[str, str]:
-    """Linear nodes whose tied weight another user shards differently: node -> reason."""
+def tie_conflicts(g: nx.DiGraph, roles: dict[str, Role], flow: Flow | None = None) -> dict[str, str]:
+    """Linear nodes whose tied weight another user shards differently: node -> reason.
+
+    A row Linear is kept whole only if its input is: with ``flow``, the column Linears its input
+    shard comes from (OPT's ``project_out`` before a tied head) are returned as well.
+    """
     users: dict[str, list[tuple[str, str]]] = {}
     for name, data in g.nodes(data=True):
         if is_linear(g, name) or data["op"] == "embedding":
@@ -132,7 +136,19 @@ def tie_conflicts(g: nx.DiGraph, roles: dict[str, Role]) -> dict[str, str]:
             for name, _ in nodes:
                 if is_linear(g, name):
                     conflicts[name] = f"its weight {g.nodes[weight]['param']} is tied ({names}) and the users would shard it differently"
+                    conflicts.update(_shard_origins(g, flow, name, names))
     return conflicts
+
+
+def _shard_origins(g: nx.DiGraph, flow: Flow | None, name: str, names: str) -> dict[str, str]:
+    """The Linears whose shard reaches ``name``'s input: they must stay whole for it to stay whole."""
+    data = g.nodes[name]
+    source = data["args"][0] if data["args"] else None
+    state = flow.state.get(source.name) if flow is not None and isinstance(source, Ref) else None
+    if not isinstance(state, Shard):
+        return {}
+    owner = _owner(g, name)
+    return {o: f"its output reaches {owner}, whose weight is tied ({names}) and must stay whole" for o in state.origins}
 
 
 def foreign_reads(g: nx.DiGraph) -> tuple[dict[str, str], dict[str, str]]:
@@ -217,7 +233,7 @@ def norm_roles(g: nx.DiGraph, flow: Flow, taken: set[str]) -> dict[str, Role]:
             for module in data["stack"]:
                 if module in taken or module in roles or module in g.nodes[ref.name]["stack"]:
                     continue
-                if module not in _owners_of_params(g):
+                if module not in _owners_of_params(g) or not _params_meet_shard(g, flow, module):
                     continue
                 dim = shard.dim - len(g.nodes[ref.name]["shape"])
                 path = _describe(g, shard_path(g, flow, ref.name), module)
@@ -228,6 +244,26 @@ def norm_roles(g: nx.DiGraph, flow: Flow, taken: set[str]) -> dict[str, Role]:
                     roles[module] = Role("head_norm", f"reads a tensor sharded on dim {dim} and reduces over other dims",
                                          path, shard_dim=dim)
     return roles
+
+
+def _params_meet_shard(g: nx.DiGraph, flow: Flow, module: str) -> bool:
+    """Whether a parameter of ``module`` itself flows, inside ``module``, into a sharded value.
+
+    Only then is its gradient a per-rank partial sum. A module that merely passes a shard to its
+    children (an attention's compressor owning a bias added to replicated gates) needs no style:
+    all-reducing a full gradient would multiply it by tp.
+    """
+    starts = [n for n, d in g.nodes(data=True) if d["kind"] == "param" and d["param"].rpartition(".")[0] == module]
+    seen, todo = set(starts), list(starts)
+    while todo:
+        for succ in g.successors(todo.pop()):
+            if succ in seen or module not in g.nodes[succ]["stack"]:
+                continue
+            if isinstance(flow.state.get(succ), (Shard, tuple)):
+                return True
+            seen.add(succ)
+            todo.append(succ)
+    return False
 
 
 def _owners_of_params(g: nx.DiGraph) -> set[str]:

@@ -51,12 +51,16 @@ def capture_inputs(model: nn.Module, example_inputs, fqns: set[str]) -> dict[str
             def hook(mod, a, k, fqn=fqn):
                 captured.setdefault(fqn, (a, k))
             handles.append(model.get_submodule(fqn).register_forward_pre_hook(hook, with_kwargs=True))
+        fake_log = logging.getLogger("torch._subclasses.fake_tensor")
+        level = fake_log.level
+        fake_log.setLevel(logging.CRITICAL)  # a kernel without a fake impl logs before it raises
         try:
             with torch.no_grad(), FakeTensorMode(allow_non_fake_inputs=True):
                 model(*args, **kwargs)
         except Exception as error:  # any failure only means we cannot confirm: fall back
             log.debug("fake forward for localization failed: %s", error)
         finally:
+            fake_log.setLevel(level)
             for handle in handles:
                 handle.remove()
     # Fake tensors belong to the fake mode: keep only their shapes, as plain meta tensors.

@@ -163,9 +163,7 @@ def localize(model: nn.Module, example_inputs, g: nx.DiGraph, flow: Flow, roles:
     by_module: dict[str, list[str]] = {}
     for root, nodes in fixed_size_roots(g, flow).items():
         by_module.setdefault(cutting_module(g, root, nodes), []).append(root)
-    if not by_module:
-        return result
-    captured = capture_inputs(model, example_inputs, {m for m in by_module if m})
+    captured = capture_inputs(model, example_inputs, {m for m in by_module if m}) if by_module else {}
     for fqn, roots in by_module.items():
         prefix = fqn + "." if fqn else ""
         inner = {m[len(prefix):]: r for m, r in roles.items() if m.startswith(prefix) and r.kind != "replicate"}
@@ -187,4 +185,94 @@ def localize(model: nn.Module, example_inputs, g: nx.DiGraph, flow: Flow, roles:
         elif names:
             result.counts[fqn] = names
         log.info("localize %s: %s", fqn, names)
+    _localize_heads(model, example_inputs, g, flow, roles, tp, result)
     return result
+
+
+def head_views(g: nx.DiGraph, flow: Flow, roles: dict[str, Role]) -> dict[str, list[str]]:
+    """Column roots whose shard a view splits into heads: the module that runs both -> roots.
+
+    The view's head count is a constant in the trace; at per-rank widths it must be the per-rank
+    count, which holds only if the code derives it from the width (``view(b, s, -1, head_dim)``).
+    """
+    from autotp.synth.assign import _owner
+
+    found: dict[str, list[str]] = {}
+    for root in sorted(flow.roots, key=lambda n: g.nodes[n]["order"]):
+        if roles.get(_owner(g, root), Role("", "")).kind != "column":
+            continue
+        for node in nx.bfs_tree(g, root, depth_limit=4):
+            data = g.nodes[node]
+            state = flow.state.get(node)
+            if data["op"] not in VIEW_LIKE or not isinstance(state, Shard) or root not in state.origins:
+                continue
+            source = data["args"][0]
+            in_shape = g.nodes[source.name]["shape"] if isinstance(source, Ref) else None
+            if in_shape and data["shape"] and data["shape"][state.dim] < in_shape[-1]:
+                found.setdefault(cutting_module(g, root, [node]), []).append(root)
+                break
+    return found
+
+
+def _localize_heads(model: nn.Module, example_inputs, g: nx.DiGraph, flow: Flow, roles: dict[str, Role],
+                    tp: int, result: Localization) -> None:
+    """Per-rank head counts for modules that split a column shard into heads with an attribute.
+
+    A module that already runs at per-rank widths (Llama's ``view(..., -1, head_dim)``) needs
+    nothing. One that fails there (GPT-Neo's ``view(..., self.num_heads, head_dim)``) gets the
+    attributes whose division makes it run with per-rank shapes (:func:`find_names`), or its
+    Linears are kept whole with the reason.
+    """
+    from autotp.synth.assign import _owner
+
+    by_module = {m: r for m, r in head_views(g, flow, roles).items() if m and m not in result.counts}
+    if not by_module:
+        return
+    captured = capture_inputs(model, example_inputs, set(by_module))
+    for fqn, roots in by_module.items():
+        if fqn not in captured:
+            continue  # not reached by the fake forward: nothing to confirm either way
+        prefix = fqn + "."
+        inner = {m[len(prefix):]: r for m, r in roles.items() if m.startswith(prefix) and r.kind != "replicate"}
+        values = {g.nodes[n]["shape"][flow.state[n].dim] for r in roots for n in nx.bfs_tree(g, r, depth_limit=4)
+                  if g.nodes[n]["op"] in VIEW_LIKE and isinstance(flow.state.get(n), Shard) and g.nodes[n]["shape"]}
+        if any(v % tp for v in values):
+            continue  # tp does not divide the heads: check_divisible names the module and the sizes
+        with collapsed(model):
+            module = model.get_submodule(fqn)
+            reference = run_local(module, captured[fqn], inner, [], (), 1)
+            if reference is None or run_local(module, captured[fqn], inner, [], (), tp) is not None:
+                continue  # runs at per-rank widths as it is (the verifier judges the numbers)
+            candidates = candidate_names(module, {v for v in values if v > 1})
+            names = _head_names(module, captured[fqn], inner, candidates, tp, _main(reference[0]))
+        if names:
+            result.counts[fqn] = names
+        else:
+            tried = ", ".join(candidates) or "none found"
+            for root in roots:
+                result.unlocal[root] = (
+                    f"{fqn} splits its output into heads with a fixed count, and no integer attributes "
+                    f"(tried: {tried}) divided by tp make it run at per-rank widths; kept whole")
+        log.info("localize heads %s: %s", fqn, names)
+
+
+def _main(shapes):
+    """The shape of a module's main output: the first of a tuple (attention weights may follow)."""
+    return shapes[0] if isinstance(shapes, tuple) and shapes and isinstance(shapes[0], tuple) else shapes
+
+
+def _head_names(module: nn.Module, inputs, roles: dict[str, Role], candidates: list[str], tp: int,
+                main: tuple) -> tuple[str, ...] | None:
+    """The smallest set of ``candidates`` with which ``module`` runs at per-rank widths, keeps its
+    main output's global shape, and has every intermediate shape the per-rank one; or None."""
+    traced = None
+    for count in range(1, min(MAX_NAMES, len(candidates)) + 1):
+        for names in itertools.combinations(candidates, count):
+            result = run_local(module, inputs, roles, [], names, tp)
+            if result is None or _main(result[0]) != main:
+                continue
+            traced = traced or trace_local(module, inputs, roles, (), 1)
+            local = trace_local(module, inputs, roles, names, tp)
+            if traced is not None and local is not None and shapes_are_local(traced, local, roles, tp):
+                return names
+    return None

@@ -396,4 +396,12 @@ def apply_rule(g: nx.DiGraph, name: str, dims: dict[str, int], ctx):
     rule = RULES.get(op)
     if rule is None:
         return Break(f"{op} is not known to keep a sharded dim")
-    return rule(g, name, dims, ctx)
+    try:
+        result = rule(g, name, dims, ctx)
+    except (TypeError, ValueError, IndexError, KeyError) as error:
+        # A call the rule's table does not describe (a dim given as a string, several sharded
+        # inputs to a view): unknown, so the shard stops here and its Linears stay whole.
+        return Break(f"{op} is called in a form its rule does not read ({type(error).__name__}: {error})")
+    if isinstance(result, Out) and not g.nodes[name]["shape"]:
+        return Break(f"{op} returns no single tensor to carry the sharded dim")
+    return result
