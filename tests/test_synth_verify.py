@@ -89,3 +89,20 @@ def test_dynamic_ntk_rope_is_traced_with_real_values(sequence_parallel):
     model = tiny_model("llama", device="cpu", rope_parameters=DYNAMIC_ROPE)
     plan = synthesize(model, sequence_parallel=sequence_parallel, tp_size=2)
     _verify(model, plan, 2)
+
+
+@pytest.mark.parametrize("name", ["qwen2_moe", "deepseek_v3", "afmoe"])
+def test_sp_plans_with_shared_experts_and_inner_rows_are_exact(name):
+    """Sequence parallel where a row Linear does not return to the residual stream:
+
+    - qwen2_moe: a shared expert scaled by a learned sigmoid gate inside the MoE block; the block
+      reduces inside and slices its whole output back to the stream (left a partial sum, the gate's
+      weight gradient would be partial: a wrong gradient, no error);
+    - deepseek_v3: MLA's ``q_b_proj`` is row-parallel inside the attention; it all-reduces as under
+      plain TP instead of reduce-scattering into the rotary embedding (a Tensor/DTensor crash);
+    - afmoe: a norm after the MoE block, before the residual add, stays on the stream.
+    """
+    from autotp.models import build_model
+
+    model = build_model(name, tiny=True, tp=2, device="cpu")
+    _verify(model, synthesize(model, sequence_parallel=True, tp_size=2), 2)

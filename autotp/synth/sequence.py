@@ -11,10 +11,10 @@ from dataclasses import replace
 
 import networkx as nx
 
-from autotp.synth.analysis import Flow, Shard, is_linear, linear_weight
+from autotp.synth.analysis import Flow, Shard, is_linear, linear_weight, param_source
 from autotp.synth.assign import reads_model_input
 from autotp.synth.graph import refs
-from autotp.synth.ops import ELEMENTWISE, PASSTHROUGH
+from autotp.synth.ops import ATTENTION, ELEMENTWISE, MATMULS, PASSTHROUGH
 from autotp.synth.roles import Role
 
 # Linear roles that take a replicated input and can share one all-gather before them.
@@ -23,10 +23,37 @@ _GATHERING = frozenset({"column", "packed_column", "kv_column"})
 _ROTARY_HOPS = 4
 
 
-def residual_region(g: nx.DiGraph, flow: Flow) -> set[str]:
-    """Nodes carrying the sequence-sharded residual stream: reachable from embeddings and rows."""
-    starts = [n for n, d in g.nodes(data=True) if n in flow.rows or (
+def inner_rows(g: nx.DiGraph, flow: Flow) -> set[str]:
+    """Row Linears whose reduced output meets another activation in an attention or matmul before
+    any Linear: a projection inside attention (MLA's ``q_b_proj`` after a sharded ``q_a_proj``),
+    not a return to the residual stream. They all-reduce as under plain TP."""
+    found = set()
+    for row in flow.rows:
+        seen, todo = {row}, [row]
+        while todo and row not in found:
+            for succ in g.successors(todo.pop()):
+                data = g.nodes[succ]
+                if succ in seen or data["kind"] != "call" or is_linear(g, succ):
+                    continue
+                if data["op"] in ATTENTION | MATMULS and not any(
+                        param_source(g, r.name) for r in refs(data["args"], data["kwargs"])):
+                    found.add(row)
+                    break
+                seen.add(succ)
+                todo.append(succ)
+    return found
+
+
+def residual_region(g: nx.DiGraph, flow: Flow, blocks: set[str] = frozenset()) -> set[str]:
+    """Nodes carrying the sequence-sharded residual stream: reachable from embeddings and from the
+    rows that return to the stream (not :func:`inner_rows`, nor rows inside the MoE ``blocks``,
+    whose partial sums meet the experts' inside the block)."""
+    stream_rows = {r for r in set(flow.rows) - inner_rows(g, flow) if not _in_block(g, r, blocks)}
+    starts = [n for n, d in g.nodes(data=True) if n in stream_rows or (
         d["op"] == "embedding" and reads_model_input(g, d["args"][1].name))]
+    for block in sorted(blocks):  # a MoE block's output returns to the stream as a row's does
+        starts += [r for r in _module_outputs(g, block)[1]
+                   if g.nodes[r]["kind"] == "call" and not is_linear(g, r) and r not in starts]
     region, todo = set(starts), list(starts)
     while todo:
         for succ in g.successors(todo.pop()):
@@ -75,6 +102,23 @@ def _owner(g, name):
 def expert_blocks(roles: dict[str, Role]) -> set[str]:
     """Modules that hold grouped experts (the MoE block: router, experts, the combine around them)."""
     return {fqn.rpartition(".")[0] for fqn, role in roles.items() if role.kind == "experts"}
+
+
+def partial_blocks(g: nx.DiGraph, roles: dict[str, Role], blocks: set[str]) -> set[str]:
+    """MoE blocks whose experts' partial sums may leave the block unreduced: nothing inside holds
+    parameters but the experts and replicated Linears (the router). A shared expert's output or a
+    norm after the combine would meet a partial sum (wrong values, or a gate weight's gradient
+    left partial), so such blocks reduce inside instead.
+    """
+    owners = {d["param"].rpartition(".")[0] for _, d in g.nodes(data=True) if d["kind"] == "param"}
+    linear_owners = {_owner(g, n) for n in g.nodes if g.nodes[n]["kind"] == "call" and is_linear(g, n)}
+    simple = set()
+    for block in blocks:
+        inside = [m for m in owners if m.startswith(block + ".")]
+        kinds = {m: roles.get(m, Role("replicate", "")).kind for m in inside}
+        if all(k == "experts" or (k == "replicate" and m in linear_owners) for m, k in kinds.items()):
+            simple.add(block)
+    return simple
 
 
 def _in_block(g: nx.DiGraph, name: str, blocks: set[str]) -> bool:
@@ -242,19 +286,27 @@ def _common_module(stacks: list[tuple[str, ...]]) -> str:
 
 def sequence_parallel_roles(g: nx.DiGraph, flow: Flow, roles: dict[str, Role]) -> dict[str, Role]:
     """Roles under sequence parallel: add seq norms and rotary, and mark sequence-sharded ends."""
-    region = residual_region(g, flow)
+    blocks = expert_blocks(roles)
+    partial = partial_blocks(g, roles, blocks)
+    region = residual_region(g, flow, blocks)
     out = dict(roles)
     out.update(replicated_blocks(g, region, out))
     out.update(sequence_norms(g, region, out))
     out.update(rotary_modules(g, flow, out))
-    blocks = expert_blocks(out)
     for block in blocks:
-        out[block] = Role("moe_block", "holds grouped experts whose per-rank partial sums go back to the "
-                          "sequence-sharded stream: reduce-scattered once", (block,), seq_output=True)
-    out.update({m: replace(r, seq_output=True) for m, r in out.items() if r.kind == "experts"})
+        if block in partial:
+            out[block] = Role("moe_block", "holds grouped experts whose per-rank partial sums go back to the "
+                              "sequence-sharded stream: reduce-scattered once", (block,), seq_output=True)
+        else:
+            out[block] = Role("replicate", "holds grouped experts and other modules that combine with their "
+                              "output (a shared expert, a norm): each is reduced inside, and the whole output "
+                              "is sliced back to the sequence-sharded stream", (block,), seq_output=True)
+    out.update({m: replace(r, seq_output=True) for m, r in out.items()
+                if r.kind == "experts" and m.rpartition(".")[0] in partial})
     out.update(joining_modules(g, flow, region, out))
     out.update(shared_gathers(g, region, out))
     gathered = {m for m, r in out.items() if r.kind in ("seq_norm_gather", "seq_gather")}
+    inner = inner_rows(g, flow)
     for name, data in g.nodes(data=True):
         linear = data["kind"] == "call" and is_linear(g, name)
         owner = _owner(g, name) if linear or data["op"] == "embedding" else None
@@ -267,7 +319,8 @@ def sequence_parallel_roles(g: nx.DiGraph, flow: Flow, roles: dict[str, Role]) -
         if role is None:
             continue
         elif linear and role.kind == "row":
-            out[owner] = replace(role, seq_output=True)
+            if name not in inner and not _in_block(g, name, blocks):  # a shared expert reduces inside
+                out[owner] = replace(role, seq_output=True)
         elif linear and data["args"][0].name in region and not _in_block(g, name, blocks):
             src_stack = g.nodes[data["args"][0].name]["stack"]
             if not gathered & (set(src_stack) | set(data["stack"])):
