@@ -1,0 +1,477 @@
+"""Coverage sweep: every transformers causal-LM architecture, synthesized and verified, with the checker measured.
+
+For each ``model_type`` in transformers' ``MODEL_FOR_CAUSAL_LM_MAPPING_NAMES`` and each case (tp 2
+and 4, plain and sequence parallel) a worker process builds the tiny random model
+(:func:`autotp.models.build_model`), then
+
+- synthesizes a plan and verifies it (logits and every gradient against the unsharded model);
+- verifies transformers' own plan (``autotp.get_plan(source="hf")``; plain cases only: it has no
+  sequence-parallel variant);
+- runs :func:`autotp.check_plan` on each plan it verified, so the static checker can be scored
+  against the verifier (flagged / missed / false positive).
+
+Every failure gets a reason class (:data:`REASONS`) derived from where it happened and the
+exception or report, never from the model's name. Results go to ``benchmarks/results/coverage.json``
+and ``benchmarks/results/COVERAGE.md`` (see :mod:`coverage_report`).
+
+    python benchmarks/coverage.py                      # everything, 2 workers
+    python benchmarks/coverage.py --only llama,qwen3 --tp 2 --workers 1
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing
+import resource
+import sys
+import time
+import traceback
+import warnings
+from dataclasses import dataclass
+from datetime import datetime, timezone
+from multiprocessing.connection import wait
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+RESULTS = ROOT / "benchmarks" / "results"
+
+# Reason classes: where the case stopped and what stopped it.
+REASONS = {
+    "config-unbuildable": "the tiny config or the model could not be built from it",
+    "config-not-tiny": "the shrunk config is still large (a width or table the shrinker does not know)",
+    "unsharded-forward-failed": "the unsharded tiny model fails on token ids alone",
+    "no-repeated-block": "no nn.ModuleList of repeated blocks to plan",
+    "not-a-language-model": "the traced forward looks up no token embedding",
+    "export-failed": "torch.export could not trace the model",
+    "indivisible": "a sharded extent is not divisible by tp",
+    "synthesis-crashed": "the synthesizer raised an unexpected error",
+    "plan-apply-failed": "the plan could not be applied (key or style rejected before running)",
+    "sharded-run-crashed": "the sharded model raised during forward or backward",
+    "verify-mismatch": "the sharded model ran but its logits or gradients differ",
+    "timeout": "the case ran past its time limit and was killed",
+    "memory-limit": "an allocation went past the worker's memory cap (the tiny model is not tiny)",
+    "worker-died": "the worker process died (out of memory, segfault)",
+    "no-plan": "transformers ships no tp plan for this model",
+}
+# Why a model type is left out of the decoder-only text denominator (read from config and class).
+EXCLUSIONS = {
+    "encoder-decoder": "config.is_encoder_decoder: the causal LM is the decoder half of a seq2seq model",
+    "multimodal": "the config has non-text sub-configs (vision, audio, ...): not a text-only model",
+    "encoder-family": "config.is_decoder defaults to False: a bidirectional encoder with an LM head added",
+    "non-text-input": "the model's main input is not input_ids",
+}
+
+
+# A shrunk model above this is a config the shrinker does not understand (verifying it would take
+# minutes and gigabytes); the largest tiny families (per-layer vocab tables) stay under 2M.
+MAX_TINY_PARAMS = 20_000_000
+
+
+@dataclass(frozen=True)
+class Case:
+    """One unit of work: a model type at a tp size, plain or sequence parallel."""
+
+    model_type: str
+    tp: int
+    sp: bool
+
+    @property
+    def key(self) -> str:
+        return f"{self.model_type}/tp{self.tp}/{'sp' if self.sp else 'plain'}"
+
+
+def architectures() -> list[str]:
+    """Every model type transformers maps to a causal-LM class, sorted."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    return sorted(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES)
+
+
+def cases(types: list[str], tps=(2, 4), modes=(False, True)) -> list[Case]:
+    return [Case(t, tp, sp) for t in types for tp in tps for sp in modes]
+
+
+def classify(model_type: str) -> tuple[str, str]:
+    """``("decoder-text", "")`` or ``(exclusion class, detail)`` from the config and model class alone."""
+    import transformers
+    from transformers import AutoConfig
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    try:
+        config = AutoConfig.for_model(model_type)
+    except Exception as error:  # unbuildable: counted in the denominator, as a failure
+        return "decoder-text", f"config not inspectable ({type(error).__name__})"
+    if getattr(config, "is_encoder_decoder", False):
+        return "encoder-decoder", EXCLUSIONS["encoder-decoder"]
+    others = sorted(k for k in (getattr(config, "sub_configs", None) or {}) if k != "text_config")
+    if others:
+        return "multimodal", f"sub-configs {', '.join(others)}"
+    if getattr(config, "is_decoder", None) is False:
+        return "encoder-family", EXCLUSIONS["encoder-family"]
+    cls = getattr(transformers, MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[model_type], None)
+    main_input = getattr(cls, "main_input_name", "input_ids")
+    if main_input != "input_ids":
+        return "non-text-input", f"main input {main_input}"
+    return "decoder-text", ""
+
+
+# ----------------------------------------------------------------------------------------------
+# One case, in a worker
+
+
+def _message(error: BaseException) -> str:
+    text = str(error).strip().splitlines()
+    return f"{type(error).__name__}: {text[0][:300] if text else ''}"
+
+
+_OUT_OF_MEMORY = ("MemoryError", "can't allocate memory", "std::bad_alloc")
+
+
+def _reason(default: str, error: BaseException | str) -> str:
+    """``default``, unless the error is an allocation past the worker's memory cap."""
+    text = error if isinstance(error, str) else _message(error)
+    return "memory-limit" if any(s in text for s in _OUT_OF_MEMORY) else default
+
+
+def _synthesis_reason(error: BaseException) -> str:
+    """The reason class of an exception from ``synthesize``: its type, and for TraceError which check."""
+    from autotp.errors import MeshError, TraceError
+
+    text = str(error)
+    if isinstance(error, TraceError):
+        if "no repeated block" in text:
+            return "no-repeated-block"
+        if "no embedding lookup" in text:
+            return "not-a-language-model"
+        return "export-failed"
+    if isinstance(error, MeshError):
+        return "indivisible"
+    return _reason("synthesis-crashed", error)
+
+
+def _layers(model) -> int:
+    config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    return int(getattr(config, "num_hidden_layers", 0) or 0)
+
+
+def check_and_verify(model, plan, tp: int) -> dict:
+    """Verify ``plan`` numerically and run the static checker on it; one dict for the table."""
+    from autotp import verify
+    from autotp.check import check_plan
+
+    out: dict = {}
+    try:
+        findings = check_plan(model, plan, tp_size=tp)
+        out["check"] = {"flagged": bool(findings), "findings": [f"{f.kind}: {f.module}" for f in findings][:8]}
+    except Exception as error:  # the checker is what is measured here: its crash is a result
+        out["check"] = {"flagged": None, "error": _message(error)}
+    try:
+        report = verify(model, plan, tp_size=tp)
+    except Exception as error:  # raised before the sharded run: the reference backward, or applying
+        stage = "unsharded-forward-failed" if _raised_in(error, "reference_run") else "plan-apply-failed"
+        out.update(status="failed", reason=_reason(stage, error), error=_message(error))
+        return out
+    if report.error is not None:
+        out.update(status="failed", reason=_reason("sharded-run-crashed", report.error), error=report.error)
+        return out
+    name, worst = report.worst_grad
+    out.update(param_fraction=round(max(report.param_fraction), 4), collectives=dict(report.collectives),
+               logits_diff=max(report.logits_max_abs_diff), grad_diff=worst)
+    if report.ok:
+        out["status"] = "verified"
+    else:
+        out.update(status="failed", reason="verify-mismatch", error=f"worst gradient {name} {worst:.2e}, "
+                   f"logits {max(report.logits_max_abs_diff):.2e}")
+    return out
+
+
+def _raised_in(error: BaseException, function: str) -> bool:
+    """Whether ``function`` was on the stack where ``error`` was raised."""
+    return any(frame.name == function for frame in traceback.extract_tb(error.__traceback__))
+
+
+def _replicated(model, sp: bool, tp: int) -> list[dict]:
+    """Modules with weights (parameters of 2 dims or more) the synthesizer kept whole, with its reason."""
+    from autotp import explain
+
+    owners = {n for n, m in model.named_modules() if any(p.ndim >= 2 for p in m.parameters(recurse=False))}
+    return [{"module": r.key, "reason": r.reason[:200]} for r in explain(model, sequence_parallel=sp, tp_size=tp)
+            if r.role == "replicate" and any(_key_covers(r.key, o) for o in owners)]
+
+
+def _key_covers(key: str, fqn: str) -> bool:
+    from fnmatch import fnmatchcase
+
+    return fnmatchcase(fqn, key)
+
+
+def run_case(case: Case) -> dict:
+    """Build, synthesize, verify, check (and transformers' plan in plain cases); never raises."""
+    import torch
+
+    from autotp import get_plan, synthesize
+    from autotp.errors import PlanError
+    from autotp.models import build_model, load_config, shrink_config
+    from autotp.verifier import _call, default_inputs
+
+    warnings.simplefilter("ignore")
+    start = time.perf_counter()
+    result: dict = {"model_type": case.model_type, "tp": case.tp, "sp": case.sp}
+    result["class"], result["class_detail"] = classify(case.model_type)
+    try:
+        config = shrink_config(load_config(case.model_type), tp=case.tp)
+        for part in (config, config.get_text_config()):
+            part.use_cache = False  # a KV cache plays no part in a plan; pure-SSM stacks fail with one
+        size = sum(p.numel() for p in build_model(config).parameters())  # meta: milliseconds
+        if size > MAX_TINY_PARAMS:
+            result["synth"] = {"status": "failed", "reason": "config-not-tiny", "error": (
+                f"the shrunk config still has {size / 1e6:.0f}M parameters (limit {MAX_TINY_PARAMS / 1e6:.0f}M): "
+                "a width or table the shrinker does not know")}
+            return _done(result, start)
+        model = build_model(config, device="cpu")
+        result["model_class"] = type(model).__name__
+        result["layers"] = _layers(model)
+    except Exception as error:
+        result["synth"] = {"status": "failed", "reason": _reason("config-unbuildable", error),
+                           "error": _message(error)}
+        return _done(result, start)
+    try:
+        with torch.no_grad():
+            _call(model, default_inputs(model, case.tp))
+    except Exception as error:
+        result["synth"] = {"status": "failed", "reason": _reason("unsharded-forward-failed", error),
+                           "error": _message(error)}
+        return _done(result, start)
+    from test_synth_matrix import megatron_fraction
+
+    result["megatron_fraction"] = round(megatron_fraction(model, case.tp), 4)
+    result["synth"] = _synth_case(model, case)
+    if not case.sp:
+        try:
+            choice = get_plan(model, source="hf")
+            result["hf"] = check_and_verify(model, choice.plan, case.tp)
+        except PlanError as error:
+            result["hf"] = {"status": "none", "reason": "no-plan", "error": _message(error)}
+        except Exception as error:
+            result["hf"] = {"status": "failed", "reason": "plan-apply-failed", "error": _message(error)}
+    return _done(result, start)
+
+
+def _synth_case(model, case: Case) -> dict:
+    from autotp import synthesize
+
+    try:
+        plan = synthesize(model, sequence_parallel=case.sp, tp_size=case.tp)
+    except Exception as error:
+        return {"status": "failed", "reason": _synthesis_reason(error), "error": _message(error)}
+    out = check_and_verify(model, plan, case.tp)
+    if out["status"] == "verified":
+        try:
+            out["replicated"] = _replicated(model, case.sp, case.tp)
+        except Exception as error:  # explain re-runs synthesis: cannot fail where synthesize did not
+            out["replicated_error"] = _message(error)
+    return out
+
+
+def _done(result: dict, start: float) -> dict:
+    result["seconds"] = round(time.perf_counter() - start, 2)
+    return result
+
+
+# ----------------------------------------------------------------------------------------------
+# The pool: long-lived spawned workers, one case at a time each, killed past the time limit
+
+
+def _worker(conn, memory_gib: float) -> None:
+    """Import once, say ``"ready"``, then run cases from ``conn`` until it sends ``None``."""
+    import logging
+
+    import torch
+    from transformers.utils import logging as hf_logging
+
+    torch.set_num_threads(1)
+    if memory_gib:  # a tiny model that is not tiny (an unshrunk table) must not starve the machine
+        limit = int(memory_gib * 2**30)
+        resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
+    sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
+    warnings.simplefilter("ignore")
+    logging.disable(logging.WARNING)
+    hf_logging.set_verbosity_error()
+    import autotp.synth  # noqa: F401  (imported before the clock of the first case starts)
+
+    conn.send("ready")
+    while True:
+        try:
+            case = conn.recv()
+        except EOFError:  # the sweep was killed: nothing more will come
+            return
+        if case is None:
+            return
+        try:
+            result = run_case(case)
+        except BaseException as error:  # run_case catches per stage; this is a bug in the sweep
+            result = {"model_type": case.model_type, "tp": case.tp, "sp": case.sp,
+                      "sweep_error": _message(error), "traceback": traceback.format_exc()[-2000:]}
+        conn.send(result)
+
+
+class _Slot:
+    """A worker process, its pipe, and the case it runs (with its deadline); idle until ready."""
+
+    def __init__(self, ctx, memory_gib: float):
+        self.conn, child = ctx.Pipe()
+        self.process = ctx.Process(target=_worker, args=(child, memory_gib), daemon=True)
+        self.process.start()
+        child.close()
+        self.ready = False
+        self.case: Case | None = None
+        self.deadline = float("inf")
+
+    def assign(self, pending: list[Case], timeout: float) -> None:
+        self.case = pending.pop() if pending else None
+        if self.case is not None:
+            self.conn.send(self.case)
+            self.deadline = time.monotonic() + timeout
+
+    def stop(self) -> None:
+        self.process.kill()
+        self.process.join()
+
+
+def _failed(case: Case, reason: str, detail: str) -> dict:
+    """The record of a case whose worker was killed or died: both plans failed for ``reason``."""
+    kind, detail_class = classify(case.model_type)
+    failure = {"status": "failed", "reason": reason, "error": detail}
+    out = {"model_type": case.model_type, "tp": case.tp, "sp": case.sp, "class": kind,
+           "class_detail": detail_class, "synth": failure}
+    if not case.sp:
+        out["hf"] = dict(failure)
+    return out
+
+
+def run_pool(todo: list[Case], *, workers: int = 2, timeout: float = 120.0, memory_gib: float = 6.0,
+             progress: bool = True) -> list[dict]:
+    """Run ``todo`` on ``workers`` spawned processes; a case past ``timeout`` seconds is killed.
+
+    Each worker's address space is capped at ``memory_gib`` (0: no cap); an allocation past it
+    raises ``MemoryError`` inside the case, which records it as ``memory-limit``.
+
+    The clock of a case starts when it is sent to a worker that has finished its imports. A killed
+    or dead worker is replaced by a fresh one.
+
+    Raises:
+        RuntimeError: a worker died before it was ready (its imports fail).
+    """
+    from tqdm import tqdm
+
+    ctx = multiprocessing.get_context("spawn")
+    pending = list(reversed(todo))
+    slots = [_Slot(ctx, memory_gib) for _ in range(max(1, min(workers, len(todo))))]
+    results: list[dict] = []
+    bar = tqdm(total=len(todo), disable=not progress, unit="case", dynamic_ncols=True)
+    while pending or any(s.case for s in slots):
+        ready = wait([s.conn for s in slots if s.case or not s.ready], timeout=1.0)
+        for i, slot in enumerate(slots):
+            if not slot.ready:
+                if slot.conn in ready:
+                    try:
+                        slot.conn.recv()
+                    except EOFError:
+                        raise RuntimeError(f"a coverage worker died while importing (exit code "
+                                           f"{slot.process.exitcode})") from None
+                    slot.ready = True
+                    slot.assign(pending, timeout)
+                continue
+            outcome = _outcome(slot, ready, timeout)
+            if outcome is None:
+                continue
+            results.append(outcome)
+            bar.set_postfix_str(slot.case.key, refresh=False)
+            bar.update()
+            if outcome.get("synth", {}).get("reason") in ("timeout", "worker-died"):
+                slot.stop()
+                slots[i] = _Slot(ctx, memory_gib)
+            else:
+                slot.assign(pending, timeout)
+    for slot in slots:
+        if slot.ready:
+            slot.conn.send(None)
+        slot.process.join(timeout=5)
+        if slot.process.is_alive():
+            slot.stop()
+    bar.close()
+    return results
+
+
+def _outcome(slot: _Slot, ready: list, timeout: float) -> dict | None:
+    """The result of ``slot``'s case if it finished, died or ran out of time; else ``None``."""
+    if slot.case is None:
+        return None
+    if slot.conn in ready:
+        try:
+            return slot.conn.recv()
+        except EOFError:
+            slot.process.join(timeout=5)
+            return _failed(slot.case, "worker-died", f"exit code {slot.process.exitcode}")
+    if time.monotonic() > slot.deadline:
+        return _failed(slot.case, "timeout", f"killed after {timeout:g} s")
+    return None
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--only", help="comma-separated model types (default: all causal-LM types)")
+    parser.add_argument("--tp", default="2,4", help="comma-separated tp sizes")
+    parser.add_argument("--modes", default="plain,sp", help="plain, sp or both")
+    parser.add_argument("--workers", type=int, default=2)
+    parser.add_argument("--timeout", type=float, default=120.0, help="seconds per case")
+    parser.add_argument("--memory-gib", type=float, default=6.0, help="address-space cap per worker")
+    parser.add_argument("--out", default=str(RESULTS / "coverage.json"))
+    parser.add_argument("--md", default=None, help="markdown table (default: COVERAGE.md next to --out)")
+    args = parser.parse_args(argv)
+    types = architectures()
+    if args.only:
+        wanted = args.only.split(",")
+        unknown = sorted(set(wanted) - set(types))
+        if unknown:
+            parser.error(f"not causal-LM model types in this transformers: {', '.join(unknown)}")
+        types = [t for t in types if t in wanted]
+    tps = tuple(int(t) for t in args.tp.split(","))
+    modes = tuple({"plain": False, "sp": True}[m] for m in args.modes.split(","))
+    todo = cases(types, tps, modes)
+    started = datetime.now(timezone.utc)
+    t0 = time.perf_counter()
+    results = run_pool(todo, workers=args.workers, timeout=args.timeout, memory_gib=args.memory_gib)
+    wall = time.perf_counter() - t0
+    sys.path.insert(0, str(Path(__file__).parent))
+    from coverage_report import summarize, write_markdown
+
+    order = {c.key: i for i, c in enumerate(todo)}
+    results.sort(key=lambda r: order[Case(r["model_type"], r["tp"], r["sp"]).key])
+    command = "python benchmarks/coverage.py " + " ".join(argv if argv is not None else sys.argv[1:])
+    meta = _meta(command.strip(), started, wall, args)
+    summary = summarize(results)
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps({"meta": meta, "summary": summary, "cases": results}, indent=1) + "\n")
+    md = Path(args.md) if args.md else out.with_name("COVERAGE.md")
+    write_markdown(md, meta, summary, results)
+    print(f"wrote {out} and {md} in {wall:.0f} s")
+    print(json.dumps(summary["headline"], indent=1))
+
+
+def _meta(command: str, started: datetime, wall: float, args) -> dict:
+    import platform
+
+    import torch
+    import transformers
+
+    return {"command": command, "started_utc": started.strftime("%Y-%m-%d %H:%M UTC"),
+            "wall_s": round(wall, 1), "workers": args.workers, "timeout_s": args.timeout,
+            "torch": torch.__version__, "transformers": transformers.__version__,
+            "machine": f"{platform.machine()}, {multiprocessing.cpu_count()} cores"}
+
+
+if __name__ == "__main__":
+    main()

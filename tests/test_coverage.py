@@ -1,0 +1,79 @@
+"""The coverage sweep on a fixed subset of architectures of different shapes (tp=2, plain).
+
+``benchmarks/coverage.py`` runs every causal-LM type at tp 2 and 4, plain and SP; this runs the same
+per-case logic in-process on thirteen shapes the synthesizer must handle (:data:`AT_BOUND`,
+:data:`PARTLY_REPLICATED`). It would catch a synthesizer change that makes one of them fail or
+replicate more than it did, a checker that starts flagging correct plans, or a sweep change that
+mislabels an outcome or hangs on a slow case.
+"""
+
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+from coverage import Case, classify, run_case, run_pool  # noqa: E402
+from coverage_report import confusion, summarize  # noqa: E402
+
+# name -> the shape it stands for. At the Megatron bound: every Linear, expert and the vocab sharded.
+AT_BOUND = {"llama": "dense GQA", "qwen3": "per-head QK norm", "olmo2": "width QK norm (all-reduced statistic)",
+            "qwen3_moe": "MoE, grouped experts", "mixtral": "MoE, top-2", "cohere": "parallel block",
+            "phi3": "fused qkv and gate_up (packed)", "gpt_neox": "fused qkv, interleaved heads",
+            "stablelm": "head count from an attribute (localized)", "gemma2": "soft-capped sliding attention",
+            "gemma3": "multimodal family (text model)"}
+# Verified, with parts kept whole for a recorded reason.
+PARTLY_REPLICATED = {"deepseek_v3": "MLA: kv_a_proj_with_mqa is sliced", "jamba": "hybrid Mamba + attention + MoE"}
+SUBSET = [*AT_BOUND, *PARTLY_REPLICATED]
+
+
+@pytest.fixture(scope="module")
+def results():
+    return {name: run_case(Case(name, 2, False)) for name in SUBSET}
+
+
+@pytest.mark.parametrize("name", SUBSET)
+def test_synthesized_plan_verifies_at_tp2(results, name):
+    synth = results[name]["synth"]
+    assert synth["status"] == "verified", synth
+    bound = results[name]["megatron_fraction"]
+    if name in AT_BOUND:
+        assert abs(synth["param_fraction"] - bound) <= 0.01, (synth["param_fraction"], bound)
+    else:
+        assert bound + 0.01 < synth["param_fraction"] < 0.95 and synth["replicated"], synth
+
+
+@pytest.mark.parametrize("name", SUBSET)
+def test_checker_accepts_the_verified_synthesized_plan(results, name):
+    assert results[name]["synth"]["check"] == {"flagged": False, "findings": []}
+
+
+def test_transformers_plans_are_labelled_from_the_verifier(results):
+    labels = {name: r["hf"]["status"] for name, r in results.items()}
+    assert labels["llama"] == "verified" and labels["qwen3_moe"] == "verified"
+    assert labels["stablelm"] == "none"  # StableLM ships no tp plan
+    assert all(r["hf"]["reason"] for r in results.values() if r["hf"]["status"] != "verified")
+
+
+def test_classes_come_from_the_config():
+    assert classify("llama")[0] == "decoder-text"
+    assert classify("whisper")[0] == "encoder-decoder"
+    assert classify("gemma3")[0] == "multimodal"
+    assert classify("bert")[0] == "encoder-family"
+
+
+def test_summary_counts_the_subset(results):
+    rows = list(results.values())
+    headline = summarize(rows)["headline"]
+    decoder = [r for r in rows if r["class"] == "decoder-text"]
+    assert headline["decoder_text_types"] == len(decoder)
+    assert headline["tp2_plain_verified_pct"] == 100.0
+    assert confusion(rows)["all"]["unflagged_correct"] >= len(rows)
+
+
+def test_pool_kills_a_case_past_its_time_limit():
+    """One spawned worker; a limit no case can meet: recorded as a timeout, not a hang."""
+    [row] = run_pool([Case("llama", 2, False)], workers=1, timeout=0.01, progress=False)
+    assert row["synth"]["reason"] == "timeout" and row["hf"]["reason"] == "timeout"
