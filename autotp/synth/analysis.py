@@ -126,9 +126,9 @@ def is_linear(g: nx.DiGraph, name: str) -> bool:
     return g.nodes[name]["op"] in GROUPED_MATMULS | {"linear"} and weight_of(g, name) is not None
 
 
-def tied_params(g: nx.DiGraph) -> dict[str, str]:
-    """Parameters read as a weight by more than one linear/embedding node: placeholder -> users."""
-    users: dict[str, list[str]] = {}
+def weight_uses(g: nx.DiGraph):
+    """``(node, parameter placeholder)`` for every Linear-like node and token-embedding lookup
+    that reads a parameter as its weight."""
     for name, data in g.nodes(data=True):
         if is_linear(g, name):
             weight = linear_weight(g, name)
@@ -137,7 +137,14 @@ def tied_params(g: nx.DiGraph) -> dict[str, str]:
         else:
             continue
         if weight:
-            users.setdefault(weight, []).append(data["module"])
+            yield name, weight
+
+
+def tied_params(g: nx.DiGraph) -> dict[str, str]:
+    """Parameters read as a weight by more than one linear/embedding node: placeholder -> users."""
+    users: dict[str, list[str]] = {}
+    for name, weight in weight_uses(g):
+        users.setdefault(weight, []).append(g.nodes[name]["module"])
     return {w: ", ".join(u) for w, u in users.items() if len(u) > 1}
 
 

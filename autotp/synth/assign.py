@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import networkx as nx
 
-from autotp.synth.analysis import Flow, Shard, is_linear, linear_weight, param_source, tied_params, weight_of
+from autotp.synth.analysis import Flow, Shard, is_linear, linear_weight, param_source, tied_params, weight_of, weight_uses
 from autotp.synth.graph import Ref, refs
 from autotp.synth.roles import Role
 
@@ -119,13 +119,8 @@ def tie_conflicts(g: nx.DiGraph, roles: dict[str, Role], flow: Flow | None = Non
     shard comes from (OPT's ``project_out`` before a tied head) are returned as well.
     """
     users: dict[str, list[tuple[str, str]]] = {}
-    for name, data in g.nodes(data=True):
-        if is_linear(g, name) or data["op"] == "embedding":
-            module = _owner(g, name) if data["op"] != "embedding" else None
-            weight = linear_weight(g, name) if module else (
-                param_source(g, data["args"][0].name) if isinstance(data["args"][0], Ref) else None)
-            if weight:
-                users.setdefault(weight, []).append((name, data["module"]))
+    for name, weight in weight_uses(g):
+        users.setdefault(weight, []).append((name, g.nodes[name]["module"]))
     conflicts = {}
     for weight, nodes in users.items():
         if len(nodes) < 2:
@@ -163,15 +158,8 @@ def foreign_reads(g: nx.DiGraph) -> tuple[dict[str, str], dict[str, str]]:
         :func:`~autotp.synth.analysis.analyse` (``dropped``) and :func:`assign_roles` (``forced``) take.
     """
     weight_users: dict[str, list[tuple[str, str]]] = {}  # placeholder -> (node, module) using it as a weight
-    for name, data in g.nodes(data=True):
-        if is_linear(g, name):
-            weight = linear_weight(g, name)
-        elif data["op"] == "embedding" and isinstance(data["args"][0], Ref):
-            weight = param_source(g, data["args"][0].name)
-        else:
-            continue
-        if weight:
-            weight_users.setdefault(weight, []).append((name, data["module"]))
+    for name, weight in weight_uses(g):
+        weight_users.setdefault(weight, []).append((name, g.nodes[name]["module"]))
     linears, embeddings = {}, {}
     for weight, users in weight_users.items():
         owners = {g.nodes[weight]["param"].rpartition(".")[0], *(module for _, module in users)}

@@ -120,3 +120,17 @@ def producer_module(g: nx.DiGraph, name: str) -> str:
     if data["kind"] in ("param", "buffer"):
         return data["param"].rpartition(".")[0]
     return data["module"]
+
+
+def common_module(stacks) -> str:
+    """The innermost module every one of ``stacks`` (module FQNs, outermost first) runs inside.
+
+    >>> common_module([("layers.0", "layers.0.attn"), ("layers.0", "layers.0.mlp")])
+    'layers.0'
+    """
+    common = ""
+    for level in zip(*stacks):
+        if len(set(level)) > 1:
+            break
+        common = level[0]
+    return common

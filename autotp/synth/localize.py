@@ -28,7 +28,7 @@ import torch
 from torch import nn
 
 from autotp.synth.analysis import Flow, Shard
-from autotp.synth.graph import Ref
+from autotp.synth.graph import Ref, common_module
 from autotp.synth.local_run import FIXED_SIZE_CUTS, capture_inputs, run_local, shapes_are_local, trace_local
 from autotp.synth.ops import VIEW_LIKE
 from autotp.synth.roles import Role
@@ -59,13 +59,7 @@ def fixed_size_roots(g: nx.DiGraph, flow: Flow) -> dict[str, list[str]]:
 
 def cutting_module(g: nx.DiGraph, root: str, nodes: list[str]) -> str:
     """Innermost module that ran the Linear and every cut: the one whose code computes the cuts."""
-    stacks = [g.nodes[n]["stack"] for n in (root, *nodes)]
-    common = ""
-    for level in zip(*stacks):
-        if len(set(level)) > 1:
-            break
-        common = level[0]
-    return common
+    return common_module([g.nodes[n]["stack"] for n in (root, *nodes)])
 
 
 def part_numbers(g: nx.DiGraph, flow: Flow, root: str) -> set[int]:
@@ -74,16 +68,22 @@ def part_numbers(g: nx.DiGraph, flow: Flow, root: str) -> set[int]:
     for start, end in set(flow.splits[root]):
         numbers.add(end - start)
     for node in flow.split_nodes[root]:
-        for succ in nx.bfs_tree(g, node, depth_limit=4):
-            data = g.nodes[succ]
-            state = flow.state.get(succ)
-            if data["op"] not in VIEW_LIKE or not isinstance(state, Shard) or root not in state.origins:
-                continue
-            source = data["args"][0]
-            in_shape = g.nodes[source.name]["shape"] if isinstance(source, Ref) else None
-            if in_shape and data["shape"][state.dim] < in_shape[-1]:
-                numbers.add(data["shape"][state.dim])
+        numbers.update(heads for _, heads in head_splits(g, flow, root, node))
     return {n for n in numbers if n > 1}
+
+
+def head_splits(g: nx.DiGraph, flow: Flow, root: str, start: str, depth: int = 4):
+    """``(view node, heads)`` for the views within ``depth`` hops of ``start`` that split ``root``'s
+    shard into heads: the sharded dim after the view is narrower than the features before it."""
+    for node in nx.bfs_tree(g, start, depth_limit=depth):
+        data = g.nodes[node]
+        state = flow.state.get(node)
+        if data["op"] not in VIEW_LIKE or not isinstance(state, Shard) or root not in state.origins:
+            continue
+        source = data["args"][0]
+        in_shape = g.nodes[source.name]["shape"] if isinstance(source, Ref) else None
+        if in_shape and data["shape"] and data["shape"][state.dim] < in_shape[-1]:
+            yield node, data["shape"][state.dim]
 
 
 def candidate_names(module: nn.Module, values: set[int]) -> list[str]:
@@ -201,16 +201,9 @@ def head_views(g: nx.DiGraph, flow: Flow, roles: dict[str, Role]) -> dict[str, l
     for root in sorted(flow.roots, key=lambda n: g.nodes[n]["order"]):
         if roles.get(_owner(g, root), Role("", "")).kind != "column":
             continue
-        for node in nx.bfs_tree(g, root, depth_limit=4):
-            data = g.nodes[node]
-            state = flow.state.get(node)
-            if data["op"] not in VIEW_LIKE or not isinstance(state, Shard) or root not in state.origins:
-                continue
-            source = data["args"][0]
-            in_shape = g.nodes[source.name]["shape"] if isinstance(source, Ref) else None
-            if in_shape and data["shape"] and data["shape"][state.dim] < in_shape[-1]:
-                found.setdefault(cutting_module(g, root, [node]), []).append(root)
-                break
+        for node, _ in head_splits(g, flow, root, root):
+            found.setdefault(cutting_module(g, root, [node]), []).append(root)
+            break
     return found
 
 

@@ -13,7 +13,7 @@ import networkx as nx
 
 from autotp.synth.analysis import Flow, Shard, is_linear, linear_weight, param_source
 from autotp.synth.assign import reads_model_input
-from autotp.synth.graph import refs
+from autotp.synth.graph import common_module, refs
 from autotp.synth.ops import ATTENTION, ELEMENTWISE, MATMULS, PASSTHROUGH
 from autotp.synth.roles import Role
 
@@ -265,7 +265,7 @@ def shared_gathers(g: nx.DiGraph, region: set[str], roles: dict[str, Role]) -> d
         readers = [s for s in g.successors(name) if is_linear(g, s)]
         if len(readers) < 2 or any(roles.get(_owner(g, r), Role("", "")).kind not in _GATHERING for r in readers):
             continue
-        module = _common_module([g.nodes[r]["stack"] for r in readers])
+        module = common_module([g.nodes[r]["stack"] for r in readers])
         if not module or module in roles or module in g.nodes[name]["stack"]:
             continue
         inside = [s for s in g.successors(name) if module in g.nodes[s]["stack"]]
@@ -273,15 +273,6 @@ def shared_gathers(g: nx.DiGraph, region: set[str], roles: dict[str, Role]) -> d
             found[module] = Role("seq_gather", "its column Linears read the sequence-sharded stream with no "
                                  "norm before them: one all-gather at entry", (name, module))
     return found
-
-
-def _common_module(stacks: list[tuple[str, ...]]) -> str:
-    common = ""
-    for level in zip(*stacks):
-        if len(set(level)) > 1:
-            break
-        common = level[0]
-    return common
 
 
 def sequence_parallel_roles(g: nx.DiGraph, flow: Flow, roles: dict[str, Role]) -> dict[str, Role]:
