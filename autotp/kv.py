@@ -29,7 +29,8 @@ def replicate_kv_heads(model: nn.Module, plan: Plan, tp_size: int) -> Plan:
     """Return ``plan`` rewritten for ``tp_size`` > kv heads (unchanged when tp divides the kv heads).
 
     The head size is read per attention module (its ``head_dim``), falling back to the config's,
-    so models whose layer types differ in head size are rewritten layer by layer.
+    so models whose layer types differ in head size are rewritten layer by layer; a Linear under a
+    module without a head size (an MLP, where the config has no single one) is not a k/v projection.
 
     Raises:
         MeshError: tp is not a multiple of the kv heads, or does not divide the query heads.
@@ -50,10 +51,7 @@ def replicate_kv_heads(model: nn.Module, plan: Plan, tp_size: int) -> Plan:
         module = modules[fqn]
         parent_key = key.rsplit(".", 1)[0]
         head_dim = getattr(modules[fqn.rsplit(".", 1)[0]], "head_dim", None) or default_head_dim
-        if head_dim is None:
-            raise MeshError(f"{fqn}: no head size found (neither its attention's head_dim nor the config's); "
-                            "rewrite the plan by hand with ReplicatedKVColwise.")
-        is_kv = (type(style) is ColwiseParallel and isinstance(module, nn.Linear)
+        is_kv = (head_dim is not None and type(style) is ColwiseParallel and isinstance(module, nn.Linear)
                  and module.out_features == kv * head_dim)
         if is_kv and key in rewritten:
             rewritten[key] = ReplicatedKVColwise(kv_heads=kv, head_dim=head_dim)

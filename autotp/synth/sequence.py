@@ -45,15 +45,33 @@ def inner_rows(g: nx.DiGraph, flow: Flow) -> set[str]:
 
 
 def residual_region(g: nx.DiGraph, flow: Flow, blocks: set[str] = frozenset()) -> set[str]:
-    """Nodes carrying the sequence-sharded residual stream: reachable from embeddings and from the
-    rows that return to the stream (not :func:`inner_rows`, nor rows inside the MoE ``blocks``,
-    whose partial sums meet the experts' inside the block)."""
+    """Nodes carrying the sequence-sharded residual stream: reachable from the rows that return to
+    the stream (not :func:`inner_rows`, nor rows inside the MoE ``blocks``, whose partial sums meet
+    the experts' inside the block) and from :func:`stream_embeddings`."""
     stream_rows = {r for r in set(flow.rows) - inner_rows(g, flow) if not _in_block(g, r, blocks)}
-    starts = [n for n, d in g.nodes(data=True) if n in stream_rows or (
-        d["op"] == "embedding" and reads_model_input(g, d["args"][1].name))]
+    starts = sorted(stream_rows)
     for block in sorted(blocks):  # a MoE block's output returns to the stream as a row's does
         starts += [r for r in _module_outputs(g, block)[1]
                    if g.nodes[r]["kind"] == "call" and not is_linear(g, r) and r not in starts]
+    from_rows = _downstream(g, flow, starts)
+    embeddings = stream_embeddings(g, flow, from_rows)
+    return from_rows | _downstream(g, flow, embeddings)
+
+
+def stream_embeddings(g: nx.DiGraph, flow: Flow, from_rows: set[str]) -> list[str]:
+    """Token-embedding lookups whose output meets what the rows return: the residual stream's
+    start. Another table looked up by the token ids (Gemma4's per-layer inputs) feeds Linears
+    first and stays replicated. Without rows, every token embedding counts."""
+    found = []
+    for name, data in g.nodes(data=True):
+        if data["op"] == "embedding" and reads_model_input(g, data["args"][1].name):
+            if not from_rows or _downstream(g, flow, [name]) & from_rows:
+                found.append(name)
+    return found
+
+
+def _downstream(g: nx.DiGraph, flow: Flow, starts: list[str]) -> set[str]:
+    """``starts`` and what their values reach without passing a Linear or a TP shard."""
     region, todo = set(starts), list(starts)
     while todo:
         for succ in g.successors(todo.pop()):
@@ -303,8 +321,9 @@ def sequence_parallel_roles(g: nx.DiGraph, flow: Flow, roles: dict[str, Role]) -
         owner = _owner(g, name) if linear or data["op"] == "embedding" else None
         role = out.get(owner)
         if data["op"] == "embedding":
-            # Token embeddings start the (batch, seq, dim) residual stream; position tables do not.
-            if role is not None and reads_model_input(g, data["args"][1].name):
+            # Token embeddings start the (batch, seq, dim) residual stream; position tables and
+            # per-layer input tables do not.
+            if role is not None and name in region:
                 out[owner] = replace(role, seq_output=True)
             continue
         if role is None:
