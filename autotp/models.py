@@ -188,7 +188,20 @@ TINY_VISION = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, nu
 _HEAD_DIM_TIED = ("query_pre_attn_scalar",)
 # Config attributes that are widths of an expert's MLP.
 _EXPERT_WIDTHS = ("moe_intermediate_size", "shared_expert_intermediate_size")
-_EXPERT_COUNTS = ("num_experts", "num_local_experts", "n_routed_experts")
+# LongCat's zero experts (identity experts routed alongside the real ones) count like experts.
+_EXPERT_COUNTS = ("num_experts", "num_local_experts", "n_routed_experts", "zero_expert_num")
+# Widths that equal hidden_size in a checkpoint because they are the residual width under another
+# name (xLSTM's embedding_dim, RWKV's attention_hidden_size; Zamba's is twice it, a concat).
+_HIDDEN_TIED = ("embedding_dim", "attention_hidden_size")
+# The layer count under other names: the only one (LongCat's num_layers), or a copy (xLSTM's num_blocks).
+_LAYER_COUNTS = ("num_layers", "num_blocks")
+# SSM mixers whose heads x head width must equal expand x hidden_size: (heads, head width, expand).
+_SSM_HEADS = (("mamba_n_heads", "mamba_d_head", "mamba_expand"), ("n_mamba_heads", "mamba_headdim", "mamba_expand"),
+              ("num_heads", "head_dim", "expand"))
+# Widths that are the sum of two others in a checkpoint (multi-head latent attention's query/key
+# head is its non-rotary part plus its rotary part).
+_SUM_WIDTHS = (("qk_head_dim", "qk_nope_head_dim", "qk_rope_head_dim"),
+               ("head_dim", "qk_nope_head_dim", "qk_rope_head_dim"))
 # Multi-head latent attention widths (DeepSeek-V3; its rotary part is head_dim), expert-group
 # routing that must fit in TINY_EXPERTS experts, one dense layer before the MoE one, and Gemma4's
 # per-layer input embeddings (a vocabulary-sized table per layer).
@@ -196,8 +209,11 @@ _TINY_EXTRAS = dict(q_lora_rank=32, kv_lora_rank=32, qk_rope_head_dim=TINY_HEAD_
                     v_head_dim=16, n_group=1, topk_group=1, first_k_dense_replace=1,
                     vocab_size_per_layer_input=TINY_VOCAB, hidden_size_per_layer_input=16)
 _TOKEN_IDS = ("pad_token_id", "bos_token_id", "eos_token_id")
+# Lists of layer indices (Qwen-MoE's dense layers; Zamba2's hybrid layers, which the config stores
+# next to the layer kinds it derives them from), renumbered to the kept layers.
+_LAYER_INDEX_LISTS = ("mlp_only_layers", "hybrid_layer_ids")
 # Lists that happen to be as long as the layer stack but are not one entry per layer.
-_NOT_PER_LAYER = ("architectures", "mlp_only_layers")
+_NOT_PER_LAYER = ("architectures", *_LAYER_INDEX_LISTS)
 
 
 def shrink_config(config: PretrainedConfig, *, tp: int = 8) -> PretrainedConfig:
@@ -237,22 +253,11 @@ def _shrink_text(options: dict, tp: int, attribute_map: dict[str, str]) -> dict:
     """
     aliases = {actual: standard for standard, actual in attribute_map.items()}
     options = {aliases.get(k, k): v for k, v in options.items() if k not in ("model_type", "transformers_version")}
+    original = dict(options)
     options["vocab_size"] = TINY_VOCAB
-    if options.get("num_attention_heads"):
-        heads = options["num_attention_heads"]
-        ratio = max(1, heads // (options.get("num_key_value_heads") or heads))
-        options["num_attention_heads"] = tp * ratio
-        if "num_key_value_heads" in options:
-            options["num_key_value_heads"] = tp
-        if "head_dim" in options:
-            # Families that check hidden % heads (with a head_dim of their own) get a multiple,
-            # unless that is large (MQA with 64 query heads per kv head keeps hidden 64).
-            multiple = tp * ratio * TINY_HEAD_DIM
-            hidden = TINY_HIDDEN if TINY_HIDDEN % (tp * ratio) == 0 or multiple > 4 * TINY_HIDDEN else multiple
-            options.update(head_dim=TINY_HEAD_DIM, hidden_size=hidden)
-        else:  # the family derives head_dim = hidden / heads: an even head_dim in [8, 32]
-            head_dim = max(8, min(2 * TINY_HEAD_DIM, 2 * (2 * TINY_HIDDEN // (tp * ratio) // 2)))
-            options["hidden_size"] = tp * ratio * head_dim
+    renamed = _layer_count_as_standard(options)
+    _shrink_heads(options, tp)
+    _keep_tied_widths(original, options)
     for name in _HEAD_DIM_TIED:
         if options.get(name) is not None:
             options[name] = TINY_HEAD_DIM
@@ -267,55 +272,154 @@ def _shrink_text(options: dict, tp: int, attribute_map: dict[str, str]) -> dict:
             if "num_experts_per_tok" in options:  # None in some configs that route top-k anyway
                 options["num_experts_per_tok"] = min(options["num_experts_per_tok"] or 2, 2)
     options.update({k: v for k, v in _TINY_EXTRAS.items() if options.get(k)})
-    _shrink_rotary_and_ssm(options)
-    _shrink_layers(options, tp)
+    _shrink_rotary_and_ssm(options, original)
+    _keep_width_sums(original, options)
+    _shrink_layers(options, tp, original)
+    for name, moved in renamed.items():  # the family's own names for the layer count
+        options[name] = options.pop("num_hidden_layers") if moved else options["num_hidden_layers"]
     _clamp_token_ids(options)
     return {attribute_map.get(k, k): v for k, v in options.items()}
 
 
-def _shrink_rotary_and_ssm(options: dict) -> None:
+def _shrink_heads(options: dict, tp: int) -> None:
+    """``tp`` kv heads (query heads in the checkpoint's ratio), and hidden_size to match.
+
+    Families that check hidden % heads (with a head_dim of their own) get a multiple, unless that is
+    large (MQA with 64 query heads per kv head keeps hidden 64). Where the checkpoint has
+    hidden == heads * head_dim, the family may use either width for the other (Helium's o_proj is
+    hidden -> hidden), so that stays true while hidden stays small. Attention-free families (RWKV,
+    Mamba, xLSTM) just get the tiny hidden size.
+    """
+    heads = options.get("num_attention_heads")
+    if not heads:
+        if isinstance(options.get("hidden_size"), int):
+            options["hidden_size"] = TINY_HIDDEN
+        return
+    ratio = max(1, heads // (options.get("num_key_value_heads") or heads))
+    options["num_attention_heads"] = tp * ratio
+    if "num_key_value_heads" in options:
+        options["num_key_value_heads"] = tp
+    if "head_dim" in options:
+        multiple = tp * ratio * TINY_HEAD_DIM
+        exact = bool(options["head_dim"]) and options["head_dim"] * heads == options.get("hidden_size")
+        hidden = TINY_HIDDEN if TINY_HIDDEN % (tp * ratio) == 0 or multiple > 4 * TINY_HIDDEN else multiple
+        if exact and multiple <= 2 * TINY_HIDDEN:
+            hidden = multiple
+        options.update(head_dim=TINY_HEAD_DIM, hidden_size=hidden)
+    else:  # the family derives head_dim = hidden / heads: an even head_dim in [8, 32]
+        head_dim = max(8, min(2 * TINY_HEAD_DIM, 2 * (2 * TINY_HIDDEN // (tp * ratio) // 2)))
+        options["hidden_size"] = tp * ratio * head_dim
+
+
+def _shrink_rotary_and_ssm(options: dict, original: dict) -> None:
     """Widths tied to the (shrunk) head size or hidden size: a rotary part, Mamba heads.
 
     ``rotary_dim`` (GPT-J, CodeGen) rotates part of each head, so it cannot exceed head_dim. Mamba-2
-    mixers need ``mamba_n_heads * mamba_d_head == mamba_expand * hidden_size`` unless the family sizes
-    the mixer itself (``mamba_d_ssm``).
+    mixers need ``heads * head width == expand * hidden_size`` (``_SSM_HEADS``) unless the family
+    sizes the mixer itself (``mamba_d_ssm``); ``original`` is the config before shrinking.
     """
     heads = options.get("num_attention_heads")
     head_dim = options.get("head_dim") or (options["hidden_size"] // heads if heads and options.get("hidden_size") else None)
     if isinstance(options.get("rotary_dim"), int) and head_dim and options["rotary_dim"] > head_dim:
         options["rotary_dim"] = head_dim // 2 - head_dim // 2 % 2
-    mamba = options.get("mamba_n_heads"), options.get("mamba_d_head"), options.get("mamba_expand")
-    if all(isinstance(v, int) for v in mamba) and not options.get("mamba_d_ssm") and options.get("hidden_size"):
-        options["mamba_n_heads"] = TINY_SSM_HEADS
-        options["mamba_d_head"] = mamba[2] * options["hidden_size"] // TINY_SSM_HEADS
-        if isinstance(options.get("mamba_d_state"), int):
-            options["mamba_d_state"] = min(options["mamba_d_state"], TINY_HEAD_DIM)
+    for heads_name, width_name, expand_name in _SSM_HEADS:
+        heads, width, expand = (original.get(k) for k in (heads_name, width_name, expand_name))
+        if (all(isinstance(v, int) for v in (heads, width, expand)) and not options.get("mamba_d_ssm")
+                and heads * width == expand * original.get("hidden_size", 0)):
+            options[heads_name] = TINY_SSM_HEADS
+            options[width_name] = expand * options["hidden_size"] // TINY_SSM_HEADS
+            for name in ("mamba_d_state", "state_size"):
+                if isinstance(options.get(name), int):
+                    options[name] = min(options[name], TINY_HEAD_DIM)
+            if isinstance(options.get("n_groups"), int):  # SSM groups must divide the SSM heads
+                options["n_groups"] = min(options["n_groups"], TINY_SSM_HEADS)
+    hidden = original.get("hidden_size")
+    if isinstance(options.get("time_step_rank"), int) and hidden and options["time_step_rank"] == -(-hidden // 16):
+        options["time_step_rank"] = -(-options["hidden_size"] // 16)  # Mamba's default: ceil(hidden / 16)
 
 
-def _shrink_layers(options: dict, tp: int) -> None:
+def _layer_count_as_standard(options: dict) -> dict[str, bool]:
+    """Read a layer count kept under another name (``_LAYER_COUNTS``) as ``num_hidden_layers``.
+
+    Returns:
+        Each such name, with whether it was the only layer count (moved to ``num_hidden_layers``)
+        rather than a copy of it; the caller writes the shrunk count back under those names.
+    """
+    renamed = {}
+    for name in _LAYER_COUNTS:
+        value = options.get(name)
+        if not isinstance(value, int) or isinstance(value, bool):
+            continue
+        if not options.get("num_hidden_layers"):
+            options["num_hidden_layers"] = options.pop(name)
+            renamed[name] = True
+        elif value == options["num_hidden_layers"]:
+            renamed[name] = False
+    return renamed
+
+
+def _keep_tied_widths(original: dict, options: dict) -> None:
+    """Widths that are a multiple of hidden_size (or the per-head width) in the checkpoint stay so.
+
+    ``_HIDDEN_TIED`` widths keep their multiple of hidden_size; a per-head width spelled ``d_head``
+    (XLNet checks ``d_head == d_model // n_head``) keeps hidden / heads when it had it.
+    """
+    hidden = original.get("hidden_size")
+    for name in _HIDDEN_TIED:
+        value = original.get(name)
+        if isinstance(value, int) and hidden and value % hidden == 0:
+            options[name] = value // hidden * options["hidden_size"]
+    heads = original.get("num_attention_heads")
+    if isinstance(original.get("d_head"), int) and heads and original["d_head"] * heads == hidden:
+        options["d_head"] = options["hidden_size"] // options["num_attention_heads"]
+
+
+def _keep_width_sums(original: dict, options: dict, *, base: dict | None = None) -> None:
+    """A width that is the sum of two others in the checkpoint stays their sum (``_SUM_WIDTHS``).
+
+    ``base`` is the shrunk config an override (``options``) falls back to for widths it does not set.
+    """
+    shrunk = {**(base or {}), **options}
+    for total, *parts in _SUM_WIDTHS:
+        values = [original.get(k) for k in (total, *parts)]
+        if all(isinstance(v, int) for v in values) and values[0] == sum(values[1:]):
+            options[total] = sum(shrunk[k] for k in parts)
+
+
+def _shrink_layers(options: dict, tp: int, original: dict) -> None:
     """Keep ``TINY_LAYERS`` layers (more if needed to keep one of each ``layer_types`` entry).
 
     Per-layer lists are cut to the kept layers; per-layer override dicts keyed by layer index
-    (Gemma4's ``per_layer_config``) are renumbered, with their widths shrunk like the rest.
+    (Gemma4's ``per_layer_config``) are renumbered, with their widths shrunk like the rest. The last
+    ``num_kv_shared_layers`` layers (Gemma3n) reuse an earlier layer's cache: one of each kind is
+    kept among them too, after one of each kind that produces a cache.
     """
     n = options.get("num_hidden_layers")
     if not n:
         return
+    shared = options.get("num_kv_shared_layers")
+    shared = shared if isinstance(shared, int) and 0 < shared < n else 0
     layer_types = options.get("layer_types")
     keep = []
     if isinstance(layer_types, list) and len(layer_types) == n:
-        keep = [layer_types.index(t) for t in dict.fromkeys(layer_types)]  # first of each kind
-    keep += [i for i in range(n) if i not in keep][: max(0, _layers_needed(options, n) - len(keep))]
+        for start, stop in ((0, n - shared), (n - shared, n)):  # the second run is empty without sharing
+            part = layer_types[start:stop]
+            keep += [start + part.index(t) for t in dict.fromkeys(part)]  # first of each kind
+    keep += [i for i in range(n - shared) if i not in keep][: max(0, _layers_needed(options, n) - len(keep))]
     keep.sort()
     for name, value in list(options.items()):
         if isinstance(value, list) and len(value) == n and name not in _NOT_PER_LAYER:
             options[name] = [value[i] for i in keep]
         elif isinstance(value, dict) and value and all(str(k).isdigit() for k in value):
             options[name] = {
-                keep.index(int(k)): _shrink_override(v, tp) for k, v in value.items() if int(k) in keep
+                keep.index(int(k)): _shrink_override(v, tp, (original, options))
+                for k, v in value.items() if int(k) in keep
             }
-    if isinstance(options.get("mlp_only_layers"), list):
-        options["mlp_only_layers"] = [keep.index(i) for i in options["mlp_only_layers"] if i in keep]
+    for name in _LAYER_INDEX_LISTS:
+        if isinstance(options.get(name), list):
+            options[name] = [keep.index(i) for i in options[name] if i in keep]
+    if shared:
+        options["num_kv_shared_layers"] = sum(i >= n - shared for i in keep)
     options["num_hidden_layers"] = len(keep)
 
 
@@ -339,8 +443,11 @@ def _layers_needed(options: dict, n: int) -> int:
     return min(n, needed)
 
 
-def _shrink_override(override, tp: int):
-    """A per-layer override's head widths, tiny (a wider head_dim stays wider than the default)."""
+def _shrink_override(override, tp: int, bases: tuple[dict, dict]):
+    """A per-layer override's head widths, tiny (a wider head_dim stays wider than the default).
+
+    ``bases`` are the model's config before and after shrinking, for widths the override inherits.
+    """
     if not isinstance(override, dict):
         return override
     shrunk = dict(override)
@@ -351,6 +458,7 @@ def _shrink_override(override, tp: int):
             shrunk["num_attention_heads"] = tp * max(1, shrunk["num_attention_heads"] // shrunk["num_key_value_heads"])
         shrunk["num_key_value_heads"] = tp
     shrunk.update({k: v for k, v in _TINY_EXTRAS.items() if shrunk.get(k)})
+    _keep_width_sums({**bases[0], **override}, shrunk, base=bases[1])
     return shrunk
 
 

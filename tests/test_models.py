@@ -115,6 +115,32 @@ def test_shrink_renumbers_per_layer_overrides_to_the_kept_layers():
     assert next(iter(overrides.values()))["head_dim"] == 2 * models.TINY_HEAD_DIM
 
 
+# Each family's own constraint between config attributes, which its config or forward checks.
+_TIED_ATTRIBUTES = {
+    "xlnet": lambda c: c.d_head * c.n_head == c.d_model,
+    "mamba2": lambda c: c.num_heads * c.head_dim == c.expand * c.hidden_size and c.num_heads % c.n_groups == 0,
+    "zamba2": lambda c: c.n_mamba_heads * c.mamba_headdim == c.mamba_expand * c.hidden_size
+    and c.hybrid_layer_ids == [i for i, t in enumerate(c.layers_block_type) if t == "hybrid"],
+    "xlstm": lambda c: c.num_blocks == c.num_hidden_layers and c.embedding_dim == c.hidden_size,
+    "longcat_flash": lambda c: c.num_layers == 2 and c.qk_head_dim == c.qk_nope_head_dim + c.qk_rope_head_dim,
+    "dots3_note_text": lambda c: (lambda o: o.head_dim == o.qk_nope_head_dim + o.qk_rope_head_dim)(
+        c.per_layer_config["sliding_attention"]),
+    "gemma3n_text": lambda c: set(c.layer_types[: c.num_hidden_layers - c.num_kv_shared_layers])
+    == set(c.layer_types[c.num_hidden_layers - c.num_kv_shared_layers:]) and c.num_kv_shared_layers > 0,
+}
+
+
+@pytest.mark.parametrize("name", sorted(_TIED_ATTRIBUTES))
+def test_shrink_keeps_widths_and_counts_tied_to_other_attributes(name):
+    """Would catch a width or count shrunk alone: a per-head width that no longer divides hidden, SSM
+    heads that no longer tile expand x hidden, a layer count or layer-index list left at full size, a
+    latent-attention head that is no longer the sum of its parts, kv-sharing layers cut away, or an
+    attention-free model left at full width."""
+    small = shrink_config(load_config(name), tp=2)
+    assert _TIED_ATTRIBUTES[name](small)
+    assert sum(p.numel() for p in build_model(small).parameters()) < 2_000_000
+
+
 def test_shrink_keeps_moe_routing_with_few_experts():
     small = shrink_config(load_config("qwen3-moe"), tp=2)
     assert small.num_experts == models.TINY_EXPERTS
