@@ -49,6 +49,11 @@ def _tiny_model() -> nn.Module:
     return build_model(MODEL, tiny=True, tp=2, device="cpu").train()
 
 
+def _layer_weight_shape() -> tuple[int, int]:
+    """The unsharded shape of ``LAYER_WEIGHT`` in the tiny model (it follows the shrinker)."""
+    return tuple(build_model(MODEL, tiny=True, tp=2).get_parameter(LAYER_WEIGHT).shape)
+
+
 def _batch() -> torch.Tensor:
     return torch.randint(0, 256, (4, 16), generator=torch.Generator().manual_seed(0))
 
@@ -254,9 +259,11 @@ def test_dp2_tp2_synthesized_plan_step_matches_single_process(mesh_2x2, referenc
 
 @pytest.mark.multiprocess
 def test_dp2_tp2_unshard_gathers_dp_but_keeps_tp_shards(mesh_2x2):
-    """down_proj (64 x 128) is rowwise over tp (64 x 64 local) and FSDP-halved on dim 0 (32 x 64)."""
+    """down_proj (hidden x ffn) is rowwise over tp (hidden x ffn/2 local) and FSDP-halved on dim 0
+    (hidden/2 x ffn/2); unsharding gathers the dp halves only."""
     result = mesh_2x2[((("dp_shard_cp", 2), ("tp", 2)), "handwritten")]
-    assert result["shapes"] == ((32, 64), (64, 64))
+    hidden, ffn = _layer_weight_shape()
+    assert result["shapes"] == ((hidden // 2, ffn // 2), (hidden, ffn // 2))
 
 
 @pytest.mark.multiprocess
@@ -264,7 +271,8 @@ def test_hsdp_without_tp_step_matches_single_process(mesh_2x2, reference):
     """dp_replicate=2 x dp_shard_cp=2, no tp dim: TP skipped, HSDP grads averaged over all 4."""
     result = mesh_2x2[((("dp_replicate", 2), ("dp_shard_cp", 2)), "handwritten ac")]
     _assert_matches(result, reference, "hsdp")
-    assert result["shapes"] == ((32, 128), (64, 128))
+    hidden, ffn = _layer_weight_shape()
+    assert result["shapes"] == ((hidden // 2, ffn), (hidden, ffn))
 
 
 @pytest.mark.multiprocess
