@@ -131,7 +131,7 @@ def choose_plan(model: nn.Module, *, source: str = "auto", sequence_parallel: bo
 def _run_plan(args: argparse.Namespace) -> int:
     model = models.build_model(args.model, dtype=DTYPES[args.dtype])
     try:
-        plan, source = _args_plan(args, model)
+        plan, source = _args_plan(args, model, args.tp)
     except MeshError as error:  # a synthesized plan checked for --tp: shown anyway, with the warning
         if args.check:
             raise
@@ -149,8 +149,8 @@ def _run_plan(args: argparse.Namespace) -> int:
         from autotp.synth import explain  # traces the model: only when asked
 
         explanation = explain(model, sequence_parallel=args.sp)
+    findings = check_plan(model, plan, tp_size=args.tp) if args.check else None
     if args.json:
-        findings = check_plan(model, plan, tp_size=args.tp) if args.check else None
         print(json.dumps(_plan_json(args, model, plan, source, per_rank, total, explanation, findings), indent=2))
         return EXIT_MISMATCH if findings else 0
     print(_plan_heading(args, model, source))
@@ -162,8 +162,7 @@ def _run_plan(args: argparse.Namespace) -> int:
         f"parameters per rank at tp={args.tp} ({args.dtype}): {format_bytes(per_rank)} "
         f"of {format_bytes(total)} ({share:.1%})"
     )
-    findings = check_plan(model, plan, tp_size=args.tp) if args.check else []
-    if args.check:
+    if findings is not None:
         print(f"check: tp={args.tp} divides every head count and every sharded dimension")
         print(_findings_text(findings))
     if explanation is not None:
@@ -173,9 +172,8 @@ def _run_plan(args: argparse.Namespace) -> int:
     return EXIT_MISMATCH if findings else 0
 
 
-def _args_plan(args: argparse.Namespace, model: nn.Module) -> tuple[Plan, str]:
-    return choose_plan(model, source=args.source, sequence_parallel=args.sp, plan_file=args.plan,
-                       tp_size=_verify_tp(args) if args.run is _run_verify else args.tp)
+def _args_plan(args: argparse.Namespace, model: nn.Module, tp: int) -> tuple[Plan, str]:
+    return choose_plan(model, source=args.source, sequence_parallel=args.sp, plan_file=args.plan, tp_size=tp)
 
 
 def _explain_row(record) -> list[str]:
@@ -224,7 +222,7 @@ def _findings_text(findings: list[Finding]) -> str:
 def _run_check(args: argparse.Namespace) -> int:
     """Check the plan statically on the real-size model (meta device: shapes only)."""
     model = models.build_model(args.model)
-    plan, source = _args_plan(args, model)
+    plan, source = _args_plan(args, model, args.tp)
     findings = check_plan(model, plan, tp_size=args.tp)
     if args.json:
         print(json.dumps({"model": args.model, "model_class": type(model).__name__, "source": source,
@@ -327,7 +325,7 @@ def format_table(header: list[str], rows: list[list[str]]) -> str:
 def _run_verify(args: argparse.Namespace) -> int:
     tp = _verify_tp(args)
     model = models.build_model(args.model, tiny=True, tp=tp, device="cpu", seed=args.seed)
-    plan, source = _args_plan(args, model)
+    plan, source = _args_plan(args, model, tp)
     where = f"{args.procs} gloo processes" if args.procs else "simulated ranks"
     print(f"{args.model}: tiny {type(model).__name__}, plan source: {source}, tp={tp} on {where}")
     backward = not args.no_backward
