@@ -23,7 +23,7 @@ from torch.distributed.tensor.parallel.style import ParallelStyle
 
 from autotp import styles
 from autotp.errors import AutoTPError
-from autotp.plan import Plan, describe_style, key_matches
+from autotp.plan import Plan, base_style, describe_style, key_matches
 
 # What each role the graph demands needs from the plan: (acceptable style classes, fix).
 _REQUIRED = {
@@ -103,7 +103,7 @@ def _graph_findings(model: nn.Module, resolved: dict, example_inputs) -> list[Fi
 
     program, _ = trace(model, example_inputs)
     g = build_graph(program)
-    style_of = {fqn: style for fqn, (_, style) in resolved.items()}
+    style_of = {fqn: base_style(style) for fqn, (_, style) in resolved.items()}
     linears = {n: g.nodes[n]["module"] for n in g.nodes if is_linear(g, n)}
     active = {n for n, module in linears.items() if _starts_shard(style_of.get(module))}
     flow = propagate(g, active)

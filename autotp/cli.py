@@ -24,7 +24,7 @@ from autotp.apply import check_divisible
 from autotp.check import Finding, check_plan
 from autotp.errors import AutoTPError, MeshError
 from autotp.memory import format_bytes, param_bytes_per_rank
-from autotp.plan import Plan, describe_plan, describe_style
+from autotp.plan import Plan, base_style, describe_plan, describe_style
 from autotp.selection import get_plan, load_plan_file
 from autotp.verifier import verify
 
@@ -260,7 +260,10 @@ def plan_rows(plan: Plan) -> list[list[str]]:
     for key, style in plan.items():
         # describe_style leaves out desired_input_layouts (RowwiseParallel rewrites it when
         # applied), but for PrepareModuleInput it is the point of the style: read it here.
-        desc = {**describe_style(style), **{k: _as_data(getattr(style, k, None)) for k in _DESIRED_INPUT}}
+        base = base_style(style)  # a wrapper (OwnedOutput) shows the layouts of the style it wraps
+        desc = {**describe_style(base), **{k: _as_data(getattr(base, k, None)) for k in _DESIRED_INPUT}}
+        if base is not style:
+            desc["style"] = f"{type(style).__name__}({desc['style']})"
         local = desc.get("use_local_output")
         options = ", ".join(f"{k}={_short(v)}" for k, v in desc.items() if k not in _SHOWN)
         rows.append([

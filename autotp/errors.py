@@ -34,3 +34,15 @@ def working_tp_sizes(sizes, limit: int = 64) -> tuple[int, ...]:
     """
     common = math.gcd(*sizes) if sizes else 1
     return tuple(t for t in range(1, limit + 1) if common % t == 0)
+
+
+def one_line(error: BaseException, limit: int = 300) -> str:
+    """``"TypeName: first line of the message"`` (cut at ``limit``), also for an empty message.
+
+    >>> one_line(AssertionError())
+    'AssertionError'
+    >>> one_line(ValueError("bad width\\nmore detail"))
+    'ValueError: bad width'
+    """
+    lines = str(error).strip().splitlines()
+    return f"{type(error).__name__}: {lines[0][:limit]}" if lines else type(error).__name__

@@ -29,6 +29,7 @@ from autotp.verifier import (
     default_inputs,
     reference_run,
     run_and_compare,
+    scales,
 )
 
 
@@ -103,7 +104,7 @@ def verify_multiprocess(
     if errors:
         message = errors[0].strip().splitlines()[-1]
         return VerifyReport(procs, tolerance, [float("inf")], error=message)
-    return _merge(procs, tolerance, {rank: result for rank, result, _ in outcomes})
+    return _merge(procs, tolerance, {rank: result for rank, result, _ in outcomes}, scales(ref_logits, ref_params))
 
 
 def _collect(results, workers, timeout: float) -> list:
@@ -125,7 +126,7 @@ def _collect(results, workers, timeout: float) -> list:
     return outcomes
 
 
-def _merge(procs: int, tolerance: float, results: dict) -> VerifyReport:
+def _merge(procs: int, tolerance: float, results: dict, reference_scales: dict) -> VerifyReport:
     grads: dict[str, float] = {}
     for _, grad_diffs, _, _ in results.values():
         for name, diff in grad_diffs.items():
@@ -139,4 +140,5 @@ def _merge(procs: int, tolerance: float, results: dict) -> VerifyReport:
         grad_max_abs_diff=grads,
         param_fraction=[results[r][2][r] for r in range(procs)],
         collectives=dict(results[0][3]),
+        **reference_scales,
     )

@@ -135,6 +135,13 @@ def plan_diff(model: nn.Module, left: Plan, right: Plan) -> dict[str, tuple[dict
     return diff
 
 
+def base_style(style: ParallelStyle) -> ParallelStyle:
+    """The style that places the parameters: ``style`` itself, or the one a wrapper applies."""
+    while hasattr(style, "wrapped"):
+        style = style.wrapped
+    return style
+
+
 def sharded_param_dims(module: nn.Module, style: ParallelStyle) -> dict[str, int]:
     """Which dimension of each of ``module``'s own parameters ``style`` shards (absent: replicated).
 
@@ -144,6 +151,7 @@ def sharded_param_dims(module: nn.Module, style: ParallelStyle) -> dict[str, int
     Embedding (vocab, dim) the roles flip: rowwise shards the vocabulary, dim 0.
     """
     params = dict(module.named_parameters(recurse=False))
+    style = base_style(style)
     if hasattr(style, "sharded_param_dims"):  # styles that know their own layout (e.g. MoE)
         return style.sharded_param_dims(module)
     is_embedding = isinstance(module, nn.Embedding)

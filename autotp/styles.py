@@ -41,6 +41,7 @@ __all__ = [
     "GradAllReduceOutputSlice",
     "ReplicatedWithGradAllReduce",
     "HeadShardedNorm",
+    "OwnedOutput",
     "PackedColwiseParallel",
     "RotaryEmbedParallel",
     "SequenceParallelAllGather",
@@ -67,6 +68,14 @@ class VocabParallelEmbedding(RowwiseParallel):
     Example::
         >>> plan = {"model.embed_tokens": VocabParallelEmbedding(input_layouts=Replicate())}
     """
+
+    def _partition_embedding_fn(self, name, module, device_mesh):
+        # Only the table is sharded. An Embedding subclass with modules of its own (a norm on the
+        # looked-up rows) keeps their parameters whole: they act on the summed rows.
+        for pname, param in module.named_parameters(recurse=False):
+            placement = Shard(0) if isinstance(module, nn.Embedding) and pname == "weight" else Replicate()
+            dist = distribute_tensor(param, device_mesh, [placement], src_data_rank=self.src_data_rank)
+            module.register_parameter(pname, nn.Parameter(dist, requires_grad=param.requires_grad))
 
     @staticmethod
     def _prepare_input_fn(input_layouts, desired_input_layouts, mod, inputs, device_mesh):
@@ -369,6 +378,40 @@ class ExpertsParallel(_LocalParamsStyle):
 
     def __repr__(self) -> str:
         return f"{self.__class__.__name__}(shard_dims={self.shard_dims}, packed={self.packed})"
+
+
+class OwnedOutput(ParallelStyle):
+    """Apply ``style``, then hand the caller a copy of the module's plain-tensor output.
+
+    Styles with ``use_local_output=True`` return ``DTensor.to_local()``, which autograd treats as a
+    view made inside a custom Function; code that then writes the output in place (``x *= scale``
+    after an embedding, ``out.add_(routed)`` after a shared expert) fails with "Output 0 of
+    _ToTorchTensor is a view and is being modified inplace". One copy of the activation avoids it;
+    the synthesizer adds this wrapper only where the traced graph shows such a write.
+
+    Example::
+        >>> plan = {"transformer.w": OwnedOutput(VocabParallelEmbedding())}
+    """
+
+    def __init__(self, wrapped: ParallelStyle):
+        super().__init__()
+        self.wrapped = wrapped  # styles with a ``wrapped`` style shard parameters as that one does
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        module = self.wrapped._apply(module, device_mesh)
+        module.register_forward_hook(lambda mod, args, out: _owned(out))  # runs after the style's hooks
+        return module
+
+    def __repr__(self) -> str:
+        return f"{self.__class__.__name__}({self.wrapped!r})"
+
+
+def _owned(out):
+    if isinstance(out, torch.Tensor) and not isinstance(out, DTensor):
+        return out.clone()
+    if isinstance(out, tuple) and out and isinstance(out[0], torch.Tensor) and not isinstance(out[0], DTensor):
+        return (out[0].clone(), *out[1:])
+    return out
 
 
 class AllReduceOutput(ParallelStyle):

@@ -39,6 +39,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from _plans_common import NoPlan, plan_from, plan_loss  # noqa: E402
 
 from autotp.apply import apply_plan  # noqa: E402
+from autotp.errors import one_line  # noqa: E402
 from autotp.models import build_model, load_config  # noqa: E402
 from autotp.plan import plan_diff  # noqa: E402
 
@@ -122,7 +123,7 @@ def prepare(args, mesh, dtype, device, rank):
             except NoPlan as error:
                 skipped[family, source, sp] = f"no plan: {error}"
             except Exception as error:
-                skipped[family, source, sp] = f"failed: {_first_line(error)}"
+                skipped[family, source, sp] = f"failed: {one_line(error, 200)}"
         # Compared before any is applied: parallelize_module sets attributes on the style objects.
         for (source, sp), plan in plans.items():
             hand = plans.get(("handwritten", sp))
@@ -131,14 +132,10 @@ def prepare(args, mesh, dtype, device, rank):
             try:
                 models[family, source, sp] = apply_plan(copy.deepcopy(base).to(device).train(), mesh, plan)
             except Exception as error:
-                skipped[family, source, sp] = f"failed: {_first_line(error)}"
+                skipped[family, source, sp] = f"failed: {one_line(error, 200)}"
         if rank == 0:
             print(f"prepared {family}", flush=True)
     return models, skipped, equal
-
-
-def _first_line(error: BaseException) -> str:
-    return f"{type(error).__name__}: {str(error).strip().splitlines()[0][:200]}"
 
 
 def main() -> None:

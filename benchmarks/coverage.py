@@ -121,8 +121,9 @@ def classify(model_type: str) -> tuple[str, str]:
 
 
 def _message(error: BaseException) -> str:
-    text = str(error).strip().splitlines()
-    return f"{type(error).__name__}: {text[0][:300] if text else ''}"
+    from autotp.errors import one_line
+
+    return one_line(error)
 
 
 _OUT_OF_MEMORY = ("MemoryError", "can't allocate memory", "std::bad_alloc")

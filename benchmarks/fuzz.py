@@ -19,6 +19,7 @@ from hypothesis import HealthCheck, given, settings
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
 
+from autotp.errors import one_line  # noqa: E402
 from fuzz_configs import llama_family_case  # noqa: E402
 from test_fuzz import check_case  # noqa: E402
 
@@ -41,7 +42,7 @@ def main() -> None:
                 check_case(model_type, options, tp, sequence_parallel)
                 outcome = "ok"
             except Exception as error:  # recorded, the sweep goes on
-                outcome = f"{type(error).__name__}: {str(error).splitlines()[0][:300]}"
+                outcome = one_line(error)
             cases.append(dict(model_type=model_type, tp=tp, sp=sequence_parallel, outcome=outcome,
                               seconds=round(time.perf_counter() - start, 2),
                               config={k: v for k, v in options.items() if k != "rope_parameters"},

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import networkx as nx
 from torch import nn
@@ -11,7 +11,7 @@ from torch.distributed.tensor.parallel.style import ParallelStyle
 
 from autotp.errors import MeshError, working_tp_sizes
 from autotp.synth.analysis import Flow, analyse
-from autotp.synth.assign import assign_roles, foreign_reads, tie_conflicts, tied_embedding_modules as _tied_embeddings
+from autotp.synth.assign import assign_roles, foreign_reads, mutated_outputs, tie_conflicts, tied_embedding_modules as _tied_embeddings
 from autotp.synth.build import build_plan, expand, generalise, style_for
 from autotp.synth.graph import build_graph
 from autotp.synth.kvheads import replicate_kv
@@ -55,6 +55,7 @@ def analyse_model(model: nn.Module, *, example_inputs=None, sequence_parallel: b
     require_repeated_block(model, repeated_lists(model))
     program, groups = trace(model, example_inputs)
     g = build_graph(program)
+    g.graph["layer_groups"] = groups  # later steps that run modules must collapse the model the same way
     require_language_model(model, g)
     foreign, forced = foreign_reads(g)  # weights read outside their modules stay whole
     one_kv = tp_size is not None  # one-kv-head k/v can be replicated per rank only for a known tp
@@ -80,6 +81,8 @@ def analyse_model(model: nn.Module, *, example_inputs=None, sequence_parallel: b
         roles = sequence_parallel_roles(g, flow, roles)
     if tp_size is not None:
         check_divisible(g, flow, roles, tp_size, skip=kv_handled)
+    for module in mutated_outputs(g) & roles.keys():
+        roles[module] = replace(roles[module], owned_output=True)
     log.info("synthesis: %d graph nodes, %d roles", g.number_of_nodes(), len(roles))
     return Analysis(g, flow, roles, groups)
 

@@ -6,6 +6,7 @@ import networkx as nx
 
 from autotp.synth.analysis import Flow, Shard, is_linear, linear_weight, param_source, tied_params, weight_of, weight_uses
 from autotp.synth.graph import Ref, refs
+from autotp.synth.ops import PASSTHROUGH, VIEW_LIKE
 from autotp.synth.roles import Role
 
 
@@ -188,6 +189,26 @@ def reads_model_input(g: nx.DiGraph, name: str) -> bool:
     return any(g.nodes[a]["kind"] == "input" for a in nx.ancestors(g, name))
 
 
+# Ops that keep a partial sum a partial sum: casts, views, and scaling by a value it does not feed.
+_LINEAR_IN_ROWS = PASSTHROUGH | VIEW_LIKE | {"mul", "div", "mul_", "div_"}
+
+
+def _nonlinear_in_module(g: nx.DiGraph, name: str, owner: str) -> str | None:
+    """The first op inside module ``owner`` that reads node ``name``'s value other than linearly."""
+    reached, frontier = {name}, [name]
+    while frontier:
+        for user in g.successors(frontier.pop()):
+            data = g.nodes[user]
+            if user in reached or owner not in data["stack"]:
+                continue
+            feeds = [r.name for r in refs(data["args"], data["kwargs"]) if r.name in reached]
+            if data["op"] not in _LINEAR_IN_ROWS or (data["op"] not in PASSTHROUGH | VIEW_LIKE and len(feeds) > 1):
+                return data["op"]
+            reached.add(user)
+            frontier.append(user)
+    return None
+
+
 def embedding_roles(g: nx.DiGraph, forced: dict[str, str]) -> dict[str, Role]:
     """Embeddings looked up by a model input are vocab-parallel (``forced``: module -> why not)."""
     roles = {}
@@ -203,6 +224,16 @@ def embedding_roles(g: nx.DiGraph, forced: dict[str, str]) -> dict[str, Role]:
             roles[owner] = Role("replicate", forced[owner])
         elif not reads_model_input(g, ids):
             roles[owner] = Role("replicate", f"looked up by {ids}, computed in the model (positions), not input ids")
+        elif (op := _nonlinear_in_module(g, name, owner)) is not None:
+            # A vocab-parallel lookup is a partial sum until the module returns; DTensor reduces it
+            # once, so a norm (two reads) inside the module would fail, and anything nonlinear is wrong.
+            roles[owner] = Role("replicate", f"the module applies {op} to the looked-up rows before returning "
+                                "them; a vocab-parallel table gives partial rows there")
+        elif owner in g.nodes[ids]["stack"]:
+            # The style turns the module's first input into a DTensor; ids the module computes
+            # itself (from a mask, a kwarg) could stay plain and meet a sharded table.
+            roles[owner] = Role("replicate", f"looked up by {ids}, which the module computes itself from its "
+                                "inputs; a vocab-parallel style only sees the ids passed in")
         else:
             roles[owner] = Role("vocab_embedding", f"looked up by model input {ids}", (ids, "embedding", owner))
     return roles
@@ -285,3 +316,36 @@ def tied_embedding_modules(g: nx.DiGraph, conflicts: dict[str, str]) -> dict[str
             if weight in weights:
                 out[data["module"]] = weights[weight]
     return out
+
+
+# Ops that return a view of their first argument: an in-place op on the view writes the original.
+_ALIASING = frozenset({"view", "_unsafe_view", "reshape", "transpose", "permute", "unsqueeze", "squeeze",
+                       "slice", "select", "expand", "t", "alias", "as_strided", "narrow", "unflatten",
+                       "flatten", "view_as", "reshape_as"})
+
+
+def mutated_outputs(g: nx.DiGraph) -> set[str]:
+    """Modules whose output the calling code modifies in place (``x *= scale``, ``out.add_(y)``).
+
+    A style that returns its output local hands back ``DTensor.to_local()``, a view autograd forbids
+    writing in place; those modules' styles return a copy instead (see :class:`OwnedOutput`).
+
+    >>> from autotp.synth.graph import add_node
+    >>> g = nx.DiGraph()
+    >>> _ = add_node(g, "e", "embedding", stack=("m", "m.embed"), module="m.embed")
+    >>> _ = add_node(g, "s", "mul_", (Ref("e"), 8.0), stack=("m",), module="m")
+    >>> sorted(mutated_outputs(g))
+    ['m.embed']
+    """
+    found: set[str] = set()
+    for name, data in g.nodes(data=True):
+        op = data["op"]
+        if data["kind"] != "call" or not op.endswith("_") or op.startswith("_") or not data["args"]:
+            continue
+        target = data["args"][0]
+        while isinstance(target, Ref) and g.nodes[target.name]["op"] in _ALIASING \
+                and g.nodes[target.name]["stack"] == data["stack"]:
+            target = g.nodes[target.name]["args"][0]
+        if isinstance(target, Ref) and g.nodes[target.name]["kind"] == "call":
+            found.update(set(g.nodes[target.name]["stack"]) - set(data["stack"]))
+    return found

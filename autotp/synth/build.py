@@ -25,6 +25,14 @@ def _seq_in(role: Role) -> dict:
 
 
 def style_for(role: Role, *, loss_parallel: bool = True) -> ParallelStyle | None:
+    """The ParallelStyle that realises ``role``, returning a copy where the caller writes the output."""
+    style = _style_for(role, loss_parallel=loss_parallel)
+    if style is not None and role.owned_output:
+        return styles.OwnedOutput(style)
+    return style
+
+
+def _style_for(role: Role, *, loss_parallel: bool = True) -> ParallelStyle | None:
     """The ParallelStyle that realises ``role`` (``None``: leave the module replicated).
 
     Column Linears shard weight rows (Shard(0), as Linear is x @ W^T + b); rows shard weight

@@ -89,18 +89,18 @@ def replicate_kv(model: nn.Module, example_inputs, g: nx.DiGraph, flow: Flow, ro
                           kv_heads=kv, head_dim=width // kv)
         attention[cutting_module(g, root, [node])] = (heads, kv)
     if attention:
-        out.update(_ratio_roles(model, example_inputs, roles, out, attention, tp))
+        out.update(_ratio_roles(model, example_inputs, roles, out, attention, tp, g.graph.get("layer_groups")))
     return out, set(found)
 
 
-def _ratio_roles(model, example_inputs, roles, kv_roles, attention, tp) -> dict[str, Role]:
-    captured = capture_inputs(model, example_inputs, set(attention))
+def _ratio_roles(model, example_inputs, roles, kv_roles, attention, tp, groups) -> dict[str, Role]:
+    captured = capture_inputs(model, example_inputs, set(attention), groups)
     out = {}
     for fqn, (heads, kv) in attention.items():
         prefix = fqn + "."
         inner = {m[len(prefix):]: r for m, r in {**roles, **kv_roles}.items()
                  if m.startswith(prefix) and r.kind != "replicate"}
-        with collapsed(model):
+        with collapsed(model, groups):
             module = model.get_submodule(fqn)
             name = None
             if fqn in captured:

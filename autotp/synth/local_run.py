@@ -23,7 +23,7 @@ from autotp.synth.analysis import Shard, is_linear, propagate
 from autotp.synth.graph import build_graph
 from autotp.synth.ops import PASSTHROUGH
 from autotp.synth.roles import Role
-from autotp.synth.trace import collapsed, example_args
+from autotp.synth.trace import LayerGroups, collapsed, example_args
 
 log = logging.getLogger(__name__)
 
@@ -41,11 +41,13 @@ def _to_meta(value):
     return value
 
 
-def capture_inputs(model: nn.Module, example_inputs, fqns: set[str]) -> dict[str, tuple[tuple, dict]]:
-    """The inputs each module in ``fqns`` (traced FQNs) gets, as meta tensors, from one fake forward."""
+def capture_inputs(model: nn.Module, example_inputs, fqns: set[str],
+                   groups: LayerGroups | None) -> dict[str, tuple[tuple, dict]]:
+    """The inputs each module in ``fqns`` (FQNs traced with ``groups``) gets, as meta tensors, from
+    one fake forward."""
     captured: dict[str, tuple[tuple, dict]] = {}
     args, kwargs = example_args(model, example_inputs)
-    with collapsed(model):
+    with collapsed(model, groups):
         handles = []
         for fqn in fqns:
             def hook(mod, a, k, fqn=fqn):

@@ -163,13 +163,13 @@ def localize(model: nn.Module, example_inputs, g: nx.DiGraph, flow: Flow, roles:
     by_module: dict[str, list[str]] = {}
     for root, nodes in fixed_size_roots(g, flow).items():
         by_module.setdefault(cutting_module(g, root, nodes), []).append(root)
-    captured = capture_inputs(model, example_inputs, {m for m in by_module if m}) if by_module else {}
+    captured = capture_inputs(model, example_inputs, {m for m in by_module if m}, g.graph.get("layer_groups")) if by_module else {}
     for fqn, roots in by_module.items():
         prefix = fqn + "." if fqn else ""
         inner = {m[len(prefix):]: r for m, r in roles.items() if m.startswith(prefix) and r.kind != "replicate"}
         fused = {_owner(g, r)[len(prefix):]: roles[_owner(g, r)].sizes for r in roots}
         values = set().union(*(part_numbers(g, flow, r) for r in roots))
-        with collapsed(model):
+        with collapsed(model, g.graph.get("layer_groups")):
             module = model.get_submodule(fqn)
             candidates = candidate_names(module, values)
             names = None
@@ -221,7 +221,7 @@ def _localize_heads(model: nn.Module, example_inputs, g: nx.DiGraph, flow: Flow,
     by_module = {m: r for m, r in head_views(g, flow, roles).items() if m and m not in result.counts}
     if not by_module:
         return
-    captured = capture_inputs(model, example_inputs, set(by_module))
+    captured = capture_inputs(model, example_inputs, set(by_module), g.graph.get("layer_groups"))
     for fqn, roots in by_module.items():
         if fqn not in captured:
             continue  # not reached by the fake forward: nothing to confirm either way
@@ -231,7 +231,7 @@ def _localize_heads(model: nn.Module, example_inputs, g: nx.DiGraph, flow: Flow,
                   if g.nodes[n]["op"] in VIEW_LIKE and isinstance(flow.state.get(n), Shard) and g.nodes[n]["shape"]}
         if any(v % tp for v in values):
             continue  # tp does not divide the heads: check_divisible names the module and the sizes
-        with collapsed(model):
+        with collapsed(model, g.graph.get("layer_groups")):
             module = model.get_submodule(fqn)
             reference = run_local(module, captured[fqn], inner, [], (), 1)
             if reference is None or run_local(module, captured[fqn], inner, [], (), tp) is not None:

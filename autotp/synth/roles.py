@@ -47,6 +47,8 @@ class Role:
             grouped-query ratio attribute.
         kv_heads, head_dim: of ``kv_column``, its kv heads and head size.
         heads: of ``kv_head_counts``, the query heads of the attention.
+        owned_output: the calling code modifies the output in place, so the style returns a copy
+            rather than a view of a DTensor's local shard.
     """
 
     kind: str
@@ -63,3 +65,4 @@ class Role:
     kv_heads: int = 0
     head_dim: int = 0
     heads: int = 0
+    owned_output: bool = False

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from autotp.errors import TraceError
+from autotp.errors import TraceError, one_line
 
 log = logging.getLogger(__name__)
 
@@ -88,8 +88,12 @@ def _per_layer_config_lists(model: nn.Module, length: int) -> list[tuple[object,
 
 
 @contextlib.contextmanager
-def collapsed(model: nn.Module):
+def collapsed(model: nn.Module, like: LayerGroups | None = None):
     """Temporarily keep one entry per structural group in every repeated ``ModuleList``.
+
+    Args:
+        like: collapse exactly as this :class:`LayerGroups` says (the one :func:`trace` returned,
+            empty when the model had to be traced whole), so that traced FQNs name the same modules.
 
     Yields:
         :class:`LayerGroups` for the FQNs of the collapsed model.
@@ -97,7 +101,9 @@ def collapsed(model: nn.Module):
     layer_groups, restore = LayerGroups(), []
     try:
         for name, entries in repeated_lists(model).items():
-            groups = group_entries(entries)
+            groups = group_entries(entries) if like is None else like.groups.get(name)
+            if groups is None:
+                continue
             if len(groups) == len(entries):
                 continue
             keep = [g[0] for g in groups]
@@ -250,7 +256,7 @@ def _trace_error(model: nn.Module, error: BaseException) -> TraceError:
                 "synthesize on a materialised model of the same config (e.g. built tiny on cpu), or ")
     return TraceError(
         f"{type(model).__name__}: torch.export.export(strict=False) failed{inside}: "
-        f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}. "
+        f"{one_line(error, 10_000)}. "
         f"{hint}{'p' if hint else 'P'}ass example_inputs that the forward accepts (shapes that avoid the failing "
         f"branch), or write the plan by hand and leave {where or 'that module'} replicated (no plan key for it)."
     )
