@@ -77,10 +77,30 @@ class VocabParallelEmbedding(RowwiseParallel):
             dist = distribute_tensor(param, device_mesh, [placement], src_data_rank=self.src_data_rank)
             module.register_parameter(pname, nn.Parameter(dist, requires_grad=param.requires_grad))
 
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        if not isinstance(module, nn.Embedding):
+            return super()._apply(module, device_mesh)  # raises: RowwiseParallel's own message
+        self.desired_input_layouts = (Replicate(),)
+        distribute_module(module, device_mesh, self._partition_embedding_fn,
+                          output_fn=partial(self._prepare_output_fn, self.output_layouts, self.use_local_output))
+        module.register_forward_pre_hook(partial(self._prepare_ids, self.input_layouts[0], device_mesh),
+                                         with_kwargs=True)
+        return module
+
     @staticmethod
-    def _prepare_input_fn(input_layouts, desired_input_layouts, mod, inputs, device_mesh):
-        mod._autotp_input_ids = inputs[0]
-        return RowwiseParallel._prepare_input_fn(input_layouts, desired_input_layouts, mod, inputs, device_mesh)
+    def _prepare_ids(layout, device_mesh, mod, args, kwargs):
+        # Every integer tensor the module gets becomes a replicated DTensor, not only the first
+        # positional one: an embedding may compute its ids from a mask, or take them by keyword.
+        def replicated(x):
+            if isinstance(x, torch.Tensor) and not isinstance(x, DTensor) and not x.is_floating_point():
+                x = DTensor.from_local(x, device_mesh, (layout,), run_check=False)
+            if isinstance(x, DTensor) and tuple(x.placements) != (Replicate(),):
+                x = x.redistribute(placements=(Replicate(),))
+            return x
+
+        args, kwargs = tuple(replicated(a) for a in args), {k: replicated(v) for k, v in kwargs.items()}
+        mod._autotp_input_ids = next((a for a in args if isinstance(a, DTensor)), None)
+        return args, kwargs
 
     @staticmethod
     def _prepare_output_fn(output_layouts, use_local_output, mod, outputs, device_mesh):

@@ -229,11 +229,6 @@ def embedding_roles(g: nx.DiGraph, forced: dict[str, str]) -> dict[str, Role]:
             # once, so a norm (two reads) inside the module would fail, and anything nonlinear is wrong.
             roles[owner] = Role("replicate", f"the module applies {op} to the looked-up rows before returning "
                                 "them; a vocab-parallel table gives partial rows there")
-        elif owner in g.nodes[ids]["stack"]:
-            # The style turns the module's first input into a DTensor; ids the module computes
-            # itself (from a mask, a kwarg) could stay plain and meet a sharded table.
-            roles[owner] = Role("replicate", f"looked up by {ids}, which the module computes itself from its "
-                                "inputs; a vocab-parallel style only sees the ids passed in")
         else:
             roles[owner] = Role("vocab_embedding", f"looked up by model input {ids}", (ids, "embedding", owner))
     return roles

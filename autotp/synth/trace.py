@@ -274,4 +274,6 @@ def trace(model: nn.Module, example_inputs=None) -> tuple[torch.export.ExportedP
     except TraceError:
         if not repeated_lists(model):
             raise
-    return export_model(model, example_inputs), LayerGroups()
+    # Traced whole: every entry stands for itself (plan keys still fold into ``layers.*``).
+    whole = LayerGroups({name: [[i] for i in range(len(entries))] for name, entries in repeated_lists(model).items()})
+    return export_model(model, example_inputs), whole

@@ -1,0 +1,162 @@
+"""Synthesis on model code that writes outputs in place, builds its own lookup ids, post-processes
+looked-up rows inside the embedding, or cannot be traced with its layers collapsed.
+
+Each plan is verified on simulated ranks against the unsharded model (logits and every gradient,
+tolerance 1e-5 scaled by the reference's magnitude above 1).
+"""
+
+import warnings
+
+import pytest
+import torch
+from torch import nn
+
+from autotp import explain, styles
+from autotp.synth import synthesize
+from autotp.verifier import VerifyReport, verify
+from synth_toy import DIM, VOCAB, NanoGPT, TitanBlock, TitanLlama, example_tokens
+
+
+def _verify(model, plan, tp_size=2):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        report = verify(model, plan, tp_size=tp_size, inputs=(example_tokens(),))
+    assert report.ok, str(report)
+    return report
+
+
+class InPlaceBlock(TitanBlock):
+    """Adds the attention output to the row-parallel FFN output in place (``out.add_``)."""
+
+    def forward(self, x):
+        x = x + self.attention(self.attention_norm(x))
+        out = self.feed_forward(self.ffn_norm(x))
+        out.add_(x)
+        return out
+
+
+class InPlaceLlama(TitanLlama):
+    """Scales the looked-up embedding rows in place (``h *= sqrt(dim)``) before the blocks."""
+
+    def __init__(self):
+        super().__init__()
+        self.layers = nn.ModuleList(InPlaceBlock() for _ in range(2))
+
+    def forward(self, tokens):
+        h = self.tok_embeddings(tokens)
+        h *= DIM ** 0.5
+        for layer in self.layers:
+            h = layer(h)
+        return self.output(self.norm(h))
+
+
+@pytest.mark.parametrize("sequence_parallel", [False, True], ids=["tp", "sp"])
+def test_outputs_written_in_place_are_handed_out_as_copies(sequence_parallel):
+    """Without the copy, the in-place write on ``to_local()``'s view raises in the sharded forward."""
+    model = InPlaceLlama()
+    plan = synthesize(model, example_inputs=(example_tokens(),), sequence_parallel=sequence_parallel, tp_size=2)
+    assert isinstance(plan["tok_embeddings"], styles.OwnedOutput)
+    assert isinstance(plan["layers.*.feed_forward.w2"], styles.OwnedOutput)
+    assert not isinstance(plan["layers.*.attention.wo"], styles.OwnedOutput)  # its output is only read
+    _verify(model, plan)
+
+
+class MaskPositions(nn.Embedding):
+    """Positions looked up by ids it computes from its first input, or from a keyword it is given."""
+
+    def forward(self, mask, position_ids=None):
+        if position_ids is None:
+            position_ids = torch.cumsum(mask, dim=1) - 1
+        return super().forward(position_ids)
+
+
+class NormedEmbedding(nn.Embedding):
+    """A token table whose rows are normalised inside the module (a child norm, read twice)."""
+
+    def __init__(self, *args):
+        super().__init__(*args)
+        self.norm = nn.RMSNorm(self.embedding_dim)
+
+    def forward(self, ids):
+        return self.norm(super().forward(ids))
+
+
+class SelfIndexedLlama(TitanLlama):
+    def __init__(self):
+        super().__init__()
+        self.tok_embeddings = NormedEmbedding(VOCAB, DIM)
+        self.positions = MaskPositions(64, DIM)
+
+    def forward(self, tokens):
+        mask = torch.ones_like(tokens)
+        positions = torch.arange(tokens.shape[1]).expand_as(tokens) + tokens.clamp(max=0)  # from the input
+        h = self.tok_embeddings(tokens) + self.positions(mask, position_ids=positions)
+        for layer in self.layers:
+            h = layer(h)
+        return self.output(self.norm(h))
+
+
+def test_embedding_with_keyword_ids_shards_and_one_normalising_rows_stays_whole():
+    """The vocab-parallel style turns every integer input into a replicated DTensor (ids by keyword
+    work); a table whose rows are normalised inside the module gives partial rows to the norm, so it
+    stays replicated, with the reason."""
+    model = SelfIndexedLlama()
+    records = {r.key: r for r in explain(model, example_inputs=(example_tokens(),), tp_size=2)}
+    assert records["tok_embeddings"].role == "replicate"
+    assert "looked-up rows" in records["tok_embeddings"].reason
+    assert records["positions"].role == "vocab_embedding"
+    plan = synthesize(model, example_inputs=(example_tokens(),), tp_size=2)
+    assert "tok_embeddings" not in plan
+    assert "layers.*.attention.wq" in plan
+    _verify(model, plan)
+
+
+def test_embedding_computing_its_ids_from_a_mask_verifies():
+    class MaskLlama(TitanLlama):
+        def __init__(self):
+            super().__init__()
+            self.positions = MaskPositions(64, DIM)
+
+        def forward(self, tokens):
+            h = self.tok_embeddings(tokens) + self.positions(torch.ones_like(tokens))
+            for layer in self.layers:
+                h = layer(h)
+            return self.output(self.norm(h))
+
+    model = MaskLlama()
+    plan = synthesize(model, example_inputs=(example_tokens(),), tp_size=2)
+    assert isinstance(plan["positions"], styles.VocabParallelEmbedding)
+    _verify(model, plan)
+
+
+class CountedNanoGPT(NanoGPT):
+    """Checks its depth in forward, so it traces only whole; its attention divides widths by
+    attributes, which localization must find by running the same (uncollapsed) layers."""
+
+    def __init__(self):
+        super().__init__(layers=3)
+
+    def forward(self, idx):
+        if len(self.h) != 3:
+            raise ValueError("expected 3 blocks")
+        return super().forward(idx)
+
+
+def test_localization_runs_the_layers_the_trace_saw():
+    model = CountedNanoGPT()
+    plan = synthesize(model, example_inputs=(example_tokens(),), tp_size=2)
+    assert isinstance(plan["h.*.attn.c_attn"], styles.PackedColwiseParallel)
+    assert isinstance(plan["h.*.attn"], styles.ShardCounts)
+    _verify(model, plan)
+
+
+def test_tolerance_is_relative_above_magnitude_one():
+    """fp32 rounding grows with the values: 5e-5 on a gradient that peaks at 100 is a match, on one
+    that peaks at 0.5 it is not; the worst gradient is chosen relative to its own scale."""
+    report = VerifyReport(tp_size=2, tolerance=1e-5, logits_max_abs_diff=[0.0, 0.0],
+                          grad_max_abs_diff={"big": 5e-5, "small": 2e-6}, grad_scale={"big": 100.0, "small": 0.5})
+    assert report.ok and report.worst_grad[0] == "small"
+    report.grad_max_abs_diff["small"] = 5e-5
+    assert not report.ok and report.worst_grad == ("small", 5e-5)
+    report = VerifyReport(tp_size=2, tolerance=1e-5, logits_max_abs_diff=[3e-5, 0.0], logits_scale=2.0)
+    assert not report.ok
