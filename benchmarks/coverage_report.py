@@ -119,6 +119,11 @@ def _fmt_collectives(r: dict) -> str:
 
 
 def _why(r: dict) -> str:
+    note = f"heads for tp={r['shrunk_heads_for_tp']}. " if r.get("shrunk_heads_for_tp") else ""
+    return note + _why_part(r)
+
+
+def _why_part(r: dict) -> str:
     part = r.get("synth") or {}
     if part.get("status") == "verified":
         rep = part.get("replicated") or []
@@ -147,8 +152,10 @@ def write_markdown(path: Path, meta: dict, summary: dict, results: list[dict]) -
         "",
         "Each case builds the tiny random model (`autotp.models.shrink_config` at that tp, `use_cache=False`), "
         "synthesizes a plan, verifies it on simulated ranks (fp32 logits and every parameter gradient "
-        "within 1e-5 of the unsharded model), and runs `autotp.check_plan` on it. transformers' own plan "
-        "(`autotp.get_plan(model, source=\"hf\")`) goes through the same verifier and checker in plain "
+        "within 1e-5 of the unsharded model, relative for values above 1), and runs `autotp.check_plan` "
+        "on it. Where the unsharded tiny model fails on token ids alone, it is rebuilt with the heads for "
+        "2x, then 4x, the ranks (a family that splits heads into a fixed number of groups); the row says "
+        "so. transformers' own plan (`autotp.get_plan(model, source=\"hf\")`) goes through the same verifier and checker in plain "
         "cases (it has no sequence-parallel variant). Its labels: `none` (the model ships no plan), "
         "`verified`, `wrong` (runs, but logits or gradients differ), `crashes` (rejected when applied, "
         "or the sharded model raised), `not run` (the tiny model could not be built or run).",

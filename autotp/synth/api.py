@@ -102,7 +102,7 @@ def check_divisible(g: nx.DiGraph, flow: Flow, roles: dict[str, Role], tp_size: 
         extent = flow.extent.get(root, 0)
         sizes = roles.get(_owner(g, root)).sizes or () if _owner(g, root) in roles else ()
         for size in (extent, *sizes):
-            if size and size % tp_size:
+            if size > 0 and size % tp_size:
                 raise MeshError(
                     f"{_owner(g, root)}: its sharded output reaches a dim of size {size} (heads or "
                     f"features), which tp={tp_size} does not divide; use tp in {working_tp_sizes([size])}"

@@ -56,7 +56,19 @@ def add_node(g: nx.DiGraph, name: str, op: str, args=(), *, kwargs=None, shape=N
 
 
 def _shape(shape):
-    return tuple(int(s) for s in shape) if shape is not None else None
+    return tuple(_size(s) for s in shape) if shape is not None else None
+
+
+# A size the trace could not know (tokens routed to an expert, ``nonzero``): never a head or a
+# feature count, so no analysis step can mistake it for one.
+UNKNOWN_SIZE = -1
+
+
+def _size(size) -> int:
+    try:
+        return int(size)
+    except Exception:  # a data-dependent SymInt: torch raises its own guard error types
+        return UNKNOWN_SIZE
 
 
 def refs(args, kwargs=None):
