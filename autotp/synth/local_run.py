@@ -57,8 +57,11 @@ def capture_inputs(model: nn.Module, example_inputs, fqns: set[str],
         level = fake_log.level
         fake_log.setLevel(logging.CRITICAL)  # a kernel without a fake impl logs before it raises
         try:
-            with torch.no_grad(), FakeTensorMode(allow_non_fake_inputs=True):
-                model(*args, **kwargs)
+            with torch.no_grad(), FakeTensorMode(allow_non_fake_inputs=True) as mode:
+                # Inputs as fake tensors too: model code that skips value checks while tracing
+                # (``torch.all(mask == 1)``) recognises them, where a real input would be read.
+                fake = lambda t: mode.from_tensor(t) if isinstance(t, torch.Tensor) else t  # noqa: E731
+                model(*[fake(a) for a in args], **{k: fake(v) for k, v in kwargs.items()})
         except Exception as error:  # any failure only means we cannot confirm: fall back
             log.debug("fake forward for localization failed: %s", error)
         finally:
