@@ -43,6 +43,7 @@ __all__ = [
     "HeadShardedNorm",
     "OwnedOutput",
     "PackedColwiseParallel",
+    "ReplicatedParams",
     "RotaryEmbedParallel",
     "SequenceParallelAllGather",
     "ShardCounts",
@@ -398,6 +399,29 @@ class ExpertsParallel(_LocalParamsStyle):
 
     def __repr__(self) -> str:
         return f"{self.__class__.__name__}(shard_dims={self.shard_dims}, packed={self.packed})"
+
+
+class ReplicatedParams(ParallelStyle):
+    """Make a module's own parameters (not its children's) replicated DTensors; no hooks.
+
+    For a module that applies parameters of its own to the sequence-sharded stream (an input
+    scale or bias on a model that also holds the layers): DTensor reduces their gradients over
+    the sequence shards, as ``SequenceParallel`` does for a norm's weight, while the children keep
+    their own styles.
+
+    Example::
+        >>> plan = {"model": ReplicatedParams()}
+    """
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        for name, param in list(module.named_parameters(recurse=False)):
+            if not isinstance(param, DTensor):
+                dist = DTensor.from_local(param, device_mesh, [Replicate()], run_check=False)
+                module.register_parameter(name, nn.Parameter(dist, requires_grad=param.requires_grad))
+        return module
+
+    def __repr__(self) -> str:
+        return f"{self.__class__.__name__}()"
 
 
 class OwnedOutput(ParallelStyle):

@@ -160,3 +160,41 @@ def test_tolerance_is_relative_above_magnitude_one():
     assert not report.ok and report.worst_grad == ("small", 5e-5)
     report = VerifyReport(tp_size=2, tolerance=1e-5, logits_max_abs_diff=[3e-5, 0.0], logits_scale=2.0)
     assert not report.ok
+
+
+class ScaledInputBody(nn.Module):
+    """Owns an input scale applied to the residual stream, next to the layers it holds."""
+
+    def __init__(self):
+        super().__init__()
+        self.tok_embeddings = nn.Embedding(VOCAB, DIM)
+        self.input_scale = nn.Parameter(torch.full((DIM,), 1.5))
+        self.layers = nn.ModuleList(TitanBlock() for _ in range(2))
+        self.norm = nn.RMSNorm(DIM)
+
+    def forward(self, tokens):
+        h = self.tok_embeddings(tokens) * self.input_scale
+        for layer in self.layers:
+            h = layer(h)
+        return self.norm(h)
+
+
+class ScaledInputLM(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.model = ScaledInputBody()
+        self.lm_head = nn.Linear(DIM, VOCAB, bias=False)
+
+    def forward(self, tokens):
+        return self.lm_head(self.model(tokens))
+
+
+def test_parameters_of_a_module_holding_the_layers_meet_the_sequence_sharded_stream():
+    """Under SP the body's own scale multiplies the sequence-sharded stream: it becomes a replicated
+    DTensor (its gradient reduced over the shards) while the layers keep their styles; making the
+    body sequence parallel instead would replicate every child's parameters."""
+    model = ScaledInputLM()
+    plan = synthesize(model, example_inputs=(example_tokens(),), sequence_parallel=True, tp_size=2)
+    assert isinstance(plan["model"], styles.ReplicatedParams)
+    assert "model.layers.*.attention_norm" in plan and "model.layers.*.attention.wq" in plan
+    _verify(model, plan)

@@ -77,3 +77,22 @@ def test_verify_runs_at_tp_2_4_8(tp_size):
     report = verify(model, handwritten_plans.plan_for(model), tp_size=tp_size)
     assert report.ok, str(report)
     assert len(report.logits_max_abs_diff) == tp_size
+
+
+def test_float32_rounding_above_tolerance_is_settled_in_float64(qwen3):
+    """A correct plan judged at a tolerance below fp32 rounding: the differences are re-run in
+    float64, where the plan agrees to ~1e-13, so the verdict is OK and the report says why."""
+    report = verify(qwen3, handwritten_plans.plan_for(qwen3), tp_size=2, tolerance=1e-8)
+    assert not report.within(1.0)  # fp32 alone would call it a mismatch
+    assert report.float64 is not None and report.ok
+    assert max(report.float64.logits_max_abs_diff) < 1e-11
+    assert "rounding, the plan is exact" in str(report)
+
+
+def test_float64_recheck_does_not_pass_a_wrong_plan(phi3):
+    """A wrong plan whose fp32 error falls in the re-check window is still wrong in float64."""
+    plan = handwritten_plans.plan_for(phi3)
+    plan["model.layers.*.mlp.gate_up_proj"] = ColwiseParallel()
+    report = verify(phi3, plan, tp_size=2, tolerance=1e-2)
+    assert report.float64 is not None
+    assert not report.ok and max(report.float64.logits_max_abs_diff) > 1e-3

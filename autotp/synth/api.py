@@ -81,10 +81,27 @@ def analyse_model(model: nn.Module, *, example_inputs=None, sequence_parallel: b
         roles = sequence_parallel_roles(g, flow, roles)
     if tp_size is not None:
         check_divisible(g, flow, roles, tp_size, skip=kv_handled)
+    if tp_size is not None:
+        roles.update(_indivisible_tables(g, roles, tp_size))
     for module in mutated_outputs(g) & roles.keys():
         roles[module] = replace(roles[module], owned_output=True)
     log.info("synthesis: %d graph nodes, %d roles", g.number_of_nodes(), len(roles))
     return Analysis(g, flow, roles, groups)
+
+
+def _indivisible_tables(g: nx.DiGraph, roles: dict[str, Role], tp_size: int) -> dict[str, Role]:
+    """Vocab-parallel embeddings whose rows ``tp_size`` does not divide (OPT's 2050 positions at
+    tp=4) stay whole: a small table costs less replicated than a plan that cannot be applied."""
+    out = {}
+    for name, data in g.nodes(data=True):
+        role = roles.get(data["module"])
+        if data["op"] != "embedding" or role is None or role.kind != "vocab_embedding":
+            continue
+        rows = g.nodes[data["args"][0].name]["shape"][0]
+        if rows % tp_size:
+            out[data["module"]] = Role("replicate", f"its {rows} rows do not split over tp={tp_size} (tp in "
+                                       f"{working_tp_sizes([rows])} would); kept whole", role.evidence)
+    return out
 
 
 def check_divisible(g: nx.DiGraph, flow: Flow, roles: dict[str, Role], tp_size: int,

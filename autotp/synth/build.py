@@ -67,6 +67,8 @@ def _style_for(role: Role, *, loss_parallel: bool = True) -> ParallelStyle | Non
         return styles.WidthShardedNorm(shard_dim=role.shard_dim)
     if kind == "seq_norm":
         return SequenceParallel()
+    if kind == "seq_params":
+        return styles.ReplicatedParams()
     if kind == "seq_norm_gather":
         return styles.SequenceParallelAllGather()
     if kind == "experts":

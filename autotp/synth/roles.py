@@ -22,6 +22,7 @@ ROLE_KINDS = {
     "moe_block": "module around grouped experts; under sequence parallel it reduce-scatters their partial sum",
     "rotary": "parameter-free module producing position tables for the sharded region",
     "shard_counts": "module whose integer attributes size the cuts of a fused output; divided by tp",
+    "seq_params": "module holding sharded children whose own parameters act on the sequence-sharded stream",
     "replicate": "kept whole on every rank",
 }
 

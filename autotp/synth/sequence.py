@@ -183,6 +183,16 @@ def sequence_norms(g: nx.DiGraph, region: set[str], roles: dict[str, Role]) -> d
                 continue
             if any(module.startswith(m + ".") for m, r in roles.items() if r.kind == "seq_gather"):
                 continue  # inside a module that gathers at entry: it sees the whole sequence
+            if any(module.startswith(m + ".") for m, r in found.items() if r.kind != "seq_params"):
+                continue  # inside a module this makes sequence parallel: its style covers the subtree
+            if any(m.startswith(module + ".") and r.kind != "replicate" for m, r in roles.items()):
+                # Holds sharded modules, so not a norm; parameters of its own on the stream (an
+                # input scale) become replicated DTensors, its children keep their styles.
+                if any(g.nodes[p]["param"].rpartition(".")[0] == module and set(g.successors(p)) & region
+                       for p in g.nodes if g.nodes[p]["kind"] == "param"):
+                    found[module] = Role("seq_params", "applies parameters of its own to the sequence-sharded "
+                                         "stream; they are replicated DTensors", ("residual", module))
+                continue
             _, readers = _module_outputs(g, module)
             consumers = {"column" if _in_block(g, r, blocks) else
                          roles.get(_owner(g, r), Role("replicate", "")).kind if is_linear(g, r)
