@@ -12,7 +12,7 @@ from torch import nn
 from torch.distributed.tensor.parallel import ColwiseParallel
 
 from autotp.errors import MeshError
-from autotp.plan import Plan, resolve
+from autotp.plan import Plan, describe_style, resolve
 from autotp.styles import KVHeadCounts, ReplicatedKVColwise
 
 
@@ -46,14 +46,40 @@ def replicate_kv_heads(model: nn.Module, plan: Plan, tp_size: int) -> Plan:
         )
     modules = dict(model.named_modules())
     default_head_dim = config_head_dim(config)
-    rewritten = dict(plan)
-    for fqn, (key, style) in resolve(model, plan).items():
-        module = modules[fqn]
-        parent_key = key.rsplit(".", 1)[0]
-        head_dim = getattr(modules[fqn.rsplit(".", 1)[0]], "head_dim", None) or default_head_dim
+    resolved = resolve(model, plan)
+    kv_styles: dict[str, ReplicatedKVColwise] = {}
+    counts: dict[str, KVHeadCounts] = {}
+    for fqn, (key, style) in resolved.items():
+        module, parent = modules[fqn], modules[fqn.rsplit(".", 1)[0]]
+        head_dim = getattr(parent, "head_dim", None) or default_head_dim
+        groups = getattr(parent, "num_key_value_groups", None)
+        local_kv = heads // groups if isinstance(groups, int) and groups > 0 and heads % groups == 0 else kv
         is_kv = (head_dim is not None and type(style) is ColwiseParallel and isinstance(module, nn.Linear)
-                 and module.out_features == kv * head_dim)
-        if is_kv and key in rewritten:
-            rewritten[key] = ReplicatedKVColwise(kv_heads=kv, head_dim=head_dim)
-            rewritten[parent_key] = KVHeadCounts(heads=heads)
-    return rewritten
+                 and module.out_features == local_kv * head_dim and local_kv % tp_size != 0)
+        if is_kv:
+            if tp_size % local_kv:
+                raise MeshError(f"{fqn}: {local_kv} kv heads cannot be shared evenly by tp={tp_size} ranks; use "
+                                f"tp a divisor or a multiple of {local_kv}")
+            kv_styles[fqn] = ReplicatedKVColwise(kv_heads=local_kv, head_dim=head_dim)
+            counts[key.rsplit(".", 1)[0]] = KVHeadCounts(heads=heads)
+    return {**_rewrite_keys(plan, resolved, kv_styles), **counts}
+
+
+def _rewrite_keys(plan: Plan, resolved: dict, new_styles: dict) -> Plan:
+    """``plan`` with ``new_styles`` (by module FQN) in place: a key keeps its pattern when every
+    module it matches gets one same style, else it is split into one key per module (layer types
+    whose heads differ in size, like Gemma4's sliding and full attention)."""
+    by_key: dict[str, list[str]] = {}
+    for fqn, (key, _) in resolved.items():
+        by_key.setdefault(key, []).append(fqn)
+    out = {}
+    for key, style in plan.items():
+        fqns = by_key.get(key, [])
+        changed = [new_styles[f] for f in fqns if f in new_styles]
+        if not changed:
+            out[key] = style
+        elif len(changed) == len(fqns) and len({repr(describe_style(s)) for s in changed}) == 1:
+            out[key] = changed[0]
+        else:
+            out.update({fqn: new_styles.get(fqn, style) for fqn in fqns})
+    return out

@@ -361,14 +361,18 @@ def _layer_count_as_standard(options: dict) -> dict[str, bool]:
 def _keep_tied_widths(original: dict, options: dict) -> None:
     """Widths that are a multiple of hidden_size (or the per-head width) in the checkpoint stay so.
 
-    ``_HIDDEN_TIED`` widths keep their multiple of hidden_size; a per-head width spelled ``d_head``
-    (XLNet checks ``d_head == d_model // n_head``) keeps hidden / heads when it had it.
+    ``_HIDDEN_TIED`` widths keep their multiple of hidden_size, a ``*_width`` equal to it stays equal;
+    a per-head width spelled ``d_head`` (XLNet checks ``d_head == d_model // n_head``) keeps
+    hidden / heads when it had it.
     """
     hidden = original.get("hidden_size")
     for name in _HIDDEN_TIED:
         value = original.get(name)
         if isinstance(value, int) and hidden and value % hidden == 0:
             options[name] = value // hidden * options["hidden_size"]
+    for name, value in original.items():  # a mixer width equal to hidden_size (an RG-LRU's ``lru_width``)
+        if name.endswith("_width") and isinstance(value, int) and value == hidden and name not in _HIDDEN_TIED:
+            options[name] = options["hidden_size"]
     heads = original.get("num_attention_heads")
     if isinstance(original.get("d_head"), int) and heads and original["d_head"] * heads == hidden:
         options["d_head"] = options["hidden_size"] // options["num_attention_heads"]

@@ -1,7 +1,7 @@
 """The coverage sweep on a fixed subset of architectures of different shapes (tp=2, plain).
 
 ``benchmarks/coverage.py`` runs every causal-LM type at tp 2 and 4, plain and SP; this runs the same
-per-case logic in-process on thirteen shapes the synthesizer must handle (:data:`AT_BOUND`,
+per-case logic in-process on fifteen shapes the synthesizer must handle (:data:`AT_BOUND`,
 :data:`PARTLY_REPLICATED`). It would catch a synthesizer change that makes one of them fail or
 replicate more than it did, a checker that starts flagging correct plans, or a sweep change that
 mislabels an outcome or hangs on a slow case.
@@ -23,9 +23,10 @@ AT_BOUND = {"llama": "dense GQA", "qwen3": "per-head QK norm", "olmo2": "width Q
             "qwen3_moe": "MoE, grouped experts", "mixtral": "MoE, top-2", "cohere": "parallel block",
             "phi3": "fused qkv and gate_up (packed)", "gpt_neox": "fused qkv, interleaved heads",
             "stablelm": "head count from an attribute (localized)", "gemma2": "soft-capped sliding attention",
-            "gemma3": "multimodal family (text model)"}
+            "gemma3": "multimodal family (text model)", "ctrl": "embedding rows scaled in place (copied output)"}
 # Verified, with parts kept whole for a recorded reason.
-PARTLY_REPLICATED = {"deepseek_v3": "MLA: kv_a_proj_with_mqa is sliced", "jamba": "hybrid Mamba + attention + MoE"}
+PARTLY_REPLICATED = {"deepseek_v3": "MLA: kv_a_proj_with_mqa is sliced", "jamba": "hybrid Mamba + attention + MoE",
+                     "opt": "positions looked up by ids computed from the mask; projections around a tied table"}
 SUBSET = [*AT_BOUND, *PARTLY_REPLICATED]
 
 

@@ -77,3 +77,16 @@ def test_summed_kv_gradient_is_placed_like_the_weight_even_from_a_pending_sum():
         total = summed.full_tensor()
     per_head = full.reshape(1, 4, 2, 1).sum(dim=1).reshape(2, 1)
     assert torch.equal(total, _expand_kv_rows(per_head, 1, 2, 4))
+
+
+def test_layer_types_with_other_head_sizes_get_their_own_kv_keys():
+    """Gemma4's full-attention layers have another head size than its sliding ones: one
+    ``layers.*.k_proj`` key cannot carry both, so the rewrite splits it per layer (each with its
+    own head size) and the plan verifies at tp=8 with 4 kv heads."""
+    config = shrink_config(load_config("gemma4_text"), tp=4)
+    model = build_model(config, device="cpu")
+    plan = handwritten_plans.plan_for(model, replicate_kv_for_tp=8)
+    head_dims = {key: style.head_dim for key, style in plan.items() if key.endswith("k_proj")}
+    assert "model.layers.*.self_attn.k_proj" not in head_dims and len(set(head_dims.values())) == 2, head_dims
+    report = verify(model, plan, tp_size=8)
+    assert report.ok, str(report)

@@ -198,3 +198,29 @@ def test_parameters_of_a_module_holding_the_layers_meet_the_sequence_sharded_str
     assert isinstance(plan["model"], styles.ReplicatedParams)
     assert "model.layers.*.attention_norm" in plan and "model.layers.*.attention.wq" in plan
     _verify(model, plan)
+
+
+class BufferScaledBlock(TitanBlock):
+    """A block with a buffer of its own (a constant output scale) and parameters only below it."""
+
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("layer_scalar", torch.ones(1))
+
+    def forward(self, x):
+        return super().forward(x) * self.layer_scalar
+
+
+class BufferScaledLlama(TitanLlama):
+    def __init__(self):
+        super().__init__()
+        self.layers = nn.ModuleList(BufferScaledBlock() for _ in range(2))
+
+
+def test_a_block_owning_only_a_buffer_is_not_taken_for_a_rotary_table():
+    """Rotary modules are buffers-only subtrees; a decoder block holding a scale buffer (its
+    parameters are in its children) must keep the sequence-sharded stream, not be made local."""
+    model = BufferScaledLlama()
+    plan = synthesize(model, example_inputs=(example_tokens(),), sequence_parallel=True, tp_size=2)
+    assert not any(isinstance(s, styles.RotaryEmbedParallel) for s in plan.values())
+    _verify(model, plan)

@@ -213,8 +213,8 @@ def rotary_modules(g: nx.DiGraph, flow: Flow, roles: dict[str, Role]) -> dict[st
     param_owners = {d["param"].rpartition(".")[0] for _, d in g.nodes(data=True) if d["kind"] == "param"}
     found = {}
     for module in sorted(buffer_owners - param_owners - set(roles)):
-        if not module:
-            continue
+        if not module or any(p.startswith(module + ".") for p in param_owners):
+            continue  # the root, or a module with parameters below it (a decoder layer's own scale buffer)
         outputs, _ = _module_outputs(g, module)
         if _meets_shard(g, flow, outputs, module):
             found[module] = Role("rotary", "computes position tables that the sharded attention reads; "

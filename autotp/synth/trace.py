@@ -193,13 +193,12 @@ def _quiet(names: tuple[str, ...]):
 def export_model(model: nn.Module, example_inputs=None) -> torch.export.ExportedProgram:
     """``torch.export.export(strict=False)`` with good errors; inputs from the config if not given.
 
-    A branch on a tensor's value (dynamic-NTK rotary embeddings test ``position_ids.max()``; MoE
-    code skipping experts that got no tokens) cannot be traced on fake tensors. For a materialised
-    model the export is retried with real values propagated, and the graph follows the branch these
-    inputs take. It is kept only if every parameter of the module that branched was read: then the
-    branch changed values (position tables, which tokens reach an expert), not which parameters
-    run, and the plan holds on other inputs. Otherwise it could have skipped a Linear the plan
-    shards on other inputs, and the export stays an error.
+    A branch on a tensor's value (dynamic-NTK rotary embeddings test ``position_ids.max()``) cannot
+    be traced on fake tensors. When it sits in a module without parameters, the branch can change
+    the values it computes (position tables) but not which parameters run or how, so for a
+    materialised model the export is retried with real values propagated: the graph follows the
+    branch these inputs take. A branch in a module with parameters could skip a Linear, or use it
+    differently, on other inputs than the ones traced, so it stays an error.
 
     Raises:
         TraceError: no inputs could be made, or export failed.
@@ -208,38 +207,13 @@ def export_model(model: nn.Module, example_inputs=None) -> torch.export.Exported
     try:
         return _export(model, args, kwargs, real_values=False)
     except Exception as error:  # export raises many unrelated types; all mean "cannot trace"
-        where = _failing_module(model, error)
-        if _data_dependent(error) and not _on_meta(model) and where is not None:
+        if _data_dependent(error) and not _on_meta(model) and _parameter_free(model, error):
             log.info("export met a data-dependent branch; retrying with real values: %s", error)
             try:
-                program = _export(model, args, kwargs, real_values=True)
+                return _export(model, args, kwargs, real_values=True)
             except Exception:  # report the first failure: it names the branch
-                program = None
-            if program is not None and _all_parameters_ran(program, model, where):
-                return program
+                pass
         raise _trace_error(model, error) from error
-
-
-def _failing_module(model: nn.Module, error: BaseException) -> str | None:
-    """FQN of the innermost module running when ``error`` was raised (``""``: the root)."""
-    from autotp.synth.validate import failing_module
-
-    where = failing_module(model, error)
-    return None if where is None else ("" if where == "<root>" else where)
-
-
-def _all_parameters_ran(program: torch.export.ExportedProgram, model: nn.Module, where: str) -> bool:
-    """Whether every parameter of module ``where`` is read by the traced graph.
-
-    A branch taken on these inputs' values (which experts got tokens) is safe to follow when it
-    does not decide which parameters run: the plan placed on them then holds on other inputs.
-    """
-    prefix = f"{where}." if where else ""
-    wanted = {prefix + name for name, _ in model.get_submodule(where).named_parameters()}
-    signature = program.graph_signature
-    read = {signature.inputs_to_parameters[node.name] for node in program.graph.nodes
-            if node.op == "placeholder" and node.name in signature.inputs_to_parameters and node.users}
-    return wanted <= read
 
 
 def _export(model: nn.Module, args: tuple, kwargs: dict, *, real_values: bool) -> torch.export.ExportedProgram:
@@ -254,6 +228,17 @@ def _data_dependent(error: BaseException) -> bool:
     from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
 
     return isinstance(error, GuardOnDataDependentSymNode) or "data-dependent" in str(error)
+
+
+def _parameter_free(model: nn.Module, error: BaseException) -> bool:
+    """Whether the innermost module running when ``error`` was raised holds no parameters."""
+    from autotp.synth.validate import failing_module
+
+    where = failing_module(model, error)
+    if where is None:
+        return False
+    module = model if where == "<root>" else model.get_submodule(where)
+    return next(module.parameters(), None) is None
 
 
 def _on_meta(model: nn.Module) -> bool:
