@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from functools import partial
 
+import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
@@ -56,14 +57,18 @@ class GatherSequenceInput(ParallelStyle):
 
     Keyword Args:
         sequence_dim (int): the sequence dimension of the sharded inputs. Default: 1.
+        reshard_output (bool): the module's (first) output is the residual stream itself (a whole
+            decoder block kept replicated): return it as a ``Shard(sequence_dim)`` DTensor, this
+            rank's slice of the whole-sequence result. Default: False.
 
     Example::
         >>> plan = {"model.layers.*.self_attn": GatherSequenceInput()}
     """
 
-    def __init__(self, *, sequence_dim: int = 1):
+    def __init__(self, *, sequence_dim: int = 1, reshard_output: bool = False):
         super().__init__()
         self.sequence_dim = sequence_dim
+        self.reshard_output = reshard_output
 
     @staticmethod
     def _gather(sequence_dim, value):
@@ -78,7 +83,21 @@ class GatherSequenceInput(ParallelStyle):
             return tuple(gather(a) for a in args), {k: gather(v) for k, v in kwargs.items()}
 
         module.register_forward_pre_hook(pre_hook, with_kwargs=True)
+        if self.reshard_output:
+            def slice_back(value):
+                if isinstance(value, torch.Tensor) and not isinstance(value, DTensor):
+                    whole = DTensor.from_local(value, device_mesh, [Replicate()], run_check=False)
+                    return whole.redistribute(placements=[Shard(self.sequence_dim)])
+                return value
+
+            def hook(mod, args, out):
+                if type(out) in (tuple, list) and out:  # (hidden, attentions...), as a tuple or a list
+                    return type(out)([slice_back(out[0]), *out[1:]])
+                return slice_back(out)
+
+            module.register_forward_hook(hook)
         return module
 
     def __repr__(self) -> str:
-        return f"{self.__class__.__name__}(sequence_dim={self.sequence_dim})"
+        extra = ", reshard_output=True" if self.reshard_output else ""
+        return f"{self.__class__.__name__}(sequence_dim={self.sequence_dim}{extra})"

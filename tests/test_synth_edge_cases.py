@@ -224,3 +224,50 @@ def test_a_block_owning_only_a_buffer_is_not_taken_for_a_rotary_table():
     plan = synthesize(model, example_inputs=(example_tokens(),), sequence_parallel=True, tp_size=2)
     assert not any(isinstance(s, styles.RotaryEmbedParallel) for s in plan.values())
     _verify(model, plan)
+
+
+class AddmmLinear(nn.Module):
+    """transformers' ``Conv1D``: a weight stored (in, out), applied with ``addmm``."""
+
+    def __init__(self, n_in, n_out):
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(n_in, n_out) * 0.02)
+        self.bias = nn.Parameter(torch.zeros(n_out))
+
+    def forward(self, x):
+        return torch.addmm(self.bias, x.reshape(-1, x.shape[-1]), self.weight).view(*x.shape[:-1], -1)
+
+
+class AddmmBlock(nn.Module):
+    """A pre-norm block whose projections are not ``nn.Linear``: the synthesizer keeps it whole."""
+
+    def __init__(self):
+        super().__init__()
+        self.ln = nn.LayerNorm(DIM)
+        self.up, self.down = AddmmLinear(DIM, 4 * DIM), AddmmLinear(4 * DIM, DIM)
+
+    def forward(self, x):
+        return [x + self.down(torch.relu(self.up(self.ln(x))))]  # a list, as some HF blocks return
+
+
+class AddmmLM(TitanLlama):
+    def __init__(self):
+        super().__init__()
+        self.layers = nn.ModuleList(AddmmBlock() for _ in range(2))
+
+    def forward(self, tokens):
+        h = self.tok_embeddings(tokens)
+        for layer in self.layers:
+            h = layer(h)[0]
+        return self.output(self.norm(h))
+
+
+def test_whole_blocks_under_sequence_parallel_gather_once_and_slice_back():
+    """Blocks whose matmuls stay whole read the sequence-sharded stream: each gathers its input once
+    and slices its output back to the shard; their weight products are never taken for norms."""
+    model = AddmmLM()
+    plan = synthesize(model, example_inputs=(example_tokens(),), sequence_parallel=True, tp_size=2)
+    block = plan["layers.*"]
+    assert type(block).__name__ == "GatherSequenceInput" and block.reshard_output
+    assert not any(key.startswith("layers.*.") for key in plan)
+    _verify(model, plan)

@@ -74,6 +74,8 @@ def _style_for(role: Role, *, loss_parallel: bool = True) -> ParallelStyle | Non
     if kind == "experts":
         experts = PartialExpertsParallel if role.seq_output else styles.ExpertsParallel
         return experts(shard_dims=dict(role.param_dims), packed=dict(role.param_parts))
+    if kind == "seq_gather" and role.seq_output:
+        return GatherSequenceInput(reshard_output=True)
     if kind == "seq_gather":
         return GatherSequenceInput()
     if kind == "moe_block":

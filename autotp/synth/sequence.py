@@ -153,28 +153,49 @@ def replicated_blocks(g: nx.DiGraph, region: set[str], roles: dict[str, Role]) -
     """
     linear_modules: dict[str, list[str]] = {}
     for name in g.nodes:
-        if g.nodes[name]["kind"] == "call" and is_linear(g, name):
+        if g.nodes[name]["kind"] == "call" and _weight_matmul(g, name):
             for module in g.nodes[name]["stack"][:-1]:
                 linear_modules.setdefault(module, []).append(_owner(g, name))
     found = {}
+    # Modules the stream starts in (the body holding the token embedding) are not entered by it.
+    starts = {m for n in region if g.nodes[n]["op"] == "embedding" for m in g.nodes[n]["stack"]}
     for name in sorted(region, key=lambda n: g.nodes[n]["order"]):
-        if is_linear(g, name):
+        if _weight_matmul(g, name):
             continue
         for module in g.nodes[name]["stack"]:
             owners = linear_modules.get(module)
-            if not owners or module in roles or any(module.startswith(f + ".") for f in found):
+            if not owners or module in roles or module in starts or any(module.startswith(f + ".") for f in found):
                 continue
             if all(roles.get(o, Role("replicate", "")).kind == "replicate" for o in owners):
+                # A whole decoder block (GPT-2's Conv1D layers) returns the stream itself: its
+                # output is sliced back to the sequence shard.
+                returns_stream = bool(set(_module_outputs(g, module)[0]) & region)
                 found[module] = Role("seq_gather", "kept whole (its Linears cannot be sharded) and reads the "
-                                     "sequence-sharded stream: gathered once at entry", (name, module))
+                                     "sequence-sharded stream: gathered once at entry"
+                                     + ("; its output is the stream, sliced back" if returns_stream else ""),
+                                     (name, module), seq_output=returns_stream)
                 break
     return found
+
+
+_MATMUL_OPS = frozenset({"linear", "addmm", "mm", "bmm", "baddbmm", "matmul"})
+
+
+def _weight_matmul(g: nx.DiGraph, name: str) -> bool:
+    """A Linear, or a matrix product with a parameter operand (transformers' ``Conv1D``: addmm)."""
+    data = g.nodes[name]
+    if is_linear(g, name):
+        return True
+    return data["op"] in _MATMUL_OPS and any(param_source(g, r.name) for r in refs(data["args"]))
 
 
 def sequence_norms(g: nx.DiGraph, region: set[str], roles: dict[str, Role]) -> dict[str, Role]:
     """Parametrised modules on the residual stream (norms): gather ones feed only column Linears
     or MoE blocks (whose router and experts both need every token)."""
     owners = {d["param"].rpartition(".")[0] for _, d in g.nodes(data=True) if d["kind"] == "param"}
+    # A module that multiplies by a weight matrix (transformers' Conv1D: addmm) mixes features: it
+    # is a Linear kept whole, never a norm.
+    owners -= {d["module"] for _, d in g.nodes(data=True) if d["op"] in _MATMUL_OPS}
     blocks = expert_blocks(roles)
     found = {}
     for name in sorted(region, key=lambda n: g.nodes[n]["order"]):
