@@ -222,18 +222,26 @@ def run_case(case: Case) -> dict:
     start = time.perf_counter()
     result: dict = {"model_type": case.model_type, "tp": case.tp, "sp": case.sp}
     result["class"], result["class_detail"] = classify(case.model_type)
-    # Heads for `tp` ranks first; a family whose code splits heads into a fixed number of groups
-    # (CodeGen's 4) fails on token ids alone with so few, so 2x and 4x the heads are tried next.
-    for heads_for in (case.tp, 2 * case.tp, 4 * case.tp):
+    # The shrunk config first. A family whose code splits heads into a fixed number of groups
+    # (CodeGen's 4) fails on token ids alone with so few: 2x and 4x the heads are tried next. One
+    # that needs two layers of a kind (Zamba ties a shared block across its hybrid layers) cannot be
+    # built from one of each: the layer pattern is repeated once.
+    variants, tried = [(case.tp, 1)], 0
+    while tried < len(variants):
+        heads_for, repeat = variants[tried]
+        tried += 1
         try:
-            model = _tiny_model(case.model_type, heads_for)
+            model = _tiny_model(case.model_type, heads_for, repeat)
         except _NotTiny as error:
             result["synth"] = {"status": "failed", "reason": "config-not-tiny", "error": str(error)}
-            return _done(result, start)
+            break
         except Exception as error:
-            result["synth"] = {"status": "failed", "reason": _reason("config-unbuildable", error),
-                               "error": _message(error)}
-            return _done(result, start)
+            if repeat == 1:  # a failed retry keeps the first error: it says what the shrunk config lacks
+                result["synth"] = {"status": "failed", "reason": _reason("config-unbuildable", error),
+                                   "error": _message(error)}
+            if repeat == 1 and heads_for == case.tp:
+                variants.append((case.tp, 2))
+            continue
         result["model_class"] = type(model).__name__
         result["layers"] = _layers(model)
         try:
@@ -242,10 +250,14 @@ def run_case(case: Case) -> dict:
         except Exception as error:
             result["synth"] = {"status": "failed", "reason": _reason("unsharded-forward-failed", error),
                                "error": _message(error)}
+            if heads_for == case.tp:
+                variants += [(2 * case.tp, repeat), (4 * case.tp, repeat)]
             continue
         result.pop("synth", None)
         if heads_for != case.tp:
-            result["shrunk_heads_for_tp"] = heads_for  # the table notes it
+            result["shrunk_heads_for_tp"] = heads_for  # the table notes both
+        if repeat != 1:
+            result["layer_pattern_repeated"] = repeat
         break
     if "synth" in result:
         return _done(result, start)
@@ -268,11 +280,21 @@ class _NotTiny(Exception):
     pass
 
 
-def _tiny_model(model_type: str, tp: int):
-    """The shrunk model of ``model_type`` with heads for ``tp`` ranks, on cpu, without a KV cache."""
+def _tiny_model(model_type: str, tp: int, repeat: int = 1):
+    """The shrunk model of ``model_type`` with heads for ``tp`` ranks, on cpu, without a KV cache;
+    with ``repeat`` > 1 its layers (and every per-layer list) repeated that many times."""
+    from transformers import AutoConfig
+
     from autotp.models import build_model, load_config, shrink_config
 
     config = shrink_config(load_config(model_type), tp=tp)
+    if repeat > 1:
+        options = config.to_dict()
+        n, key = config.num_hidden_layers, config.attribute_map.get("num_hidden_layers", "num_hidden_layers")
+        options = {k: v * repeat if isinstance(v, list) and len(v) == n else v for k, v in options.items()}
+        options[key] = n * repeat
+        options.pop("model_type", None)
+        config = AutoConfig.for_model(model_type, **options)
     for part in (config, config.get_text_config()):
         part.use_cache = False  # a KV cache plays no part in a plan; pure-SSM stacks fail with one
     size = sum(p.numel() for p in build_model(config).parameters())  # meta: milliseconds
@@ -382,7 +404,8 @@ def run_pool(todo: list[Case], *, workers: int = 2, timeout: float = 120.0, memo
     raises ``MemoryError`` inside the case, which records it as ``memory-limit``.
 
     The clock of a case starts when it is sent to a worker that has finished its imports. A killed
-    or dead worker is replaced by a fresh one.
+    or dead worker is replaced by a fresh one; a case whose worker died runs once more in a fresh
+    one (a death can come from an earlier case's damage), and a second death is recorded.
 
     Raises:
         RuntimeError: a worker died before it was ready (its imports fail).
@@ -393,6 +416,7 @@ def run_pool(todo: list[Case], *, workers: int = 2, timeout: float = 120.0, memo
     pending = list(reversed(todo))
     slots = [_Slot(ctx, memory_gib) for _ in range(max(1, min(workers, len(todo))))]
     results: list[dict] = []
+    retried: set[str] = set()
     bar = tqdm(total=len(todo), disable=not progress, unit="case", dynamic_ncols=True)
     while pending or any(s.case for s in slots):
         ready = wait([s.conn for s in slots if s.case or not s.ready], timeout=1.0)
@@ -410,6 +434,17 @@ def run_pool(todo: list[Case], *, workers: int = 2, timeout: float = 120.0, memo
             outcome = _outcome(slot, ready, timeout)
             if outcome is None:
                 continue
+            died = outcome.get("synth", {}).get("reason") == "worker-died"
+            if died and slot.case.key not in retried:
+                # A worker can die of an earlier case's damage (a corrupted heap): run it once more
+                # in a fresh process before recording the death.
+                retried.add(slot.case.key)
+                pending.append(slot.case)
+                slot.stop()
+                slots[i] = _Slot(ctx, memory_gib)
+                continue
+            if slot.case.key in retried:
+                outcome["retried_after_worker_death"] = True
             results.append(outcome)
             bar.set_postfix_str(slot.case.key, refresh=False)
             bar.update()

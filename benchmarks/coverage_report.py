@@ -120,6 +120,7 @@ def _fmt_collectives(r: dict) -> str:
 
 def _why(r: dict) -> str:
     note = f"heads for tp={r['shrunk_heads_for_tp']}. " if r.get("shrunk_heads_for_tp") else ""
+    note += f"layer pattern x{r['layer_pattern_repeated']}. " if r.get("layer_pattern_repeated") else ""
     return note + _why_part(r)
 
 
@@ -155,8 +156,9 @@ def write_markdown(path: Path, meta: dict, summary: dict, results: list[dict]) -
         "within 1e-5 of the unsharded model, relative for values above 1; differences up to 100x that are "
         "re-run in float64, where a correct plan agrees to ~1e-13), and runs `autotp.check_plan` on it. "
         "Where the unsharded tiny model fails on token ids alone, it is rebuilt with the heads for "
-        "2x, then 4x, the ranks (a family that splits heads into a fixed number of groups); the row says "
-        "so. transformers' own plan (`autotp.get_plan(model, source=\"hf\")`) goes through the same verifier and checker in plain "
+        "2x, then 4x, the ranks (a family that splits heads into a fixed number of groups); where it cannot "
+        "be built, its layer pattern is repeated once (a family that ties a block across two layers of a "
+        "kind); the row says so. transformers' own plan (`autotp.get_plan(model, source=\"hf\")`) goes through the same verifier and checker in plain "
         "cases (it has no sequence-parallel variant). Its labels: `none` (the model ships no plan), "
         "`verified`, `wrong` (runs, but logits or gradients differ), `crashes` (rejected when applied, "
         "or the sharded model raised), `not run` (the tiny model could not be built or run).",
