@@ -1,7 +1,7 @@
 """The coverage sweep on a fixed subset of architectures of different shapes (tp=2, plain).
 
 ``benchmarks/coverage.py`` runs every causal-LM type at tp 2 and 4, plain and SP; this runs the same
-per-case logic in-process on fifteen shapes the synthesizer must handle (:data:`AT_BOUND`,
+per-case logic in-process on seventeen shapes the synthesizer must handle (:data:`AT_BOUND`,
 :data:`PARTLY_REPLICATED`). It would catch a synthesizer change that makes one of them fail or
 replicate more than it did, a checker that starts flagging correct plans, or a sweep change that
 mislabels an outcome or hangs on a slow case.
@@ -26,7 +26,9 @@ AT_BOUND = {"llama": "dense GQA", "qwen3": "per-head QK norm", "olmo2": "width Q
             "gemma3": "multimodal family (text model)", "ctrl": "embedding rows scaled in place (copied output)"}
 # Verified, with parts kept whole for a recorded reason.
 PARTLY_REPLICATED = {"deepseek_v3": "MLA: kv_a_proj_with_mqa is sliced", "jamba": "hybrid Mamba + attention + MoE",
-                     "opt": "positions looked up by ids computed from the mask; projections around a tied table"}
+                     "opt": "positions looked up by ids computed from the mask; projections around a tied table",
+                     "codegen": "heads split into 4 fixed groups: rebuilt with heads for 2x the ranks",
+                     "zamba": "a block tied across two hybrid layers: layer pattern repeated"}
 SUBSET = [*AT_BOUND, *PARTLY_REPLICATED]
 
 
@@ -44,6 +46,14 @@ def test_synthesized_plan_verifies_at_tp2(results, name):
         assert abs(synth["param_fraction"] - bound) <= 0.01, (synth["param_fraction"], bound)
     else:
         assert bound + 0.01 < synth["param_fraction"] < 0.95 and synth["replicated"], synth
+
+
+def test_tiny_configs_are_rebuilt_only_as_far_as_needed(results):
+    """More heads where the unsharded tiny model fails with tp's, a repeated layer pattern where the
+    shrunk config cannot be built; neither for a family that needs none."""
+    assert results["codegen"].get("shrunk_heads_for_tp") == 4 and "layer_pattern_repeated" not in results["codegen"]
+    assert results["zamba"].get("layer_pattern_repeated") == 2 and "shrunk_heads_for_tp" not in results["zamba"]
+    assert not any(k in results["llama"] for k in ("shrunk_heads_for_tp", "layer_pattern_repeated"))
 
 
 @pytest.mark.parametrize("name", SUBSET)
