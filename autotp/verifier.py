@@ -89,7 +89,8 @@ class VerifyReport:
         comms = ", ".join(f"{k}={v}" for k, v in sorted(self.collectives.items())) or "none"
         fractions = ", ".join(f"{f:.3f}" for f in self.param_fraction)
         lines = [
-            f"tp={self.tp_size}  {'OK' if self.ok else 'MISMATCH'} (tolerance {self.tolerance:g} x max(1, |reference|))",
+            f"tp={self.tp_size}  {'OK' if self.ok else 'MISMATCH'} "
+            f"(tolerance {self.tolerance:g} x max(1, |reference|))",
             f"  logits max |diff| per rank: {', '.join(f'{d:.2e}' for d in self.logits_max_abs_diff)}",
             f"  grads  max |diff|: {worst:.2e} ({name}, reference peaks at {self.grad_scale.get(name, 0.0):.2g}; "
             f"{len(self.grad_max_abs_diff)} parameters)",
@@ -283,7 +284,8 @@ def scales(ref_logits: torch.Tensor, ref_params: dict) -> dict:
     """Peak magnitudes of the reference logits and gradients, as :class:`VerifyReport` fields."""
     return {
         "logits_scale": ref_logits.abs().max().item(),
-        "grad_scale": {n: p.grad.abs().max().item() for n, p in ref_params.items() if p.grad is not None and p.grad.numel()},
+        "grad_scale": {n: p.grad.abs().max().item() for n, p in ref_params.items()
+                       if p.grad is not None and p.grad.numel()},
     }
 
 

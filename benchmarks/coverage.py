@@ -214,7 +214,7 @@ def run_case(case: Case) -> dict:
     """Build, synthesize, verify, check (and transformers' plan in plain cases); never raises."""
     import torch
 
-    from autotp import get_plan, synthesize
+    from autotp import get_plan
     from autotp.errors import PlanError
     from autotp.verifier import _call, default_inputs
 

@@ -158,7 +158,8 @@ def write_markdown(path: Path, meta: dict, summary: dict, results: list[dict]) -
         "Where the unsharded tiny model fails on token ids alone, it is rebuilt with the heads for "
         "2x, then 4x, the ranks (a family that splits heads into a fixed number of groups); where it cannot "
         "be built, its layer pattern is repeated once (a family that ties a block across two layers of a "
-        "kind); the row says so. transformers' own plan (`autotp.get_plan(model, source=\"hf\")`) goes through the same verifier and checker in plain "
+        "kind); the row says so. transformers' own plan (`autotp.get_plan(model, source=\"hf\")`) goes "
+        "through the same verifier and checker in plain "
         "cases (it has no sequence-parallel variant). Its labels: `none` (the model ships no plan), "
         "`verified`, `wrong` (runs, but logits or gradients differ), `crashes` (rejected when applied, "
         "or the sharded model raised), `not run` (the tiny model could not be built or run).",

@@ -11,7 +11,8 @@ from torch.distributed.tensor.parallel.style import ParallelStyle
 
 from autotp.errors import MeshError, working_tp_sizes
 from autotp.synth.analysis import Flow, analyse
-from autotp.synth.assign import assign_roles, foreign_reads, mutated_outputs, tie_conflicts, tied_embedding_modules as _tied_embeddings
+from autotp.synth.assign import assign_roles, foreign_reads, mutated_outputs, tie_conflicts
+from autotp.synth.assign import tied_embedding_modules as _tied_embeddings
 from autotp.synth.build import build_plan, expand, generalise, style_for
 from autotp.synth.graph import build_graph
 from autotp.synth.kvheads import replicate_kv

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import networkx as nx
 
-from autotp.synth.analysis import Flow, Shard, is_linear, linear_weight, param_source, tied_params, weight_of, weight_uses
+from autotp.synth.analysis import Flow, Shard, is_linear, linear_weight, param_source, weight_of, weight_uses
 from autotp.synth.graph import Ref, refs
 from autotp.synth.ops import PASSTHROUGH, VIEW_LIKE
 from autotp.synth.roles import Role

@@ -163,7 +163,8 @@ def localize(model: nn.Module, example_inputs, g: nx.DiGraph, flow: Flow, roles:
     by_module: dict[str, list[str]] = {}
     for root, nodes in fixed_size_roots(g, flow).items():
         by_module.setdefault(cutting_module(g, root, nodes), []).append(root)
-    captured = capture_inputs(model, example_inputs, {m for m in by_module if m}, g.graph.get("layer_groups")) if by_module else {}
+    groups = g.graph.get("layer_groups")
+    captured = capture_inputs(model, example_inputs, {m for m in by_module if m}, groups) if by_module else {}
     for fqn, roots in by_module.items():
         prefix = fqn + "." if fqn else ""
         inner = {m[len(prefix):]: r for m, r in roles.items() if m.startswith(prefix) and r.kind != "replicate"}
@@ -216,7 +217,6 @@ def _localize_heads(model: nn.Module, example_inputs, g: nx.DiGraph, flow: Flow,
     attributes whose division makes it run with per-rank shapes (:func:`find_names`), or its
     Linears are kept whole with the reason.
     """
-    from autotp.synth.assign import _owner
 
     by_module = {m: r for m, r in head_views(g, flow, roles).items() if m and m not in result.counts}
     if not by_module:

@@ -11,7 +11,7 @@ from dataclasses import replace
 
 import networkx as nx
 
-from autotp.synth.analysis import Flow, Shard, is_linear, linear_weight, param_source
+from autotp.synth.analysis import Flow, Shard, is_linear, param_source
 from autotp.synth.assign import reads_model_input
 from autotp.synth.graph import common_module, refs
 from autotp.synth.ops import ATTENTION, ELEMENTWISE, MATMULS, PASSTHROUGH
