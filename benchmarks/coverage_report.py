@@ -121,6 +121,7 @@ def _fmt_collectives(r: dict) -> str:
 def _why(r: dict) -> str:
     note = f"heads for tp={r['shrunk_heads_for_tp']}. " if r.get("shrunk_heads_for_tp") else ""
     note += f"layer pattern x{r['layer_pattern_repeated']}. " if r.get("layer_pattern_repeated") else ""
+    note += "run twice (worker died). " if r.get("retried_after_worker_death") else ""
     return note + _why_part(r)
 
 
@@ -158,7 +159,8 @@ def write_markdown(path: Path, meta: dict, summary: dict, results: list[dict]) -
         "Where the unsharded tiny model fails on token ids alone, it is rebuilt with the heads for "
         "2x, then 4x, the ranks (a family that splits heads into a fixed number of groups); where it cannot "
         "be built, its layer pattern is repeated once (a family that ties a block across two layers of a "
-        "kind); the row says so. transformers' own plan (`autotp.get_plan(model, source=\"hf\")`) goes "
+        "kind); the row says so. A case whose worker process died is run once more in a fresh worker (a "
+        "death can come from an earlier case's damage); only a second death is recorded. transformers' own plan (`autotp.get_plan(model, source=\"hf\")`) goes "
         "through the same verifier and checker in plain "
         "cases (it has no sequence-parallel variant). Its labels: `none` (the model ships no plan), "
         "`verified`, `wrong` (runs, but logits or gradients differ), `crashes` (rejected when applied, "
