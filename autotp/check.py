@@ -122,11 +122,13 @@ def _graph_findings(model: nn.Module, resolved: dict, example_inputs) -> list[Fi
     for root, ranges in flow.splits.items():
         module, style = linears[root], style_of.get(linears[root])
         sizes = tuple(e - s for s, e in sorted(set(ranges)))
-        if not isinstance(style, styles.PackedColwiseParallel):
+        packed = getattr(style, "sizes", None) if isinstance(
+            style, (styles.PackedColwiseParallel, styles.ColwiseParallelInOut)) else None
+        if not packed:
             findings.append(Finding(module, f"its output is split into parts {sizes} but it is sharded "
                                     "contiguously, so ranks get mixed parts and the logits are wrong",
                                     f"use PackedColwiseParallel(sizes={sizes})", "fused_contiguous"))
-        elif style.sizes != sizes:
+        elif packed != sizes:
             findings.append(Finding(module, f"PackedColwiseParallel sizes {style.sizes} differ from the parts "
                                     f"{sizes} the graph cuts", f"use sizes={sizes}", "fused_sizes"))
     reached_rows = {linears[r] for r in flow.rows}

@@ -265,7 +265,7 @@ def plan_rows(plan: Plan) -> list[list[str]]:
         if base is not style:
             desc["style"] = f"{type(style).__name__}({desc['style']})"
         local = desc.get("use_local_output")
-        options = ", ".join(f"{k}={_short(v)}" for k, v in desc.items() if k not in _SHOWN)
+        options = ", ".join(f"{k}={_short(v)}" for k, v in desc.items() if k not in _SHOWN and v is not None)
         rows.append([
             key,
             desc["style"],

@@ -43,6 +43,8 @@ __all__ = [
     "HeadShardedNorm",
     "OwnedOutput",
     "PackedColwiseParallel",
+    "ColwiseParallelInOut",
+    "RowwiseParallelInOut",
     "ReplicatedParams",
     "RotaryEmbedParallel",
     "SequenceParallelAllGather",
@@ -560,6 +562,79 @@ class PackedColwiseParallel(ColwiseParallel):
 
     def __repr__(self) -> str:
         return super().__repr__()[:-1] + f", sizes={self.sizes})"
+
+
+class ColwiseParallelInOut(ColwiseParallel):
+    """:class:`ColwiseParallel` for a Linear-like module whose weight is stored ``(in, out)``
+    (transformers' ``Conv1D``: ``addmm(bias, x, weight)``): the weight is sharded on dim 1, the bias
+    on dim 0. With ``sizes`` the output is a concatenation of parts sharded part by part, as
+    :class:`PackedColwiseParallel` does (GPT-2's fused ``c_attn``).
+
+    The module runs on DTensors (its code reshapes with global sizes, ``view(..., self.nf)``); the
+    output is turned local after it returns.
+
+    Keyword Args:
+        sizes (tuple[int, ...] | None): widths of the parts of a fused output, or None.
+        input_layouts, output_layouts, use_local_output: as for :class:`ColwiseParallel`.
+
+    Example::
+        >>> plan = {"transformer.h.*.mlp.c_fc": ColwiseParallelInOut()}
+    """
+
+    def __init__(self, *, sizes: tuple[int, ...] | None = None, **kwargs):
+        super().__init__(**kwargs)
+        self.sizes = tuple(int(s) for s in sizes) if sizes else None
+
+    def _partition_in_out_fn(self, name, module, device_mesh):
+        order = packed_row_order(self.sizes, device_mesh.size()) if self.sizes else None
+        for pname, param in list(module.named_parameters(recurse=False)):
+            dim = param.ndim - 1  # the out features: weight (in, out) dim 1, bias (out,) dim 0
+            with torch.no_grad():
+                value = param if order is None else param.index_select(dim, order.to(param.device))
+            dist = distribute_tensor(value, device_mesh, [Shard(dim)], src_data_rank=self.src_data_rank)
+            new = nn.Parameter(dist, requires_grad=param.requires_grad)
+            if order is not None:
+                new._autotp_to_layout = partial(_permute_rows, dim=dim, order=order)
+            module.register_parameter(pname, new)
+
+    def sharded_param_dims(self, module: nn.Module) -> dict[str, int]:
+        return {n: p.ndim - 1 for n, p in module.named_parameters(recurse=False)}
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        return distribute_module(
+            module, device_mesh, self._partition_in_out_fn,
+            partial(self._prepare_input_fn, self.input_layouts, self.desired_input_layouts),
+            partial(self._prepare_output_fn, self.output_layouts, self.use_local_output),
+        )
+
+    def __repr__(self) -> str:
+        return super().__repr__()[:-1] + (f", sizes={self.sizes})" if self.sizes else ")")
+
+
+class RowwiseParallelInOut(RowwiseParallel):
+    """:class:`RowwiseParallel` for a Linear-like module whose weight is stored ``(in, out)``: the
+    weight is sharded on dim 0 (the contracted input features), the bias kept whole.
+
+    Example::
+        >>> plan = {"transformer.h.*.mlp.c_proj": RowwiseParallelInOut()}
+    """
+
+    def _partition_in_out_fn(self, name, module, device_mesh):
+        for pname, param in list(module.named_parameters(recurse=False)):
+            placement = Shard(0) if param.ndim == 2 else Replicate()
+            dist = distribute_tensor(param, device_mesh, [placement], src_data_rank=self.src_data_rank)
+            module.register_parameter(pname, nn.Parameter(dist, requires_grad=param.requires_grad))
+
+    def sharded_param_dims(self, module: nn.Module) -> dict[str, int]:
+        return {n: 0 for n, p in module.named_parameters(recurse=False) if p.ndim == 2}
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        self.desired_input_layouts = (Shard(-1),)
+        return distribute_module(
+            module, device_mesh, self._partition_in_out_fn,
+            partial(self._prepare_input_fn, self.input_layouts, self.desired_input_layouts),
+            partial(self._prepare_output_fn, self.output_layouts, self.use_local_output),
+        )
 
 
 class ShardCounts(ParallelStyle):

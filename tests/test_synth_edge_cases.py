@@ -9,6 +9,7 @@ import warnings
 
 import pytest
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from autotp import explain, styles
@@ -239,27 +240,74 @@ class AddmmLinear(nn.Module):
 
 
 class AddmmBlock(nn.Module):
-    """A pre-norm block whose projections are not ``nn.Linear``: the synthesizer keeps it whole."""
+    """A pre-norm block whose projections store their weights ``(in, out)``; with ``mixed`` the
+    up-projection's features are mixed (a cumulative sum), so nothing in it can be sharded."""
 
-    def __init__(self):
+    def __init__(self, mixed: bool = False):
         super().__init__()
+        self.mixed = mixed
         self.ln = nn.LayerNorm(DIM)
         self.up, self.down = AddmmLinear(DIM, 4 * DIM), AddmmLinear(4 * DIM, DIM)
 
     def forward(self, x):
-        return [x + self.down(torch.relu(self.up(self.ln(x))))]  # a list, as some HF blocks return
+        h = self.up(self.ln(x))
+        h = torch.cumsum(h, dim=-1) if self.mixed else h
+        return [x + self.down(torch.relu(h))]  # a list, as some HF blocks return
+
+
+class FusedAddmmAttention(nn.Module):
+    """GPT-2's attention: one ``(in, out)`` product for q, k and v, split by an attribute."""
+
+    def __init__(self):
+        super().__init__()
+        self.split_size, self.heads = DIM, 4
+        self.c_attn, self.c_proj = AddmmLinear(DIM, 3 * DIM), AddmmLinear(DIM, DIM)
+
+    def forward(self, x):
+        b, t, _ = x.shape
+        q, k, v = self.c_attn(x).split(self.split_size, dim=2)
+        q, k, v = (z.view(b, t, -1, DIM // self.heads).transpose(1, 2) for z in (q, k, v))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.c_proj(y.transpose(1, 2).reshape(b, t, -1))
+
+
+class AddmmAttentionBlock(AddmmBlock):
+    def __init__(self):
+        super().__init__()
+        self.ln_attn, self.attn = nn.LayerNorm(DIM), FusedAddmmAttention()
+
+    def forward(self, x):
+        return super().forward(x + self.attn(self.ln_attn(x)))
 
 
 class AddmmLM(TitanLlama):
-    def __init__(self):
+    def __init__(self, block=lambda: AddmmBlock(mixed=True)):
         super().__init__()
-        self.layers = nn.ModuleList(AddmmBlock() for _ in range(2))
+        self.layers = nn.ModuleList(block() for _ in range(2))
 
     def forward(self, tokens):
         h = self.tok_embeddings(tokens)
         for layer in self.layers:
             h = layer(h)[0]
         return self.output(self.norm(h))
+
+
+@pytest.mark.parametrize("sequence_parallel", [False, True], ids=["tp", "sp"])
+def test_weights_stored_in_out_are_sharded_on_their_own_dims(sequence_parallel):
+    """transformers' Conv1D layout (``addmm(b, x, W)``, W of shape (in, out)): the column products
+    shard W on dim 1 (the fused one part by part, with its split attribute divided), the rows on
+    dim 0; two all-reduces per block, as with nn.Linear."""
+    model = AddmmLM(block=AddmmAttentionBlock)
+    plan = synthesize(model, example_inputs=(example_tokens(),), sequence_parallel=sequence_parallel, tp_size=2)
+    assert plan["layers.*.attn.c_attn"].sizes == (DIM, DIM, DIM)
+    assert isinstance(plan["layers.*.attn.c_attn"], styles.ColwiseParallelInOut)
+    assert isinstance(plan["layers.*.up"], styles.ColwiseParallelInOut) and plan["layers.*.up"].sizes is None
+    assert isinstance(plan["layers.*.down"], styles.RowwiseParallelInOut)
+    assert plan["layers.*.attn"].names == ("split_size",)
+    report = _verify(model, plan)
+    if not sequence_parallel:
+        assert report.collectives == {"all_reduce": 2 * 2 + 1}
+    assert report.param_fraction[0] < 0.6
 
 
 def test_whole_blocks_under_sequence_parallel_gather_once_and_slice_back():

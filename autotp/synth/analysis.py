@@ -103,7 +103,9 @@ def weight_of(g: nx.DiGraph, name: str) -> Weight | None:
         return None
     if data["op"] == "linear":
         source = param_source(g, args[1].name)
-        return Weight(source, 0, 1) if source and len(g.nodes[source]["shape"] or ()) == 2 else None
+        if not source or len(g.nodes[source]["shape"] or ()) != 2:
+            return None
+        return Weight(source, 1, 0) if data.get("weight_in_out") else Weight(source, 0, 1)
     if data["op"] in GROUPED_MATMULS:
         node, swapped = args[1].name, False
         while g.nodes[node]["kind"] == "call" and g.nodes[node]["op"] in ("transpose", "t", *PASSTHROUGH):

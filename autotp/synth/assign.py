@@ -54,24 +54,29 @@ def _owner(g: nx.DiGraph, name: str) -> str:
 def linear_roles(g: nx.DiGraph, flow: Flow, dropped: dict[str, str]) -> dict[str, Role]:
     """Roles of every module that runs a Linear: column, packed, row, head or replicate."""
     roles: dict[str, Role] = {}
+    in_out = {n for n in (*flow.rows, *flow.roots) if g.nodes[n].get("weight_in_out")}
     for row in flow.rows:
         x = g.nodes[row]["args"][0].name
         path = _describe(g, shard_path(g, flow, x), _owner(g, row))
-        roles[_owner(g, row)] = Role("row", "contracts over the sharded input features", path)
+        roles[_owner(g, row)] = Role("row", "contracts over the sharded input features", path,
+                                     weight_in_out=row in in_out)
     for root in sorted(flow.roots, key=lambda n: g.nodes[n]["order"]):
         owner = _owner(g, root)
         if root in flow.heads:
             path = _describe(g, shard_path(g, flow, flow.heads[root]), "output")
-            roles[owner] = Role("head", "its sharded output features are the model output", path)
+            roles[owner] = Role("head", "its sharded output features are the model output", path,
+                                weight_in_out=root in in_out)
             continue
         rows = {r for r, origins in flow.rows.items() if root in origins}
         path = root_path(g, flow, root, rows)
         evidence = (*_describe(g, path[:-1], _owner(g, path[-1])),)
         if root in flow.splits:
             sizes = tuple(e - s for s, e in sorted(set(flow.splits[root])))
-            roles[owner] = Role("packed_column", f"its output is split into parts {sizes}", evidence, sizes=sizes)
+            roles[owner] = Role("packed_column", f"its output is split into parts {sizes}", evidence, sizes=sizes,
+                                weight_in_out=root in in_out)
         else:
-            roles[owner] = Role("column", "its output features stay sharded until a row Linear", evidence)
+            roles[owner] = Role("column", "its output features stay sharded until a row Linear", evidence,
+                                weight_in_out=root in in_out)
     for name, reason in dropped.items():
         roles.setdefault(_owner(g, name), Role("replicate", reason))
     roles.update(expert_roles(g, flow, dropped, roles))

@@ -40,6 +40,8 @@ def _style_for(role: Role, *, loss_parallel: bool = True) -> ParallelStyle | Non
     sequence-sharded). The head keeps its vocab-sharded logits as a DTensor for loss parallel.
     """
     kind = role.kind
+    if role.weight_in_out and kind in ("column", "packed_column", "row", "head"):
+        return _in_out_style(role, loss_parallel)
     if kind == "column":
         return ColwiseParallel(**_seq_in(role))
     if kind == "kv_column":
@@ -88,6 +90,20 @@ def _style_for(role: Role, *, loss_parallel: bool = True) -> ParallelStyle | Non
     if kind == "replicate":
         return _replicated_at_sequence_edge(role)
     raise ValueError(f"unknown role kind {kind!r}")
+
+
+def _in_out_style(role: Role, loss_parallel: bool) -> ParallelStyle:
+    """The styles of :func:`_style_for` for a weight stored ``(in, out)`` (transformers' Conv1D)."""
+    if role.kind == "row":
+        if role.seq_output:
+            return styles.RowwiseParallelInOut(output_layouts=Shard(1), use_local_output=False)
+        return styles.RowwiseParallelInOut()
+    sizes = role.sizes if role.kind == "packed_column" else None
+    if role.kind == "head":
+        layout = dict(output_layouts=Shard(-1), use_local_output=False) if loss_parallel else dict(
+            output_layouts=Replicate())
+        return styles.ColwiseParallelInOut(**_seq_in(role), **layout)
+    return styles.ColwiseParallelInOut(sizes=sizes, **_seq_in(role))
 
 
 def _replicated_at_sequence_edge(role: Role) -> ParallelStyle | None:

@@ -123,7 +123,44 @@ def build_graph(program: torch.export.ExportedProgram) -> nx.DiGraph:
             stack = _module_stack(node)
             add_node(g, node.name, op_name(node.target), _plain(node.args), kwargs=_plain(node.kwargs),
                      shape=_value_shape(node), module=stack[-1] if stack else "", stack=stack)
+    _products_as_linear(g)
     return g
+
+
+# Ops a weight may pass through on its way to a product and stay the same matrix.
+_WEIGHT_CASTS = frozenset({"to", "_to_copy", "alias", "detach", "type_as", "clone", "contiguous", "lift_fresh_copy"})
+
+
+def _matrix_param(g: nx.DiGraph, ref) -> bool:
+    """Whether ``ref`` is a 2-D parameter, possibly cast."""
+    name = ref.name if isinstance(ref, Ref) else None
+    while name is not None and g.nodes[name]["kind"] == "call" and g.nodes[name]["op"] in _WEIGHT_CASTS:
+        inputs = refs(g.nodes[name]["args"])
+        name = inputs[0].name if inputs else None
+    return name is not None and g.nodes[name]["kind"] == "param" and len(g.nodes[name]["shape"] or ()) == 2
+
+
+def _products_as_linear(g: nx.DiGraph) -> None:
+    """Rewrite products by a weight stored ``(in, out)`` as ``linear(x, W, b)`` nodes marked
+    ``weight_in_out`` (transformers' ``Conv1D``: ``addmm(b, x, W)``; ``x @ W`` without a bias),
+    so that every analysis step reads them as the Linear they are: input first, weight second.
+
+    >>> g = nx.DiGraph()
+    >>> for n in ("b", "w"):
+    ...     _ = add_node(g, n, "placeholder", kind="param", param=f"c.{n}", shape=(8,) if n == "b" else (4, 8))
+    >>> _ = add_node(g, "x", "placeholder", kind="input", shape=(6, 4))
+    >>> _ = add_node(g, "y", "addmm", (Ref("b"), Ref("x"), Ref("w")), shape=(6, 8))
+    >>> _products_as_linear(g)
+    >>> g.nodes["y"]["op"], g.nodes["y"]["args"][0], g.nodes["y"]["weight_in_out"]
+    ('linear', Ref(name='x'), True)
+    """
+    for name, data in g.nodes(data=True):
+        args = data["args"]
+        if data["op"] == "addmm" and len(args) == 3 and not data["kwargs"] and _matrix_param(g, args[2]):
+            data.update(op="linear", args=(args[1], args[2], args[0]), weight_in_out=True)
+        elif data["op"] in ("mm", "matmul") and len(args) == 2 and _matrix_param(g, args[1]) \
+                and not _matrix_param(g, args[0]):
+            data.update(op="linear", args=(args[0], args[1]), weight_in_out=True)
 
 
 def producer_module(g: nx.DiGraph, name: str) -> str:

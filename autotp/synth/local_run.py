@@ -87,6 +87,9 @@ _LOCAL_DIMS = {"column": 0, "packed_column": 0, "head": 0, "row": 1, "width_norm
 def _shrink(module: nn.Module, role: Role, tp: int) -> None:
     """Give ``module``'s parameters their per-rank shapes under ``role``."""
     dims = dict(role.param_dims) if role.kind == "experts" else None
+    if _in_out(role):
+        _shrink_in_out(module, role, tp)
+        return
     for name, param in list(module.named_parameters(recurse=False)):
         dim = dims.get(name) if dims is not None else _LOCAL_DIMS.get(role.kind)
         if dim is None or (role.kind == "row" and param.ndim < 2):
@@ -97,14 +100,42 @@ def _shrink(module: nn.Module, role: Role, tp: int) -> None:
         setattr(module, name, nn.Parameter(torch.empty(shape, dtype=param.dtype, device="meta"), requires_grad=False))
 
 
+def _shrink_in_out(module: nn.Module, role: Role, tp: int) -> None:
+    """Per-rank shapes for a weight stored ``(in, out)``, and a forward that multiplies by it.
+
+    Under its style the module runs on DTensors, so its own reshapes with global sizes
+    (``view(..., self.nf)``) hold and its output is this rank's features; the local copy gets that
+    behaviour directly.
+    """
+    for name, param in list(module.named_parameters(recurse=False)):
+        dim = 0 if role.kind == "row" else param.ndim - 1
+        if role.kind == "row" and param.ndim < 2:
+            continue
+        shape = list(param.shape)
+        shape[dim] //= tp
+        setattr(module, name, nn.Parameter(torch.empty(shape, dtype=param.dtype, device="meta"), requires_grad=False))
+
+    def forward(x, *args, **kwargs):
+        flat, bias = x.reshape(-1, x.shape[-1]), getattr(module, "bias", None)
+        out = flat @ module.weight if bias is None else torch.addmm(bias, flat, module.weight)
+        return out.view(*x.shape[:-1], module.weight.shape[1])
+
+    module.forward = forward
+
+
 def _local_copy(module: nn.Module, roles: dict[str, Role], names: tuple[str, ...], tp: int) -> nn.Module:
     """A meta copy of ``module`` with per-rank parameter shapes and ``names`` divided by ``tp``."""
     local = _meta_copy(module)
-    if tp > 1:
-        for name, role in roles.items():
+    for name, role in roles.items():
+        if tp > 1 or _in_out(role):  # at tp=1 too, so that both runs have the same ops
             _shrink(local.get_submodule(name), role, tp)
+    if tp > 1:
         _divide(local, names, tp)
     return local
+
+
+def _in_out(role: Role) -> bool:
+    return role.weight_in_out and role.kind in _LOCAL_DIMS
 
 
 def _divide(module: nn.Module, names: tuple[str, ...], tp: int) -> None:

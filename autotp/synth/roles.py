@@ -50,6 +50,8 @@ class Role:
         heads: of ``kv_head_counts``, the query heads of the attention.
         owned_output: the calling code modifies the output in place, so the style returns a copy
             rather than a view of a DTensor's local shard.
+        weight_in_out: of a Linear-like role, the weight is stored ``(in, out)`` (transformers'
+            ``Conv1D``), so its sharded dims are swapped.
     """
 
     kind: str
@@ -67,3 +69,4 @@ class Role:
     head_dim: int = 0
     heads: int = 0
     owned_output: bool = False
+    weight_in_out: bool = False

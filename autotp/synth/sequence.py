@@ -267,8 +267,12 @@ def joining_modules(g: nx.DiGraph, flow: Flow, region: set[str], roles: dict[str
     DTensor, DTensor slices it locally, with no communication.
     """
     found = {}
+    # Inside a module that gathers the stream at entry, every tensor is whole and plain.
+    gathered = {m for m, r in roles.items() if r.kind == "seq_gather"}
     for name in region:
         stack = set(g.nodes[name]["stack"])
+        if stack & gathered:
+            continue
         for ref in refs(g.nodes[name]["args"], g.nodes[name]["kwargs"]):
             data = g.nodes[ref.name]
             if ref.name in region or data["kind"] != "call" or data["shape"] is None:
