@@ -319,3 +319,20 @@ def test_whole_blocks_under_sequence_parallel_gather_once_and_slice_back():
     assert type(block).__name__ == "GatherSequenceInput" and block.reshard_output
     assert not any(key.startswith("layers.*.") for key in plan)
     _verify(model, plan)
+
+
+def test_gpt2_conv1d_layers_are_sharded_and_verify():
+    """The same on transformers' own GPT-2 (Conv1D everywhere, a fused ``c_attn`` split by
+    ``split_size``): every projection sharded, the attention's split attribute divided."""
+    from autotp.models import build_model, load_config, shrink_config
+
+    model = build_model(shrink_config(load_config("gpt2"), tp=2), device="cpu")
+    plan = synthesize(model, tp_size=2)
+    assert isinstance(plan["transformer.h.*.attn.c_attn"], styles.ColwiseParallelInOut)
+    assert len(plan["transformer.h.*.attn.c_attn"].sizes) == 3
+    assert isinstance(plan["transformer.h.*.mlp.c_proj"], styles.RowwiseParallelInOut)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        report = verify(model, plan, tp_size=2)
+    assert report.ok, str(report)
+    assert report.collectives == {"all_reduce": 2 * model.config.n_layer + 1}
