@@ -108,9 +108,9 @@ def _shrink_in_out(module: nn.Module, role: Role, tp: int) -> None:
     behaviour directly.
     """
     for name, param in list(module.named_parameters(recurse=False)):
-        dim = 0 if role.kind == "row" else param.ndim - 1
         if role.kind == "row" and param.ndim < 2:
-            continue
+            continue  # a row's bias is added once, whole
+        dim = 0 if role.kind == "row" else param.ndim - 1
         shape = list(param.shape)
         shape[dim] //= tp
         setattr(module, name, nn.Parameter(torch.empty(shape, dtype=param.dtype, device="meta"), requires_grad=False))

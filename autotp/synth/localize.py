@@ -170,7 +170,7 @@ def localize(model: nn.Module, example_inputs, g: nx.DiGraph, flow: Flow, roles:
         inner = {m[len(prefix):]: r for m, r in roles.items() if m.startswith(prefix) and r.kind != "replicate"}
         fused = {_owner(g, r)[len(prefix):]: roles[_owner(g, r)].sizes for r in roots}
         values = set().union(*(part_numbers(g, flow, r) for r in roots))
-        with collapsed(model, g.graph.get("layer_groups")):
+        with collapsed(model, groups):
             module = model.get_submodule(fqn)
             candidates = candidate_names(module, values)
             names = None
@@ -221,7 +221,8 @@ def _localize_heads(model: nn.Module, example_inputs, g: nx.DiGraph, flow: Flow,
     by_module = {m: r for m, r in head_views(g, flow, roles).items() if m and m not in result.counts}
     if not by_module:
         return
-    captured = capture_inputs(model, example_inputs, set(by_module), g.graph.get("layer_groups"))
+    groups = g.graph.get("layer_groups")
+    captured = capture_inputs(model, example_inputs, set(by_module), groups)
     for fqn, roots in by_module.items():
         if fqn not in captured:
             continue  # not reached by the fake forward: nothing to confirm either way
@@ -231,7 +232,7 @@ def _localize_heads(model: nn.Module, example_inputs, g: nx.DiGraph, flow: Flow,
                   if g.nodes[n]["op"] in VIEW_LIKE and isinstance(flow.state.get(n), Shard) and g.nodes[n]["shape"]}
         if any(v % tp for v in values):
             continue  # tp does not divide the heads: check_divisible names the module and the sizes
-        with collapsed(model, g.graph.get("layer_groups")):
+        with collapsed(model, groups):
             module = model.get_submodule(fqn)
             reference = run_local(module, captured[fqn], inner, [], (), 1)
             if reference is None or run_local(module, captured[fqn], inner, [], (), tp) is not None:

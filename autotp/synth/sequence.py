@@ -182,7 +182,8 @@ _MATMUL_OPS = frozenset({"linear", "addmm", "mm", "bmm", "baddbmm", "matmul"})
 
 
 def _weight_matmul(g: nx.DiGraph, name: str) -> bool:
-    """A Linear, or a matrix product with a parameter operand (transformers' ``Conv1D``: addmm)."""
+    """A Linear (``(in, out)`` products included, see ``graph._products_as_linear``), or another
+    product with a parameter operand (a batched one) that analysis does not read as a Linear."""
     data = g.nodes[name]
     if is_linear(g, name):
         return True
@@ -193,8 +194,8 @@ def sequence_norms(g: nx.DiGraph, region: set[str], roles: dict[str, Role]) -> d
     """Parametrised modules on the residual stream (norms): gather ones feed only column Linears
     or MoE blocks (whose router and experts both need every token)."""
     owners = {d["param"].rpartition(".")[0] for _, d in g.nodes(data=True) if d["kind"] == "param"}
-    # A module that multiplies by a weight matrix (transformers' Conv1D: addmm) mixes features: it
-    # is a Linear kept whole, never a norm.
+    # A module that multiplies by a weight matrix mixes features: it is a Linear (kept whole, or
+    # sharded), never a norm.
     owners -= {d["module"] for _, d in g.nodes(data=True) if d["op"] in _MATMUL_OPS}
     blocks = expert_blocks(roles)
     found = {}
