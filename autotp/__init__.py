@@ -2,55 +2,50 @@
 
 The API:
 
-- :func:`get_plan` chooses a plan (explicit, handwritten, transformers', or synthesized).
-- :func:`parallelize` shards a model over a tp mesh with it.
+- :func:`get_plan` chooses a plan (explicit, handwritten, transformers', or synthesized), skipping
+  a source whose plan the checker rejects.
+- :func:`parallelize` shards a model over a tp mesh with it; :func:`fsdp2_strategy_parallelize`
+  adds FSDP2 on a 2-D mesh.
 - :func:`synthesize` / :func:`explain` build a plan from the model's dataflow graph.
-- :func:`verify` checks a plan numerically against the unsharded model on simulated ranks.
+- :func:`check_plan` finds what makes a plan wrong, statically.
+- :func:`verify` checks a plan numerically against the unsharded model on simulated ranks;
+  :func:`verify_multiprocess` does it on real gloo processes.
+
+Each name is imported from its module on first use (PEP 562), so ``import autotp`` (and the
+``autotp`` command's ``--help``) does not load torch; ``autotp.synthesize`` *is*
+:func:`autotp.synth.synthesize`, so ``help()`` and ``inspect.signature`` show its keywords.
 """
 
-from autotp.apply import parallelize, validate_tp_mesh
-from autotp.check import Finding, check_plan
-from autotp.errors import AutoTPError
-from autotp.selection import PlanChoice, get_plan
-from autotp.verifier import VerifyReport, verify
+from __future__ import annotations
 
+import importlib
+from typing import TYPE_CHECKING
 
-def synthesize(model, **kwargs):
-    """Synthesize a plan for ``model`` from its dataflow graph; see :func:`autotp.synth.synthesize`."""
-    from autotp.synth import synthesize as _synthesize
-
-    return _synthesize(model, **kwargs)
-
-
-def verify_multiprocess(model, plan, **kwargs):
-    """Verify ``plan`` on real gloo processes; see :func:`autotp.multiprocess.verify_multiprocess`."""
-    from autotp.multiprocess import verify_multiprocess as _verify_multiprocess
-
-    return _verify_multiprocess(model, plan, **kwargs)
-
-
-def explain(model, **kwargs):
-    """Per-module styles of the synthesized plan with their graph evidence; see :mod:`autotp.synth`."""
-    from autotp.synth import explain as _explain
-
-    return _explain(model, **kwargs)
-
-
-def fsdp2_strategy_parallelize(model, device_mesh, **kwargs):
-    """TP (plan from :func:`get_plan`) then FSDP2; see :func:`autotp.training.fsdp2_strategy_parallelize`."""
-    from autotp.training import fsdp2_strategy_parallelize as _fsdp2
-
-    return _fsdp2(model, device_mesh, **kwargs)
-
+# Exported name -> the module defining it.
+_EXPORTS = {
+    "AutoTPError": "autotp.errors",
+    "Finding": "autotp.check",
+    "check_plan": "autotp.check",
+    "explain": "autotp.synth",
+    "fsdp2_strategy_parallelize": "autotp.training",
+    "get_plan": "autotp.selection",
+    "parallelize": "autotp.apply",
+    "PlanChoice": "autotp.selection",
+    "synthesize": "autotp.synth",
+    "validate_tp_mesh": "autotp.apply",
+    "verify": "autotp.verifier",
+    "verify_multiprocess": "autotp.multiprocess",
+    "VerifyReport": "autotp.verifier",
+}
 
 __all__ = [
     "AutoTPError",
     "Finding",
-    "check_plan",
-    "fsdp2_strategy_parallelize",
     "PlanChoice",
     "VerifyReport",
+    "check_plan",
     "explain",
+    "fsdp2_strategy_parallelize",
     "get_plan",
     "parallelize",
     "synthesize",
@@ -58,3 +53,26 @@ __all__ = [
     "verify",
     "verify_multiprocess",
 ]
+
+if TYPE_CHECKING:  # for type checkers and IDEs: the same names, imported eagerly
+    from autotp.apply import parallelize, validate_tp_mesh
+    from autotp.check import Finding, check_plan
+    from autotp.errors import AutoTPError
+    from autotp.multiprocess import verify_multiprocess
+    from autotp.selection import PlanChoice, get_plan
+    from autotp.synth import explain, synthesize
+    from autotp.training import fsdp2_strategy_parallelize
+    from autotp.verifier import VerifyReport, verify
+
+
+def __getattr__(name: str):
+    """Import an exported name from its module on first access, and keep it here."""
+    if name not in _EXPORTS:
+        raise AttributeError(f"module 'autotp' has no attribute {name!r}")
+    value = getattr(importlib.import_module(_EXPORTS[name]), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *_EXPORTS})

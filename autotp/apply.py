@@ -13,6 +13,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor.parallel import parallelize_module
 
 from autotp.errors import MeshError, PlanError, working_tp_sizes
+from autotp.loss import install_vocab_parallel_loss
 from autotp.plan import Plan, resolve, sharded_param_dims
 from autotp.styles import ReplicatedKVColwise
 
@@ -129,13 +130,32 @@ def _retie(model: nn.Module, groups: list[list[tuple[str, str]]]) -> None:
 
 
 def apply_plan(model: nn.Module, tp_mesh: DeviceMesh, plan: Plan) -> nn.Module:
-    """Validate ``plan`` against ``model`` and ``tp_mesh``, shard ``model`` in place, and return it."""
+    """Validate ``plan`` against ``model`` and ``tp_mesh``, shard ``model`` in place, and return it.
+
+    A transformers causal LM also gets :func:`autotp.loss.install_vocab_parallel_loss`, so that
+    ``model(input_ids=..., labels=...).loss`` works on the vocabulary-sharded logits.
+    """
     validate_tp_mesh(model, tp_mesh, plan)
     groups = _tied_groups(model)
     _check_tied_styles(model, plan, groups)
     parallelize_module(model, tp_mesh, plan)
     _retie(model, groups)
+    _keep_layouts(model)  # FSDP2 drops parameter attributes; autotp.checkpoint reads these
+    # Plans leave the logits vocab-sharded; let transformers' own labels= loss read them so.
+    install_vocab_parallel_loss(model)
     return model
+
+
+def _keep_layouts(model: nn.Module) -> None:
+    """Copy each parameter's ``_autotp_to_layout`` onto its module as ``_autotp_layouts[name]``.
+
+    FSDP2 replaces parameters with new objects and drops their attributes; modules survive it, so
+    :mod:`autotp.checkpoint` can still map reordered or repeated rows back to the model's own order.
+    """
+    for module in model.modules():
+        for pname, param in module.named_parameters(recurse=False):
+            if (to_layout := getattr(param, "_autotp_to_layout", None)) is not None:
+                module.__dict__.setdefault("_autotp_layouts", {})[pname] = to_layout
 
 
 def _check_tied_styles(model: nn.Module, plan: Plan, groups) -> None:
@@ -162,6 +182,7 @@ def parallelize(
     *,
     sequence_parallel: bool = False,
     tp_shard_plan=None,
+    verify_synthesized: bool = True,
 ) -> nn.Module:
     """Shard ``model`` over ``tp_mesh`` with the plan :func:`autotp.get_plan` chooses.
 
@@ -170,9 +191,14 @@ def parallelize(
         tp_mesh: a 1-D device mesh (the ``tp`` sub-mesh of a larger one).
         sequence_parallel: use the sequence-parallel variant of the plan.
         tp_shard_plan: a plan dict, a registered plan name, or a dotted import path to one.
+        verify_synthesized: when the plan is synthesized, check it numerically first
+            (:func:`autotp.self_check.self_check`, on the model or a tiny copy; seconds, once).
 
     Returns:
         The same model, sharded in place.
+
+    Raises:
+        VerificationError: the synthesized plan failed its self-check (nothing is sharded).
     """
     from autotp.selection import get_plan
 
@@ -180,4 +206,8 @@ def parallelize(
         validate_tp_mesh(model, tp_mesh)
     choice = get_plan(model, sequence_parallel=sequence_parallel, tp_shard_plan=tp_shard_plan,
                       tp_size=tp_mesh.size())
+    if verify_synthesized and choice.source == "synthesized":
+        from autotp.self_check import self_check
+
+        self_check(model, choice.plan, tp_size=tp_mesh.size(), sequence_parallel=sequence_parallel)
     return apply_plan(model, tp_mesh, choice.plan)

@@ -1,62 +1,97 @@
 """The ``autotp`` command: print a model's tensor-parallel plan, or verify it on a tiny copy.
 
 ``autotp plan MODEL`` builds the real-size model on the meta device (milliseconds, no weights),
-chooses a plan, and prints it as a table with the parameter memory each rank would hold.
+chooses a plan, and prints it as a table with the parameter memory each rank would hold (or, with
+``--emit``, as an importable Python module or transformers' style strings).
 ``autotp check MODEL`` reads a plan (chosen, or a user's ``--plan FILE.py:NAME``) against the model's
 dataflow graph and prints what would make it wrong. ``autotp verify MODEL`` builds a tiny random
 model of the same architecture on CPU, shards it over simulated ranks and compares it with the
-unsharded model. This is the only module that prints.
+unsharded model. This module (with :mod:`autotp.cli_text`, its tables and warning summaries) is
+the only one that prints.
+
+torch and transformers are imported inside the commands, not here: ``autotp --help`` and
+``autotp --version`` answer without loading them.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import re
 import sys
 from collections.abc import Sequence
 
-import torch
-from torch import nn
+from autotp.cli_text import format_table, plan_rows, quiet_transformers, summarized_warnings
 
-from autotp import models
-from autotp.apply import check_divisible
-from autotp.check import Finding, check_plan
-from autotp.errors import AutoTPError, MeshError
-from autotp.memory import format_bytes, param_bytes_per_rank
-from autotp.plan import Plan, base_style, describe_plan, describe_style
-from autotp.selection import get_plan, load_plan_file
-from autotp.verifier import verify
+__all__ = ["main", "plan_rows", "format_table", "choose_plan", "build", "replicated_linears"]
 
 SOURCES = ("auto", "handwritten", "hf", "synth")
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-# Exit codes: 1 = verification found a difference, or the checker found a problem in the plan;
-# 2 = bad input (argparse uses 2 too).
+DTYPES = ("float32", "bfloat16", "float16")
+# Exit codes: 1 = verification found a difference, the checker found a problem in the plan, or
+# --emit hf met styles transformers has no string for; 2 = an error (bad input, argparse's too).
 EXIT_MISMATCH, EXIT_ERROR = 1, 2
+# A write to a closed pipe (``autotp plan ... | head``): what a shell reports for SIGPIPE.
+EXIT_BROKEN_PIPE = 128 + 13
+# Linear weights left whole by a plan above this share of the parameters get a warning.
+REPLICATED_WARN_SHARE = 0.10
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Run the command line ``argv`` (default: ``sys.argv[1:]``); return the exit status."""
+    """Run the command line ``argv`` (default: ``sys.argv[1:]``); return the exit status.
+
+    Errors print as one line (``autotp: error: ...``) and exit 2; ``--traceback`` shows the full
+    traceback instead. Warnings torch and transformers raise while the command runs are summarized
+    at the end, one line per kind.
+    """
     args = _parser().parse_args(argv)
     try:
-        return args.run(args)
-    except AutoTPError as error:
-        print(f"autotp: error: {error}", file=sys.stderr)
+        with summarized_warnings(), quiet_transformers():
+            status = args.run(args)
+        sys.stdout.flush()  # a closed pipe raises here, inside the handler, not at exit
+        return status
+    except BrokenPipeError:
+        # The reader went away; flushing stdout again at exit would raise once more.
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        return EXIT_BROKEN_PIPE
+    except KeyboardInterrupt:
+        return 130
+    except Exception as error:
+        if args.traceback:
+            raise
+        print(f"autotp: error: {_one_line_error(error)}", file=sys.stderr)
         return EXIT_ERROR
+
+
+def _one_line_error(error: Exception) -> str:
+    """An :class:`AutoTPError`'s message, or ``Type: first line`` of anything else with the hint."""
+    from autotp.errors import AutoTPError, one_line
+
+    if isinstance(error, AutoTPError):
+        return " ".join(str(error).split())
+    return f"{one_line(error)} (unexpected; rerun with --traceback for the full traceback)"
+
+
+class _BuiltinNames:
+    """The built-in model names, read only when a help text is printed (importing
+    :mod:`autotp.models` loads torch and transformers, seconds that ``--help`` should not cost)."""
+
+    def __str__(self) -> str:
+        from autotp import models
+
+        return ", ".join(models.builtin_names())
 
 
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="autotp", description="Tensor-parallel plans for PyTorch language models."
+        prog="autotp", description="Tensor-parallel plans for PyTorch causal language models."
     )
+    parser.add_argument("--version", action="version", version=f"%(prog)s {_version()}")
+    parser.add_argument("--traceback", action="store_true", help="show the full traceback of an error")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    model_help = (
-        f"a built-in name ({', '.join(models.builtin_names())}), "
-        "a transformers model type, or a path to a config.json"
-    )
 
-    plan = commands.add_parser("plan", help="print the plan and per-rank parameter memory")
-    plan.add_argument("model", metavar="MODEL", help=model_help)
+    plan = _command(commands, "plan", "print the plan and per-rank parameter memory")
     _add_plan_options(plan, default_tp=8)
     plan.add_argument("--dtype", choices=DTYPES, default="bfloat16", help="parameter dtype for memory")
     plan.add_argument("--json", action="store_true", help="print JSON instead of a table")
@@ -66,16 +101,20 @@ def _parser() -> argparse.ArgumentParser:
         help="check the plan against the model's graph (as `autotp check`): exit 2 unless tp divides "
              "every head count and sharded dim (otherwise only a warning), 1 if the checker finds a problem",
     )
+    plan.add_argument(
+        "--emit", choices=("python", "hf"), default=None,
+        help="print the plan as code: 'python' an importable module with a function "
+             "f(model, sequence_parallel=...), 'hf' transformers' tp_plan strings as JSON "
+             "(exit 1 naming the styles that have none)",
+    )
     plan.set_defaults(run=_run_plan)
 
-    check = commands.add_parser("check", help="find what would make a plan wrong, statically (no numerics)")
-    check.add_argument("model", metavar="MODEL", help=model_help)
+    check = _command(commands, "check", "find what would make a plan wrong, statically (no numerics)")
     _add_plan_options(check, default_tp=8)
     check.add_argument("--json", action="store_true", help="print the findings as JSON")
     check.set_defaults(run=_run_check)
 
-    verify = commands.add_parser("verify", help="check the plan numerically on a tiny model")
-    verify.add_argument("model", metavar="MODEL", help=model_help)
+    verify = _command(commands, "verify", "check the plan numerically on a tiny model")
     _add_plan_options(verify, default_tp=None)
     verify.add_argument(
         "--procs", type=_positive_int, default=None, metavar="N",
@@ -87,13 +126,37 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _command(commands, name: str, help_text: str) -> argparse.ArgumentParser:
+    """A subcommand taking MODEL (and ``--traceback`` after the command name too)."""
+    sub = commands.add_parser(name, help=help_text, description=help_text)
+    action = sub.add_argument(
+        "model", metavar="MODEL",
+        help="a causal LM: a built-in name (%(builtins)s), a transformers model type of a causal LM, "
+             "or a path to a config.json",
+    )
+    action.builtins = _BuiltinNames()  # read by argparse's %-formatting of the help text only
+    sub.add_argument("--traceback", action="store_true", default=argparse.SUPPRESS,
+                     help="show the full traceback of an error")
+    return sub
+
+
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("autotp")
+    except PackageNotFoundError:  # run from a checkout that was not installed
+        return "(not installed)"
+
+
 def _add_plan_options(parser: argparse.ArgumentParser, *, default_tp: int | None) -> None:
     shown = default_tp or "--procs, else 2"
     parser.add_argument("--tp", type=_positive_int, default=default_tp, help=f"tp size (default {shown})")
     parser.add_argument("--sp", action="store_true", help="sequence-parallel variant of the plan")
     parser.add_argument(
         "--source", choices=SOURCES, default="auto",
-        help="where the plan comes from; auto = handwritten, hf, synthesized, in that order",
+        help="where the plan comes from; auto = handwritten, hf, synthesized, in that order, "
+             "skipping a source whose plan the checker rejects",
     )
     parser.add_argument(
         "--plan", metavar="FILE.py:NAME", default=None,
@@ -102,48 +165,138 @@ def _add_plan_options(parser: argparse.ArgumentParser, *, default_tp: int | None
 
 
 def _positive_int(text: str) -> int:
-    value = int(text)
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text!r}") from None
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be a positive integer, got {value}")
     return value
 
 
-def choose_plan(model: nn.Module, *, source: str = "auto", sequence_parallel: bool = False,
-                plan_file: str | None = None, tp_size: int | None = None) -> tuple[Plan, str]:
+# --- models: causal LMs only ----------------------------------------------------------------------
+
+
+def build(name: str, **options):
+    """:func:`autotp.models.build_model` for a causal LM named on the command line.
+
+    Raises:
+        AutoTPError: the name is unknown, or names a model family that is not a causal LM; the
+            message lists the closest causal-LM names.
+    """
+    from autotp import models
+    from autotp.errors import AutoTPError
+
+    try:
+        config = models.load_config(name)
+    except AutoTPError as error:
+        if not str(error).startswith("unknown model"):
+            raise
+        raise AutoTPError(
+            f"unknown model {name!r}: autotp plans causal LMs only; MODEL is a built-in name, the "
+            f"model type of a transformers causal LM, or a config.json path. Closest names: "
+            f"{', '.join(_closest(name))}. Built-in names: {', '.join(models.builtin_names())}."
+        ) from None
+    if not _is_causal_lm(config):
+        raise AutoTPError(
+            f"{name!r} is a {type(config).__name__}, which has no causal-LM class in transformers: "
+            f"autotp plans causal LMs only. Closest causal-LM names: {', '.join(_closest(name))}."
+        )
+    return models.build_model(config, **options)
+
+
+def _is_causal_lm(config) -> bool:
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    return config.model_type in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+
+def _closest(name: str, limit: int = 5) -> list[str]:
+    """Built-in names and causal-LM model types closest to ``name`` (difflib), best first."""
+    import difflib
+
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    from autotp import models
+
+    names = list(dict.fromkeys([*models.builtin_names(), *MODEL_FOR_CAUSAL_LM_MAPPING_NAMES]))
+    close = difflib.get_close_matches(name.lower(), names, n=limit, cutoff=0.5)
+    return close or difflib.get_close_matches(name.lower(), names, n=limit, cutoff=0.0)
+
+
+# --- choosing the plan ----------------------------------------------------------------------------
+
+
+def choose_plan(model, *, source: str = "auto", sequence_parallel: bool = False,
+                plan_file: str | None = None, tp_size: int | None = None, check: bool | None = None):
     """The plan for ``model`` from ``plan_file`` or else ``source`` (a :data:`SOURCES` name), and
     where it came from.
 
     Raises:
-        PlanError: the file or the source has no plan for this model.
+        PlanError: the file or the source has no plan for this model (NoPlanError: every source
+            of ``auto`` was rejected).
     """
-    if plan_file is not None:
-        return load_plan_file(plan_file, model, sequence_parallel=sequence_parallel), plan_file
-    choice = get_plan(
-        model, sequence_parallel=sequence_parallel, source="synthesized" if source == "synth" else source,
-        tp_size=tp_size,
-    )
+    choice = select(model, source=source, sequence_parallel=sequence_parallel, plan_file=plan_file,
+                    tp_size=tp_size, check=check)
     return choice.plan, choice.source
+
+
+def select(model, *, source: str = "auto", sequence_parallel: bool = False, plan_file: str | None = None,
+           tp_size: int | None = None, check: bool | None = None):
+    """:func:`choose_plan` as a :class:`~autotp.selection.PlanChoice` (with the skipped sources)."""
+    from autotp.selection import PlanChoice, get_plan, load_plan_file
+
+    if plan_file is not None:
+        return PlanChoice(load_plan_file(plan_file, model, sequence_parallel=sequence_parallel), plan_file)
+    return get_plan(model, sequence_parallel=sequence_parallel, tp_size=tp_size, check=check,
+                    source="synthesized" if source == "synth" else source)
+
+
+def _skipped_lines(choice) -> list[str]:
+    return [f"skipped source {name}: {reason}" for name, reason in getattr(choice, "skipped", [])]
 
 
 # --- autotp plan -------------------------------------------------------------------------------
 
 
 def _run_plan(args: argparse.Namespace) -> int:
-    model = models.build_model(args.model, dtype=DTYPES[args.dtype])
+    import torch
+
+    from autotp.apply import check_divisible
+    from autotp.errors import MeshError, NoPlanError
+
+    model = build(args.model, dtype=getattr(torch, args.dtype))
     try:
-        plan, source = _args_plan(args, model, args.tp)
-    except MeshError as error:  # a synthesized plan checked for --tp: shown anyway, with the warning
-        if args.check:
+        choice = _args_choice(args, model, args.tp)
+    except (MeshError, NoPlanError) as error:  # shown anyway, with the reasons, unless --check/--emit
+        if args.check or args.emit:
             raise
-        print(f"autotp: warning: {error}", file=sys.stderr)
-        plan, source = choose_plan(model, source=args.source, sequence_parallel=args.sp, plan_file=args.plan)
+        print(f"autotp: warning: {' '.join(str(error).split())}", file=sys.stderr)
+        choice = select(model, source=args.source, sequence_parallel=args.sp, plan_file=args.plan, check=False)
+    if args.emit:
+        return _emit(args, model, choice)
     try:
-        check_divisible(model, args.tp, plan)
+        check_divisible(model, args.tp, choice.plan)
     except MeshError as error:
         if args.check:
             raise
         print(f"autotp: warning: {error}", file=sys.stderr)
+    return _print_plan(args, model, choice)
+
+
+def _args_choice(args: argparse.Namespace, model, tp: int):
+    return select(model, source=args.source, sequence_parallel=args.sp, plan_file=args.plan, tp_size=tp)
+
+
+def _print_plan(args: argparse.Namespace, model, choice) -> int:
+    from autotp.check import check_plan
+    from autotp.memory import format_bytes, param_bytes_per_rank
+
+    plan = choice.plan
     per_rank, total = param_bytes_per_rank(model, plan, args.tp)
+    replicated = replicated_linears(model, plan) if args.tp > 1 else []
+    if replicated:
+        print(f"autotp: warning: {_replicated_text(replicated, per_rank, total, args.tp)}", file=sys.stderr)
     explanation = None
     if args.explain:
         from autotp.synth import explain  # traces the model: only when asked
@@ -151,9 +304,11 @@ def _run_plan(args: argparse.Namespace) -> int:
         explanation = explain(model, sequence_parallel=args.sp)
     findings = check_plan(model, plan, tp_size=args.tp) if args.check else None
     if args.json:
-        print(json.dumps(_plan_json(args, model, plan, source, per_rank, total, explanation, findings), indent=2))
+        print(json.dumps(_plan_json(args, model, choice, per_rank, total, explanation, findings), indent=2))
         return EXIT_MISMATCH if findings else 0
-    print(_plan_heading(args, model, source))
+    print(_plan_heading(args, model, choice.source))
+    for line in _skipped_lines(choice):
+        print(line)
     print()
     print(format_table(["pattern", "style", "input", "output", "local", "options"], plan_rows(plan)))
     print()
@@ -172,15 +327,49 @@ def _run_plan(args: argparse.Namespace) -> int:
     return EXIT_MISMATCH if findings else 0
 
 
-def _args_plan(args: argparse.Namespace, model: nn.Module, tp: int) -> tuple[Plan, str]:
-    return choose_plan(model, source=args.source, sequence_parallel=args.sp, plan_file=args.plan, tp_size=tp)
+def replicated_linears(model, plan) -> list[tuple[str, int]]:
+    """Linear-like weights (2-D, not an embedding table) the plan leaves whole, as
+    ``(pattern, parameters)`` with layer indices folded to ``*``, largest first, when together they
+    pass :data:`REPLICATED_WARN_SHARE` of the model's parameters; else ``[]``."""
+    from torch import nn
+
+    from autotp.errors import PlanError
+    from autotp.plan import resolve, sharded_param_dims
+
+    try:
+        resolved = resolve(model, plan)
+    except PlanError:  # keys matching nothing: the checker reports them, this warning cannot count
+        return []
+    total = sum(p.numel() for p in model.parameters())
+    whole: dict[str, int] = {}
+    for fqn, module in model.named_modules():
+        weight = getattr(module, "weight", None)
+        if isinstance(module, nn.Embedding) or not isinstance(weight, nn.Parameter) or weight.dim() != 2:
+            continue
+        if fqn in resolved and "weight" in sharded_param_dims(module, resolved[fqn][1]):
+            continue
+        pattern = re.sub(r"\.\d+(?=\.|$)", ".*", fqn)
+        whole[pattern] = whole.get(pattern, 0) + weight.numel()
+    if not total or sum(whole.values()) < REPLICATED_WARN_SHARE * total:
+        return []
+    return sorted(whole.items(), key=lambda item: -item[1])
+
+
+def _replicated_text(replicated: list[tuple[str, int]], per_rank: int, total: int, tp: int) -> str:
+    names = ", ".join(f"{pattern} ({count / 1e6:.1f}M)" for pattern, count in replicated[:5])
+    more = f" and {len(replicated) - 5} more" if len(replicated) > 5 else ""
+    return (f"each rank holds {per_rank / total:.1%} of the parameters at tp={tp} (ideal {1 / tp:.1%}): "
+            f"Linear weights left whole: {names}{more}; `autotp plan ... --explain` gives the "
+            "synthesizer's reasons, or write the plan for them (--plan FILE.py:NAME)")
 
 
 def _explain_row(record) -> list[str]:
     return [record.key, record.role, record.style.split("(", 1)[0], record.reason]
 
 
-def _plan_heading(args: argparse.Namespace, model: nn.Module, source: str) -> str:
+def _plan_heading(args: argparse.Namespace, model, source: str) -> str:
+    from autotp import models
+
     entry = models.BUILTIN.get(args.model)
     origin = f", config of {entry.source}" if entry else ""
     count = sum(p.numel() for p in model.parameters()) / 1e9
@@ -191,29 +380,53 @@ def _plan_heading(args: argparse.Namespace, model: nn.Module, source: str) -> st
     )
 
 
-def _plan_json(args, model, plan, source, per_rank, total, explanation, findings=None) -> dict:
+def _plan_json(args, model, choice, per_rank, total, explanation, findings=None) -> dict:
+    from autotp.plan import describe_plan
+
     return {
         "model": args.model,
         "model_class": type(model).__name__,
-        "source": source,
+        "source": choice.source,
+        "skipped": [{"source": name, "reason": reason} for name, reason in getattr(choice, "skipped", [])],
         "tp": args.tp,
         "sequence_parallel": args.sp,
-        "plan": describe_plan(plan),
+        "plan": describe_plan(choice.plan),
         "memory": {"dtype": args.dtype, "per_rank_bytes": per_rank, "total_bytes": total},
         **({"explanation": [_record_json(r) for r in explanation]} if explanation is not None else {}),
         **({"findings": [_finding_json(f) for f in findings]} if findings is not None else {}),
     }
 
 
-def _finding_json(finding: Finding) -> dict:
+def _finding_json(finding) -> dict:
     return {"module": finding.module, "kind": finding.kind, "problem": finding.problem, "fix": finding.fix}
 
 
-def _findings_text(findings: list[Finding]) -> str:
+def _findings_text(findings) -> str:
     if not findings:
         return "check: no finding (every shard is closed, fused outputs packed, norms exact)"
     rows = [[f.module, f.kind, f.problem, f.fix] for f in findings]
     return f"check: {len(findings)} finding(s)\n" + format_table(["module", "kind", "problem", "fix"], rows)
+
+
+def _emit(args: argparse.Namespace, model, choice) -> int:
+    """Print the plan as a Python module (``--emit python``) or transformers strings (``--emit hf``)."""
+    from autotp.emit import emit_hf, emit_python, function_name
+
+    for line in _skipped_lines(choice):
+        print(f"autotp: {line}", file=sys.stderr)
+    if args.emit == "python":
+        sp = " --sp" if args.sp else ""
+        origin = f"`autotp plan {args.model} --tp {args.tp}{sp} --emit python`, plan source: {choice.source}"
+        print(emit_python(model, choice.plan, name=function_name(args.model), sequence_parallel=args.sp,
+                          origin=origin), end="")
+        return 0
+    tp_plan, missing = emit_hf(model, choice.plan)
+    print(json.dumps(tp_plan, indent=2))
+    if missing:
+        print(f"autotp: error: {len(missing)} plan key(s) have a style with no transformers tp_plan string "
+              f"(left out above): " + "; ".join(f"{k}: {v}" for k, v in missing.items()), file=sys.stderr)
+        return EXIT_MISMATCH
+    return 0
 
 
 # --- autotp check ------------------------------------------------------------------------------
@@ -221,15 +434,29 @@ def _findings_text(findings: list[Finding]) -> str:
 
 def _run_check(args: argparse.Namespace) -> int:
     """Check the plan statically on the real-size model (meta device: shapes only)."""
-    model = models.build_model(args.model)
-    plan, source = _args_plan(args, model, args.tp)
-    findings = check_plan(model, plan, tp_size=args.tp)
+    from autotp.check import check_plan
+    from autotp.errors import NoPlanError
+
+    model = build(args.model)
+    if args.plan is None and args.source == "auto":
+        # Selection checks each source and falls through: the plan it returns has no finding.
+        try:
+            choice, findings = select(model, sequence_parallel=args.sp, tp_size=args.tp), []
+        except NoPlanError as error:
+            print(f"autotp: {' '.join(str(error).split())}", file=sys.stderr)
+            return EXIT_MISMATCH
+    else:  # the plan named is the one under test: checked here, not by selection
+        choice = select(model, source=args.source, sequence_parallel=args.sp, plan_file=args.plan,
+                        tp_size=args.tp, check=False)
+        findings = check_plan(model, choice.plan, tp_size=args.tp)
     if args.json:
-        print(json.dumps({"model": args.model, "model_class": type(model).__name__, "source": source,
+        print(json.dumps({"model": args.model, "model_class": type(model).__name__, "source": choice.source,
                           "tp": args.tp, "sequence_parallel": args.sp,
                           "findings": [_finding_json(f) for f in findings]}, indent=2))
     else:
-        print(_plan_heading(args, model, source))
+        print(_plan_heading(args, model, choice.source))
+        for line in _skipped_lines(choice):
+            print(line)
         print(_findings_text(findings))
     return EXIT_MISMATCH if findings else 0
 
@@ -239,111 +466,131 @@ def _record_json(record) -> dict:
             "evidence": list(record.evidence)}
 
 
-# Option names read into the input / output / local columns; the rest go to "options".
-_INPUT = ("input_layouts", "input_kwarg_layouts", "sequence_sharding")
-_DESIRED_INPUT = ("desired_input_layouts", "desired_input_kwarg_layouts")
-_OUTPUT = ("output_layouts", "sequence_sharding")
-_DESIRED_OUTPUT = ("desired_output_layouts",)
-_SHOWN = {*_INPUT, *_DESIRED_INPUT, *_OUTPUT, *_DESIRED_OUTPUT, "use_local_output", "style", "with_kwargs"}
-
-
-def plan_rows(plan: Plan) -> list[list[str]]:
-    """One table row per plan key: pattern, style, input and output layouts, local output, options.
-
-    A layout change reads ``from -> to``; placements are abbreviated (``R``, ``S(-1)``, ``P``).
-
-    >>> from torch.distributed.tensor.parallel import ColwiseParallel
-    >>> plan_rows({"model.layers.*.mlp.up_proj": ColwiseParallel()})
-    [['model.layers.*.mlp.up_proj', 'ColwiseParallel', 'R', 'S(-1)', 'yes', '']]
-    """
-    rows = []
-    for key, style in plan.items():
-        # describe_style leaves out desired_input_layouts (RowwiseParallel rewrites it when
-        # applied), but for PrepareModuleInput it is the point of the style: read it here.
-        base = base_style(style)  # a wrapper (OwnedOutput) shows the layouts of the style it wraps
-        desc = {**describe_style(base), **{k: _as_data(getattr(base, k, None)) for k in _DESIRED_INPUT}}
-        if base is not style:
-            desc["style"] = f"{type(style).__name__}({desc['style']})"
-        local = desc.get("use_local_output")
-        options = ", ".join(f"{k}={_short(v)}" for k, v in desc.items() if k not in _SHOWN and v is not None)
-        rows.append([
-            key,
-            desc["style"],
-            _layout_change(desc, _INPUT, _DESIRED_INPUT),
-            _layout_change(desc, _OUTPUT, _DESIRED_OUTPUT),
-            "" if local is None else ("yes" if local else "no"),
-            options,
-        ])
-    return rows
-
-
-def _as_data(value):
-    """Placements (or tuples / dicts of them) as their reprs, like ``describe_style`` gives them."""
-    if isinstance(value, (tuple, list)):
-        return [_as_data(v) for v in value]
-    if isinstance(value, dict):
-        return {k: _as_data(v) for k, v in value.items()}
-    return value if value is None else repr(value)
-
-
-def _layout_change(desc: dict, current: tuple[str, ...], desired: tuple[str, ...]) -> str:
-    before = next((desc[k] for k in current if desc.get(k)), None)
-    after = next((desc[k] for k in desired if desc.get(k)), None)
-    if before is None:
-        return "" if after is None else _short(after)
-    return _short(before) if after is None or after == before else f"{_short(before)} -> {_short(after)}"
-
-
-def _short(value) -> str:
-    """Abbreviate placements: ``['Shard(dim=1)', None]`` -> ``S(1),-``."""
-    if isinstance(value, dict):
-        return ",".join(f"{k}:{_short(v)}" for k, v in value.items())
-    if isinstance(value, list):
-        return ",".join(_short(v) for v in value)
-    if value is None:
-        return "-"
-    text = str(value)
-    text = re.sub(r"Shard\(dim=(-?\d+)\)", r"S(\1)", text)
-    text = text.replace("Replicate()", "R")
-    return re.sub(r"Partial\([^)]*\)", "P", text)
-
-
-def format_table(header: list[str], rows: list[list[str]]) -> str:
-    """Left-aligned columns separated by `` | ``, with a rule under the header.
-
-    >>> print(format_table(["a", "bb"], [["xyz", "1"]]))
-    a   | bb
-    ----+---
-    xyz | 1
-    """
-    widths = [max(len(str(r[i])) for r in [header, *rows]) for i in range(len(header))]
-    line = lambda cells: " | ".join(str(c).ljust(w) for c, w in zip(cells, widths)).rstrip()  # noqa: E731
-    rule = "-+-".join("-" * w for w in widths)
-    return "\n".join([line(header), rule, *(line(r) for r in rows)])
-
-
 # --- autotp verify -----------------------------------------------------------------------------
+
+# Config sizes printed for the tiny model verify builds (those the config has).
+_SIZES = ("hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "head_dim",
+          "intermediate_size", "moe_intermediate_size", "num_experts", "n_routed_experts", "vocab_size")
 
 
 def _run_verify(args: argparse.Namespace) -> int:
     tp = _verify_tp(args)
-    model = models.build_model(args.model, tiny=True, tp=tp, device="cpu", seed=args.seed)
-    plan, source = _args_plan(args, model, tp)
+    source = _check_real_config(args, tp)
+    model = _build_tiny(args, tp)
+    try:
+        plan, source = choose_plan(model, source=source, sequence_parallel=args.sp, plan_file=args.plan,
+                                   tp_size=tp, check=False)
+    except Exception as error:
+        raise _tiny_error(args, tp, error) from error
     where = f"{args.procs} gloo processes" if args.procs else "simulated ranks"
     print(f"{args.model}: tiny {type(model).__name__}, plan source: {source}, tp={tp} on {where}")
+    print(f"tiny model: {tiny_sizes(model)}")
+    if args.plan:
+        check_plan_sizes(model, plan, spec=args.plan)
     backward = not args.no_backward
-    if args.procs:
-        from autotp.multiprocess import verify_multiprocess  # starts processes: only when asked
+    try:
+        if args.procs:
+            from autotp.multiprocess import verify_multiprocess  # starts processes: only when asked
 
-        report = verify_multiprocess(model, plan, procs=tp, backward=backward)
-    else:
-        report = verify(model, plan, tp_size=tp, backward=backward)
+            report = verify_multiprocess(model, plan, procs=tp, backward=backward)
+        else:
+            from autotp.verifier import verify
+
+            report = verify(model, plan, tp_size=tp, backward=backward)
+    except Exception as error:
+        raise _tiny_error(args, tp, error) from error
     print(report)
     return 0 if report.ok else EXIT_MISMATCH
 
 
+def _check_real_config(args: argparse.Namespace, tp: int) -> str:
+    """Check ``tp`` against the REAL config (meta, no weights) before building the tiny model.
+
+    The tiny model is built to divide by ``tp``, so it would verify a tp size the real model cannot
+    use. For ``--source auto`` the real model's plan is selected (falling through rejected sources)
+    and that source is the one verified on the tiny model.
+
+    Returns:
+        The source to verify: the one chosen for the real model, or ``args.source``.
+
+    Raises:
+        MeshError, NoPlanError: the real config does not divide by ``tp`` (its sizes, not the tiny
+            model's, and the tp sizes that would work).
+    """
+    from autotp.apply import check_divisible
+
+    real = build(args.model)
+    choice = select(real, source=args.source, sequence_parallel=args.sp, plan_file=args.plan, tp_size=tp)
+    for line in _skipped_lines(choice):
+        print(line)
+    check_divisible(real, tp, choice.plan)
+    return {"synthesized": "synth", "custom": "auto"}.get(choice.source, choice.source) if not args.plan else "auto"
+
+
+def _build_tiny(args: argparse.Namespace, tp: int):
+    """The tiny model of ``args.model`` for ``tp``; a failure says it is the tiny model that failed."""
+    from autotp.errors import AutoTPError, one_line
+
+    try:
+        return build(args.model, tiny=True, tp=tp, device="cpu", seed=args.seed)
+    except AutoTPError:
+        raise
+    except Exception as error:
+        raise AutoTPError(
+            f"{args.model}: building the tiny model for tp={tp} failed ({one_line(error)}); the real config "
+            "divides by this tp, but tiny models are built for tp 2, 4 and 8: verify at one of those."
+        ) from error
+
+
+def _tiny_error(args: argparse.Namespace, tp: int, error: Exception) -> Exception:
+    """A one-line error for a failure on the tiny model, saying that its sizes are not the real ones."""
+    from autotp.errors import AutoTPError, MeshError, PlanError, one_line
+
+    if isinstance(error, MeshError):
+        text = re.sub(r"; use tp in \([^)]*\)", "", str(error))
+        return MeshError(f"the tiny model verify builds cannot be split at tp={tp} although the real config "
+                         f"can: {text} Verify at tp 2, 4 or 8, the sizes tiny models are built for.")
+    if isinstance(error, AutoTPError) or not args.plan:
+        return error
+    return PlanError(
+        f"--plan {args.plan!r} failed on the tiny model verify builds ({one_line(error)}); a plan that "
+        "hard-codes sizes of the real model does not fit it: compute them from the model the function "
+        f"gets (module.out_features, model.config), as `autotp plan {args.model} --emit python` writes them."
+    )
+
+
+def tiny_sizes(model) -> str:
+    """The tiny model's main sizes, from its (text) config: ``hidden_size=64, ...``."""
+    config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    sizes = [(n, getattr(config, n, None)) for n in _SIZES]
+    return ", ".join(f"{n}={v}" for n, v in sizes if isinstance(v, int) and not isinstance(v, bool))
+
+
+def check_plan_sizes(model, plan, *, spec: str) -> None:
+    """Refuse a plan whose fused-part ``sizes`` do not add up to its module's width.
+
+    Raises:
+        PlanError: names the key, the sizes, the module's width, and the fix.
+    """
+    from autotp.errors import PlanError
+    from autotp.plan import base_style, resolve
+
+    for fqn, (key, style) in resolve(model, plan).items():
+        sizes = getattr(base_style(style), "sizes", None)
+        weight = getattr(model.get_submodule(fqn), "weight", None)
+        if sizes and weight is not None and sum(sizes) not in weight.shape:
+            raise PlanError(
+                f"{fqn}: --plan {spec!r} gives {type(base_style(style)).__name__} sizes {tuple(sizes)} "
+                f"(sum {sum(sizes)}) for plan key {key!r}, but the module's weight is {tuple(weight.shape)} "
+                "in the tiny model verify builds: the sizes are hard-coded for the real model. Compute "
+                "them from the model the plan function gets (module.out_features, model.config)."
+            )
+
+
 def _verify_tp(args: argparse.Namespace) -> int:
     """The tp size: ``--tp``, else ``--procs`` (one rank per process), else 2."""
+    from autotp.errors import AutoTPError
+
     if args.procs and args.tp and args.procs != args.tp:
         raise AutoTPError(
             f"--procs {args.procs} and --tp {args.tp} disagree: each process is one tp rank; "

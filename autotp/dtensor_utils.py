@@ -4,7 +4,8 @@
 - :func:`get_grad_norm` / :func:`clip_grad_by_total_norm_`: the global gradient norm of a model
   sharded over tensor- and data-parallel groups, each element counted once, and clipping by it.
 - :func:`get_logprobs_from_vocab_parallel_logits`: next-token log-probabilities from logits that
-  are sharded over the vocabulary, without ever gathering the vocabulary on one rank.
+  are sharded over the vocabulary, without ever gathering the vocabulary on one rank;
+  :func:`vocab_parallel_token_logprobs` is the same without the shift, for any targets.
 """
 
 from __future__ import annotations
@@ -209,7 +210,7 @@ def _vocab_shard(logits: DTensor) -> tuple[torch.Tensor, object, object]:
     others = [p for d, p in enumerate(logits.placements) if d not in vocab_dims and not isinstance(p, Replicate)]
     if len(vocab_dims) != 1 or others:
         raise AutoTPError(
-            f"get_logprobs_from_vocab_parallel_logits: logits have placements {logits.placements}; "
+            f"vocab-parallel log-probs (loss): logits have placements {logits.placements}; "
             "expected Shard(-1) on one mesh dim (the lm head's ColwiseParallel output with "
             "output_layouts=Shard(-1), use_local_output=False) and Replicate on the others."
         )
@@ -224,6 +225,39 @@ def _vocab_shard(logits: DTensor) -> tuple[torch.Tensor, object, object]:
     return logits.to_local(), start, mesh.get_group(dim)
 
 
+def vocab_parallel_token_logprobs(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """``log_softmax(logits)[..., targets]`` at every position, the vocabulary possibly sharded.
+
+    No shift: ``out[i] = log_softmax(logits[i])[targets[i]]``. A target outside the vocabulary
+    (``-100``, the usual ignore index) is owned by no rank and scores ``-log Z``; mask it
+    yourself (its gradient is zero when its weight is zero). Computed in float32; with a
+    ``Shard(-1)`` DTensor each rank keeps only its own vocabulary slice and only
+    ``logits.shape[:-1]``-sized max, sum and picked-logit tensors are all-reduced.
+
+    Args:
+        logits: ``[..., vocab]``: a DTensor placed ``Shard(-1)`` on one mesh dim (``Replicate``
+            on the others), or a plain tensor taken as the whole vocabulary.
+        targets: ``logits.shape[:-1]`` integer ids, the same on every rank of the vocab group.
+
+    Returns:
+        A float32 plain tensor of ``targets``' shape, the same on every rank, differentiable with
+        respect to the logits.
+
+    Raises:
+        AutoTPError: the logits are a DTensor not sharded over the vocabulary, or the shapes disagree.
+    """
+    if tuple(logits.shape[:-1]) != tuple(targets.shape):
+        raise AutoTPError(
+            f"vocab_parallel_token_logprobs: logits {tuple(logits.shape)} do not match targets "
+            f"{tuple(targets.shape)}; expected logits [..., vocab] and targets of the leading shape."
+        )
+    if isinstance(logits, DTensor):
+        local, vocab_start, group = _vocab_shard(logits)
+    else:
+        local, vocab_start, group = logits, 0, None
+    return _VocabParallelLogprob.apply(local, to_local_if_dtensor(targets), vocab_start, group)
+
+
 def get_logprobs_from_vocab_parallel_logits(vocab_parallel_logits: DTensor, input_ids: torch.Tensor) -> torch.Tensor:
     """Log-probability of each next token, from logits sharded over the vocabulary.
 
@@ -231,7 +265,8 @@ def get_logprobs_from_vocab_parallel_logits(vocab_parallel_logits: DTensor, inpu
     unshifted ids and get ``[batch, seq - 1]`` back: ``out[:, t] = log_softmax(logits[:, t])
     [input_ids[:, t + 1]]``. Numerically this is ``log_softmax`` + ``gather`` on the full logits,
     computed in float32, but no rank ever holds more than its own vocabulary shard: only
-    ``[batch, seq]``-sized max, sum and picked-logit tensors are all-reduced over the tp group.
+    ``[batch, seq]``-sized max, sum and picked-logit tensors are all-reduced over the tp group
+    (see :func:`vocab_parallel_token_logprobs`).
 
     Args:
         vocab_parallel_logits: ``[batch, seq, vocab]`` DTensor placed ``Shard(-1)`` (a plain
@@ -250,9 +285,5 @@ def get_logprobs_from_vocab_parallel_logits(vocab_parallel_logits: DTensor, inpu
             f"get_logprobs_from_vocab_parallel_logits: logits {tuple(vocab_parallel_logits.shape)} do not match "
             f"input_ids {tuple(input_ids.shape)}; expected logits [batch, seq, vocab] and ids [batch, seq]."
         )
-    if isinstance(vocab_parallel_logits, DTensor):
-        local, vocab_start, group = _vocab_shard(vocab_parallel_logits)
-    else:
-        local, vocab_start, group = vocab_parallel_logits, 0, None
-    target = to_local_if_dtensor(input_ids)[:, 1:]
-    return _VocabParallelLogprob.apply(local[:, :-1], target, vocab_start, group)
+    # Slicing the sequence dim of a Shard(-1) DTensor is local: no rank gathers anything.
+    return vocab_parallel_token_logprobs(vocab_parallel_logits[:, :-1], to_local_if_dtensor(input_ids)[:, 1:])

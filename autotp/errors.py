@@ -23,7 +23,25 @@ class TraceError(AutoTPError):
 
 
 class VerificationError(AutoTPError):
-    """The model or inputs cannot be verified (e.g. parameters on the meta device)."""
+    """The model or inputs cannot be verified (parameters on the meta device), or a plan failed
+    its numerical check (``parameter`` differs by ``difference`` where ``allowed`` was the bound).
+
+    Attributes:
+        parameter: the first differing parameter (``"logits"`` for the output), or None.
+        difference: its max abs difference from the unsharded model, or None.
+        allowed: the tolerance it was held to, or None.
+        crash: how the verification worker died (``"SIGABRT"``, ``"exit code 3"``), or None.
+        report: the :class:`autotp.verifier.VerifyReport`, when one was measured.
+    """
+
+    def __init__(self, message: str, *, parameter: str | None = None, difference: float | None = None,
+                 allowed: float | None = None, crash: str | None = None, report=None):
+        super().__init__(message)
+        self.parameter = parameter
+        self.difference = difference
+        self.allowed = allowed
+        self.crash = crash
+        self.report = report
 
 
 def working_tp_sizes(sizes, limit: int = 64) -> tuple[int, ...]:
@@ -46,3 +64,18 @@ def one_line(error: BaseException, limit: int = 300) -> str:
     """
     lines = str(error).strip().splitlines()
     return f"{type(error).__name__}: {lines[0][:limit]}" if lines else type(error).__name__
+
+
+class NoPlanError(PlanError, MeshError):
+    """Every plan source was rejected for this model and tp size.
+
+    Also a :class:`MeshError`: most often the tp size is one the model cannot be split by (every
+    source's plan cuts some heads), and callers that catch ``MeshError`` for that keep working.
+
+    Attributes:
+        skipped: ``(source, reason)`` for each source tried, in the order tried.
+    """
+
+    def __init__(self, message: str, *, skipped: list[tuple[str, str]] | tuple = ()):
+        super().__init__(message)
+        self.skipped = list(skipped)

@@ -2,20 +2,29 @@
 
 Order: an explicit ``tp_shard_plan`` (a dict, a registered name, or a dotted import path to a dict
 or a function); the handwritten registry; transformers' own plan, translated; the synthesizer.
+
+Selection falls through: each source autotp picks on its own is checked for the model and the tp
+size before it is chosen (divisibility, tied weights sharded two ways, and every
+:func:`autotp.check_plan` finding). A rejected source is logged with its reason and the next one is
+tried; :class:`PlanChoice` keeps the skipped sources. The chosen plan is never one the checker
+rejects; when every source is rejected, :class:`~autotp.errors.NoPlanError` lists why.
 """
 
 from __future__ import annotations
 
 import importlib
+import logging
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from torch import nn
 
-from autotp.errors import PlanError
+from autotp.errors import AutoTPError, NoPlanError, PlanError
 from autotp.plan import Plan
 
 SOURCES = ("custom", "handwritten", "hf", "synthesized")
+
+log = logging.getLogger(__name__)
 
 # Plans users can select by name (``tp_shard_plan="llama"``), in addition to import paths.
 _NAMED_PLANS: dict[str, Callable[..., Plan]] = {}
@@ -28,11 +37,13 @@ def register_plan(name: str, function: Callable[..., Plan]) -> None:
 
 @dataclass
 class PlanChoice:
-    """The plan :func:`get_plan` chose and its source (one of :data:`SOURCES`)."""
+    """The plan :func:`get_plan` chose, its source (one of :data:`SOURCES`), and the sources it
+    skipped before it as ``(source, reason)`` pairs."""
 
     plan: Plan
     source: str
     detail: str = ""
+    skipped: list[tuple[str, str]] = field(default_factory=list)
 
 
 def import_object(path: str):
@@ -78,7 +89,19 @@ def load_plan_file(spec: str, model: nn.Module, *, sequence_parallel: bool = Fal
     if not hasattr(module, name):
         raise PlanError(f"--plan {spec!r}: {path!r} defines no {name!r}.")
     target = getattr(module, name)
-    plan = target(model, sequence_parallel=sequence_parallel) if callable(target) else target
+    if callable(target):
+        try:
+            plan = target(model, sequence_parallel=sequence_parallel)
+        except AutoTPError:
+            raise
+        except Exception as error:  # a user's function: say which one failed and on what model
+            raise PlanError(
+                f"--plan {spec!r}: {name}({type(model).__name__}, sequence_parallel={sequence_parallel}) "
+                f"failed: {type(error).__name__}: {error}. A plan function should compute sizes from "
+                "the model it gets (module.out_features, model.config), not hard-code them."
+            ) from error
+    else:
+        plan = target
     if not isinstance(plan, dict):
         raise PlanError(f"--plan {spec!r}: {name!r} is a {type(plan).__name__}, not a plan dict.")
     return plan
@@ -99,6 +122,76 @@ def _custom_plan(model: nn.Module, tp_shard_plan, sequence_parallel: bool) -> tu
     return target, tp_shard_plan
 
 
+def rejection(model: nn.Module, plan: Plan, *, tp_size: int | None) -> str | None:
+    """Why ``plan`` must not be chosen for ``model`` at ``tp_size``, or ``None`` if it may be.
+
+    Runs :func:`autotp.check_plan` (keys, divisibility, tied weights sharded two ways, then the
+    dataflow graph: one trace, a few seconds on meta). Without ``tp_size`` divisibility is not
+    judged (tp=1).
+
+    Returns:
+        ``"check: N finding(s): <first finding>"``, or ``None``.
+    """
+    from autotp.check import check_plan
+
+    findings = check_plan(model, plan, tp_size=tp_size or 1)
+    if not findings:
+        return None
+    kinds = sorted({f.kind for f in findings})
+    first = findings[0]
+    # A size finding's fix repeats its whole error message: show that once.
+    text = first.fix if first.fix.startswith(first.module) else str(first)
+    return f"check: {len(findings)} finding(s) ({', '.join(kinds)}): {text}"
+
+
+def _cheap_rejection(model: nn.Module, plan: Plan, tp_size: int | None) -> None:
+    """Refuse an explicit plan whose keys, tied weights or sizes cannot work (no trace).
+
+    Raises:
+        PlanError, MeshError: as :func:`autotp.apply.apply_plan` would, before any sharding.
+    """
+    from autotp.apply import _check_tied_styles, _tied_groups, check_divisible
+
+    _check_tied_styles(model, plan, _tied_groups(model))
+    if tp_size is not None:
+        check_divisible(model, tp_size, plan)
+
+
+def _candidates(model: nn.Module, sources: tuple[str, ...], sequence_parallel: bool, tp_size: int | None,
+                *, reraise: bool = False):
+    """Yield ``(source, detail, plan or None, reason if None)`` for each source, built lazily.
+
+    A source that has no plan for the model, or whose construction raises an :class:`AutoTPError`
+    (a transformers style autotp cannot translate, a synthesized plan tp does not divide), yields
+    ``None`` with the reason; with ``reraise`` that error propagates instead.
+    """
+    import handwritten_plans
+    from autotp import hf_plans
+
+    name = handwritten_plans.class_qualname(type(model))
+    for source in sources:
+        try:
+            if source == "handwritten":
+                plan = handwritten_plans.plan_for(model, sequence_parallel=sequence_parallel)
+                yield source, name, plan, None if plan is not None else f"no handwritten plan for {name}"
+            elif source == "hf" and sequence_parallel:
+                yield source, "", None, ("transformers plans have no sequence-parallel variant; "
+                                         "use source='synthesized'")
+            elif source == "hf":
+                plan = hf_plans.hf_plan(model)
+                yield (source, "base_model_tp_plan + _tp_plan", plan,
+                       None if plan is not None else f"{type(model).__name__} ships no transformers tp plan")
+            else:
+                from autotp.synth import synthesize
+
+                plan = synthesize(model, sequence_parallel=sequence_parallel, tp_size=tp_size)
+                yield source, "graph analysis", plan, None
+        except AutoTPError as error:
+            if reraise:
+                raise
+            yield source, "", None, str(error)
+
+
 def get_plan(
     model: nn.Module,
     *,
@@ -106,6 +199,7 @@ def get_plan(
     tp_shard_plan=None,
     source: str = "auto",
     tp_size: int | None = None,
+    check: bool | None = None,
 ) -> PlanChoice:
     """The plan for ``model`` and where it came from.
 
@@ -113,38 +207,60 @@ def get_plan(
         model: the model (any device, meta included).
         sequence_parallel: ask for the sequence-parallel variant.
         tp_shard_plan: an explicit plan: a dict, a registered name, or a dotted import path to a
-            dict or to a function ``f(model, sequence_parallel=...)``.
-        source: ``"auto"`` (the order above), or one of ``"handwritten"``, ``"hf"``, ``"synthesized"``
-            to insist on one source.
-        tp_size: the tp size the plan is for, when known: a synthesized plan is then checked for
-            it and replicates kv heads where there are fewer than ``tp_size``.
+            dict or to a function ``f(model, sequence_parallel=...)``. It is used as given: only
+            its tied weights and (with ``tp_size``) its sizes are checked, without a trace.
+        source: ``"auto"`` (the order above, falling through rejected sources), or one of
+            ``"handwritten"``, ``"hf"``, ``"synthesized"`` to insist on one source.
+        tp_size: the tp size the plan is for, when known: candidates are checked for it, and a
+            synthesized plan replicates kv heads where there are fewer than ``tp_size``.
+        check: check each candidate with :func:`autotp.check_plan` and fall through to the next
+            source when it has findings. Default: on for ``source="auto"``, off when a source is
+            insisted on (then it is returned unchecked, for comparison and benchmarks).
+
+    Returns:
+        The :class:`PlanChoice`, with the sources skipped before it and why.
 
     Raises:
         PlanError: ``tp_shard_plan`` cannot be resolved, or the insisted-on source has no plan.
+        NoPlanError: every source was rejected (``skipped`` lists them with their reasons).
+        MeshError: an explicit plan shards a size ``tp_size`` does not divide.
     """
-    import handwritten_plans
-    from autotp import hf_plans
-
     if tp_shard_plan is not None:
         plan, detail = _custom_plan(model, tp_shard_plan, sequence_parallel)
+        _cheap_rejection(model, plan, tp_size)
         return PlanChoice(plan, "custom", detail)
     if source not in ("auto", *SOURCES[1:]):
         raise PlanError(f"unknown plan source {source!r}; use one of auto, handwritten, hf, synthesized.")
-    if source in ("auto", "handwritten"):
-        plan = handwritten_plans.plan_for(model, sequence_parallel=sequence_parallel)
-        if plan is not None:
-            return PlanChoice(plan, "handwritten", handwritten_plans.class_qualname(type(model)))
-        if source == "handwritten":
-            raise PlanError(f"no handwritten plan for {handwritten_plans.class_qualname(type(model))}.")
-    if source in ("auto", "hf") and not sequence_parallel:
-        plan = hf_plans.hf_plan(model)
-        if plan is not None:
-            return PlanChoice(plan, "hf", "base_model_tp_plan + _tp_plan")
-        if source == "hf":
-            raise PlanError(f"{type(model).__name__} ships no transformers tp plan.")
-    if source == "hf":
-        raise PlanError("transformers plans have no sequence-parallel variant; use source='synthesized'.")
-    from autotp.synth import synthesize
+    if source != "auto":
+        return _insisted(model, source, sequence_parallel, tp_size, check=bool(check))
+    check = True if check is None else check
+    skipped: list[tuple[str, str]] = []
+    for name, detail, plan, reason in _candidates(model, SOURCES[1:], sequence_parallel, tp_size):
+        if plan is not None and check:
+            reason = rejection(model, plan, tp_size=tp_size)
+        if reason is None:
+            return PlanChoice(plan, name, detail, skipped)
+        log.info("plan source %s skipped for %s: %s", name, type(model).__name__, reason)
+        skipped.append((name, reason))
+    at = f" at tp={tp_size}" if tp_size else ""
+    raise NoPlanError(
+        f"{type(model).__name__}: no plan source gives a plan the checker accepts{at}: "
+        + "; ".join(f"{name}: {reason.rstrip('.')}" for name, reason in skipped)
+        + ". Try another tp size, or pass your own plan (tp_shard_plan= / --plan FILE.py:NAME).",
+        skipped=skipped,
+    )
 
-    plan = synthesize(model, sequence_parallel=sequence_parallel, tp_size=tp_size)
-    return PlanChoice(plan, "synthesized", "graph analysis")
+
+def _insisted(model: nn.Module, source: str, sequence_parallel: bool, tp_size: int | None, *,
+              check: bool) -> PlanChoice:
+    """The plan of the one source the caller insisted on; raise instead of falling through.
+
+    Raises:
+        PlanError: the source has no plan for the model, or (with ``check``) the checker rejects it.
+    """
+    (name, detail, plan, reason), = _candidates(model, (source,), sequence_parallel, tp_size, reraise=True)
+    if plan is not None and check:
+        reason = rejection(model, plan, tp_size=tp_size)
+    if reason is not None:
+        raise PlanError(f"{reason.rstrip('.')}." if plan is None else f"{source} plan rejected: {reason}")
+    return PlanChoice(plan, name, detail)

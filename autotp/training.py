@@ -36,6 +36,7 @@ from autotp.selection import get_plan
 __all__ = [
     "apply_activation_checkpointing",
     "apply_fsdp2_sharding_recursively",
+    "compile_blocks",
     "fsdp2_strategy_parallelize",
     "get_lm_ac_layers",
     "import_class_from_path",
@@ -73,7 +74,8 @@ def _param_count(module: nn.Module) -> int:
 
 
 def get_lm_ac_layers(model: nn.Module) -> list[nn.Module]:
-    """The language model's repeated blocks: the items of the ``nn.ModuleList`` holding most parameters.
+    """The language model's repeated blocks: the items of the layer stack holding most parameters
+    (an ``nn.ModuleList``, or an ``nn.ModuleDict`` / ``nn.Sequential`` of repeated blocks).
 
     Found by structure, not class name, so any architecture works: the decoder stack is the list
     of blocks that holds most of the weights (it contains any per-layer expert or head lists, so
@@ -87,11 +89,15 @@ def get_lm_ac_layers(model: nn.Module) -> list[nn.Module]:
     Returns:
         The blocks, or ``[]`` when the model has no ``nn.ModuleList``.
     """
+    from autotp.synth.trace import is_layer_stack, stack_entries
+
     best, best_size = None, 0
     for _, module in model.named_modules():
-        if isinstance(module, nn.ModuleList) and len(module) and (size := _param_count(module)) > best_size:
+        # A ModuleDict / Sequential counts only as a stack of repeated blocks (torchtitan's layers).
+        stack = (isinstance(module, nn.ModuleList) and len(module)) or is_layer_stack(module)
+        if stack and (size := _param_count(module)) > best_size:
             best, best_size = module, size
-    return list(best) if best is not None else []
+    return [block for _, block in stack_entries(best)] if best is not None else []
 
 
 def _checkpointed_forward(forward, *args, **kwargs):
@@ -124,9 +130,11 @@ def apply_fsdp2_sharding_recursively(
     freed after. The last block of a list keeps its parameters after forward, because the
     backward needs them first. Lists inside a sharded block are left to that block.
     """
+    from autotp.synth.trace import is_layer_stack, stack_entries
+
     for child in module.children():
-        if isinstance(child, nn.ModuleList):
-            for index, block in enumerate(child):
+        if isinstance(child, nn.ModuleList) or is_layer_stack(child):
+            for index, (_, block) in enumerate(stack_entries(child)):
                 fully_shard(
                     block,
                     mesh=mesh,
@@ -182,6 +190,7 @@ def fsdp2_strategy_parallelize(
     dp_replicate_mesh_name: str = "dp_replicate",
     dp_shard_cp_mesh_name: str = "dp_shard_cp",
     tp_mesh_name: str = "tp",
+    verify_synthesized: bool = True,
 ) -> nn.Module:
     """Shard ``model`` in place for training: TP inside each data-parallel replica, FSDP2 across them.
 
@@ -195,6 +204,8 @@ def fsdp2_strategy_parallelize(
         activation_checkpointing: recompute each decoder block's activations in backward.
         tp_shard_plan: an explicit plan (dict, registered name, or import path), as for
             :func:`autotp.get_plan`; by default the handwritten, transformers' or synthesized plan.
+        verify_synthesized: check a synthesized plan numerically before sharding (see
+            :func:`autotp.parallelize`).
 
     Returns:
         The same model: parameters are DTensors on the (dp..., tp) mesh, tied weights still tied.
@@ -208,6 +219,10 @@ def fsdp2_strategy_parallelize(
     if tp_mesh is not None:
         choice = get_plan(model, sequence_parallel=sequence_parallel, tp_shard_plan=tp_shard_plan,
                           tp_size=tp_mesh.size())
+        if verify_synthesized and choice.source == "synthesized":
+            from autotp.self_check import self_check
+
+            self_check(model, choice.plan, tp_size=tp_mesh.size(), sequence_parallel=sequence_parallel)
         size, source, entries = tp_mesh.size(), choice.source, len(choice.plan)
         logger.info("tensor parallel over %d ranks with the %s plan (%d entries)", size, source, entries)
         apply_plan(model, tp_mesh, choice.plan)
@@ -257,3 +272,33 @@ def next_token_loss(logits: torch.Tensor, input_ids: torch.Tensor) -> torch.Tens
     :func:`autotp.dtensor_utils.get_logprobs_from_vocab_parallel_logits`.
     """
     return -get_logprobs_from_vocab_parallel_logits(logits, input_ids).mean()
+
+
+def compile_blocks(model: nn.Module, **compile_options) -> list[nn.Module]:
+    """``torch.compile`` each decoder block of ``model`` in place, torchtitan's way.
+
+    Each block :func:`get_lm_ac_layers` finds is compiled with ``nn.Module.compile``: the module
+    stays where it is (parameter names, state-dict keys, plans and FSDP units are unchanged) and
+    its TP hooks (input and output redistributions) are captured in the same graph.
+    Call it after tensor parallelism and activation checkpointing and before FSDP2
+    (torchtitan's order, the one tested).
+
+    Args:
+        model: the (sharded) model.
+        compile_options: passed to ``torch.compile`` (``backend="aot_eager"``, ``fullgraph=True``...).
+
+    Returns:
+        The compiled blocks.
+
+    Raises:
+        AutoTPError: the model has no list of blocks.
+    """
+    layers = get_lm_ac_layers(model)
+    if not layers:
+        raise AutoTPError(
+            f"{type(model).__name__}: compile_blocks found no nn.ModuleList of decoder blocks; "
+            "compile the model whole (torch.compile(model)) or call block.compile() on your blocks."
+        )
+    for block in layers:
+        block.compile(**compile_options)
+    return layers

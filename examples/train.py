@@ -4,11 +4,20 @@ Run with torchrun; on CPU it uses gloo, on GPUs nccl::
 
     torchrun --nproc_per_node 4 examples/train.py --model llama-1b --tp 2 --steps 30
     torchrun --nproc_per_node 2 examples/train.py --model qwen3 --tp 2 --sequence-parallel
+    torchrun --nproc_per_node 2 examples/train.py --model phi3 --steps 10 --save /tmp/ckpt
+    torchrun --nproc_per_node 2 examples/train.py --model phi3 --tp 1 --tiny-tp 2 --steps 20 --resume /tmp/ckpt
 
 The model is a built-in config shrunk to a tiny size (``autotp.models.build_model(..., tiny=True)``)
 with random weights; the data is a synthetic, learnable token stream (each sequence counts up
 from a random start, modulo the vocabulary), so the loss visibly falls within a few dozen steps.
-The world size must be ``dp_replicate * dp_shard * tp``; dp_shard is inferred.
+The loss is transformers' own (``model(input_ids=ids, labels=ids).loss``), computed on the
+vocabulary-sharded logits. The world size must be ``dp_replicate * dp_shard * tp``; dp_shard is
+inferred.
+
+``--save DIR`` writes a checkpoint (model, AdamW state, step) with :mod:`autotp.checkpoint` after
+the last step (and every ``--save-every`` steps); ``--resume DIR`` loads one and continues from
+its step, at any (dp, tp) layout: the loss printed for each step continues where it stopped.
+``--export DIR`` writes the trained weights as one safetensors file with transformers' names.
 """
 
 from __future__ import annotations
@@ -19,17 +28,20 @@ import os
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
-from tqdm import tqdm
 
+from autotp.checkpoint import export_safetensors, load_checkpoint, save_checkpoint
 from autotp.dtensor_utils import clip_grad_by_total_norm_, get_grad_norm
 from autotp.models import build_model, builtin_names
-from autotp.training import fsdp2_strategy_parallelize, next_token_loss
+from autotp.training import fsdp2_strategy_parallelize
 
 
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default="llama-1b", choices=builtin_names())
     parser.add_argument("--tp", type=int, default=2, help="tensor-parallel size")
+    parser.add_argument("--tiny-tp", type=int, default=None,
+                        help="tp the tiny config's head counts are shrunk for (default: --tp); "
+                             "keep the saved run's value when resuming at another tp")
     parser.add_argument("--dp-replicate", type=int, default=1, help="HSDP replicas (1: plain FSDP)")
     parser.add_argument("--sequence-parallel", action="store_true")
     parser.add_argument("--activation-checkpointing", action="store_true")
@@ -39,6 +51,10 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--seq", type=int, default=32)
     parser.add_argument("--lr", type=float, default=3e-3)
     parser.add_argument("--max-grad-norm", type=float, default=1.0)
+    parser.add_argument("--save", metavar="DIR", help="checkpoint directory to write after the last step")
+    parser.add_argument("--save-every", type=int, default=0, help="also save every N steps (0: only at the end)")
+    parser.add_argument("--resume", metavar="DIR", help="checkpoint to load and continue from")
+    parser.add_argument("--export", metavar="DIR", help="write model.safetensors + config.json here at the end")
     return parser.parse_args()
 
 
@@ -63,7 +79,7 @@ def main() -> None:
         device, (args.dp_replicate, dp_shard, args.tp), mesh_dim_names=("dp_replicate", "dp_shard_cp", "tp")
     )
 
-    model = build_model(args.model, tiny=True, tp=args.tp, device=device).train()
+    model = build_model(args.model, tiny=True, tp=args.tiny_tp or args.tp, device=device).train()
     fsdp2_strategy_parallelize(
         model,
         mesh,
@@ -81,10 +97,16 @@ def main() -> None:
     dp_group, tp_group = mesh["dp_shard_cp"].get_group(), mesh["tp"].get_group()
     vocab = model.config.get_text_config().vocab_size
 
-    progress = tqdm(range(args.steps), disable=rank != 0, desc=f"{args.model} dp={dp_size} tp={args.tp}")
-    for step in progress:
+    start = 0
+    if args.resume:
+        start = load_checkpoint(args.resume, model=model, optimizer=optimizer).get("step", 0)
+        if rank == 0:
+            print(f"resumed from {args.resume} at step {start}", flush=True)
+    if rank == 0:
+        print(f"{args.model}: dp={dp_size} tp={args.tp}, steps {start}..{args.steps - 1}", flush=True)
+    for step in range(start, args.steps):
         ids = counting_batch(step, args.batch, args.seq, vocab).chunk(dp_size)[dp_rank].to(device)
-        loss = next_token_loss(model(input_ids=ids).logits, ids)
+        loss = model(input_ids=ids, labels=ids).loss
         loss.backward()
         grad_norm = get_grad_norm(list(model.parameters()), dp_group, tp_group)
         clip_grad_by_total_norm_(list(model.parameters()), args.max_grad_norm, grad_norm)
@@ -94,9 +116,17 @@ def main() -> None:
         mean_loss = loss.detach().clone()
         dist.all_reduce(mean_loss)
         mean_loss = mean_loss.item() / world  # each replica's loss, counted once per tp rank
-        progress.set_postfix(loss=f"{mean_loss:.4f}", grad_norm=f"{grad_norm:.3f}")
-        if rank == 0 and (step % 10 == 0 or step == args.steps - 1):
-            tqdm.write(f"step {step:4d}  loss {mean_loss:.4f}  grad norm {grad_norm:.3f}")
+        if rank == 0:
+            print(f"step {step:4d}  loss {mean_loss:.4f}  grad norm {grad_norm:.3f}", flush=True)
+        done = step + 1
+        if args.save and (done == args.steps or (args.save_every and done % args.save_every == 0)):
+            save_checkpoint(args.save, model=model, optimizer=optimizer, extra={"step": done})
+            if rank == 0:
+                print(f"saved {args.save} at step {done}", flush=True)
+    if args.export:
+        path = export_safetensors(model, args.export)
+        if rank == 0:
+            print(f"exported {path}", flush=True)
     dist.destroy_process_group()
 
 

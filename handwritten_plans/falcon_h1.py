@@ -16,7 +16,8 @@ from torch import nn
 from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle
 
 from autotp.errors import PlanError
-from handwritten_plans._blocks import row_output, vocab_embedding, vocab_head
+from autotp.styles import ReplicatedModule
+from handwritten_plans._blocks import row_output, shared_input, vocab_embedding, vocab_head
 
 
 def parallelize_falcon_h1(model: nn.Module, sequence_parallel: bool = False) -> dict[str, ParallelStyle]:
@@ -36,6 +37,11 @@ def parallelize_falcon_h1(model: nn.Module, sequence_parallel: bool = False) -> 
     layer = "model.layers.*"
     return {
         "model.embed_tokens": vocab_embedding(sequence_parallel=False),
+        # One replicated input for q/k/v and the whole Mamba mixer beside them (which takes it
+        # local), one for gate/up: each branch's input gradient is reduced once.
+        f"{layer}.input_layernorm": shared_input(sequence_parallel=False),
+        f"{layer}.pre_ff_layernorm": shared_input(sequence_parallel=False),
+        f"{layer}.mamba": ReplicatedModule(),
         **{f"{layer}.self_attn.{p}_proj": ColwiseParallel() for p in "qkv"},
         f"{layer}.self_attn.o_proj": row_output(sequence_parallel=False),
         f"{layer}.feed_forward.gate_proj": ColwiseParallel(),

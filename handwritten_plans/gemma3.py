@@ -1,9 +1,10 @@
 """Gemma3: tied embeddings, four norms per layer, per-head q_norm / k_norm.
 
-This is the plan as NeMo ships it: embeddings and head stay replicated because they are tied, and
-every SP norm is a plain ``SequenceParallel``, so each of q, k, v, gate and up all-gathers its own
-input (11 all-gathers for 2 layers). ``autotp.synthesize`` finds the cheaper plan (vocab-parallel
-tied embedding and head; one all-gather per branch).
+Embeddings and head stay replicated because they are tied (as NeMo ships it; ``autotp.synthesize``
+makes the tied pair vocab-parallel). The norm before each branch (``input_layernorm``,
+``pre_feedforward_layernorm``) hands q/k/v or gate/up one replicated input, all-gathered once under
+SP, so backward reduces the branch's input gradient once; the two post-norms act on the row outputs
+and stay sequence-sharded.
 """
 
 from __future__ import annotations
@@ -19,9 +20,10 @@ from torch.distributed.tensor.parallel import (
 )
 
 from autotp.styles import HeadShardedNorm, RotaryEmbedParallel
-from handwritten_plans._blocks import row_output
+from handwritten_plans._blocks import row_output, shared_input
 
-_NORMS = ("input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm", "post_feedforward_layernorm")
+_PRE_NORMS = ("input_layernorm", "pre_feedforward_layernorm")  # read by the column projections
+_POST_NORMS = ("post_attention_layernorm", "post_feedforward_layernorm")  # on the row outputs
 
 
 def text_prefix(model: nn.Module) -> str:
@@ -42,13 +44,14 @@ def parallelize_gemma3(model: nn.Module, sequence_parallel: bool = False) -> dic
         f"{layer}.mlp.up_proj": ColwiseParallel(),
         f"{layer}.mlp.down_proj": row_output(sequence_parallel=sequence_parallel),
     }
+    plan |= {f"{layer}.{norm}": shared_input(sequence_parallel=sequence_parallel) for norm in _PRE_NORMS}
     if sequence_parallel:
         plan |= {
             f"{prefix}.embed_tokens": PrepareModuleOutput(
                 output_layouts=Replicate(), desired_output_layouts=Shard(1), use_local_output=False
             ),
             f"{prefix}.rotary_emb": RotaryEmbedParallel(),
-            **{f"{layer}.{norm}": SequenceParallel() for norm in _NORMS},
+            **{f"{layer}.{norm}": SequenceParallel() for norm in _POST_NORMS},
             f"{prefix}.norm": SequenceParallel(),
             "lm_head": PrepareModuleInput(
                 input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),), use_local_output=True

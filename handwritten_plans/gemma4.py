@@ -23,7 +23,7 @@ from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle
 
 from autotp.errors import PlanError
 from autotp.styles import HeadShardedNorm, VocabParallelEmbedding
-from handwritten_plans._blocks import row_output, vocab_embedding, vocab_head
+from handwritten_plans._blocks import row_output, shared_input, vocab_embedding, vocab_head
 from handwritten_plans.gemma3 import text_prefix
 
 
@@ -57,6 +57,9 @@ def parallelize_gemma4(model: nn.Module, sequence_parallel: bool = False) -> dic
         f"{layer}.mlp.gate_proj": ColwiseParallel(),
         f"{layer}.mlp.up_proj": ColwiseParallel(),
         f"{layer}.mlp.down_proj": row_output(sequence_parallel=False),
+        # q/k/v and gate/up read one replicated input each: their input gradients reduced once.
+        f"{layer}.input_layernorm": shared_input(sequence_parallel=False),
+        f"{layer}.pre_feedforward_layernorm": shared_input(sequence_parallel=False),
     }
     per_layer_inputs = bool(getattr(config, "hidden_size_per_layer_input", 0))
     if per_layer_inputs:

@@ -5,8 +5,8 @@ from __future__ import annotations
 from torch import nn
 from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel, SequenceParallel
 
-from autotp.styles import RotaryEmbedParallel, SequenceParallelAllGather
-from handwritten_plans._blocks import row_output, vocab_embedding, vocab_head
+from autotp.styles import RotaryEmbedParallel
+from handwritten_plans._blocks import row_output, shared_input, vocab_embedding, vocab_head
 
 
 def decoder_plan(prefix: str, *, sequence_parallel: bool) -> dict[str, ParallelStyle]:
@@ -20,13 +20,12 @@ def decoder_plan(prefix: str, *, sequence_parallel: bool) -> dict[str, ParallelS
         f"{layer}.mlp.up_proj": ColwiseParallel(),
         f"{layer}.mlp.down_proj": row_output(sequence_parallel=sequence_parallel),
     }
+    # The norms before each branch hand their column projections one replicated input (an all-gather
+    # under SP), so the projections' input gradients are summed and reduced once per branch.
+    plan |= {f"{layer}.{norm}": shared_input(sequence_parallel=sequence_parallel)
+             for norm in ("input_layernorm", "post_attention_layernorm")}
     if sequence_parallel:
-        plan |= {
-            f"{prefix}.rotary_emb": RotaryEmbedParallel(),
-            f"{layer}.input_layernorm": SequenceParallelAllGather(),
-            f"{layer}.post_attention_layernorm": SequenceParallelAllGather(),
-            f"{prefix}.norm": SequenceParallel(),
-        }
+        plan |= {f"{prefix}.rotary_emb": RotaryEmbedParallel(), f"{prefix}.norm": SequenceParallel()}
     return plan
 
 

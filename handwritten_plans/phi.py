@@ -11,8 +11,8 @@ from __future__ import annotations
 from torch import nn
 from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, SequenceParallel
 
-from autotp.styles import HeadShardedNorm, RotaryEmbedParallel, SequenceParallelAllGather
-from handwritten_plans._blocks import row_output, vocab_embedding, vocab_head
+from autotp.styles import HeadShardedNorm, ReplicatedParams, ReplicatedStream, RotaryEmbedParallel
+from handwritten_plans._blocks import partial_row, shared_input, vocab_embedding, vocab_head
 
 
 def parallelize_phi(model: nn.Module, sequence_parallel: bool = False) -> dict[str, ParallelStyle]:
@@ -26,17 +26,18 @@ def parallelize_phi(model: nn.Module, sequence_parallel: bool = False) -> dict[s
     plan: dict[str, ParallelStyle] = {
         "model.embed_tokens": vocab_embedding(sequence_parallel=sequence_parallel),
         **{f"{layer}.self_attn.{p}_proj": ColwiseParallel() for p in "qkv"},
-        f"{layer}.self_attn.dense": row_output(sequence_parallel=sequence_parallel),
+        f"{layer}.self_attn.dense": partial_row(),
         f"{layer}.mlp.fc1": ColwiseParallel(),
-        f"{layer}.mlp.fc2": row_output(sequence_parallel=sequence_parallel),
+        f"{layer}.mlp.fc2": partial_row(),
+        f"{layer}.input_layernorm": shared_input(sequence_parallel=sequence_parallel),
         "lm_head": vocab_head(sequence_parallel=sequence_parallel),
     }
     if getattr(model.config, "qk_layernorm", False):  # LayerNorm over head_dim, on sharded heads
         plan |= {f"{layer}.self_attn.{n}": HeadShardedNorm() for n in ("q_layernorm", "k_layernorm")}
     if sequence_parallel:
-        plan |= {
-            "model.rotary_emb": RotaryEmbedParallel(),
-            f"{layer}.input_layernorm": SequenceParallelAllGather(),
-            "model.final_layernorm": SequenceParallel(),
-        }
+        plan |= {"model.rotary_emb": RotaryEmbedParallel(), "model.final_layernorm": SequenceParallel()}
+    else:
+        # The stream is a plain tensor between layers: a Replicate() DTensor inside each, so the
+        # residual add reduces the branches' summed partial outputs (the norm's weights join it).
+        plan |= {layer: ReplicatedStream(), f"{layer}.input_layernorm": ReplicatedParams()}
     return plan

@@ -11,8 +11,8 @@ from __future__ import annotations
 from torch import nn
 from torch.distributed.tensor.parallel import ParallelStyle, SequenceParallel
 
-from autotp.styles import PackedColwiseParallel, RotaryEmbedParallel, SequenceParallelAllGather, ShardCounts
-from handwritten_plans._blocks import row_output, vocab_embedding, vocab_head
+from autotp.styles import PackedColwiseParallel, RotaryEmbedParallel, ShardCounts
+from handwritten_plans._blocks import row_output, shared_input, vocab_embedding, vocab_head
 
 
 def parallelize_phi3(model: nn.Module, sequence_parallel: bool = False) -> dict[str, ParallelStyle]:
@@ -30,11 +30,8 @@ def parallelize_phi3(model: nn.Module, sequence_parallel: bool = False) -> dict[
         f"{layer}.mlp.down_proj": row_output(sequence_parallel=sequence_parallel),
         "lm_head": vocab_head(sequence_parallel=sequence_parallel),
     }
+    plan |= {f"{layer}.{norm}": shared_input(sequence_parallel=sequence_parallel)
+             for norm in ("input_layernorm", "post_attention_layernorm")}
     if sequence_parallel:
-        plan |= {
-            "model.rotary_emb": RotaryEmbedParallel(),
-            f"{layer}.input_layernorm": SequenceParallelAllGather(),
-            f"{layer}.post_attention_layernorm": SequenceParallelAllGather(),
-            "model.norm": SequenceParallel(),
-        }
+        plan |= {"model.rotary_emb": RotaryEmbedParallel(), "model.norm": SequenceParallel()}
     return plan

@@ -9,16 +9,18 @@ only the layers of its kind.
 
 Under SP the residual stays sequence-sharded: each pre-norm all-gathers once, the replicated
 ``linear_attn`` runs on the whole sequence, and its replicated output is sliced back to this rank's
-positions (no collective forward; an all-gather of its gradient backward).
+positions (no collective forward; an all-gather of its gradient backward). The pre-norms hand
+their output on as one replicated DTensor (:func:`handwritten_plans._blocks.shared_input`), which
+the whole mixer takes as a plain tensor (:class:`~autotp.styles.ReplicatedModule`).
 """
 
 from __future__ import annotations
 
 from torch import nn
-from torch.distributed.tensor import Replicate, Shard
-from torch.distributed.tensor.parallel import ParallelStyle, PrepareModuleOutput
+from torch.distributed.tensor import Shard
+from torch.distributed.tensor.parallel import ParallelStyle
 
-from autotp.styles import HeadShardedNorm
+from autotp.styles import HeadShardedNorm, ReplicatedModule
 from handwritten_plans._blocks import vocab_head
 from handwritten_plans.gemma3 import text_prefix
 from handwritten_plans.llama import decoder_plan
@@ -38,8 +40,7 @@ def parallelize_qwen3_5(model: nn.Module, sequence_parallel: bool = False) -> di
         f"{layer}.self_attn.k_norm": HeadShardedNorm(),
         "lm_head": vocab_head(sequence_parallel=sequence_parallel),
     }
-    if sequence_parallel:
-        plan[f"{layer}.linear_attn"] = PrepareModuleOutput(
-            output_layouts=Replicate(), desired_output_layouts=Shard(1), use_local_output=False
-        )
+    # The mixer reads its pre-norm's replicated DTensor output as a plain tensor; under SP its
+    # replicated output is sliced back to this rank's positions.
+    plan[f"{layer}.linear_attn"] = ReplicatedModule(output_layouts=Shard(1) if sequence_parallel else None)
     return plan

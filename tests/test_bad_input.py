@@ -132,3 +132,22 @@ def test_plan_key_matching_no_module_is_refused_with_close_names():
         with pytest.raises(PlanError, match=r"'model\.layers\.\*\.mlp\.gate_up_proj' .*matches no module.*"
                                             r"model\.layers\.0\.mlp\.up_proj"):
             apply_plan(model, mesh, {"model.layers.*.mlp.gate_up_proj": ColwiseParallel()})
+
+
+def test_every_source_rejected_is_one_error_listing_each_reason():
+    """Qwen2.5-7B has 28 heads: no source can shard it at tp=8, and the error says why for each."""
+    from autotp.errors import NoPlanError
+
+    with pytest.raises(NoPlanError, match=r"no plan source .* at tp=8: handwritten: .*num_attention_heads=28") as info:
+        get_plan(build_model("qwen2"), tp_size=8)
+    assert [name for name, _ in info.value.skipped] == ["handwritten", "hf", "synthesized"]
+    assert issubclass(NoPlanError, PlanError)
+
+
+def test_plan_function_that_fails_on_the_model_names_the_function(tmp_path):
+    from autotp.selection import load_plan_file
+
+    path = tmp_path / "plans.py"
+    path.write_text("def fixed(model, sequence_parallel=False):\n    return {'x': [0][1536]}\n")
+    with pytest.raises(PlanError, match=r"fixed\(LlamaForCausalLM, .*IndexError.*compute sizes from the model"):
+        load_plan_file(f"{path}:fixed", build_model("llama"))

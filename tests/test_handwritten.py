@@ -19,13 +19,12 @@ def expected_collectives(name: str, sequence_parallel: bool) -> dict[str, int]:
 
     Llama-shaped plans: 2 all-reduces per layer (o_proj, down_proj) + 1 for the vocab-parallel
     embedding; under SP, 2 all-gathers and 2 reduce-scatters per layer + 1 of each at the
-    embedding / head boundary. Gemma3 (NeMo's plan) keeps the tied embedding and head replicated,
-    so it has no embedding all-reduce, and its plain SequenceParallel norms make q, k, v, gate and
-    up each all-gather their input: 5 per layer + 1 before the head.
+    embedding / head boundary. Gemma3 keeps the tied embedding and head replicated (as NeMo does),
+    so it has no embedding all-reduce or reduce-scatter, and one all-gather before the head.
     """
     if name.startswith("gemma3"):
         if sequence_parallel:
-            return {"all_gather_into_tensor": 5 * LAYERS + 1, "reduce_scatter_tensor": 2 * LAYERS}
+            return {"all_gather_into_tensor": 2 * LAYERS + 1, "reduce_scatter_tensor": 2 * LAYERS}
         return {"all_reduce": 2 * LAYERS}
     if sequence_parallel:
         return {"all_gather_into_tensor": 2 * LAYERS + 1, "reduce_scatter_tensor": 2 * LAYERS + 1}

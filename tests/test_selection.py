@@ -87,3 +87,77 @@ def test_translated_transformers_plan_verifies(name):
     plan = translate(model, raw_hf_plan(model))
     report = verify(model, plan, tp_size=2)
     assert report.ok, str(report)
+
+
+# --- selection falls through rejected sources ------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def starcoder2():
+    return build_model("starcoder2", tiny=True, tp=2, device="cpu")
+
+
+def test_tied_weights_sharded_two_ways_fall_through_to_a_plan_that_verifies(starcoder2):
+    """transformers' Starcoder2 plan shards lm_head but not the tied embedding: it must be skipped
+    with that reason, and the plan chosen instead must verify."""
+    choice = get_plan(starcoder2, tp_size=2)
+    assert choice.source == "synthesized"
+    reasons = dict(choice.skipped)
+    assert list(reasons) == ["handwritten", "hf"]
+    assert "tied_weights" in reasons["hf"] and "lm_head.weight" in reasons["hf"]
+    report = verify(starcoder2, choice.plan, tp_size=2)
+    assert report.ok, str(report)
+
+
+def test_an_insisted_source_is_returned_unchecked_unless_asked(starcoder2):
+    assert get_plan(starcoder2, source="hf").source == "hf"
+    with pytest.raises(PlanError, match="hf plan rejected: check: .*tied_weights"):
+        get_plan(starcoder2, source="hf", check=True, tp_size=2)
+
+
+def test_real_size_model_whose_transformers_plan_tp_does_not_divide_falls_through():
+    """Qwen3-Next (real config, meta) has 2 kv heads: at tp=4 transformers' plan cuts them; the
+    checker rejects it, so selection must not hand it out."""
+    from autotp.errors import NoPlanError
+
+    model = build_model("qwen3_next")
+    try:
+        choice = get_plan(model, tp_size=4)
+    except NoPlanError as error:
+        skipped = dict(error.skipped)
+        assert "synthesized" in skipped and str(error).startswith("Qwen3NextForCausalLM: no plan source")
+    else:
+        assert choice.source == "synthesized"
+        skipped = dict(choice.skipped)
+    assert "indivisible" in skipped["hf"] and "num_key_value_heads=2" in skipped["hf"]
+
+
+def test_an_accepted_first_source_skips_nothing(llama):
+    choice = get_plan(llama, tp_size=2)
+    assert (choice.source, choice.skipped) == ("handwritten", [])
+
+
+def test_an_explicit_plan_sharding_tied_weights_two_ways_is_refused():
+    from torch.distributed.tensor.parallel import ColwiseParallel
+
+    model = build_model("llama-1b", tiny=True, tp=2)  # meta; tied embedding and head
+    with pytest.raises(PlanError, match=r"tied parameters .*lm_head\.weight"):
+        get_plan(model, tp_shard_plan={"lm_head": ColwiseParallel()}, tp_size=2)
+
+
+def test_api_functions_show_their_keywords():
+    """``help(autotp.synthesize)`` used to show ``(model, **kwargs)``; the lazy exports are the
+    functions themselves."""
+    import inspect
+
+    import autotp
+
+    def keywords(function):
+        return set(inspect.signature(function).parameters)
+
+    assert {"example_inputs", "tp_size", "sequence_parallel"} <= keywords(autotp.synthesize)
+    assert {"example_inputs", "tp_size"} <= keywords(autotp.explain)
+    assert {"procs", "backward"} <= keywords(autotp.verify_multiprocess)
+    assert {"device_mesh", "tp_shard_plan", "sequence_parallel"} <= keywords(autotp.fsdp2_strategy_parallelize)
+    assert {"tp_size", "check"} <= keywords(autotp.get_plan)
+    assert set(autotp.__all__) <= set(dir(autotp))

@@ -1,0 +1,127 @@
+"""Plan export (autotp.emit, ``autotp plan --emit``): Python modules that rebuild the plan, and
+transformers' style strings."""
+
+import inspect
+import json
+
+import pytest
+import torch.distributed.tensor.parallel as torch_styles
+from torch.distributed.tensor import Partial, Replicate, Shard
+from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle
+
+from autotp import emit, styles, synth_styles
+from autotp.cli import main
+from autotp.hf_plans import raw_hf_plan
+from autotp.models import build_model
+from autotp.plan import describe_style
+
+# Values for required options (and for optional ones, to move them off their defaults), by name.
+# A new style whose options are not here fails test_every_style_round_trips: add its samples.
+_REQUIRED = {
+    "sizes": (6, 2), "kv_heads": 2, "head_dim": 4, "heads": 8, "width": 4, "names": ("num_heads",),
+    "wrapped": ColwiseParallel(output_layouts=Replicate()), "output_layouts": Shard(1),
+    "desired_output_layouts": Replicate(),
+}
+_OPTIONAL = {
+    "input_layouts": Shard(1), "output_layouts": Partial(), "desired_input_layouts": Replicate(),
+    "input_kwarg_layouts": {"hidden": Shard(1)}, "desired_input_kwarg_layouts": {"hidden": Replicate()},
+    "sequence_dim": 0, "shard_dim": 1, "shard_dims": {"w1": 0}, "packed": {"w1": 3}, "attribute": "groups",
+    "reshard_output": True, "sizes": (3, 3, 2), "stream": "hidden_states",
+}
+
+
+def _style_classes() -> list[type]:
+    """Every ParallelStyle class torch, autotp.styles and autotp.synth_styles export by name."""
+    found = {}
+    for module in (torch_styles, styles, synth_styles):
+        for name, value in vars(module).items():
+            if (inspect.isclass(value) and issubclass(value, ParallelStyle) and value is not ParallelStyle
+                    and not name.startswith("_")):
+                found[value.__name__] = value
+    return [found[n] for n in sorted(found)]
+
+
+def _instances(cls: type) -> list[ParallelStyle]:
+    """``cls`` with its required options only, and with every optional one moved off its default."""
+    params = emit._parameters(cls)
+    required = {p.name: _REQUIRED[p.name] for p in params if p.default is p.empty}
+    optional = {p.name: (not p.default) if isinstance(p.default, bool) else _OPTIONAL[p.name]
+                for p in params if p.default is not p.empty}
+    return [cls(**required), cls(**required, **optional)]
+
+
+def _rebuild(style: ParallelStyle) -> ParallelStyle:
+    names: set[str] = set()
+    source = emit.render(style, names)
+    namespace: dict = {}
+    exec("\n".join(emit._imports(names, uses_parts=False)), namespace)
+    return eval(source, namespace)
+
+
+@pytest.mark.parametrize("cls", _style_classes(), ids=lambda c: c.__name__)
+def test_every_style_round_trips(cls):
+    """Would catch an option the export drops or writes in a form the constructor reads differently
+    (torch keeps ``sequence_dim`` as ``sequence_sharding``, layouts as 1-tuples)."""
+    for style in _instances(cls):
+        rebuilt = _rebuild(style)
+        assert type(rebuilt) is cls
+        assert describe_style(rebuilt) == describe_style(style)
+        assert repr(rebuilt) == repr(style)
+
+
+def test_style_classes_cover_the_three_modules():
+    names = {c.__name__ for c in _style_classes()}
+    assert {"ColwiseParallel", "PrepareModuleInputOutput", "PackedColwiseParallel", "GatherSequenceInput"} <= names
+
+
+def test_emitted_sizes_are_expressions_of_the_model():
+    """Phi3's fused q/k/v and gate/up parts are cut from the module's width, not hard-coded."""
+    import handwritten_plans
+
+    model = build_model("phi3")
+    text = emit.emit_python(model, handwritten_plans.plan_for(model), name="phi3_plan")
+    assert "_parts(model, 'model.layers.*.self_attn.qkv_proj', (1, 1, 1), dim=0)" in text
+    assert "3072" not in text and "8192" not in text
+
+
+def _emit(capsys, tmp_path, *args) -> str:
+    assert main(["plan", *args, "--emit", "python"]) == 0
+    path = tmp_path / "plans.py"
+    path.write_text(capsys.readouterr().out)
+    return str(path)
+
+
+@pytest.mark.parametrize("model, args, function", [
+    ("phi3", ["--source", "handwritten"], "phi3_plan"),
+    ("qwen3", ["--source", "synth", "--sp", "--tp", "2"], "qwen3_plan"),
+])
+def test_exported_module_passes_check_and_verify(model, args, function, capsys, tmp_path):
+    """The file written for the real model is checked on it, then verified on the tiny model."""
+    path = _emit(capsys, tmp_path, model, *args)
+    sp = ["--sp"] if "--sp" in args else []
+    assert main(["check", model, "--plan", f"{path}:{function}", "--tp", "2", *sp]) == 0
+    assert "check: no finding" in capsys.readouterr().out
+    assert main(["verify", model, "--plan", f"{path}:{function}", *sp]) == 0
+    assert "tp=2  OK" in capsys.readouterr().out
+
+
+def test_exported_function_refuses_the_other_variant(capsys, tmp_path):
+    path = _emit(capsys, tmp_path, "llama", "--source", "handwritten")
+    assert main(["verify", "llama", "--plan", f"{path}:llama_plan", "--sp"]) == 2
+    assert "export the other with --sp" in capsys.readouterr().err
+
+
+def test_emit_hf_gives_back_transformers_own_strings(capsys):
+    """transformers' plan, translated by autotp and exported again, is the same strings."""
+    assert main(["plan", "olmo2", "--source", "hf", "--tp", "2", "--emit", "hf"]) == 0
+    exported = json.loads(capsys.readouterr().out)
+    raw = raw_hf_plan(build_model("olmo2"))
+    assert exported and all(raw[key] == string for key, string in exported.items())
+
+
+def test_emit_hf_names_styles_without_a_string_and_exits_1(capsys):
+    assert main(["plan", "llama", "--source", "handwritten", "--sp", "--emit", "hf"]) == 1
+    captured = capsys.readouterr()
+    assert json.loads(captured.out)["model.layers.*.self_attn.q_proj"] == "colwise"
+    assert "no transformers tp_plan string" in captured.err
+    assert "model.layers.*.input_layernorm: SequenceParallelAllGather" in captured.err
