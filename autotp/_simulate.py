@@ -51,3 +51,19 @@ def per_rank(t: torch.Tensor, tp_size: int) -> list[torch.Tensor]:
     if isinstance(t, LocalTensor):
         return [t._local_tensors[r] for r in range(tp_size)]
     return [t] * tp_size
+
+
+def mesh_coordinate(device_mesh: DeviceMesh) -> torch.Tensor:
+    """This rank's index on the 1-D ``device_mesh`` as a 0-dim int64 tensor.
+
+    Under simulation each rank holds its own index (a per-rank tensor), where
+    ``device_mesh.get_local_rank()`` would be a symbolic int that some dispatch modes cannot read;
+    in a real process group it is the plain local rank.
+    """
+    from torch.distributed._local_tensor import enabled_local_tensor_mode
+
+    mode = enabled_local_tensor_mode()
+    if mode is None:
+        return torch.tensor(device_mesh.get_local_rank())
+    ranks = device_mesh.mesh.flatten().tolist()
+    return mode.rank_map(lambda rank: torch.tensor(ranks.index(rank) if rank in ranks else 0))

@@ -22,13 +22,14 @@ from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 from torch.distributed.tensor.parallel.style import ParallelStyle
 
 from autotp import styles
+from autotp.styles_params import HeadParams
 from autotp.errors import AutoTPError
 from autotp.plan import Plan, base_style, describe_style, key_matches
 
 # What each role the graph demands needs from the plan: (acceptable style classes, fix).
 _REQUIRED = {
     "head_norm": (
-        (styles.ReplicatedWithGradAllReduce,),
+        (styles.ReplicatedWithGradAllReduce, HeadParams),
         "its weight gradient is a per-rank partial sum over the heads each rank holds; "
         "use HeadShardedNorm() (replicated weight, gradient all-reduced)",
     ),
@@ -95,13 +96,13 @@ def _starts_shard(style: ParallelStyle | None) -> bool:
     return isinstance(style, ColwiseParallel) and tuple(style.output_layouts) != (Replicate(),)
 
 
-def _graph_findings(model: nn.Module, resolved: dict, example_inputs) -> list[Finding]:
+def _graph_findings(model: nn.Module, resolved: dict, example_inputs, tp_size: int = 2) -> list[Finding]:
     from autotp.synth.analysis import _bad_packs, _endless, is_linear, propagate
     from autotp.synth.assign import expert_roles, norm_roles
     from autotp.synth.graph import build_graph
     from autotp.synth.trace import trace
 
-    program, _ = trace(model, example_inputs)
+    program, groups = trace(model, example_inputs)
     g = build_graph(program)
     style_of = {fqn: base_style(style) for fqn, (_, style) in resolved.items()}
     linears = {n: g.nodes[n]["module"] for n in g.nodes if is_linear(g, n)}
@@ -150,6 +151,97 @@ def _graph_findings(model: nn.Module, resolved: dict, example_inputs) -> list[Fi
         if need and not isinstance(style_of.get(module), need[0]):
             problem, _, fix = need[1].partition("; ")
             findings.append(Finding(module, problem, fix, f"{role.kind}_style"))
+    findings += _param_findings(g, flow, style_of, {**{m: None for m in linears.values()}, **demanded})
+    roles = _plan_roles(style_of, set(linears.values()))
+    findings += _reshape_findings(model, g, flow, roles, style_of, (groups, example_inputs), tp_size)
+    return findings
+
+
+def _param_findings(g, flow, style_of: dict, taken: dict) -> list[Finding]:
+    """Parameters of a module that meet a sharded activation without a style that shards them with
+    the heads or reduces their gradient (:func:`autotp.synth.params.param_roles`)."""
+    from autotp.synth.params import param_roles
+    from autotp.synth.roles import Role
+
+    findings = []
+    roles = {m: r if r is not None else Role("column", "") for m, r in taken.items()}
+    for module, role in param_roles(g, flow, roles).items():
+        style = style_of.get(module)
+        shard_dims = style.shard_dims if isinstance(style, HeadParams) else {}
+        for name, dim in role.param_dims:
+            if shard_dims.get(name) != dim:
+                findings.append(Finding(
+                    module, f"its parameter {name} meets the sharded heads along its dim {dim} but is not "
+                    "sharded with them, so each rank reads entries of other ranks' heads or fails on the shape",
+                    f"use HeadParams(shard_dims={dict(role.param_dims)}, reduce={role.grad_reduced})", "head_params_style"))
+        reduced = isinstance(style, styles.ReplicatedWithGradAllReduce) or (
+            isinstance(style, HeadParams) and set(role.grad_reduced) <= set(style.reduce))
+        if role.grad_reduced and not reduced:
+            findings.append(Finding(
+                module, f"its parameters {', '.join(role.grad_reduced)} meet a sharded activation, so each "
+                "rank's gradient covers only its own heads (a partial sum) and the replicas drift apart",
+                f"use HeadParams(shard_dims={dict(role.param_dims)}, reduce={role.grad_reduced})", "partial_grad"))
+    return findings
+
+
+def _plan_roles(style_of: dict, linear_modules: set[str]) -> dict:
+    """The roles ``style_of`` gives the traced modules, as the per-rank shape proof reads them."""
+    from autotp.synth.roles import Role
+
+    roles = {}
+    for module, style in style_of.items():
+        in_out = isinstance(style, (styles.ColwiseParallelInOut, styles.RowwiseParallelInOut))
+        sizes = getattr(style, "sizes", None)
+        if module in linear_modules and isinstance(style, styles.ReplicatedKVColwise):
+            roles[module] = Role("kv_column", "", head_dim=style.head_dim)
+        elif module in linear_modules and _starts_shard(style):
+            roles[module] = Role("packed_column" if sizes else "column", "", sizes=sizes, weight_in_out=in_out)
+        elif module in linear_modules and isinstance(style, RowwiseParallel):
+            roles[module] = Role("row", "", weight_in_out=in_out)
+        elif isinstance(style, styles.WidthShardedNorm):
+            roles[module] = Role("width_norm", "")
+        elif isinstance(style, HeadParams):
+            roles[module] = Role("head_params", "", param_dims=tuple(style.shard_dims.items()))
+    return roles
+
+
+def _reshape_findings(model: nn.Module, g, flow, roles: dict, style_of: dict, context, tp_size: int) -> list[Finding]:
+    """Modules that, run alone at per-rank widths with the attributes the plan divides, reshape a
+    column shard into other shapes than the global ones with the heads divided (a fixed head count
+    with an inferred head size): the per-rank shape proof of :mod:`autotp.synth.localize`."""
+    from autotp.synth.local_run import capture_inputs
+    from autotp.synth.localize import candidate_names, inner_roles
+    from autotp.synth.shape_proof import (head_names, runs_into_other_shapes, shape_proof, shaped_roots,
+                                          shaped_sizes)
+    from autotp.synth.trace import collapsed
+
+    groups, example_inputs = context
+    by_module = {m: r for m, r in shaped_roots(g, flow, roles).items()
+                 if m and not isinstance(style_of.get(m), styles.KVHeadCounts)}
+    if not by_module:
+        return []
+    findings = []
+    captured = capture_inputs(model, example_inputs, set(by_module), groups)
+    for fqn, roots in by_module.items():
+        style, sizes = style_of.get(fqn), shaped_sizes(g, flow, roots)
+        if fqn not in captured or any(v % tp_size for v in sizes):
+            continue
+        names = style.names if isinstance(style, styles.ShardCounts) else style.counts if isinstance(style, HeadParams) else ()
+        inner = inner_roles(roles, fqn)
+        with collapsed(model, groups):
+            module = model.get_submodule(fqn)
+            if not runs_into_other_shapes(module, captured[fqn], inner, tp_size, tuple(names)):
+                continue
+            main = shape_proof(module, captured[fqn], inner, tp_size)
+            fix_names = head_names(module, captured[fqn], inner, candidate_names(module, {v for v in sizes if v > 1}), tp_size, main)
+        linears = ", ".join(sorted({g.nodes[r]["module"] for r in roots}))
+        divided = f" with {', '.join(names)} divided by tp" if names else ""
+        fix = (f"divide {', '.join(fix_names)} by tp: ShardCounts(names={fix_names})" if fix_names else
+               f"replicate {linears}: no integer attribute divided by tp makes the per-rank shapes right")
+        findings.append(Finding(fqn, f"run at per-rank widths{divided}, it reshapes the column-sharded output of "
+                                f"{linears} into other shapes than the global ones with the heads divided (a head "
+                                "count or width fixed in the code), so each rank computes with other heads",
+                                fix, "reshape_heads"))
     return findings
 
 
@@ -172,5 +264,5 @@ def check_plan(model: nn.Module, plan: Plan, *, tp_size: int, example_inputs=Non
     findings += _size_findings(model, {k: v for k, v in plan.items() if k not in unmatched}, tp_size)
     if any(f.kind == "indivisible" for f in findings):
         return findings  # heads cut in pieces: every graph finding would repeat this one
-    findings += _graph_findings(model, resolved, example_inputs)
+    findings += _graph_findings(model, resolved, example_inputs, tp_size)
     return findings

@@ -7,7 +7,6 @@ run exactly as in training. Each start costs seconds: use it for a final check, 
 
 from __future__ import annotations
 
-import copy
 import os
 import queue
 import socket
@@ -26,6 +25,7 @@ from autotp.verifier import (
     DEFAULT_TOLERANCE,
     VerifyReport,
     _check_materialised,
+    clean_copy,
     default_inputs,
     reference_run,
     run_and_compare,
@@ -48,7 +48,7 @@ def _worker(rank, procs, port, model, plan, inputs, ref_logits, ref_tensors, bac
     dist.init_process_group("gloo", rank=rank, world_size=procs)
     try:
         mesh = init_device_mesh("cpu", (procs,))
-        sharded = apply_plan(copy.deepcopy(model).eval(), mesh, plan)
+        sharded = apply_plan(model.eval(), mesh, plan)  # the parent sent a clean copy
         own = lambda t: [(rank, t)]  # noqa: E731
         results.put((rank, run_and_compare(sharded, inputs, ref_logits, ref_params, backward, own), None))
     except Exception:
@@ -75,6 +75,7 @@ def verify_multiprocess(
         VerificationError: a worker died without reporting, or ``timeout`` seconds passed.
     """
     _check_materialised(model)
+    model = clean_copy(model)  # pickles without a trace's fake tensors; each worker shards its own
     inputs = default_inputs(model, procs) if inputs is None else inputs
     ref_logits, ref_params = reference_run(model, inputs, backward)
     ref_tensors = {
@@ -117,9 +118,12 @@ def _collect(results, workers, timeout: float) -> list:
         except queue.Empty:
             dead = [w for w in workers if w.exitcode not in (None, 0)]
             if dead:
+                from autotp.isolated import crash_name
+
+                how = crash_name(dead[0].exitcode)
                 raise VerificationError(
-                    f"a verification worker exited with code {dead[0].exitcode} before reporting; "
-                    "run the same check with autotp.verify (simulated ranks) to see the error."
+                    f"a verification worker died ({how}) before reporting; run the same check with "
+                    "autotp.verify (simulated ranks) to see the error.", crash=how
                 ) from None
             if time.monotonic() > deadline:
                 raise VerificationError(f"multi-process verification took more than {timeout:.0f} s") from None

@@ -3,7 +3,7 @@
 Each style is a small class in the manner of ``torch.distributed.tensor.parallel.style``: keyword-only
 options, static ``_prepare_input_fn`` / ``_prepare_output_fn``, and a comment on the shard algebra.
 
-- :class:`VocabParallelEmbedding`: row-parallel embedding with the ``MaskPartial`` mask fix-up.
+- :class:`VocabParallelEmbedding`: vocab-sharded embedding, looked up on the local shard (local-size gradient).
 - :class:`RotaryEmbedParallel`: a rotary module whose output is a tuple ``(cos, sin)``.
 - :class:`SequenceParallelAllGather`: a sequence-parallel norm that all-gathers its output once, so
   that every column-parallel consumer (q, k, v or gate, up) shares one all-gather.
@@ -23,6 +23,7 @@ options, static ``_prepare_input_fn`` / ``_prepare_output_fn``, and a comment on
 from __future__ import annotations
 
 import copy
+import inspect
 from functools import partial
 
 import torch
@@ -31,7 +32,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_module, distribute_tensor
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, SequenceParallel
 from torch.distributed.tensor.parallel.style import ParallelStyle
-from torch.distributed.tensor.placement_types import _MaskPartial
+from torch.distributed.tensor.placement_types import Placement
 
 __all__ = [
     "KVHeadCounts",
@@ -43,9 +44,13 @@ __all__ = [
     "HeadShardedNorm",
     "OwnedOutput",
     "PackedColwiseParallel",
+    "PartialRowwiseParallel",
     "ColwiseParallelInOut",
     "RowwiseParallelInOut",
+    "ReplicatedOutput",
+    "ReplicatedModule",
     "ReplicatedParams",
+    "ReplicatedStream",
     "RotaryEmbedParallel",
     "SequenceParallelAllGather",
     "ShardCounts",
@@ -56,66 +61,180 @@ __all__ = [
 
 
 class VocabParallelEmbedding(RowwiseParallel):
-    """Shard an ``nn.Embedding`` over the vocabulary, repairing the ``MaskPartial`` buffer.
+    """Shard an embedding table over the vocabulary; each rank looks up only the rows it holds.
 
-    Row-wise sharding puts ``weight`` on ``Shard(0)``: each rank holds a slice of the vocabulary,
-    looks up the ids it owns and zeroes the rest, and the partial outputs are summed. DTensor keeps
-    the "ids I do not own" mask in the ``_MaskPartial`` placement of the output; some torch releases
-    dispatch the embedding without filling it, and the reduction then fails with
-    ``assert self.mask_buffer.data is not None``. This style remembers the original ids and fills
-    the mask when it is missing; where dispatch filled it, nothing changes.
+    ``weight`` is ``Shard(0)``: rank r holds rows ``[r * c, r * c + local)`` with ``c = ceil(V / tp)``
+    (torch's ``Shard(0)`` split). During the module's forward the weight is swapped for its local
+    shard (``to_local(grad_placements=(Shard(0),))``) and the module's own lookup (its
+    ``F.embedding`` / ``torch.embedding`` call on that weight) runs on the shard: ids shifted by the
+    rank's offset, ids the rank does not own looked up as row 0 and their output rows zeroed. Each
+    rank's output is then a partial sum of the full lookup, reduced on the spot: all-reduce to
+    ``Replicate()``, or reduce-scatter to ``Shard(1)`` when ``output_layouts`` says so (sequence
+    parallel). Because the lookup's backward only ever sees the local table, the weight's gradient
+    is ``Shard(0)`` with the local size on every rank: no full-size gradient is materialised (torch's
+    DTensor embedding backward, and stock ``RowwiseParallel``, return a ``Replicate()`` full table).
+
+    What the module does after the lookup (a scale, a norm) runs on the reduced rows: plain tensors
+    when replicated, a ``Shard(1)`` DTensor under sequence parallel. Where the module has parameters
+    besides ``weight`` (its own or its children's), the rows are all-reduced first and only cut to
+    ``output_layouts`` on the way out, so those parameters see whole rows on every rank. A module that unwraps a DTensor weight
+    itself (torchtitan's ``Embedding``: ``weight.to_local() if isinstance(weight, DTensor)``) sees a
+    plain weight and takes its plain path, whose lookup is the one run on the shard. ``padding_idx``
+    is honoured (no gradient to that row); ``scale_grad_by_freq`` and ``sparse`` are not supported.
 
     Keyword Args:
         input_layouts, output_layouts, use_local_output: as for :class:`RowwiseParallel`.
+
+    Raises:
+        PlanError: the module is not an ``nn.Embedding``, its forward never looked up its weight
+            with ``F.embedding``, or it asks for ``scale_grad_by_freq`` / ``sparse`` gradients.
 
     Example::
         >>> plan = {"model.embed_tokens": VocabParallelEmbedding(input_layouts=Replicate())}
     """
 
-    def _partition_embedding_fn(self, name, module, device_mesh):
-        # Only the table is sharded. An Embedding subclass with modules of its own (a norm on the
-        # looked-up rows) keeps their parameters whole: they act on the summed rows.
-        for pname, param in module.named_parameters(recurse=False):
-            placement = Shard(0) if isinstance(module, nn.Embedding) and pname == "weight" else Replicate()
-            dist = distribute_tensor(param, device_mesh, [placement], src_data_rank=self.src_data_rank)
-            module.register_parameter(pname, nn.Parameter(dist, requires_grad=param.requires_grad))
-
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         if not isinstance(module, nn.Embedding):
             return super()._apply(module, device_mesh)  # raises: RowwiseParallel's own message
-        self.desired_input_layouts = (Replicate(),)
-        distribute_module(module, device_mesh, self._partition_embedding_fn,
-                          output_fn=partial(self._prepare_output_fn, self.output_layouts, self.use_local_output))
-        module.register_forward_pre_hook(partial(self._prepare_ids, self.input_layouts[0], device_mesh),
-                                         with_kwargs=True)
+        _require_plain_lookup(module)
+        for name, param in list(module.named_parameters(recurse=False)):
+            placement = Shard(0) if name == "weight" else Replicate()
+            dist = distribute_tensor(param, device_mesh, [placement], src_data_rank=self.src_data_rank)
+            module.register_parameter(name, nn.Parameter(dist, requires_grad=param.requires_grad))
+        lookup = _ShardLookup(module, device_mesh, input_layout=self.input_layouts[0],
+                              output_layouts=tuple(self.output_layouts), use_local_output=self.use_local_output)
+        module.register_forward_pre_hook(lookup.enter, with_kwargs=True)
+        module.register_forward_hook(lookup.leave, always_call=True)
         return module
 
-    @staticmethod
-    def _prepare_ids(layout, device_mesh, mod, args, kwargs):
-        # Every integer tensor the module gets becomes a replicated DTensor, not only the first
-        # positional one: an embedding may compute its ids from a mask, or take them by keyword.
-        def replicated(x):
-            if isinstance(x, torch.Tensor) and not isinstance(x, DTensor) and not x.is_floating_point():
-                x = DTensor.from_local(x, device_mesh, (layout,), run_check=False)
-            if isinstance(x, DTensor) and tuple(x.placements) != (Replicate(),):
-                x = x.redistribute(placements=(Replicate(),))
+
+def _require_plain_lookup(module: nn.Embedding) -> None:
+    """Raise if ``module`` asks for a lookup gradient the shard cannot give."""
+    from autotp.errors import PlanError
+
+    if getattr(module, "scale_grad_by_freq", False) or getattr(module, "sparse", False):
+        raise PlanError(
+            f"{type(module).__name__}: VocabParallelEmbedding found scale_grad_by_freq="
+            f"{module.scale_grad_by_freq}, sparse={module.sparse}; a vocab-sharded lookup needs both False "
+            "(frequencies and sparse rows span ranks). Leave this embedding replicated (no plan key)."
+        )
+
+
+def _shard_offset(weight: DTensor, device_mesh: DeviceMesh) -> torch.Tensor:
+    """First vocabulary row this rank holds: ``rank * ceil(V / tp)``, torch's ``Shard(0)`` split."""
+    from autotp._simulate import mesh_coordinate
+
+    rows, ranks = weight.shape[0], device_mesh.size()
+    return -(-rows // ranks) * mesh_coordinate(device_mesh)
+
+
+class _ShardLookup(torch.overrides.TorchFunctionMode):
+    """The forward hooks of :class:`VocabParallelEmbedding` on one module, and the torch-function
+    mode, active only during that module's forward, that runs its embedding lookup on the shard."""
+
+    def __init__(self, module: nn.Module, device_mesh: DeviceMesh, *, input_layout, output_layouts,
+                 use_local_output: bool):
+        super().__init__()
+        self.mesh = device_mesh
+        self.input_layout, self.output_layouts, self.use_local_output = input_layout, output_layouts, use_local_output
+        # Parameters besides the table, or children with parameters: they must see whole rows.
+        others = [n for n, _ in module.named_parameters() if n != "weight"]
+        self.reduce_to = (Replicate(),) if others else output_layouts
+        self.saved: dict[str, nn.Parameter] = {}
+        self.local_weight = None
+        self.reduced: DTensor | None = None
+
+    def enter(self, mod, args, kwargs):
+        """Pre-hook: plain replicated ids, local parameters, lookups redirected to the shard."""
+        for name, param in list(mod._parameters.items()):
+            if isinstance(param, DTensor):
+                self.saved[name] = param
+                grad = (Shard(0),) if name == "weight" else (Replicate(),)
+                mod._parameters[name] = param.to_local(grad_placements=grad)
+        self.local_weight, self.reduced = mod._parameters["weight"], None
+        self.__enter__()
+        return tuple(self._ids(a) for a in args), {k: self._ids(v) for k, v in kwargs.items()}
+
+    def _ids(self, x):
+        # Every integer tensor becomes the whole ids as a plain tensor: the module may compute
+        # its ids from a mask, or take them by keyword.
+        if not isinstance(x, torch.Tensor) or x.is_floating_point():
             return x
+        if not isinstance(x, DTensor):
+            x = DTensor.from_local(x, self.mesh, (self.input_layout,), run_check=False)
+        return x.redistribute(placements=(Replicate(),)).to_local()
 
-        args, kwargs = tuple(replicated(a) for a in args), {k: replicated(v) for k, v in kwargs.items()}
-        mod._autotp_input_ids = next((a for a in args if isinstance(a, DTensor)), None)
-        return args, kwargs
+    def leave(self, mod, args, output):
+        """Post-hook: parameters restored; the output cut to ``output_layouts``, a DTensor unless
+        ``use_local_output``."""
+        from autotp.errors import PlanError
 
-    @staticmethod
-    def _prepare_output_fn(output_layouts, use_local_output, mod, outputs, device_mesh):
-        ids = mod.__dict__.pop("_autotp_input_ids", None)
-        placement = outputs.placements[0]
-        if isinstance(placement, _MaskPartial) and placement.mask_buffer.data is None and ids is not None:
-            ids = ids.to_local() if isinstance(ids, DTensor) else ids
-            # The local shard is rows [offset, offset + size) of the full table.
-            size = mod.weight.to_local().shape[0]
-            offset = size * device_mesh.get_local_rank()
-            placement.mask_buffer.materialize_mask((ids < offset) | (ids >= offset + size))
-        return RowwiseParallel._prepare_output_fn(output_layouts, use_local_output, mod, outputs, device_mesh)
+        self.__exit__(None, None, None)
+        mod._parameters.update(self.saved)
+        self.saved.clear()
+        looked_up, self.reduced, self.local_weight = self.reduced is not None, None, None
+        if output is None:  # the forward raised (an always-call hook): its error is the one to see
+            return output
+        if not looked_up:
+            raise PlanError(
+                f"{type(mod).__name__}: VocabParallelEmbedding found a forward that never looks up its "
+                "weight with F.embedding (it indexes or transforms the table itself), so the vocab-sharded "
+                "lookup cannot run. Leave this embedding replicated (no plan key for it)."
+            )
+        if isinstance(output, DTensor):
+            if tuple(output.placements) != self.output_layouts:
+                output = output.redistribute(placements=self.output_layouts)
+            return output.to_local() if self.use_local_output else output
+        if not isinstance(output, torch.Tensor):
+            return output
+        return self._laid_out(output)
+
+    def _laid_out(self, output: torch.Tensor):
+        """``output``, computed from rows all-reduced to ``Replicate()`` (a module with other
+        parameters), cut to ``output_layouts``: a local chunk, no communication forward."""
+        out = DTensor.from_local(output, self.mesh, (Replicate(),), run_check=False)
+        if tuple(out.placements) != self.output_layouts:
+            out = out.redistribute(placements=self.output_layouts)
+        return out.to_local() if self.use_local_output else out
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is torch.nn.functional.embedding:
+            bound = inspect.signature(torch.nn.functional.embedding).bind(*args, **kwargs)
+        elif func is torch.embedding:
+            bound = inspect.signature(_aten_embedding).bind(*args, **kwargs)
+            if bound.arguments.get("padding_idx", -1) == -1:
+                bound.arguments["padding_idx"] = None
+        else:
+            return func(*args, **kwargs)
+        bound.apply_defaults()
+        if bound.arguments["weight"] is not self.local_weight:
+            return func(*args, **kwargs)
+        return self._lookup(**bound.arguments)
+
+    def _lookup(self, input, weight, padding_idx=None, max_norm=None, norm_type=2.0, **_):
+        """The shard's part of ``F.embedding(input, full_weight)``, reduced to ``self.reduce_to``."""
+        table = self.saved["weight"]
+        offset = _shard_offset(table, self.mesh).to(input.device)
+        # Rows [offset, offset + local) live here: other ids read row 0, and their rows are zeroed below.
+        foreign = (input < offset) | (input >= offset + weight.shape[0])
+        local_ids = (input - offset).masked_fill(foreign, 0)
+        rows = torch.nn.functional.embedding(local_ids, weight, None, max_norm, norm_type)
+        rows = rows.masked_fill(foreign.unsqueeze(-1), 0)
+        if padding_idx is not None:  # F.embedding sends no gradient to the padding row
+            pad = (input == padding_idx % table.shape[0]).unsqueeze(-1)
+            rows = torch.where(pad, rows.detach(), rows)
+        partial_sum = DTensor.from_local(rows, self.mesh, (Partial(),), run_check=False)
+        self.reduced = partial_sum.redistribute(placements=self.reduce_to)
+        if any(isinstance(p, Shard) for p in self.reduce_to):
+            # Sequence-sharded rows stay a DTensor for the rest of the module (a scale is fine on
+            # it): a plain local shard of an uneven sequence could not be wrapped back exactly.
+            return self.reduced
+        return self.reduced.to_local()
+
+
+def _aten_embedding(weight, input, padding_idx=-1, scale_grad_by_freq=False, sparse=False):
+    """Signature of ``torch.embedding`` (``aten.embedding``), whose -1 means no padding row."""
 
 
 def _to_local(x):
@@ -164,18 +283,25 @@ class SequenceParallelAllGather(SequenceParallel):
 
     The norm runs on the ``Shard(sequence_dim)`` input with replicated weights (their gradients are
     partial sums and get all-reduced, as in :class:`SequenceParallel`). Its output is redistributed
-    to ``Replicate()`` and returned as a plain tensor, so q/k/v (or gate/up) projections that read it
-    share one all-gather instead of paying one each.
+    to ``Replicate()``, so q/k/v (or gate/up) projections that read it share one all-gather.
+
+    With ``use_local_output=False`` the output stays a ``Replicate()`` DTensor: each column
+    projection's input gradient comes back ``Partial()``, autograd sums them as DTensors, and the
+    all-gather's backward reduce-scatters the sum once. With a plain tensor each projection would
+    all-reduce its own input gradient (3 for q/k/v where 1 reduce-scatter suffices). Only use it
+    where every reader of the output accepts a DTensor (torch's Linear styles do).
 
     Keyword Args:
         sequence_dim (int): the sequence dimension of the input. Default: 1.
+        use_local_output (bool): return a plain tensor instead of the ``Replicate()`` DTensor.
+            Default: True.
 
     Example::
-        >>> plan = {"model.layers.*.input_layernorm": SequenceParallelAllGather()}
+        >>> plan = {"model.layers.*.input_layernorm": SequenceParallelAllGather(use_local_output=False)}
     """
 
-    def __init__(self, *, sequence_dim: int = 1):
-        super().__init__(sequence_dim=sequence_dim, use_local_output=True)
+    def __init__(self, *, sequence_dim: int = 1, use_local_output: bool = True):
+        super().__init__(sequence_dim=sequence_dim, use_local_output=use_local_output)
 
     @staticmethod
     def _prepare_output_fn(use_local_output, mod, outputs, device_mesh):
@@ -183,6 +309,183 @@ class SequenceParallelAllGather(SequenceParallel):
             outputs = outputs.redistribute(placements=[Replicate()])
             return outputs.to_local() if use_local_output else outputs
         return outputs
+
+    def __repr__(self) -> str:
+        flag = "" if self.use_local_output else "use_local_output=False"
+        return f"{self.__class__.__name__}({flag})"
+
+
+class ReplicatedOutput(ParallelStyle):
+    """Return a module's (replicated) output as a ``Replicate()`` DTensor, so that the column
+    projections reading it reduce their input gradient once.
+
+    Under plain TP a norm's output feeds several column-parallel Linears (q, k, v; gate, up; or
+    both branches of a parallel block). Each ``ColwiseParallel`` turns a plain input into a
+    ``Replicate()`` DTensor itself, and in backward all-reduces the ``Partial()`` input gradient
+    it gets from ``x @ W_shard^T``: one all-reduce per projection. Wrapping the output here instead
+    lets autograd sum the projections' ``Partial()`` gradients as DTensors (addition is linear, so
+    a sum of partial sums is a partial sum), and ``from_local``'s backward all-reduces that sum
+    once. The forward costs nothing: the value is already the same on every rank.
+
+    The module's own parameters stay plain tensors. Only use it where every reader of the output
+    accepts a DTensor (torch's Linear styles do; a replicated Linear with plain weights does not).
+
+    Example::
+        >>> plan = {"model.layers.*.input_layernorm": ReplicatedOutput()}
+    """
+
+    @staticmethod
+    def _prepare_output_fn(mod, inputs, outputs, device_mesh):
+        if isinstance(outputs, torch.Tensor) and not isinstance(outputs, DTensor):
+            return DTensor.from_local(outputs, device_mesh, (Replicate(),), run_check=False)
+        return outputs
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        module.register_forward_hook(partial(self._prepare_output_fn, device_mesh=device_mesh))
+        return module
+
+    def __repr__(self) -> str:
+        return f"{self.__class__.__name__}()"
+
+
+class ReplicatedModule(ParallelStyle):
+    """A module kept whole on every rank, in a plan that hands it DTensors: it runs on plain tensors.
+
+    Where a norm returns its output as a ``Replicate()`` DTensor for the column projections of a
+    branch (:class:`ReplicatedOutput`, :class:`SequenceParallelAllGather`), a module beside them
+    that is not sharded (a Mamba mixer or linear-attention block kept whole) reads the same DTensor
+    and would mix it with its plain weights. Its DTensor inputs are made whole and local at entry:
+    ``to_local()`` of a replica is free, and its gradient comes back ``Replicate()`` (every rank
+    computes the same one), which autograd adds to the projections' ``Partial()`` gradients with no
+    extra collective. Sequence-sharded inputs are all-gathered.
+
+    Keyword Args:
+        output_layouts (Placement, optional): return the (first) output as a DTensor with this
+            placement, taken from the replicated value: ``Shard(1)`` slices it back to this rank's
+            positions for a sequence-sharded residual stream. Default: a plain tensor.
+
+    Example::
+        >>> plan = {"model.layers.*.mamba": ReplicatedModule()}
+    """
+
+    def __init__(self, *, output_layouts: Placement | None = None):
+        super().__init__()
+        self.output_layouts = output_layouts
+
+    @staticmethod
+    def _whole(value):
+        return _to_local(value) if isinstance(value, DTensor) else value
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        def pre_hook(mod, args, kwargs):
+            return tuple(self._whole(a) for a in args), {k: self._whole(v) for k, v in kwargs.items()}
+
+        module.register_forward_pre_hook(pre_hook, with_kwargs=True)
+        if self.output_layouts is not None:
+            def to_layout(value):
+                if isinstance(value, torch.Tensor) and not isinstance(value, DTensor):
+                    whole = DTensor.from_local(value, device_mesh, (Replicate(),), run_check=False)
+                    return whole.redistribute(placements=(self.output_layouts,))
+                return value
+
+            def hook(mod, args, out):
+                if type(out) in (tuple, list) and out:
+                    return type(out)([to_layout(out[0]), *out[1:]])
+                return to_layout(out)
+
+            module.register_forward_hook(hook)
+        return module
+
+    def __repr__(self) -> str:
+        extra = f"output_layouts={self.output_layouts}" if self.output_layouts is not None else ""
+        return f"{self.__class__.__name__}({extra})"
+
+
+class ReplicatedStream(ParallelStyle):
+    """Run a block on the residual stream as a ``Replicate()`` DTensor, so that partial sums from
+    several row-parallel branches are added before one reduction (a parallel block).
+
+    A parallel block computes ``x + attn(norm(x)) + mlp(norm(x))``. With each row projection
+    all-reducing its own output that is two all-reduces per layer in each direction. If instead
+    both rows return ``Partial()`` DTensors (``RowwiseParallel(output_layouts=Partial(),
+    use_local_output=False)``), their sum is still a partial sum, and adding the replicated
+    residual reduces it once; in backward the column projections' ``Partial()`` input gradients
+    are likewise summed before the norm reduces them once. For that the residual must be a DTensor
+    inside the block: the stream input is wrapped as ``Replicate()`` at entry (free: every rank
+    holds it) and the output is made replicated and local at exit. The norm on the stream needs
+    DTensor parameters (:class:`ReplicatedParams`). Under sequence parallel the stream is already a
+    ``Shard(1)`` DTensor and this style is not needed.
+
+    Keyword Args:
+        stream (int | str): the positional index or keyword name of the residual-stream input.
+            Default: 0.
+
+    Example::
+        >>> plan = {"model.layers.*": ReplicatedStream(),
+        ...         "model.layers.*.input_layernorm": ReplicatedParams(),
+        ...         "model.layers.*.mlp.fc2": RowwiseParallel(output_layouts=Partial(), use_local_output=False)}
+    """
+
+    def __init__(self, *, stream: int | str = 0):
+        super().__init__()
+        self.stream = stream
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        def wrap(value):
+            if isinstance(value, torch.Tensor) and not isinstance(value, DTensor):
+                return DTensor.from_local(value, device_mesh, (Replicate(),), run_check=False)
+            return value
+
+        def pre_hook(mod, args, kwargs):
+            if isinstance(self.stream, int) and self.stream < len(args):
+                args = (*args[: self.stream], wrap(args[self.stream]), *args[self.stream + 1:])
+            elif isinstance(self.stream, str) and self.stream in kwargs:
+                kwargs = {**kwargs, self.stream: wrap(kwargs[self.stream])}
+            else:
+                from autotp.errors import PlanError
+
+                raise PlanError(
+                    f"{type(mod).__name__}: ReplicatedStream(stream={self.stream!r}) found no such input "
+                    f"(positional: {len(args)}, keywords: {sorted(kwargs)}); name the residual-stream input "
+                    "by its position or keyword."
+                )
+            return args, kwargs
+
+        def hook(mod, args, kwargs, out):
+            if type(out) in (tuple, list) and out:
+                return type(out)([_to_local(out[0]), *out[1:]])
+            return _to_local(out)
+
+        module.register_forward_pre_hook(pre_hook, with_kwargs=True)
+        module.register_forward_hook(hook, with_kwargs=True)
+        return module
+
+    def __repr__(self) -> str:
+        return f"{self.__class__.__name__}(stream={self.stream!r})"
+
+
+class PartialRowwiseParallel(RowwiseParallel):
+    """A row-parallel Linear whose output stays a ``Partial()`` DTensor (one branch of a parallel
+    block), for the caller to add to the other branch before one reduction.
+
+    Its gradient is taken ``Replicate()``: when the sum is reduce-scattered onto the ``Shard(1)``
+    stream (SP), the gradient comes back sequence-sharded and is all-gathered once here, instead of
+    once for the input gradient and again for the weight gradient inside the Linear's backward.
+
+    Example::
+        >>> plan = {"model.layers.*.mlp.fc2": PartialRowwiseParallel()}
+    """
+
+    def __init__(self):
+        super().__init__(output_layouts=Partial(), use_local_output=False)
+
+    @staticmethod
+    def _prepare_output_fn(output_layouts, use_local_output, mod, outputs, device_mesh):
+        local = outputs.to_local(grad_placements=(Replicate(),))
+        return DTensor.from_local(local, device_mesh, (Partial(),), run_check=False)
+
+    def __repr__(self) -> str:
+        return f"{self.__class__.__name__}()"
 
 
 class _LocalParamsStyle(ParallelStyle):

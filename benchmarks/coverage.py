@@ -28,7 +28,7 @@ import sys
 import time
 import traceback
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import datetime, timezone
 from multiprocessing.connection import wait
 from pathlib import Path
@@ -51,7 +51,9 @@ REASONS = {
     "verify-mismatch": "the sharded model ran but its logits or gradients differ",
     "timeout": "the case ran past its time limit and was killed",
     "memory-limit": "an allocation went past the worker's memory cap (the tiny model is not tiny)",
-    "worker-died": "the worker process died (out of memory, segfault)",
+    "worker-died": "the worker process died (out of memory, segfault); the signal is recorded",
+    "runtime-crashed": "the simulated runtime killed its isolated verification (a signal such as SIGABRT) "
+                       "and the gloo re-check did not decide",
     "no-plan": "transformers ships no tp plan for this model",
 }
 # Why a model type is left out of the decoder-only text denominator (read from config and class).
@@ -66,15 +68,22 @@ EXCLUSIONS = {
 # A shrunk model above this is a config the shrinker does not understand (verifying it would take
 # minutes and gigabytes); the largest tiny families (per-layer vocab tables) stay under 2M.
 MAX_TINY_PARAMS = 20_000_000
+# Isolated verifications per plan when a case is re-run after its worker died (see run_pool).
+RETRY_ISOLATED = 3
 
 
 @dataclass(frozen=True)
 class Case:
-    """One unit of work: a model type at a tp size, plain or sequence parallel."""
+    """One unit of work: a model type at a tp size, plain or sequence parallel.
+
+    ``isolated``: verify each plan that many times in a fresh child process (0: in the worker), so
+    that a crash of the simulated runtime is recorded with its signal instead of killing the worker.
+    """
 
     model_type: str
     tp: int
     sp: bool
+    isolated: int = 0
 
     @property
     def key(self) -> str:
@@ -88,8 +97,8 @@ def architectures() -> list[str]:
     return sorted(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES)
 
 
-def cases(types: list[str], tps=(2, 4), modes=(False, True)) -> list[Case]:
-    return [Case(t, tp, sp) for t in types for tp in tps for sp in modes]
+def cases(types: list[str], tps=(2, 4), modes=(False, True), isolated: int = 0) -> list[Case]:
+    return [Case(t, tp, sp, isolated) for t in types for tp in tps for sp in modes]
 
 
 def classify(model_type: str) -> tuple[str, str]:
@@ -156,8 +165,12 @@ def _layers(model) -> int:
     return int(getattr(config, "num_hidden_layers", 0) or 0)
 
 
-def check_and_verify(model, plan, tp: int) -> dict:
-    """Verify ``plan`` numerically and run the static checker on it; one dict for the table."""
+def check_and_verify(model, plan, tp: int, *, isolated: int = 0) -> dict:
+    """Verify ``plan`` numerically and run the static checker on it; one dict for the table.
+
+    ``isolated`` > 0 runs the verification that many times in fresh child processes (see
+    :func:`verify_isolated_runs`); otherwise once in this process.
+    """
     from autotp import verify
     from autotp.check import check_plan
 
@@ -168,10 +181,16 @@ def check_and_verify(model, plan, tp: int) -> dict:
     except Exception as error:  # the checker is what is measured here: its crash is a result
         out["check"] = {"flagged": None, "error": _message(error)}
     try:
-        report = verify(model, plan, tp_size=tp)
+        if isolated:
+            report = verify_isolated_runs(model, plan, tp, isolated, out)
+        else:
+            report = verify(model, plan, tp_size=tp)
     except Exception as error:  # raised before the sharded run: the reference backward, or applying
         stage = "unsharded-forward-failed" if _raised_in(error, "reference_run") else "plan-apply-failed"
         out.update(status="failed", reason=_reason(stage, error), error=_message(error))
+        return out
+    if report.crash is not None:
+        out.update(status="failed", reason="runtime-crashed", signal=report.crash, error=report.error)
         return out
     if report.error is not None:
         out.update(status="failed", reason=_reason("sharded-run-crashed", report.error), error=report.error)
@@ -188,6 +207,42 @@ def check_and_verify(model, plan, tp: int) -> dict:
         out.update(status="failed", reason="verify-mismatch", error=f"worst gradient {name} {worst:.2e}, "
                    f"logits {max(report.logits_max_abs_diff):.2e}")
     return out
+
+
+def _run_label(report) -> str:
+    """One isolated run in a word: verified, mismatch, raised, or the signal that killed it."""
+    if report.crash is not None:
+        return f"crashed ({report.crash})"
+    if report.error is not None:
+        return "raised"
+    return "verified" if report.ok else "mismatch"
+
+
+def verify_isolated_runs(model, plan, tp: int, runs: int, out: dict):
+    """Verify ``plan`` ``runs`` times in fresh child processes; the report that decides the row.
+
+    Each run's outcome goes to ``out["isolated_runs"]``. When every run agrees, that is the answer.
+    When one crashed (the simulated runtime's heap, not the plan, is in doubt), the plan is checked
+    once more on ``tp`` real gloo processes, which use no simulated runtime
+    (:func:`autotp.verify_multiprocess`); its report decides, recorded as ``verified_on: gloo``.
+    Without a decision the crashed report is returned, and the row says ``runtime-crashed``.
+    """
+    from autotp import verify, verify_multiprocess
+    from autotp.errors import VerificationError
+
+    reports = [verify(model, plan, tp_size=tp, isolated=True) for _ in range(runs)]
+    out["isolated_runs"] = [_run_label(r) for r in reports]
+    crashed = [r for r in reports if r.crash is not None]
+    if not crashed:
+        return next((r for r in reports if not r.ok), reports[0])
+    try:
+        gloo = verify_multiprocess(model, plan, procs=tp)
+    except VerificationError as error:  # a gloo worker died too: the crash stands
+        out["gloo"] = _message(error)
+        return crashed[0]
+    out["verified_on"] = "gloo"
+    out["gloo"] = "verified" if gloo.ok else ("raised" if gloo.error else "mismatch")
+    return gloo
 
 
 def _raised_in(error: BaseException, function: str) -> bool:
@@ -268,7 +323,7 @@ def run_case(case: Case) -> dict:
     if not case.sp:
         try:
             choice = get_plan(model, source="hf")
-            result["hf"] = check_and_verify(model, choice.plan, case.tp)
+            result["hf"] = check_and_verify(model, choice.plan, case.tp, isolated=case.isolated)
         except PlanError as error:
             result["hf"] = {"status": "none", "reason": "no-plan", "error": _message(error)}
         except Exception as error:
@@ -311,7 +366,7 @@ def _synth_case(model, case: Case) -> dict:
         plan = synthesize(model, sequence_parallel=case.sp, tp_size=case.tp)
     except Exception as error:
         return {"status": "failed", "reason": _synthesis_reason(error), "error": _message(error)}
-    out = check_and_verify(model, plan, case.tp)
+    out = check_and_verify(model, plan, case.tp, isolated=case.isolated)
     if out["status"] == "verified":
         try:
             out["replicated"] = _replicated(model, case.sp, case.tp)
@@ -367,7 +422,9 @@ class _Slot:
 
     def __init__(self, ctx, memory_gib: float):
         self.conn, child = ctx.Pipe()
-        self.process = ctx.Process(target=_worker, args=(child, memory_gib), daemon=True)
+        # Not daemonic: a daemonic process may not start processes, and an isolated case falls back
+        # to gloo processes. The worker still ends with the sweep (its recv() sees EOF).
+        self.process = ctx.Process(target=_worker, args=(child, memory_gib), daemon=False)
         self.process.start()
         child.close()
         self.ready = False
@@ -385,10 +442,10 @@ class _Slot:
         self.process.join()
 
 
-def _failed(case: Case, reason: str, detail: str) -> dict:
+def _failed(case: Case, reason: str, detail: str, signal: str | None = None) -> dict:
     """The record of a case whose worker was killed or died: both plans failed for ``reason``."""
     kind, detail_class = classify(case.model_type)
-    failure = {"status": "failed", "reason": reason, "error": detail}
+    failure = {"status": "failed", "reason": reason, "error": detail, **({"signal": signal} if signal else {})}
     out = {"model_type": case.model_type, "tp": case.tp, "sp": case.sp, "class": kind,
            "class_detail": detail_class, "synth": failure}
     if not case.sp:
@@ -405,7 +462,9 @@ def run_pool(todo: list[Case], *, workers: int = 2, timeout: float = 120.0, memo
 
     The clock of a case starts when it is sent to a worker that has finished its imports. A killed
     or dead worker is replaced by a fresh one; a case whose worker died runs once more in a fresh
-    one (a death can come from an earlier case's damage), and a second death is recorded.
+    one (a death can come from an earlier case's damage) with its verifications isolated
+    (:data:`RETRY_ISOLATED` child processes each, so a crash of the simulated runtime is recorded
+    with its signal and decided on gloo), and a second death is recorded.
 
     Raises:
         RuntimeError: a worker died before it was ready (its imports fail).
@@ -439,7 +498,7 @@ def run_pool(todo: list[Case], *, workers: int = 2, timeout: float = 120.0, memo
                 # A worker can die of an earlier case's damage (a corrupted heap): run it once more
                 # in a fresh process before recording the death.
                 retried.add(slot.case.key)
-                pending.append(slot.case)
+                pending.append(replace(slot.case, isolated=max(slot.case.isolated, RETRY_ISOLATED)))
                 slot.stop()
                 slots[i] = _Slot(ctx, memory_gib)
                 continue
@@ -471,8 +530,13 @@ def _outcome(slot: _Slot, ready: list, timeout: float) -> dict | None:
         try:
             return slot.conn.recv()
         except EOFError:
+            from autotp.isolated import crash_name
+
             slot.process.join(timeout=5)
-            return _failed(slot.case, "worker-died", f"exit code {slot.process.exitcode}")
+            code = slot.process.exitcode
+            how = crash_name(code) if code is not None else "no exit code"
+            signal = how if code is not None and code < 0 else None
+            return _failed(slot.case, "worker-died", f"the worker died ({how})", signal=signal)
     if time.monotonic() > slot.deadline:
         return _failed(slot.case, "timeout", f"killed after {timeout:g} s")
     return None
@@ -486,6 +550,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--workers", type=int, default=2)
     parser.add_argument("--timeout", type=float, default=120.0, help="seconds per case")
     parser.add_argument("--memory-gib", type=float, default=6.0, help="address-space cap per worker")
+    parser.add_argument("--isolated", type=int, default=0, metavar="N",
+                        help="verify each plan N times in fresh child processes: a crash of the simulated "
+                             "runtime is recorded with its signal, and decided on gloo processes")
     parser.add_argument("--out", default=str(RESULTS / "coverage.json"))
     parser.add_argument("--md", default=None, help="markdown table (default: COVERAGE.md next to --out)")
     args = parser.parse_args(argv)
@@ -498,7 +565,7 @@ def main(argv: list[str] | None = None) -> None:
         types = [t for t in types if t in wanted]
     tps = tuple(int(t) for t in args.tp.split(","))
     modes = tuple({"plain": False, "sp": True}[m] for m in args.modes.split(","))
-    todo = cases(types, tps, modes)
+    todo = cases(types, tps, modes, args.isolated)
     started = datetime.now(timezone.utc)
     t0 = time.perf_counter()
     results = run_pool(todo, workers=args.workers, timeout=args.timeout, memory_gib=args.memory_gib)

@@ -21,7 +21,7 @@ from torch.distributed.tensor import Shard
 from torch.distributed.tensor.parallel import ParallelStyle
 
 from autotp.styles import HeadShardedNorm, ReplicatedModule
-from handwritten_plans._blocks import vocab_head
+from handwritten_plans._blocks import shared_input, vocab_head
 from handwritten_plans.gemma3 import text_prefix
 from handwritten_plans.llama import decoder_plan
 
@@ -40,7 +40,15 @@ def parallelize_qwen3_5(model: nn.Module, sequence_parallel: bool = False) -> di
         f"{layer}.self_attn.k_norm": HeadShardedNorm(),
         "lm_head": vocab_head(sequence_parallel=sequence_parallel),
     }
-    # The mixer reads its pre-norm's replicated DTensor output as a plain tensor; under SP its
-    # replicated output is sliced back to this rank's positions.
-    plan[f"{layer}.linear_attn"] = ReplicatedModule(output_layouts=Shard(1) if sequence_parallel else None)
+    if sequence_parallel:
+        # Every pre-norm all-gathers; the whole mixer takes the gathered DTensor as a plain tensor
+        # and its replicated output is sliced back to this rank's positions.
+        plan[f"{layer}.linear_attn"] = ReplicatedModule(output_layouts=Shard(1))
+        return plan
+    # Plain TP: only the full-attention layers' pre-norms feed column projections (q/k/v); the
+    # linear-attention layers' pre-norm feeds the whole mixer and stays a plain tensor.
+    del plan[f"{layer}.input_layernorm"]
+    types = model.config.get_text_config().layer_types
+    plan |= {f"{prefix}.layers.{i}.input_layernorm": shared_input(sequence_parallel=False)
+             for i, kind in enumerate(types) if kind == "full_attention"}
     return plan

@@ -22,7 +22,7 @@ from __future__ import annotations
 import pytest
 import torch
 import transformers
-from torch.distributed.tensor.parallel import PrepareModuleOutput, SequenceParallel
+from torch.distributed.tensor.parallel import SequenceParallel
 from transformers import AutoConfig
 
 import handwritten_plans
@@ -211,7 +211,7 @@ def test_qwen3_5_sp_differs_from_synthesized_on_the_linear_attention_layer(tiny_
 
     The replicated ``linear_attn`` (Gated DeltaNet) must see the whole sequence. The handwritten plan
     all-gathers at ``input_layernorm`` (like every other pre-norm) and slices the output back with
-    ``PrepareModuleOutput``; the synthesizer keeps the norm a plain ``SequenceParallel`` and gathers at
+    ``ReplicatedModule(output_layouts=Shard(1))``; the synthesizer keeps the norm a plain ``SequenceParallel`` and gathers at
     the ``linear_attn`` entry instead (``GatherSequenceInput``), wrapping ``out_proj``'s output as a
     ``Replicate()`` DTensor so the slice back to ``Shard(1)`` is free. Same parameter placements, same
     collectives per forward, same numerics at tp 2 and 4: would catch either plan losing the gather
@@ -225,7 +225,7 @@ def test_qwen3_5_sp_differs_from_synthesized_on_the_linear_attention_layer(tiny_
     assert set(diff) == {f"{prefix}.input_layernorm", f"{prefix}.linear_attn", f"{prefix}.linear_attn.out_proj"}
     assert diff[f"{prefix}.input_layernorm"][0]["style"] == SequenceParallel.__name__
     assert diff[f"{prefix}.linear_attn"][0]["style"] == "GatherSequenceInput"
-    assert diff[f"{prefix}.linear_attn"][1]["style"] == PrepareModuleOutput.__name__
+    assert diff[f"{prefix}.linear_attn"][1]["style"] == "ReplicatedModule"
     assert diff[f"{prefix}.linear_attn.out_proj"][1] is None
     for tp_size in (2, TP):
         synth_report = verify(model, synth, tp_size=tp_size)

@@ -46,6 +46,23 @@ class Flow:
     extent: dict = field(default_factory=dict)  # root -> gcd of every sharded extent it reached
     roots: set = field(default_factory=set)  # candidates that started a shard this pass
     unit_heads: frozenset = frozenset()  # candidates whose views may split off one head (one-kv-head k/v)
+    param_shards: dict = field(default_factory=dict)  # parameter placeholder -> dim sharded with the heads
+
+    def sharded(self, name: str) -> bool:
+        """Whether ``name``'s output (or an element of it) is sharded."""
+        return isinstance(self.state.get(name), (Shard, tuple))
+
+    def shard_param(self, other: str, dim: int) -> bool:
+        """Whether replicated operand ``other`` can be sharded on its ``dim`` along with the tensor
+        it meets: a chain of one-tensor ops on a parameter read nowhere else (a per-head scale,
+        a sink). Recorded in ``param_shards``; one parameter sharded on two dims cannot be."""
+        from autotp.synth.params import param_dim
+
+        found = param_dim(self.g, other, dim)
+        if found is None or self.param_shards.get(found[0], found[1]) != found[1]:
+            return False
+        self.param_shards[found[0]] = found[1]
+        return True
 
     def unit_heads_of(self, name: str) -> bool:
         """Whether the shard of ``name`` comes only from candidates read as one-kv-head k/v."""

@@ -19,6 +19,7 @@ from autotp.synth.kvheads import replicate_kv
 from autotp.synth.localize import localize
 from autotp.synth.roles import Role
 from autotp.synth.sequence import sequence_parallel_roles
+from autotp.synth.shared import shared_input_roles
 from autotp.synth.trace import LayerGroups, repeated_lists, trace
 from autotp.synth.validate import require_language_model, require_repeated_block
 
@@ -72,6 +73,10 @@ def analyse_model(model: nn.Module, *, example_inputs=None, sequence_parallel: b
         flow, dropped = analyse(g, {**conflicts, **local.unlocal}, unit_heads=one_kv)
         roles = assign_roles(g, flow, dropped, forced)
     for module, names in local.counts.items():
+        if module in roles and roles[module].kind == "head_params":  # one style does both
+            roles[module] = replace(roles[module], names=names, reason=roles[module].reason + f"; its attributes "
+                                    f"{', '.join(names)} size its reshapes, divided by tp")
+            continue
         roles[module] = Role("shard_counts", f"its attributes {', '.join(names)} size the cuts of a fused "
                              "output; divided by tp, the cuts are the per-rank parts", (module,), names=names)
     kv_handled: set[str] = set()
@@ -80,6 +85,7 @@ def analyse_model(model: nn.Module, *, example_inputs=None, sequence_parallel: b
         roles.update(kv_roles)
     if sequence_parallel:
         roles = sequence_parallel_roles(g, flow, roles)
+    roles = shared_input_roles(g, flow, roles, sequence_parallel=sequence_parallel)
     if tp_size is not None:
         check_divisible(g, flow, roles, tp_size, skip=kv_handled)
     if tp_size is not None:
@@ -128,7 +134,8 @@ def check_divisible(g: nx.DiGraph, flow: Flow, roles: dict[str, Role], tp_size: 
 
 
 def synthesize(model: nn.Module, *, example_inputs=None, sequence_parallel: bool = False,
-               loss_parallel: bool = True, tp_size: int | None = None) -> dict[str, ParallelStyle]:
+               loss_parallel: bool = True, tp_size: int | None = None,
+               verify: bool = False) -> dict[str, ParallelStyle]:
     """Write a tensor-parallel plan for ``model`` from its traced graph.
 
     Keyword Args:
@@ -138,9 +145,17 @@ def synthesize(model: nn.Module, *, example_inputs=None, sequence_parallel: bool
         loss_parallel: leave the head's logits vocab-sharded (``Shard(-1)`` DTensor).
         tp_size: if given, check that every sharded extent divides evenly; k/v projections with
             fewer heads than ``tp_size`` (a multiple of them) get one kv head per rank.
+        verify: check the plan numerically before returning it (:func:`autotp.self_check.self_check`:
+            logits and every gradient at ``tp_size`` (2 if None) on simulated ranks, on the model
+            itself or on a tiny copy built from its config). Off by default: it costs 2-5 s on a
+            tiny model, several times the synthesis; ``autotp.parallelize`` turns it on.
 
     Returns:
         ``{fnmatch key: ParallelStyle}`` for ``parallelize_module``, keys relative to ``model``.
+
+    Raises:
+        VerificationError: (``verify=True``) the plan differs from the unsharded model; the
+            message names the first differing parameter and the difference against the tolerance.
 
     Example::
         >>> plan = synthesize(model)  # doctest: +SKIP
@@ -149,7 +164,13 @@ def synthesize(model: nn.Module, *, example_inputs=None, sequence_parallel: bool
     """
     analysis = analyse_model(model, example_inputs=example_inputs, sequence_parallel=sequence_parallel,
                              tp_size=tp_size)
-    return build_plan(analysis.roles, analysis.groups, loss_parallel=loss_parallel)
+    plan = build_plan(analysis.roles, analysis.groups, loss_parallel=loss_parallel)
+    if verify:
+        from autotp.self_check import self_check
+
+        self_check(model, plan, tp_size=tp_size or 2, sequence_parallel=sequence_parallel,
+                   loss_parallel=loss_parallel, example_inputs=example_inputs)
+    return plan
 
 
 def explain(model: nn.Module, *, example_inputs=None, sequence_parallel: bool = False,

@@ -7,6 +7,7 @@ import networkx as nx
 from autotp.synth.analysis import Flow, Shard, is_linear, linear_weight, param_source, weight_of, weight_uses
 from autotp.synth.graph import Ref, refs
 from autotp.synth.ops import PASSTHROUGH, VIEW_LIKE
+from autotp.synth.params import param_roles
 from autotp.synth.roles import Role
 
 
@@ -303,6 +304,7 @@ def assign_roles(g: nx.DiGraph, flow: Flow, dropped: dict[str, str],
     roles = linear_roles(g, flow, dropped)
     roles.update(embedding_roles(g, forced or {}))
     roles.update(norm_roles(g, flow, set(roles)))
+    roles.update(param_roles(g, flow, roles))
     return roles
 
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from torch.distributed.tensor import Partial, Replicate, Shard
+from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     PrepareModuleInput,
@@ -13,9 +13,9 @@ from torch.distributed.tensor.parallel import (
 )
 from torch.distributed.tensor.parallel.style import ParallelStyle
 
-from autotp import styles
+from autotp import styles, styles_params
 from autotp.plan import describe_style
-from autotp.synth_styles import GatherSequenceInput, PartialExpertsParallel
+from autotp.synth_styles import GatherSequenceInput, PartialExpertsParallel, SequenceParallelMoEBlock
 from autotp.synth.roles import Role
 from autotp.synth.trace import LayerGroups
 
@@ -51,6 +51,8 @@ def _style_for(role: Role, *, loss_parallel: bool = True) -> ParallelStyle | Non
     if kind == "packed_column":
         return styles.PackedColwiseParallel(sizes=role.sizes, **_seq_in(role))
     if kind == "row":
+        if role.partial_output:  # one branch of a parallel block: reduced with the other at their sum
+            return styles.PartialRowwiseParallel()
         if role.seq_output:
             return RowwiseParallel(output_layouts=Shard(1), use_local_output=False)
         return RowwiseParallel()
@@ -72,21 +74,31 @@ def _style_for(role: Role, *, loss_parallel: bool = True) -> ParallelStyle | Non
     if kind == "seq_params":
         return styles.ReplicatedParams()
     if kind == "seq_norm_gather":
-        return styles.SequenceParallelAllGather()
+        return styles.SequenceParallelAllGather(use_local_output=not role.dtensor_output)
+    if kind == "shared_input":
+        return styles.ReplicatedOutput()
+    if kind == "whole_module":
+        return styles.ReplicatedModule()
+    if kind == "stream_block":
+        return styles.ReplicatedStream()
+    if kind == "stream_params":
+        return styles.ReplicatedParams()
     if kind == "experts":
         experts = PartialExpertsParallel if role.seq_output else styles.ExpertsParallel
         return experts(shard_dims=dict(role.param_dims), packed=dict(role.param_parts))
     if kind == "seq_gather" and role.seq_output:
         return GatherSequenceInput(reshard_output=True)
     if kind == "seq_gather":
-        return GatherSequenceInput()
+        return GatherSequenceInput(use_local_output=not role.dtensor_output)
     if kind == "moe_block":
-        # The experts' output is a partial sum on every rank: reduce-scatter it to the stream.
-        return PrepareModuleOutput(output_layouts=Partial(), desired_output_layouts=Shard(1), use_local_output=False)
+        # Whole tokens in (the dispatch indexes them); the experts' partial sums reduce-scattered out.
+        return SequenceParallelMoEBlock()
     if kind == "rotary":
         return styles.RotaryEmbedParallel()
     if kind == "shard_counts":
         return styles.ShardCounts(names=role.names)
+    if kind == "head_params":
+        return styles_params.HeadParams(shard_dims=dict(role.param_dims), reduce=role.grad_reduced, counts=role.names)
     if kind == "replicate":
         return _replicated_at_sequence_edge(role)
     raise ValueError(f"unknown role kind {kind!r}")
@@ -136,30 +148,40 @@ def expand(traced: dict[str, object], groups: LayerGroups) -> dict[str, object]:
 def generalise(per_module: dict[str, ParallelStyle], groups: LayerGroups) -> dict[str, ParallelStyle]:
     """Fold per-layer keys into ``prefix.*.rest`` where every layer has the same style.
 
+    Layers are named as their stack names them: list positions, or an ``nn.ModuleDict``'s keys.
+
     >>> from torch.distributed.tensor.parallel import ColwiseParallel
     >>> g = LayerGroups({"layers": [[0, 1]]})
     >>> sorted(generalise({"layers.0.q": ColwiseParallel(), "layers.1.q": ColwiseParallel()}, g))
     ['layers.*.q']
+    >>> g = LayerGroups({"layers": [["first"], ["second"]]})
+    >>> sorted(generalise({"layers.first.q": ColwiseParallel()}, g))
+    ['layers.first.q']
     """
     plan: dict[str, ParallelStyle] = {}
-    by_tail: dict[tuple[str, str], dict[int, ParallelStyle]] = {}
+    by_tail: dict[tuple[str, str], dict[str, ParallelStyle]] = {}
     for fqn, style in per_module.items():
         prefix = next((p for p in groups.groups if fqn.startswith(p + ".")), None)
         if prefix is None:
             plan[fqn] = style
             continue
-        index, _, tail = fqn[len(prefix) + 1:].partition(".")
-        by_tail.setdefault((prefix, tail), {})[int(index)] = style
+        key, _, tail = fqn[len(prefix) + 1:].partition(".")
+        by_tail.setdefault((prefix, tail), {})[key] = style
     for (prefix, tail), styles_at in by_tail.items():
-        count = sum(len(g) for g in groups.groups[prefix])
+        entries = [str(entry) for group in groups.groups[prefix] for entry in group]
         described = {repr(describe_style(s)) for s in styles_at.values()}
         suffix = "." + tail if tail else ""
-        if len(styles_at) == count and len(described) == 1:
+        if len(styles_at) == len(entries) and len(described) == 1:
             plan[f"{prefix}.*{suffix}"] = next(iter(styles_at.values()))
-        else:
-            for index in sorted(styles_at):
-                plan[f"{prefix}.{index}{suffix}"] = styles_at[index]
+        else:  # layer by layer, numbered keys by value ("10" after "9")
+            for key in sorted(styles_at, key=_stack_order):
+                plan[f"{prefix}.{key}{suffix}"] = styles_at[key]
     return plan
+
+
+def _stack_order(entry: str) -> tuple:
+    """Sort key of a stack entry: numbers by value (``"10"`` after ``"9"``), then other keys."""
+    return (0, int(entry), "") if entry.isdigit() else (1, 0, entry)
 
 
 def build_plan(roles: dict[str, Role], groups: LayerGroups, *, loss_parallel: bool = True) -> dict[str, ParallelStyle]:

@@ -16,10 +16,14 @@ Edge ``u -> v`` means v reads u's output.
 
 from __future__ import annotations
 
+import functools
+import operator
 from typing import Any, NamedTuple
 
 import networkx as nx
 import torch
+
+from autotp.errors import TraceError
 
 
 class Ref(NamedTuple):
@@ -82,12 +86,15 @@ def refs(args, kwargs=None):
     return found
 
 
-def _plain(value):
-    """fx argument -> graph attribute: Nodes become Refs, containers are rebuilt, the rest kept."""
+def _plain(value, alias=None):
+    """fx argument -> graph attribute: Nodes become Refs (or what ``alias`` maps their name to:
+    the values a read-through region computes), containers are rebuilt, the rest kept."""
     if isinstance(value, torch.fx.Node):
+        if alias and value.name in alias:
+            return alias[value.name]
         return Ref(value.name)
     if isinstance(value, (list, tuple)):
-        return type(value)(_plain(v) for v in value) if not hasattr(value, "_fields") else value
+        return type(value)(_plain(v, alias) for v in value) if not hasattr(value, "_fields") else value
     return value
 
 
@@ -101,30 +108,109 @@ def _module_stack(node: torch.fx.Node) -> tuple[str, ...]:
     return tuple(fqn for fqn, _ in stack.values() if fqn)
 
 
+# Higher-order ops that run a traced region once on their operands, changing only a mode
+# (autocast, grad mode) or the way it is compiled: the region's body is read as inline code. The
+# value is the position of the region (a ``get_attr`` of a GraphModule) among the op's arguments;
+# the operands are the region's placeholders, the last arguments (``invoke_subgraph`` puts an
+# identifier string between the two).
+READ_THROUGH = {
+    "wrap_with_autocast": 4,  # (device, dtype, enabled, cache_enabled, region, *operands)
+    "wrap_with_set_grad_enabled": 1,  # (enabled, region, *operands)
+    "invoke_subgraph": 0,  # (region, identifier, *operands)
+}
+
+
 def build_graph(program: torch.export.ExportedProgram) -> nx.DiGraph:
     """Turn an exported program into the analysis graph (see the module docstring).
+
+    Regions of the higher-order ops in :data:`READ_THROUGH` are inlined: their nodes are added
+    under the op's name as prefix, and the ``getitem`` users of the op's result stand for the
+    region's outputs.
 
     Args:
         program: the result of ``torch.export.export``.
     Returns:
         A DiGraph whose nodes are in program order (``order`` attribute).
+    Raises:
+        TraceError: the program calls a higher-order op (a region of code run under control of
+            the op: ``cond``, ``flex_attention``...) that the graph cannot read through.
     """
     signature = program.graph_signature
     sources = {**{k: ("param", v) for k, v in signature.inputs_to_parameters.items()},
                **{k: ("buffer", v) for k, v in signature.inputs_to_buffers.items()}}
     g = nx.DiGraph()
-    for node in program.graph.nodes:
-        if node.op == "placeholder":
-            kind, param = sources.get(node.name, ("input", None))
-            add_node(g, node.name, "placeholder", kind=kind, param=param, shape=_value_shape(node))
-        elif node.op == "output":
-            add_node(g, node.name, "output", _plain(node.args), kind="output")
-        elif node.op == "call_function":
-            stack = _module_stack(node)
-            add_node(g, node.name, op_name(node.target), _plain(node.args), kwargs=_plain(node.kwargs),
-                     shape=_value_shape(node), module=stack[-1] if stack else "", stack=stack)
+    _add_nodes(g, program.graph_module, program.graph, sources=sources, alias={}, prefix="")
     _products_as_linear(g)
     return g
+
+
+def _add_nodes(g: nx.DiGraph, owner: torch.fx.GraphModule, graph: torch.fx.Graph, *, sources: dict,
+               alias: dict, prefix: str) -> None:
+    """Add the nodes of ``graph`` to ``g`` in program order, reading through :data:`READ_THROUGH`
+    regions. ``prefix`` is set for a region (a subgraph of ``owner``): its nodes are named
+    ``prefix + name``, and its placeholders and output are its caller's business.
+
+    ``alias`` maps fx node names to what stands for them in ``g``: a region's placeholders map to
+    the operands of its call, ``getitem(op, i)`` to the region's i-th output, other nodes to their
+    own (prefixed) name.
+    """
+    regions: dict[str, list] = {}  # a read-through op's name -> the values of its region's outputs
+    for node in graph.nodes:
+        if node.op == "placeholder" and not prefix:
+            kind, param = sources.get(node.name, ("input", None))
+            add_node(g, node.name, "placeholder", kind=kind, param=param, shape=_value_shape(node))
+        elif node.op == "output" and not prefix:
+            add_node(g, node.name, "output", _plain(node.args, alias), kind="output")
+        elif node.op == "get_attr":
+            _add_constant(g, owner, node, prefix, alias)
+        elif node.op != "call_function":
+            continue
+        elif node.target is operator.getitem and isinstance(node.args[0], torch.fx.Node) \
+                and node.args[0].name in regions:
+            alias[node.name] = regions[node.args[0].name][node.args[1]]
+        elif isinstance(node.target, torch._ops.HigherOrderOperator):
+            regions[node.name] = _read_through(g, owner, node, sources=sources, alias=alias, prefix=prefix)
+        else:
+            stack = _module_stack(node)
+            alias[node.name] = Ref(prefix + node.name)
+            add_node(g, prefix + node.name, op_name(node.target), _plain(node.args, alias),
+                     kwargs=_plain(node.kwargs, alias), shape=_value_shape(node),
+                     module=stack[-1] if stack else "", stack=stack)
+
+
+def _add_constant(g: nx.DiGraph, owner: torch.fx.GraphModule, node: torch.fx.Node, prefix: str,
+                  alias: dict) -> None:
+    """A ``get_attr`` of a tensor becomes a buffer node; one of a region is left to its op."""
+    value = functools.reduce(getattr, node.target.split("."), owner)
+    if isinstance(value, torch.Tensor):
+        alias[node.name] = Ref(prefix + node.name)
+        add_node(g, prefix + node.name, "placeholder", kind="buffer", param=node.target, shape=tuple(value.shape))
+
+
+def _read_through(g: nx.DiGraph, owner: torch.fx.GraphModule, node: torch.fx.Node, *, sources: dict,
+                  alias: dict, prefix: str) -> list:
+    """Inline the region of higher-order op ``node``; return what stands for each of its outputs.
+
+    Raises:
+        TraceError: the op is not in :data:`READ_THROUGH`.
+    """
+    name = op_name(node.target)
+    if name not in READ_THROUGH:
+        stack = _module_stack(node)
+        raise TraceError(
+            f"{stack[-1] if stack else '<root>'}: the traced forward calls the higher-order op {name!r}, "
+            f"which the graph builder cannot read through (it reads {', '.join(sorted(READ_THROUGH))}). "
+            "Write the plan by hand for this model, or keep the code that calls it out of the traced forward."
+        )
+    at = READ_THROUGH[name]
+    region = functools.reduce(getattr, node.args[at].target.split("."), owner)
+    placeholders = [n for n in region.graph.nodes if n.op == "placeholder"]
+    operands = node.args[len(node.args) - len(placeholders):] if placeholders else ()
+    inner_alias = {p.name: _plain(v, alias) for p, v in zip(placeholders, operands)}
+    _add_nodes(g, region, region.graph, sources=sources, alias=inner_alias, prefix=f"{prefix}{node.name}.")
+    output = next(n for n in region.graph.nodes if n.op == "output")
+    values = output.args[0] if isinstance(output.args[0], (list, tuple)) else (output.args[0],)
+    return [_plain(v, inner_alias) for v in values]
 
 
 # Ops a weight may pass through on its way to a product and stay the same matrix.

@@ -18,7 +18,7 @@ from torch import nn
 from autotp.errors import MeshError, working_tp_sizes
 from autotp.synth.analysis import Flow, Shard, wider_attention
 from autotp.synth.local_run import capture_inputs, run_local
-from autotp.synth.localize import _is_count, cutting_module
+from autotp.synth.localize import _is_count, cutting_module, inner_roles
 from autotp.synth.roles import Role
 from autotp.synth.trace import collapsed
 
@@ -97,9 +97,7 @@ def _ratio_roles(model, example_inputs, roles, kv_roles, attention, tp, groups) 
     captured = capture_inputs(model, example_inputs, set(attention), groups)
     out = {}
     for fqn, (heads, kv) in attention.items():
-        prefix = fqn + "."
-        inner = {m[len(prefix):]: r for m, r in {**roles, **kv_roles}.items()
-                 if m.startswith(prefix) and r.kind != "replicate"}
+        inner = inner_roles({**roles, **kv_roles}, fqn)
         with collapsed(model, groups):
             module = model.get_submodule(fqn)
             name = None

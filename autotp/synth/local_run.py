@@ -22,6 +22,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from autotp.synth.analysis import Shard, is_linear, propagate
 from autotp.synth.graph import build_graph
 from autotp.synth.ops import PASSTHROUGH
+from autotp.synth.params import chain_dims
 from autotp.synth.roles import Role
 from autotp.synth.trace import LayerGroups, collapsed, example_args
 
@@ -86,7 +87,7 @@ _LOCAL_DIMS = {"column": 0, "packed_column": 0, "head": 0, "row": 1, "width_norm
 
 def _shrink(module: nn.Module, role: Role, tp: int) -> None:
     """Give ``module``'s parameters their per-rank shapes under ``role``."""
-    dims = dict(role.param_dims) if role.kind == "experts" else None
+    dims = dict(role.param_dims) if role.kind in ("experts", "head_params") else None
     if _in_out(role):
         _shrink_in_out(module, role, tp)
         return
@@ -251,12 +252,31 @@ def shapes_are_local(g: nx.DiGraph, local: nx.DiGraph, roles: dict[str, Role], t
     local_nodes = [n for n in order(local) if local.nodes[n]["op"] not in PASSTHROUGH]
     if [g.nodes[n]["op"] for n in nodes] != [local.nodes[n]["op"] for n in local_nodes]:
         return False
+    params = chain_dims(g, flow.param_shards)  # per-head parameters, viewed to meet the heads
     for name, local_name in zip(nodes, local_nodes):
         shape, local_shape = g.nodes[name]["shape"], local.nodes[local_name]["shape"]
         state = flow.state.get(name)
-        if isinstance(state, Shard) and shape is not None:
-            shape = tuple(s // tp if d == state.dim else s for d, s in enumerate(shape))
-        if shape != local_shape and not isinstance(state, tuple) and g.nodes[name]["kind"] == "call":
+        dim = state.dim if isinstance(state, Shard) else params.get(name)
+        if dim is not None and shape is not None:
+            shape = tuple(s // tp if d == dim else s for d, s in enumerate(shape))
+        if shape != local_shape and not isinstance(state, tuple) and g.nodes[name]["kind"] == "call" \
+                and not _broadcast_to_heads(g, name, shape, local_shape, tp):
+            return False
+    return True
+
+
+def _broadcast_to_heads(g: nx.DiGraph, name: str, shape, local_shape, tp: int) -> bool:
+    """A replicated tensor expanded along one dim to the per-rank heads (a shared rotary key
+    ``k_rot.expand(*k_nope.shape[:-1], -1)``): only dims that were of size 1 before differ, each
+    divided by tp."""
+    data = g.nodes[name]
+    source = data["args"][0] if data["op"] == "expand" and data["args"] else None
+    source_shape = g.nodes[source.name]["shape"] if source is not None and hasattr(source, "name") else None
+    if source_shape is None or local_shape is None or len(shape) != len(local_shape):
+        return False
+    offset = len(shape) - len(source_shape)
+    for d, (size, local_size) in enumerate(zip(shape, local_shape)):
+        if size != local_size and (local_size * tp != size or (d >= offset and source_shape[d - offset] != 1)):
             return False
     return True
 

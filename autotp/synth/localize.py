@@ -19,6 +19,7 @@ reported with the reason and stays replicated: never a plan that runs and comput
 
 from __future__ import annotations
 
+import copy
 import itertools
 import logging
 from dataclasses import dataclass, field
@@ -46,6 +47,16 @@ class Localization:
 
     counts: dict[str, tuple[str, ...]] = field(default_factory=dict)
     unlocal: dict[str, str] = field(default_factory=dict)  # linear node -> reason
+
+
+def inner_roles(roles: dict[str, Role], fqn: str) -> dict[str, Role]:
+    """The roles of ``fqn`` and of the modules inside it, by name relative to it (``""``: itself),
+    that change a shape when it runs alone at per-rank widths."""
+    prefix = fqn + "." if fqn else ""
+    found = {m[len(prefix):]: r for m, r in roles.items() if m.startswith(prefix) and r.kind != "replicate"}
+    if fqn in roles and roles[fqn].kind == "head_params":
+        found[""] = roles[fqn]  # its per-head parameters are per-rank too
+    return found
 
 
 def fixed_size_roots(g: nx.DiGraph, flow: Flow) -> dict[str, list[str]]:
@@ -108,7 +119,20 @@ def _is_count(value) -> bool:
 
 def _plain_object(value) -> bool:
     return (hasattr(value, "__dict__") and not isinstance(value, (nn.Module, torch.Tensor, type))
-            and not callable(value))
+            and not callable(value) and _assignable(value))
+
+
+def _assignable(value) -> bool:
+    """Whether a copy of ``value`` takes new attribute values (a frozen dataclass does not, so
+    :class:`~autotp.styles.ShardCounts` could not divide anything it holds)."""
+    name = next(iter(vars(value)), None)
+    if name is None:
+        return False
+    try:
+        setattr(copy.copy(value), name, getattr(value, name))
+    except Exception:  # FrozenInstanceError, a read-only property, a __setattr__ that refuses
+        return False
+    return True
 
 def local_ranges(sizes: tuple[int, ...], tp: int) -> set[tuple[int, int]]:
     """The per-rank parts of a fused output of parts ``sizes``.
@@ -167,7 +191,7 @@ def localize(model: nn.Module, example_inputs, g: nx.DiGraph, flow: Flow, roles:
     captured = capture_inputs(model, example_inputs, {m for m in by_module if m}, groups) if by_module else {}
     for fqn, roots in by_module.items():
         prefix = fqn + "." if fqn else ""
-        inner = {m[len(prefix):]: r for m, r in roles.items() if m.startswith(prefix) and r.kind != "replicate"}
+        inner = inner_roles(roles, fqn)
         fused = {_owner(g, r)[len(prefix):]: roles[_owner(g, r)].sizes for r in roots}
         values = set().union(*(part_numbers(g, flow, r) for r in roots))
         with collapsed(model, groups):
@@ -186,87 +210,7 @@ def localize(model: nn.Module, example_inputs, g: nx.DiGraph, flow: Flow, roles:
         elif names:
             result.counts[fqn] = names
         log.info("localize %s: %s", fqn, names)
-    _localize_heads(model, example_inputs, g, flow, roles, tp, result)
+    from autotp.synth.shape_proof import localize_shapes
+
+    localize_shapes(model, example_inputs, g, flow, roles, tp, result)
     return result
-
-
-def head_views(g: nx.DiGraph, flow: Flow, roles: dict[str, Role]) -> dict[str, list[str]]:
-    """Column roots whose shard a view splits into heads: the module that runs both -> roots.
-
-    The view's head count is a constant in the trace; at per-rank widths it must be the per-rank
-    count, which holds only if the code derives it from the width (``view(b, s, -1, head_dim)``).
-    """
-    from autotp.synth.assign import _owner
-
-    found: dict[str, list[str]] = {}
-    for root in sorted(flow.roots, key=lambda n: g.nodes[n]["order"]):
-        if roles.get(_owner(g, root), Role("", "")).kind != "column":
-            continue
-        for node, _ in head_splits(g, flow, root, root):
-            found.setdefault(cutting_module(g, root, [node]), []).append(root)
-            break
-    return found
-
-
-def _localize_heads(model: nn.Module, example_inputs, g: nx.DiGraph, flow: Flow, roles: dict[str, Role],
-                    tp: int, result: Localization) -> None:
-    """Per-rank head counts for modules that split a column shard into heads with an attribute.
-
-    A module that already runs at per-rank widths (Llama's ``view(..., -1, head_dim)``) needs
-    nothing. One that fails there (GPT-Neo's ``view(..., self.num_heads, head_dim)``) gets the
-    attributes whose division makes it run with per-rank shapes (:func:`find_names`), or its
-    Linears are kept whole with the reason.
-    """
-
-    by_module = {m: r for m, r in head_views(g, flow, roles).items() if m and m not in result.counts}
-    if not by_module:
-        return
-    groups = g.graph.get("layer_groups")
-    captured = capture_inputs(model, example_inputs, set(by_module), groups)
-    for fqn, roots in by_module.items():
-        if fqn not in captured:
-            continue  # not reached by the fake forward: nothing to confirm either way
-        prefix = fqn + "."
-        inner = {m[len(prefix):]: r for m, r in roles.items() if m.startswith(prefix) and r.kind != "replicate"}
-        values = {g.nodes[n]["shape"][flow.state[n].dim] for r in roots for n in nx.bfs_tree(g, r, depth_limit=4)
-                  if g.nodes[n]["op"] in VIEW_LIKE and isinstance(flow.state.get(n), Shard) and g.nodes[n]["shape"]}
-        if any(v % tp for v in values):
-            continue  # tp does not divide the heads: check_divisible names the module and the sizes
-        with collapsed(model, groups):
-            module = model.get_submodule(fqn)
-            reference = run_local(module, captured[fqn], inner, [], (), 1)
-            if reference is None or run_local(module, captured[fqn], inner, [], (), tp) is not None:
-                continue  # runs at per-rank widths as it is (the verifier judges the numbers)
-            candidates = candidate_names(module, {v for v in values if v > 1})
-            names = _head_names(module, captured[fqn], inner, candidates, tp, _main(reference[0]))
-        if names:
-            result.counts[fqn] = names
-        else:
-            tried = ", ".join(candidates) or "none found"
-            for root in roots:
-                result.unlocal[root] = (
-                    f"{fqn} splits its output into heads with a fixed count, and no integer attributes "
-                    f"(tried: {tried}) divided by tp make it run at per-rank widths; kept whole")
-        log.info("localize heads %s: %s", fqn, names)
-
-
-def _main(shapes):
-    """The shape of a module's main output: the first of a tuple (attention weights may follow)."""
-    return shapes[0] if isinstance(shapes, tuple) and shapes and isinstance(shapes[0], tuple) else shapes
-
-
-def _head_names(module: nn.Module, inputs, roles: dict[str, Role], candidates: list[str], tp: int,
-                main: tuple) -> tuple[str, ...] | None:
-    """The smallest set of ``candidates`` with which ``module`` runs at per-rank widths, keeps its
-    main output's global shape, and has every intermediate shape the per-rank one; or None."""
-    traced = None
-    for count in range(1, min(MAX_NAMES, len(candidates)) + 1):
-        for names in itertools.combinations(candidates, count):
-            result = run_local(module, inputs, roles, [], names, tp)
-            if result is None or _main(result[0]) != main:
-                continue
-            traced = traced or trace_local(module, inputs, roles, (), 1)
-            local = trace_local(module, inputs, roles, names, tp)
-            if traced is not None and local is not None and shapes_are_local(traced, local, roles, tp):
-                return names
-    return None

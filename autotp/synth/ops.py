@@ -31,7 +31,13 @@ ELEMENTWISE = frozenset({
     "hardtanh", "leaky_relu", "elu", "gelu_tanh", "sign", "floor", "ceil", "round", "fill", "zeros_like",
     "ones_like", "full_like", "log1p", "expm1", "true_divide", "floor_divide", "fmod", "remainder",
     "relu6", "hardswish", "hardsigmoid", "selu", "celu", "logit", "sgn", "trunc", "nan_to_num",
+    # ``dst.copy_(src)`` writes src into dst element by element (a slice of a fresh ``new_empty``).
+    "copy_", "copy",
 })
+
+# A fresh tensor shaped like its input (``x.new_empty(*x.shape[:-1], n)``): no values flow, but
+# the dims it keeps are the input's, so a shard on one of them stays there.
+NEW_LIKE = frozenset({"new_empty", "new_zeros", "new_ones", "new_full"})
 
 # Ops whose output is a new view of the same elements, described by the input and output shapes.
 VIEW_LIKE = frozenset({"view", "reshape", "_unsafe_view", "flatten", "unflatten", "view_as", "reshape_as"})
@@ -167,9 +173,31 @@ def _broadcast_ok(g, name, other, out_dim, out_ndim, ctx) -> bool:
     if shape is None:
         return True
     offset = out_ndim - len(shape)
-    if out_dim < offset or shape[out_dim - offset] == 1:
+    if out_dim < offset or shape[out_dim - offset] == 1 or _broadcast_of(g, other, out_dim - offset):
         return True
-    return ctx.shards_along(other, name)
+    return ctx.shards_along(other, name) or ctx.shard_param(other, out_dim - offset)
+
+
+def _broadcast_of(g, name, dim) -> bool:
+    """Whether ``name`` is an ``expand`` of a tensor of size 1 at ``dim``: the same values for
+    every index of that dim, so each rank may take as many as it holds heads (the per-rank run's
+    shape proof checks that the expanded size is the per-rank one)."""
+    while g.nodes[name]["op"] in PASSTHROUGH and g.nodes[name]["args"] and isinstance(g.nodes[name]["args"][0], Ref):
+        name = g.nodes[name]["args"][0].name
+    data = g.nodes[name]
+    if data["op"] != "expand" or not isinstance(data["args"][0], Ref):
+        return False
+    source = g.nodes[data["args"][0].name]["shape"]
+    offset = len(data["shape"] or ()) - len(source or ())
+    return source is not None and (dim < offset or source[dim - offset] == 1)
+
+
+def _new_like(g, name, dims, ctx):
+    (src, dim), = dims.items()
+    in_shape, out_shape = g.nodes[src]["shape"], g.nodes[name]["shape"]
+    if out_shape is None or len(out_shape) != len(in_shape) or out_shape[dim] != in_shape[dim]:
+        return Break(f"{g.nodes[name]['op']} makes a tensor without the sharded dim {dim} of its input")
+    return Out(dim)
 
 
 def _elementwise(g, name, dims, ctx):
@@ -316,6 +344,15 @@ def _chunk(g, name, dims, ctx):
     return _split_parts(g, name, dims, ctx, [min(step, size - i) for i in range(0, size, step)], at)
 
 
+def _unbind(g, name, dims, ctx):
+    (src, dim), = dims.items()
+    args = g.nodes[name]["args"]
+    at = _norm(args[1] if len(args) > 1 else g.nodes[name]["kwargs"].get("dim", 0), _ndim(g, src))
+    if at == dim:
+        return Break(f"unbind takes single indices of the sharded dim {dim}")
+    return Parts(tuple(Out(dim - 1 if at < dim else dim) for _ in range(g.nodes[src]["shape"][at])))
+
+
 def _cat(g, name, dims, ctx):
     data = g.nodes[name]
     tensors = data["args"][0]
@@ -326,8 +363,10 @@ def _cat(g, name, dims, ctx):
     dim = next(iter(dims.values()))
     if at == dim:
         return Break(f"cat along the sharded dim {dim}")
-    if any(ref.name not in dims for ref in tensors if isinstance(ref, Ref)):
-        return Break(f"cat joins sharded and replicated tensors along dim {at}")
+    for ref in tensors:
+        # A replicated piece (a per-head sink logit) joins only if it can be sharded the same way.
+        if isinstance(ref, Ref) and ref.name not in dims and not ctx.shard_param(ref.name, dim):
+            return Break(f"cat joins sharded and replicated tensors along dim {at}")
     return Out(dim)
 
 
@@ -373,6 +412,29 @@ def _matmul(g, name, dims, ctx):
     return Out(out_dim)
 
 
+def _einsum(g, name, dims, ctx):
+    """``einsum(equation, operands)``: the sharded dim's letter must survive to the output, and
+    every operand with that letter must be sharded on it too (a batch or head index)."""
+    equation, operands = g.nodes[name]["args"][0], list(g.nodes[name]["args"][1])
+    inputs, _, output = equation.replace(" ", "").partition("->")
+    subscripts = inputs.split(",")
+    if "." in equation or not output or len(subscripts) != len(operands):
+        return Break(f"einsum {equation!r} is not read (ellipsis or implicit output)")
+    letters = {subscripts[i][d] for i, ref in enumerate(operands) if isinstance(ref, Ref) and ref.name in dims
+               for d in [dims[ref.name]]}
+    if len(letters) != 1:
+        return Break(f"einsum {equation!r} has operands sharded on different indices")
+    letter = letters.pop()
+    if letter not in output:
+        return Break(f"einsum {equation!r} contracts over the sharded index {letter!r}")
+    for i, ref in enumerate(operands):
+        if letter in subscripts[i] and isinstance(ref, Ref) and ref.name not in dims:
+            at = subscripts[i].index(letter)
+            if g.nodes[ref.name]["shape"][at] != 1 and not ctx.shard_param(ref.name, at):
+                return Break(f"einsum {equation!r} meets the sharded index {letter!r} with a replicated operand")
+    return Out(output.index(letter))
+
+
 RULES = {
     **{op: _passthrough for op in PASSTHROUGH},
     **{op: _elementwise for op in ELEMENTWISE},
@@ -381,10 +443,11 @@ RULES = {
     **{op: _fused_norm for op in FUSED_NORMS},
     **{op: _attention for op in ATTENTION},
     **{op: _matmul for op in MATMULS},
+    **{op: _new_like for op in NEW_LIKE},
     "transpose": _transpose, "t": _transpose, "permute": _permute, "unsqueeze": _unsqueeze,
     "squeeze": _squeeze, "expand": _expand, "repeat": _repeat, "select": _select, "slice": _slice,
-    "split": _split, "split_with_sizes": _split, "chunk": _chunk,
-    "cat": _cat, "stack": _stack,
+    "split": _split, "split_with_sizes": _split, "chunk": _chunk, "unbind": _unbind,
+    "cat": _cat, "stack": _stack, "einsum": _einsum,
 }
 
 

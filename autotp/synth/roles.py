@@ -23,6 +23,11 @@ ROLE_KINDS = {
     "rotary": "parameter-free module producing position tables for the sharded region",
     "shard_counts": "module whose integer attributes size the cuts of a fused output; divided by tp",
     "seq_params": "module holding sharded children whose own parameters act on the sequence-sharded stream",
+    "head_params": "module whose own parameters meet a sharded activation: sharded with it, or gradient all-reduced",
+    "shared_input": "module whose output only column Linears read: a Replicate() DTensor, gradient reduced once",
+    "whole_module": "module kept whole that reads a shared input's DTensor: runs on its local value",
+    "stream_block": "parallel block run on a Replicate() DTensor stream: its branches reduced once together",
+    "stream_params": "module on a stream block's DTensor stream: its parameters are replicated DTensors",
     "replicate": "kept whole on every rank",
 }
 
@@ -42,7 +47,8 @@ class Role:
         seq_join: under sequence parallel, the replicated output is combined with the
             sequence-sharded stream (a position embedding, a Linear kept whole), so it must be a
             ``Replicate()`` DTensor there.
-        param_dims: of ``experts``, (parameter name, sharded dim) pairs.
+        param_dims: of ``experts`` and ``head_params``, (parameter name, sharded dim) pairs.
+        grad_reduced: of ``head_params``, parameters kept whole whose gradient is all-reduced.
         param_parts: of ``experts``, (parameter name, number of fused parts) pairs.
         names: of ``shard_counts``, the attribute paths divided by tp; of ``kv_head_counts``, the
             grouped-query ratio attribute.
@@ -50,6 +56,11 @@ class Role:
         heads: of ``kv_head_counts``, the query heads of the attention.
         owned_output: the calling code modifies the output in place, so the style returns a copy
             rather than a view of a DTensor's local shard.
+        dtensor_output: of ``seq_norm_gather`` / ``seq_gather``, the gathered value stays a
+            ``Replicate()`` DTensor: every reader is a column Linear, whose input gradients are then
+            reduce-scattered once.
+        partial_output: of a ``row``, its output stays ``Partial()``: a parallel block adds it to
+            another row's before one reduction.
         weight_in_out: of a Linear-like role, the weight is stored ``(in, out)`` (transformers'
             ``Conv1D``), so its sharded dims are swapped.
     """
@@ -64,9 +75,12 @@ class Role:
     seq_join: bool = False
     param_dims: tuple[tuple[str, int], ...] = ()
     param_parts: tuple[tuple[str, int], ...] = ()
+    grad_reduced: tuple[str, ...] = ()
     names: tuple[str, ...] = ()
     kv_heads: int = 0
     head_dim: int = 0
     heads: int = 0
     owned_output: bool = False
     weight_in_out: bool = False
+    dtensor_output: bool = False
+    partial_output: bool = False

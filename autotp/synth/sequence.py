@@ -51,7 +51,7 @@ def residual_region(g: nx.DiGraph, flow: Flow, blocks: set[str] = frozenset()) -
     stream_rows = {r for r in set(flow.rows) - inner_rows(g, flow) if not _in_block(g, r, blocks)}
     starts = sorted(stream_rows)
     for block in sorted(blocks):  # a MoE block's output returns to the stream as a row's does
-        starts += [r for r in _module_outputs(g, block)[1]
+        starts += [r for r in module_outputs(g, block)[1]
                    if g.nodes[r]["kind"] == "call" and not is_linear(g, r) and r not in starts]
     from_rows = _downstream(g, flow, starts)
     embeddings = stream_embeddings(g, flow, from_rows)
@@ -98,8 +98,9 @@ def _input_alias(g: nx.DiGraph, name: str, module: str) -> bool:
     return False
 
 
-def _module_outputs(g: nx.DiGraph, module: str) -> tuple[list[str], list[str]]:
-    """Nodes of ``module`` read from outside it, and those outside readers."""
+def module_outputs(g: nx.DiGraph, module: str) -> tuple[list[str], list[str]]:
+    """Nodes of ``module`` read from outside it, and those outside readers (casts that return
+    the module's own input are not its outputs)."""
     outputs, readers = [], []
     for name, data in g.nodes(data=True):
         if module not in data["stack"] or _input_alias(g, name, module):
@@ -117,9 +118,31 @@ def _owner(g, name):
     return owner(g, name)
 
 
-def expert_blocks(roles: dict[str, Role]) -> set[str]:
-    """Modules that hold grouped experts (the MoE block: router, experts, the combine around them)."""
-    return {fqn.rpartition(".")[0] for fqn, role in roles.items() if role.kind == "experts"}
+def expert_blocks(roles: dict[str, Role], groups=None) -> set[str]:
+    """Modules that hold grouped experts (the MoE block: router, experts, the combine around them).
+
+    The block is the module below the decoder layer on the experts' path: transformers nests
+    ``layers.0.mlp.experts`` (block ``mlp``), torchtitan ``layers.0.moe.routed_experts.inner_experts``
+    with the router beside ``routed_experts`` (block ``moe``, where the tokens are dispatched). Without
+    layer groups, or with the experts directly in the layer, it is the experts' parent.
+
+    >>> from autotp.synth.trace import LayerGroups
+    >>> roles = {"layers.0.moe.routed.inner": Role("experts", "")}
+    >>> sorted(expert_blocks(roles, LayerGroups({"layers": [[0]]})))
+    ['layers.0.moe']
+    """
+    found = set()
+    for fqn, role in roles.items():
+        if role.kind != "experts":
+            continue
+        block = fqn.rpartition(".")[0]
+        for prefix in (groups.groups if groups is not None else ()):
+            key, _, rest = fqn[len(prefix) + 1:].partition(".") if fqn.startswith(prefix + ".") else ("", "", "")
+            child = rest.partition(".")[0]
+            if child and f"{prefix}.{key}.{child}" != fqn:
+                block = f"{prefix}.{key}.{child}"
+        found.add(block)
+    return found
 
 
 def partial_blocks(g: nx.DiGraph, roles: dict[str, Role], blocks: set[str]) -> set[str]:
@@ -169,7 +192,7 @@ def replicated_blocks(g: nx.DiGraph, region: set[str], roles: dict[str, Role]) -
             if all(roles.get(o, Role("replicate", "")).kind == "replicate" for o in owners):
                 # A whole decoder block (GPT-2's Conv1D layers) returns the stream itself: its
                 # output is sliced back to the sequence shard.
-                returns_stream = bool(set(_module_outputs(g, module)[0]) & region)
+                returns_stream = bool(set(module_outputs(g, module)[0]) & region)
                 found[module] = Role("seq_gather", "kept whole (its Linears cannot be sharded) and reads the "
                                      "sequence-sharded stream: gathered once at entry"
                                      + ("; its output is the stream, sliced back" if returns_stream else ""),
@@ -197,7 +220,7 @@ def sequence_norms(g: nx.DiGraph, region: set[str], roles: dict[str, Role]) -> d
     # A module that multiplies by a weight matrix mixes features: it is a Linear (kept whole, or
     # sharded), never a norm.
     owners -= {d["module"] for _, d in g.nodes(data=True) if d["op"] in _MATMUL_OPS}
-    blocks = expert_blocks(roles)
+    blocks = expert_blocks(roles, g.graph.get("layer_groups"))
     found = {}
     for name in sorted(region, key=lambda n: g.nodes[n]["order"]):
         for module in g.nodes[name]["stack"]:
@@ -215,7 +238,7 @@ def sequence_norms(g: nx.DiGraph, region: set[str], roles: dict[str, Role]) -> d
                     found[module] = Role("seq_params", "applies parameters of its own to the sequence-sharded "
                                          "stream; they are replicated DTensors", ("residual", module))
                 continue
-            _, readers = _module_outputs(g, module)
+            _, readers = module_outputs(g, module)
             consumers = {"column" if _in_block(g, r, blocks) else
                          roles.get(_owner(g, r), Role("replicate", "")).kind if is_linear(g, r)
                          else "other" for r in readers}
@@ -237,7 +260,7 @@ def rotary_modules(g: nx.DiGraph, flow: Flow, roles: dict[str, Role]) -> dict[st
     for module in sorted(buffer_owners - param_owners - set(roles)):
         if not module or any(p.startswith(module + ".") for p in param_owners):
             continue  # the root, or a module with parameters below it (a decoder layer's own scale buffer)
-        outputs, _ = _module_outputs(g, module)
+        outputs, _ = module_outputs(g, module)
         if _meets_shard(g, flow, outputs, module):
             found[module] = Role("rotary", "computes position tables that the sharded attention reads; "
                                  "its output must be whole and local", (module, "attention"))
@@ -331,7 +354,7 @@ def shared_gathers(g: nx.DiGraph, region: set[str], roles: dict[str, Role]) -> d
 
 def sequence_parallel_roles(g: nx.DiGraph, flow: Flow, roles: dict[str, Role]) -> dict[str, Role]:
     """Roles under sequence parallel: add seq norms and rotary, and mark sequence-sharded ends."""
-    blocks = expert_blocks(roles)
+    blocks = expert_blocks(roles, g.graph.get("layer_groups"))
     partial = partial_blocks(g, roles, blocks)
     region = residual_region(g, flow, blocks)
     out = dict(roles)
@@ -347,7 +370,7 @@ def sequence_parallel_roles(g: nx.DiGraph, flow: Flow, roles: dict[str, Role]) -
                               "output (a shared expert, a norm): each is reduced inside, and the whole output "
                               "is sliced back to the sequence-sharded stream", (block,), seq_output=True)
     out.update({m: replace(r, seq_output=True) for m, r in out.items()
-                if r.kind == "experts" and m.rpartition(".")[0] in partial})
+                if r.kind == "experts" and any(m.startswith(block + ".") for block in partial)})
     out.update(joining_modules(g, flow, region, out))
     out.update(shared_gathers(g, region, out))
     gathered = {m for m, r in out.items() if r.kind in ("seq_norm_gather", "seq_gather")}

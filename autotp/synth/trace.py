@@ -1,6 +1,6 @@
 """Trace a model once per distinct block type with ``torch.export`` (non-strict, default IR).
 
-Repeated blocks (the entries of an ``nn.ModuleList``) are grouped by structure: class plus parameter
+Repeated blocks (the entries of an ``nn.ModuleList``, ``nn.ModuleDict`` or ``nn.Sequential``) are grouped by structure: class plus parameter
 and buffer shapes. Only one representative per group is traced, so tracing cost does not grow with
 depth; :class:`LayerGroups` maps the traced FQNs back to every layer they stand for.
 """
@@ -8,6 +8,7 @@ depth; :class:`LayerGroups` maps the traced FQNs back to every layer they stand 
 from __future__ import annotations
 
 import contextlib
+import copy
 import io
 import itertools
 import logging
@@ -28,23 +29,45 @@ EXAMPLE_SEQ = 11
 
 @dataclass
 class LayerGroups:
-    """For each collapsed ``ModuleList`` FQN, the original indices each traced entry stands for."""
+    """For each collapsed layer stack's FQN, the entries each traced entry stands for.
 
-    groups: dict[str, list[list[int]]] = field(default_factory=dict)
+    An entry is named by its position in an ``nn.ModuleList`` or ``nn.Sequential`` (an ``int``) or
+    by its key in an ``nn.ModuleDict`` (a ``str``: torchtitan keys its layers ``"0"``, ``"1"``...).
+    A collapsed list renumbers its entries, so the i-th group stands behind traced index ``i``; a
+    collapsed dict keeps its keys, so a group stands behind the key of its first entry.
+    """
+
+    groups: dict[str, list[list[int | str]]] = field(default_factory=dict)
+
+    def group_of(self, prefix: str, key: str) -> list[int | str] | None:
+        """The entries that traced entry ``key`` of stack ``prefix`` stands for (None if unknown).
+
+        >>> LayerGroups({"layers": [["a", "c"], ["b"]]}).group_of("layers", "b")
+        ['b']
+        """
+        groups = self.groups.get(prefix, [])
+        if groups and isinstance(groups[0][0], str):
+            return next((g for g in groups if g[0] == key), None)
+        if key.isdigit() and int(key) < len(groups):
+            return groups[int(key)]
+        return None
 
     def original(self, fqn: str) -> list[str]:
         """Original FQNs that traced module ``fqn`` stands for (itself if it is not in a block).
 
         >>> LayerGroups({"layers": [[0, 2], [1]]}).original("layers.0.attn")
         ['layers.0.attn', 'layers.2.attn']
+        >>> LayerGroups({"layers": [["0", "2"], ["1"]]}).original("layers.1")
+        ['layers.1']
         """
-        for prefix, groups in self.groups.items():
+        for prefix in self.groups:
             head = prefix + "."
             if fqn.startswith(head):
-                index, _, rest = fqn[len(head):].partition(".")
-                if index.isdigit():
+                key, _, rest = fqn[len(head):].partition(".")
+                group = self.group_of(prefix, key)
+                if group is not None:
                     tail = "." + rest if rest else ""
-                    return [f"{head}{i}{tail}" for i in groups[int(index)]]
+                    return [f"{head}{entry}{tail}" for entry in group]
         return [fqn]
 
 
@@ -56,22 +79,73 @@ def block_signature(module: nn.Module) -> tuple:
     return (type(module).__name__, params, buffers, modules)
 
 
-def repeated_lists(model: nn.Module) -> dict[str, nn.ModuleList]:
-    """Outermost ``ModuleList``s with more than one entry (decoder layers), by FQN."""
-    found: dict[str, nn.ModuleList] = {}
+# Containers that can hold a stack of layers. A ModuleList is a stack whenever it has two entries
+# (kept as before: expert lists inside a block are found as the block's, not as stacks). A
+# ModuleDict (torchtitan and olmo-core key layers by their index, so that pipeline stages keep
+# FQNs) or a Sequential is one if two of its entries are the same block, or if it numbers its
+# entries and every entry is a block (a dense layer, then MoE layers). A ModuleDict of unrelated
+# parts (nanoGPT's ``transformer = ModuleDict(wte=..., h=..., ln_f=...)``) or a Sequential MLP
+# (Linear, GELU, Linear) is not.
+_STACK_TYPES = (nn.ModuleList, nn.ModuleDict, nn.Sequential)
+
+
+def stack_entries(stack: nn.Module) -> list[tuple[int | str, nn.Module]]:
+    """``(name, entry)`` of a layer stack: dict keys for a ModuleDict, positions otherwise."""
+    if isinstance(stack, nn.ModuleDict):
+        return list(stack.items())
+    return list(enumerate(stack))
+
+
+def is_layer_stack(module: nn.Module) -> bool:
+    """Whether ``module`` is a container of layers (see ``_STACK_TYPES``).
+
+    >>> block = lambda: nn.Sequential(nn.Linear(2, 2))
+    >>> is_layer_stack(nn.ModuleDict({"0": block(), "1": nn.Sequential(nn.Linear(2, 4))}))
+    True
+    >>> is_layer_stack(nn.ModuleDict({"wte": nn.Embedding(4, 2), "h": nn.ModuleList([block()])}))
+    False
+    """
+    if not isinstance(module, _STACK_TYPES) or len(module) < 2:
+        return False
+    if isinstance(module, nn.ModuleList):
+        return True
+    entries = dict(stack_entries(module))
+    is_block = {key: next(entry.children(), None) is not None for key, entry in entries.items()}
+    if any(len(group) > 1 and is_block[group[0]] for group in group_entries(module)):
+        return True
+    return all(str(key).isdigit() for key in entries) and all(is_block.values())
+
+
+def repeated_lists(model: nn.Module) -> dict[str, nn.Module]:
+    """Outermost layer stacks (``ModuleList``, ``ModuleDict``, ``Sequential``; see ``_STACK_TYPES``), by FQN."""
+    found: dict[str, nn.Module] = {}
     for name, module in model.named_modules():
-        if isinstance(module, nn.ModuleList) and len(module) > 1:
-            if not any(name.startswith(outer + ".") for outer in found):
-                found[name] = module
+        # The root cannot be swapped for a collapsed copy of itself: only stacks below it count.
+        if name and is_layer_stack(module) and not any(name.startswith(outer + ".") for outer in found):
+            found[name] = module
     return found
 
 
-def group_entries(entries: nn.ModuleList) -> list[list[int]]:
-    """Indices of structurally identical entries, groups in order of first appearance."""
-    groups: dict[tuple, list[int]] = {}
-    for index, entry in enumerate(entries):
-        groups.setdefault(block_signature(entry), []).append(index)
+def group_entries(entries: nn.Module) -> list[list[int | str]]:
+    """Names (positions, or dict keys) of structurally identical entries, in order of first appearance.
+
+    >>> group_entries(nn.ModuleDict({"a": nn.Linear(2, 2), "b": nn.ReLU(), "c": nn.Linear(2, 2)}))
+    [['a', 'c'], ['b']]
+    """
+    groups: dict[tuple, list[int | str]] = {}
+    for name, entry in stack_entries(entries):
+        groups.setdefault(block_signature(entry), []).append(name)
     return list(groups.values())
+
+
+def _kept(stack: nn.Module, keep: list[int | str]) -> nn.Module:
+    """A shallow copy of ``stack`` (same class, so a custom ``forward`` still runs) holding only the
+    entries named in ``keep``: under their keys for a ModuleDict, renumbered from 0 otherwise."""
+    entries = dict(stack_entries(stack))
+    copy_ = copy.copy(stack)
+    names = keep if isinstance(stack, nn.ModuleDict) else range(len(keep))
+    copy_._modules = dict(zip((str(n) for n in names), (entries[k] for k in keep)))
+    return copy_
 
 
 def _per_layer_config_lists(model: nn.Module, length: int) -> list[tuple[object, str, list]]:
@@ -89,7 +163,7 @@ def _per_layer_config_lists(model: nn.Module, length: int) -> list[tuple[object,
 
 @contextlib.contextmanager
 def collapsed(model: nn.Module, like: LayerGroups | None = None):
-    """Temporarily keep one entry per structural group in every repeated ``ModuleList``.
+    """Temporarily keep one entry per structural group in every layer stack (:func:`repeated_lists`).
 
     Args:
         like: collapse exactly as this :class:`LayerGroups` says (the one :func:`trace` returned,
@@ -104,12 +178,13 @@ def collapsed(model: nn.Module, like: LayerGroups | None = None):
             groups = group_entries(entries) if like is None else like.groups.get(name)
             if groups is None:
                 continue
-            if len(groups) == len(entries):
+            if len(groups) == len(entries):  # nothing to drop; still a stack of layers (a dense, a MoE)
+                layer_groups.groups[name] = groups
                 continue
             keep = [g[0] for g in groups]
             parent_name, _, attr = name.rpartition(".")
             parent = model.get_submodule(parent_name)
-            setattr(parent, attr, nn.ModuleList([entries[i] for i in keep]))
+            setattr(parent, attr, _kept(entries, keep))
             restore.append(lambda p=parent, a=attr, e=entries: setattr(p, a, e))
             for config, key, value in _per_layer_config_lists(model, len(entries)):
                 setattr(config, key, [value[i] for i in keep])
@@ -275,5 +350,6 @@ def trace(model: nn.Module, example_inputs=None) -> tuple[torch.export.ExportedP
         if not repeated_lists(model):
             raise
     # Traced whole: every entry stands for itself (plan keys still fold into ``layers.*``).
-    whole = LayerGroups({name: [[i] for i in range(len(entries))] for name, entries in repeated_lists(model).items()})
+    whole = LayerGroups({name: [[key] for key, _ in stack_entries(entries)]
+                         for name, entries in repeated_lists(model).items()})
     return export_model(model, example_inputs), whole

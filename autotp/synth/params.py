@@ -1,0 +1,166 @@
+"""Parameters that meet a sharded activation: shard them with it, or reduce their gradient over tp.
+
+A parameter combined with a head-sharded tensor inside the region between a column and a row
+Linear (a per-head scale, a softmax sink, a gate bias, a differential-attention lambda vector)
+gets, on each rank, the gradient of that rank's heads only. Two sound outcomes:
+
+- its extent along the sharded dim is the sharded extent (``scale.view(1, -1, 1, 1) * y`` with
+  ``scale`` of size heads): it is sharded on that dim with the heads, each rank holding the
+  entries its heads read, so its local gradient is exact;
+- otherwise (a vector over ``head_dim`` shared by every head, a scalar) it stays replicated and
+  its gradient, a per-rank partial sum over the heads each rank holds, is all-reduced.
+
+:func:`param_dim` is what the shard rules ask (can this operand be sharded along?), and
+:func:`param_roles` gives the owning module its role once the analysis has converged.
+"""
+
+from __future__ import annotations
+
+import math
+
+import networkx as nx
+
+from autotp.synth.graph import Ref, refs
+from autotp.synth.ops import ELEMENTWISE, PASSTHROUGH, VIEW_LIKE
+from autotp.synth.roles import Role
+
+# One-tensor ops through which a parameter's dims can be followed back from a consumer.
+_SINGLE_INPUT = PASSTHROUGH | VIEW_LIKE | ELEMENTWISE | {"unsqueeze", "expand", "transpose", "permute", "t"}
+
+
+def _source_dim(g: nx.DiGraph, name: str, dim: int) -> int | None:
+    """The dim of node ``name``'s (only tensor) input that its output dim ``dim`` comes from whole.
+
+    >>> from autotp.synth.graph import add_node
+    >>> g = nx.DiGraph()
+    >>> _ = add_node(g, "p", "placeholder", kind="param", param="m.s", shape=(4,))
+    >>> _ = add_node(g, "v", "view", (Ref("p"), [1, -1, 1, 1]), shape=(1, 4, 1, 1))
+    >>> _source_dim(g, "v", 1)
+    0
+    """
+    data = g.nodes[name]
+    op, source = data["op"], data["args"][0]
+    in_shape, out_shape = g.nodes[source.name]["shape"], data["shape"]
+    if in_shape is None or out_shape is None:
+        return None
+    if op in VIEW_LIKE:
+        # The dim that starts at the same offset and has the same size is the same dim.
+        before = math.prod(out_shape[:dim])
+        matches = [e for e in range(len(in_shape)) if math.prod(in_shape[:e]) == before
+                   and in_shape[e] == out_shape[dim]]
+        return matches[0] if matches else None
+    if op == "unsqueeze":
+        at = data["args"][1] % len(out_shape)
+        return None if at == dim else dim - (at < dim)
+    if op in ("transpose", "t"):
+        a, b = (x % len(out_shape) for x in data["args"][1:3]) if len(data["args"]) > 2 else (0, 1)
+        return b if dim == a else a if dim == b else dim
+    if op == "permute":
+        return data["args"][1][dim] % len(out_shape)
+    source_dim = dim - (len(out_shape) - len(in_shape))  # expand, and broadcasting of one tensor
+    if source_dim < 0 or in_shape[source_dim] != out_shape[dim]:
+        return None
+    return source_dim
+
+
+def param_dim(g: nx.DiGraph, name: str, dim: int) -> tuple[str, int] | None:
+    """``(parameter placeholder, its dim)`` that dim ``dim`` of node ``name`` is, if ``name`` is a
+    chain of one-tensor ops on a parameter used nowhere else; else None.
+
+    Used nowhere else, because sharding the parameter changes every reader: one that reads it
+    whole (outside the sharded region) would then see a slice.
+    """
+    while g.nodes[name]["kind"] == "call":
+        data = g.nodes[name]
+        inputs = refs(data["args"], data["kwargs"])
+        if data["op"] not in _SINGLE_INPUT or len(inputs) != 1 or not isinstance(data["args"][0], Ref):
+            return None
+        source = inputs[0].name
+        if g.out_degree(source) != 1:
+            return None
+        dim = _source_dim(g, name, dim)
+        if dim is None:
+            return None
+        name = source
+    if g.nodes[name]["kind"] != "param" or g.out_degree(name) != 1:
+        return None
+    return name, dim
+
+
+def chain_dims(g: nx.DiGraph, param_shards: dict[str, int]) -> dict[str, int]:
+    """For each node on the one-tensor chain from a sharded parameter to the op that reads it with
+    the heads (``view``, ``expand`` of a sink): the dim that holds the parameter's sharded dim.
+
+    At per-rank widths those nodes hold the per-rank entries, so the shape proof divides that dim.
+    """
+    found = {}
+    for node, dim in param_shards.items():
+        while g.out_degree(node) == 1:
+            succ = next(iter(g.successors(node)))
+            data = g.nodes[succ]
+            if data["op"] not in _SINGLE_INPUT or len(refs(data["args"], data["kwargs"])) != 1 or not data["shape"]:
+                break
+            dims = [d for d in range(len(data["shape"])) if _source_dim(g, succ, d) == dim]
+            if len(dims) != 1:
+                break
+            node, dim = succ, dims[0]
+            found[node] = dim
+    return found
+
+
+def _meets_shard(g: nx.DiGraph, flow, param: str, module: str) -> bool:
+    """Whether ``param`` flows, inside ``module``, into an op that combines it with a sharded value
+    (its gradient is then partial). A Linear's output starts its own shard, whose input gradient
+    its column style reduces: the walk does not go through Linears."""
+    from autotp.synth.analysis import is_linear
+
+    seen, todo = {param}, [param]
+    while todo:
+        for succ in g.successors(todo.pop()):
+            if succ in seen or module not in g.nodes[succ]["stack"] or is_linear(g, succ):
+                continue
+            if flow.sharded(succ):
+                return True
+            seen.add(succ)
+            todo.append(succ)
+    return False
+
+
+def param_roles(g: nx.DiGraph, flow, roles: dict[str, Role]) -> dict[str, Role]:
+    """``head_params`` roles for modules whose own parameters meet a sharded activation.
+
+    A module that already has a role keeps it, unless one of its parameters must be sharded with
+    the heads (a norm style would keep it whole, and the per-rank run would then fail or mix heads).
+    A Linear's own weight and bias are its Linear role's business and never counted here.
+
+    Args:
+        g: the analysis graph.
+        flow: the converged propagation (its ``param_shards``: parameter placeholder -> dim).
+        roles: the roles assigned so far, by module.
+    Returns:
+        New roles by module FQN.
+    """
+    linear_params = {r.name for n, d in g.nodes(data=True) if d["op"] in ("linear", "embedding")
+                     for r in refs(d["args"])}
+    sharded: dict[str, dict[str, int]] = {}
+    reduced: dict[str, list[str]] = {}
+    for name, data in sorted(g.nodes(data=True), key=lambda item: item[1]["order"]):
+        if data["kind"] != "param" or name in linear_params:
+            continue
+        module, _, pname = data["param"].rpartition(".")
+        if name in flow.param_shards:
+            sharded.setdefault(module, {})[pname] = flow.param_shards[name]
+        elif _meets_shard(g, flow, name, module):
+            reduced.setdefault(module, []).append(pname)
+    out = {}
+    for module in sorted(set(sharded) | set(reduced)):
+        current = roles.get(module)
+        if current is not None and module not in sharded and current.kind != "replicate":
+            continue  # a norm style (or a Linear's) already covers it
+        dims = tuple(sorted(sharded.get(module, {}).items()))
+        grads = tuple(reduced.get(module, ()))
+        parts = [f"{', '.join(n for n, _ in dims)} sharded with the heads" if dims else "",
+                 f"{', '.join(grads)} replicated, gradient all-reduced" if grads else ""]
+        out[module] = Role("head_params", "its own parameters meet a sharded activation: "
+                           + "; ".join(p for p in parts if p), (module,), param_dims=dims, grad_reduced=grads)
+    return out

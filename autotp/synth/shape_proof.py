@@ -1,0 +1,197 @@
+"""The per-rank shape proof: a module that shapes a column shard must do so at per-rank widths.
+
+For every view / reshape / split / chunk / unflatten / unbind / ``new_empty`` downstream of a
+sharded dim, the module run alone at per-rank widths (:mod:`autotp.synth.local_run`) must produce
+the global shape with the sharded extent divided along the heads (or feature) dim, and every other
+extent (head size) intact. Where it does not, the integer attributes that size those ops (of the
+module, or of a plain object it holds such as its config; a fixed width in a merge-back
+``reshape(b, t, self.d_model)`` included) are searched for, to be divided by tp
+(:class:`~autotp.styles.ShardCounts`); where none works, the projections are kept whole with the
+reason. The checker (:mod:`autotp.check`) runs the same proof on any plan.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+
+import networkx as nx
+from torch import nn
+
+from autotp.synth.analysis import Flow, Shard
+from autotp.synth.local_run import FIXED_SIZE_CUTS, capture_inputs, run_local, shapes_are_local, trace_local
+from autotp.synth.localize import MAX_NAMES, Localization, candidate_names, cutting_module, inner_roles
+from autotp.synth.ops import NEW_LIKE, VIEW_LIKE
+from autotp.synth.roles import Role
+from autotp.synth.trace import collapsed
+
+log = logging.getLogger(__name__)
+
+
+# Ops that reshape or cut a sharded tensor with sizes the module's code computes: at per-rank widths
+# each must give the global shape with only the sharded extent divided (the shape proof).
+SHAPING = VIEW_LIKE | FIXED_SIZE_CUTS | NEW_LIKE | {"chunk", "unbind"}
+
+# Roles whose Linear starts a shard that the module's own code then shapes.
+_SHAPED_ROOTS = frozenset({"column", "packed_column"})
+
+
+def shaped_roots(g: nx.DiGraph, flow: Flow, roles: dict[str, Role]) -> dict[str, list[str]]:
+    """Column roots whose shard is reshaped or cut (:data:`SHAPING`): the module that runs the
+    Linear and every such op -> roots.
+
+    The sizes of a view are constants in the trace; at per-rank widths they must be the per-rank
+    ones, which holds only if the code derives them from the width (``view(b, s, -1, head_dim)``)
+    or from attributes divided by tp. A fixed count with an inferred size (``view(b, s, n_heads,
+    -1)``) runs at per-rank widths too, but into heads of half the size: only comparing the
+    per-rank shapes with the global ones tells the two apart.
+    """
+    from autotp.synth.assign import _owner
+
+    found: dict[str, list[str]] = {}
+    for root in sorted(flow.roots, key=lambda n: g.nodes[n]["order"]):
+        if roles.get(_owner(g, root), Role("", "")).kind not in _SHAPED_ROOTS:
+            continue
+        nodes = [n for n in _carriers(g, flow, root) if g.nodes[n]["op"] in SHAPING]
+        if nodes:
+            found.setdefault(cutting_module(g, root, nodes), []).append(root)
+    return found
+
+
+def _carriers(g: nx.DiGraph, flow: Flow, root: str) -> list[str]:
+    """Nodes whose output (or an element of it) carries ``root``'s shard, plus the ops that read
+    one and cut it (a split's state is its parts)."""
+    def carries(value):
+        values = value if isinstance(value, tuple) else (value,)
+        return any(isinstance(v, Shard) and root in v.origins for v in values)
+
+    return [n for n in g.nodes if carries(flow.state.get(n))]
+
+
+def shaped_sizes(g: nx.DiGraph, flow: Flow, roots: list[str]) -> set[int]:
+    """Global sizes of the sharded dim at every shaping op of ``roots`` (heads, widths, parts):
+    the values an attribute that sizes those ops would hold."""
+    values = set()
+    for root in roots:
+        for node in _carriers(g, flow, root):
+            state, shape = flow.state.get(node), g.nodes[node]["shape"]
+            if g.nodes[node]["op"] in VIEW_LIKE and isinstance(state, Shard) and shape:
+                values.add(shape[state.dim])
+        values.update(end - start for start, end in set(flow.splits.get(root, ())))
+    return {v for v in values if v > 0}  # 1: a single kv head, which tp cannot divide (kvheads.py)
+
+
+def localize_shapes(model: nn.Module, example_inputs, g: nx.DiGraph, flow: Flow, roles: dict[str, Role],
+                    tp: int, result: Localization) -> None:
+    """The shape proof: every module that reshapes or cuts a column shard must, run alone at
+    per-rank widths, produce each global shape with only the sharded extent divided.
+
+    A module that does so as it is (``view(..., -1, head_dim)``) needs nothing. One that does not
+    (fails, or runs into heads of another size: ``view(..., self.n_heads, -1)``) gets the integer
+    attributes whose division makes it do so (:func:`head_names`), or its Linears are kept whole
+    with the reason.
+    """
+    # Modules localized by their fused cuts are proven there; roots kept whole there keep that reason.
+    by_module = {m: [x for x in r if x not in result.unlocal] for m, r in shaped_roots(g, flow, roles).items()
+                 if m and m not in result.counts}
+    by_module = {m: r for m, r in by_module.items() if r}
+    if not by_module:
+        return
+    groups = g.graph.get("layer_groups")
+    captured = capture_inputs(model, example_inputs, set(by_module), groups)
+    for fqn, roots in by_module.items():
+        if fqn not in captured:
+            continue  # not reached by the fake forward: nothing to confirm either way
+        inner = inner_roles(roles, fqn)
+        values = shaped_sizes(g, flow, roots)
+        if any(v % tp for v in values):
+            continue  # tp does not divide the heads: check_divisible names the module and the sizes
+        # Attributes of modules inside it that are already divided (a fused split's sizes).
+        known = tuple(f"{m[len(fqn) + 1:]}.{n}" for m, names in result.counts.items()
+                      if m.startswith(fqn + ".") for n in names)
+        with collapsed(model, groups):
+            module = model.get_submodule(fqn)
+            traces: dict = {}
+            verdict = shape_proof(module, captured[fqn], inner, tp, known, traces)
+            if verdict is None:
+                continue  # already per-rank (or cannot run alone: the verifier judges the numbers)
+            candidates = candidate_names(module, {v for v in values if v > 1})
+            names = head_names(module, captured[fqn], inner, candidates, tp, verdict, known, traces)
+        if names:
+            result.counts[fqn] = names
+        else:
+            tried = ", ".join(candidates) or "none found"
+            for root in roots:
+                result.unlocal[root] = (
+                    f"{fqn} reshapes its sharded output with fixed sizes (a head count, a width), and no "
+                    f"integer attributes (tried: {tried}) divided by tp make its per-rank shapes the global "
+                    "ones with the heads divided; kept whole")
+        log.info("localize heads %s: %s", fqn, names)
+
+
+def shape_proof(module: nn.Module, inputs, roles: dict[str, Role], tp: int, names: tuple[str, ...] = (),
+                traces: dict | None = None):
+    """None if ``module``, with ``names`` divided by tp, runs right at per-rank widths; else the
+    main output shape a fix must keep.
+
+    Runs right: alone at per-rank widths, it keeps its outputs' global shapes and every
+    intermediate shape is the global one with the sharded dim divided by tp (head size intact).
+    A module that cannot run alone at global widths cannot be judged here: None, logged.
+    """
+    reference = run_local(module, inputs, roles, [], (), 1)
+    if reference is None:
+        log.debug("shape proof of %s: it does not run alone on meta; not judged", type(module).__name__)
+        return None
+    local = run_local(module, inputs, roles, [], names, tp)
+    if local is not None and local[0] == reference[0]:
+        traced = _global_trace(module, inputs, roles, {} if traces is None else traces)
+        if traced is None:
+            return None  # cannot be re-traced alone: the run at per-rank widths is all we know
+        per_rank = trace_local(module, inputs, roles, names, tp)
+        if per_rank is not None and shapes_are_local(traced, per_rank, roles, tp):
+            return None
+    return _main(reference[0])
+
+
+def _global_trace(module: nn.Module, inputs, roles: dict[str, Role], traces: dict):
+    """The global trace of ``module``, exported once per ``traces`` (the proof and the search that
+    follows it compare with the same one; an export is the costly step of both)."""
+    if "global" not in traces:
+        traces["global"] = trace_local(module, inputs, roles, (), 1)
+    return traces["global"]
+
+
+def _main(shapes):
+    """The shape of a module's main output: the first of a tuple (attention weights may follow)."""
+    return shapes[0] if isinstance(shapes, tuple) and shapes and isinstance(shapes[0], tuple) else shapes
+
+
+def runs_into_other_shapes(module: nn.Module, inputs, roles: dict[str, Role], tp: int,
+                           names: tuple[str, ...] = ()) -> bool:
+    """Whether ``module`` (``names`` divided by tp) runs at per-rank widths without an error and
+    with its global output shapes, yet some intermediate shape is not the global one with the
+    sharded dim divided: the silent case (``view(b, t, n_heads, -1)`` into heads of half the size).
+    A run that fails is loud at apply time and not reported here."""
+    reference = run_local(module, inputs, roles, [], (), 1)
+    local = run_local(module, inputs, roles, [], names, tp) if reference is not None else None
+    if local is None or local[0] != reference[0]:
+        return False
+    traced, per_rank = _global_trace(module, inputs, roles, {}), trace_local(module, inputs, roles, names, tp)
+    return traced is not None and per_rank is not None and not shapes_are_local(traced, per_rank, roles, tp)
+
+
+def head_names(module: nn.Module, inputs, roles: dict[str, Role], candidates: list[str], tp: int,
+               main: tuple, known: tuple[str, ...] = (), traces: dict | None = None) -> tuple[str, ...] | None:
+    """The smallest set of ``candidates`` with which ``module`` runs at per-rank widths, keeps its
+    main output's global shape, and has every intermediate shape the per-rank one; or None."""
+    traced = None
+    for count in range(1, min(MAX_NAMES, len(candidates)) + 1):
+        for names in itertools.combinations(candidates, count):
+            result = run_local(module, inputs, roles, [], known + names, tp)
+            if result is None or _main(result[0]) != main:
+                continue
+            traced = traced or _global_trace(module, inputs, roles, {} if traces is None else traces)
+            local = trace_local(module, inputs, roles, known + names, tp)
+            if traced is not None and local is not None and shapes_are_local(traced, local, roles, tp):
+                return names
+    return None

@@ -1,0 +1,129 @@
+"""The synthesizer on another project's own model classes, as shipped: torchtitan's Llama3, Qwen3,
+Qwen3-MoE and DeepSeek-V3 (layers in an ``nn.ModuleDict``, torchtitan's ``Embedding`` that unwraps
+a DTensor weight itself, fused wqkv, QK-norm, grouped experts beside their router, a dense layer
+before MoE layers), tiny configs (two layers) with random weights.
+
+Each model is verified against its unsharded self (logits and every gradient) at tp 2 and 4, plain
+and sequence parallel, and the synthesized plan is compared with torchtitan's own tensor-parallel
+sharding (``Module.parallelize`` with its ``set_*_sharding_config``), parameter by parameter: every
+parameter's placement and local shape after each plan is applied on a simulated mesh.
+
+One departure from the shipped configs: torchtitan 0.3.0 builds its language models with
+FlexAttention, which has no backward on CPU, so the layers use torchtitan's own
+``ScaledDotProductAttention`` module instead (same parameters, no attention mask: causal).
+
+Skipped when torchtitan is not installed (``pip install -e .[peers]``).
+"""
+
+import copy
+import importlib
+import warnings
+
+import pytest
+import torch
+from torch.distributed.tensor import DTensor, Replicate
+
+pytest.importorskip("torchtitan", reason="torchtitan is an optional test dependency (extra 'peers')")
+
+from torchtitan.distributed import ParallelDims
+from torchtitan.models.common.attention import ScaledDotProductAttention
+
+from autotp import _simulate
+from autotp.apply import apply_plan
+from autotp.synth import synthesize
+from autotp.verifier import verify
+
+# model -> (torchtitan package, flavor, its sharding-config setter, setter options)
+MODELS = {
+    "llama3": ("llama3", "debugmodel", "set_llama3_sharding_config", {}),
+    "qwen3": ("qwen3", "debugmodel", "set_qwen3_sharding_config", {"enable_ep": False}),
+    "qwen3-moe": ("qwen3", "debugmodel_moe", "set_qwen3_sharding_config", {"enable_ep": False}),
+    "deepseek-v3": ("deepseek_v3", "debugmodel", "set_deepseek_v3_sharding_config", {"enable_ep": False}),
+}
+# Qwen3-MoE (64 experts, top 8) is left out of the numerical matrix: one verify takes ~100 s here,
+# and its float32 router's top-8 choice differs between the runs (logits 3e-4 apart at tp 2, also
+# in the float64 re-run), plan equal to torchtitan's or not.
+VERIFIED = ["deepseek-v3", "llama3", "qwen3"]
+# DeepSeek-V3's MLA attention (wq, wkv_b, wo) is kept whole by the synthesizer; torchtitan shards it.
+MLA_WHOLE = pytest.mark.xfail(strict=True, reason="MLA attention kept whole: 0.826 of the parameters per "
+                              "rank at tp 2, torchtitan's plan 0.514")
+EQUAL = ["llama3", "qwen3", "qwen3-moe", pytest.param("deepseek-v3", marks=MLA_WHOLE)]
+VOCAB = 2048  # the debug flavors' vocabulary
+
+
+def build(name: str, *, sequence_parallel: bool | None = None, layers: int = 2):
+    """torchtitan's debug flavor of ``name`` with ``layers`` layers, initialised by torchtitan; with
+    its own sharding config filled in when ``sequence_parallel`` is given."""
+    package, flavor, setter, options = MODELS[name]
+    config = importlib.import_module(f"torchtitan.models.{package}").model_registry(flavor).model
+    config.layers = config.layers[:layers]
+    for layer in config.layers:
+        layer.attention.inner_attention = ScaledDotProductAttention.Config()
+    if sequence_parallel is not None:
+        sharding = importlib.import_module(f"torchtitan.models.{package}.sharding")
+        getattr(sharding, setter)(config, enable_sp=sequence_parallel, **options)
+    torch.manual_seed(0)
+    model = config.build()
+    model.init_states(buffer_device=torch.device("cpu"))
+    return model
+
+
+def tokens() -> torch.Tensor:
+    return torch.randint(0, VOCAB, (2, 16), generator=torch.Generator().manual_seed(0))
+
+
+def layout(model) -> dict[str, tuple]:
+    """Per parameter: its placements and local shape (a plain parameter is whole: ``Replicate()``)."""
+    out = {}
+    for name, param in model.named_parameters():
+        if isinstance(param, DTensor):
+            out[name] = (tuple(param.placements), tuple(param.to_local().shape))
+        else:
+            out[name] = ((Replicate(),), tuple(param.shape))
+    return out
+
+
+@pytest.fixture
+def titan_cpu_mesh(monkeypatch):
+    """torchtitan builds its meshes on its module-level ``device_type`` (cuda when present)."""
+    from torchtitan.distributed import parallel_dims
+
+    monkeypatch.setattr(parallel_dims, "device_type", "cpu")
+
+
+@pytest.mark.parametrize("sequence_parallel", [False, True], ids=["tp", "sp"])
+@pytest.mark.parametrize("tp_size", [2, 4])
+@pytest.mark.parametrize("name", VERIFIED)
+def test_torchtitan_model_as_shipped_is_synthesized_and_verified(name, tp_size, sequence_parallel):
+    """Would catch "no repeated block found" on the ModuleDict layers, or torchtitan's Embedding
+    failing on DTensor ids (it unwraps its weight itself)."""
+    model = build(name)
+    plan = synthesize(model, example_inputs=(tokens(),), sequence_parallel=sequence_parallel, tp_size=tp_size)
+    assert any(key.startswith("layers.") for key in plan)  # keyed by the dict's keys
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        report = verify(model, plan, tp_size=tp_size, inputs=(tokens(),))
+    assert report.ok, str(report)
+    if name != "deepseek-v3":  # its MLA attention stays whole (see MLA_WHOLE)
+        assert all(abs(f - 1 / tp_size) < 0.01 for f in report.param_fraction), report.param_fraction
+
+
+@pytest.mark.parametrize("sequence_parallel", [False, True], ids=["tp", "sp"])
+@pytest.mark.parametrize("name", EQUAL)
+def test_synthesized_plan_equals_torchtitans_own_sharding(name, sequence_parallel, titan_cpu_mesh):
+    """Every parameter's placement and local shape after the synthesized plan equals what
+    torchtitan's own ``parallelize`` gives it: the regression anchor on code autotp did not write."""
+    tp_size = 2
+    model = build(name, sequence_parallel=sequence_parallel)
+    plan = synthesize(model, example_inputs=(tokens(),), sequence_parallel=sequence_parallel, tp_size=tp_size)
+    with _simulate.simulated_mesh(tp_size) as mesh:
+        ours = copy.deepcopy(model)
+        apply_plan(ours, mesh, plan)
+        theirs = copy.deepcopy(model)
+        dims = ParallelDims(dp_replicate=1, dp_shard=1, cp=1, tp=tp_size, pp=1, ep=1, world_size=tp_size,
+                            spmd_backend="partial_dtensor")
+        dims.build_mesh()
+        theirs.parallelize(dims)
+        ours_layout, theirs_layout = layout(ours), layout(theirs)
+    differ = {n: (ours_layout[n], theirs_layout[n]) for n in ours_layout if ours_layout[n] != theirs_layout[n]}
+    assert differ == {}
