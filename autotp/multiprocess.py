@@ -143,6 +143,7 @@ def _merge(procs: int, tolerance: float, results: dict, reference_scales: dict) 
         logits_max_abs_diff=[results[r][0][r] for r in range(procs)],
         grad_max_abs_diff=grads,
         param_fraction=[results[r][2][r] for r in range(procs)],
-        collectives=dict(results[0][3]),
+        collectives={k: v for k, v in results[0][3].items() if k != "backward"},
+        collectives_backward=results[0][3]["backward"],
         **reference_scales,
     )

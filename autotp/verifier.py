@@ -54,6 +54,8 @@ class VerifyReport:
     grad_max_abs_diff: dict[str, float] = field(default_factory=dict)
     param_fraction: list[float] = field(default_factory=list)
     collectives: dict[str, int] = field(default_factory=dict)
+    # Collectives of the backward pass (of the plan; the verifier's own loss adds none).
+    collectives_backward: dict[str, int] = field(default_factory=dict)
     error: str | None = None
     # Peak |value| of the reference logits and of each reference gradient (see :func:`allowed`).
     logits_scale: float = 0.0
@@ -118,6 +120,9 @@ class VerifyReport:
             f"  parameter fraction per rank: {fractions}",
             f"  collectives in one forward: {comms}",
         ]
+        if self.collectives_backward:
+            back = ", ".join(f"{k}={v}" for k, v in sorted(self.collectives_backward.items()))
+            lines.append(f"  collectives in its backward: {back}")
         if self.float64 is not None:
             f64_name, f64_worst = self.float64.worst_grad
             lines.append(f"  above tolerance in float32; re-run in float64 (tolerance {self.float64.tolerance:g}): "
@@ -363,7 +368,8 @@ def _run_sharded(sharded, inputs, ref_logits, ref_params, tp_size, backward, tol
         logits_max_abs_diff=[logit_diffs[r] for r in range(tp_size)],
         grad_max_abs_diff=grad_diffs,
         param_fraction=[held[r] for r in range(tp_size)],
-        collectives=dict(counts),
+        collectives={k: v for k, v in counts.items() if k != "backward"},
+        collectives_backward=counts["backward"],
         **scales(ref_logits, ref_params),
     )
 
@@ -384,16 +390,20 @@ def run_and_compare(sharded, inputs, ref_logits, ref_params, backward, rank_valu
     when simulated, its own one in a real process group.
 
     Returns:
-        ``({rank: logits diff}, {param: grad diff}, {rank: parameter fraction}, collective counts)``.
+        ``({rank: logits diff}, {param: grad diff}, {rank: parameter fraction}, collective counts)``;
+        the counts are the forward's, with the backward's under the key ``"backward"``.
     """
     with CollectiveCounter() as comm:
         logits = _call(sharded, inputs)
     full = logits.full_tensor() if isinstance(logits, DTensor) else logits
     logit_diffs = {rank: (value - ref_logits).abs().max().item() for rank, value in rank_values(full.detach())}
-    if backward:
-        _loss(full).backward()
+    loss = _loss(full) if backward else None
+    with CollectiveCounter() as back:
+        # The backward of the logits' full_tensor() is a local slice: what is counted is the plan's.
+        if loss is not None:
+            loss.backward()
     grad_diffs, held = _compare_params(sharded, ref_params, backward, rank_values)
-    return logit_diffs, grad_diffs, held, comm.counts
+    return logit_diffs, grad_diffs, held, {**comm.counts, "backward": dict(back.counts)}
 
 
 def _compare_params(sharded: nn.Module, ref_params: dict, backward: bool, rank_values):

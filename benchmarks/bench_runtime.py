@@ -33,11 +33,14 @@ import torch
 import torch.distributed as dist
 import transformers
 from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor.parallel import PrepareModuleOutput, RowwiseParallel
 from transformers import AutoConfig
 
 sys.path.insert(0, str(Path(__file__).parent))
 from _plans_common import NoPlan, plan_from, plan_loss  # noqa: E402
 
+from autotp import styles  # noqa: E402
 from autotp.apply import apply_plan  # noqa: E402
 from autotp.errors import one_line  # noqa: E402
 from autotp.models import build_model, load_config  # noqa: E402
@@ -45,6 +48,8 @@ from autotp.plan import plan_diff  # noqa: E402
 
 RESULTS = Path(__file__).parent / "results" / "runtime.json"
 VARIANTS = [("handwritten", False), ("synthesized", False), ("hf", False), ("handwritten", True), ("synthesized", True)]
+# --previous: the handwritten plans against their layout before issue 13 (``previous_layout``).
+PREVIOUS_VARIANTS = [("handwritten", False), ("previous", False), ("handwritten", True), ("previous", True)]
 # Families of the runtime run: built-in configs whose architecture is kept, widths set by flags.
 RUNTIME_FAMILIES = ("llama", "qwen3", "phi3", "gemma3-vlm")
 
@@ -64,7 +69,10 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--warmup", type=int, default=2, help="untimed rounds")
     parser.add_argument("--repeats", type=int, default=20, help="timed rounds (one step per plan each)")
     parser.add_argument("--dtype", default=None, help="float32 (CPU default) or bfloat16 (CUDA default)")
-    parser.add_argument("--out", type=Path, default=RESULTS)
+    parser.add_argument("--out", type=Path, default=None, help="default: results/runtime.json "
+                        "(results/runtime_previous.json with --previous)")
+    parser.add_argument("--previous", action="store_true",
+                        help="time each handwritten plan against its layout before shared-input reductions")
     return parser.parse_args()
 
 
@@ -110,6 +118,34 @@ def slowest(seconds: float, device) -> float:
     return value.item()
 
 
+def previous_layout(plan: dict, *, sequence_parallel: bool) -> dict:
+    """``plan`` as autotp wrote it before shared inputs' gradients were reduced once (issue 13).
+
+    Norms hand their column projections plain tensors again (each projection all-reduces its own
+    input gradient), a parallel block's rows reduce separately, and a whole module beside them
+    slices its output back with ``PrepareModuleOutput``. Only the layout changes: parameters stay
+    where they are, so the two plans' losses agree and their step times differ by communication.
+    """
+    old = {}
+    for key, style in plan.items():
+        if isinstance(style, (styles.ReplicatedOutput, styles.ReplicatedStream)):
+            continue
+        if isinstance(style, styles.ReplicatedParams) and not sequence_parallel:
+            continue  # a parallel block's norm on its DTensor stream
+        if isinstance(style, styles.ReplicatedModule):
+            if style.output_layouts is not None:
+                old[key] = PrepareModuleOutput(output_layouts=Replicate(), desired_output_layouts=style.output_layouts,
+                                               use_local_output=False)
+            continue
+        if isinstance(style, styles.SequenceParallelAllGather):
+            style = styles.SequenceParallelAllGather()
+        elif isinstance(style, styles.PartialRowwiseParallel):
+            style = (RowwiseParallel(output_layouts=Shard(1), use_local_output=False) if sequence_parallel
+                     else RowwiseParallel())
+        old[key] = style
+    return old
+
+
 def prepare(args, mesh, dtype, device, rank):
     """``{(family, source, sp): sharded model}``, ``{key: reason}`` for those that could not be built,
     and ``{key: whether the plan equals the handwritten one}`` (equal plans show the noise floor)."""
@@ -117,8 +153,12 @@ def prepare(args, mesh, dtype, device, rank):
     for family in args.only.split(","):
         base = build_model(family_config(family, args), device="cpu", dtype=dtype, seed=0)
         plans = {}
-        for source, sp in VARIANTS:
+        for source, sp in (PREVIOUS_VARIANTS if args.previous else VARIANTS):
             try:
+                if source == "previous":
+                    hand = plan_from(base, "handwritten", tp=mesh.size(), sequence_parallel=sp)
+                    plans[source, sp] = previous_layout(hand, sequence_parallel=sp)
+                    continue
                 plans[source, sp] = plan_from(base, source, tp=mesh.size(), sequence_parallel=sp)
             except NoPlan as error:
                 skipped[family, source, sp] = f"no plan: {error}"
@@ -218,6 +258,8 @@ def report(args, world, backend, dtype, times, first_loss, skipped, equal, wall)
                         "the noise floor of the run",
               "ratios": ratios, "results": rows, "torch": torch.__version__,
               "transformers": transformers.__version__}
+    if args.out is None:
+        args.out = RESULTS.with_name("runtime_previous.json") if args.previous else RESULTS
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=1) + "\n")
     print(f"\nwrote {args.out} (redraw the chart: python benchmarks/bench_plans.py --chart-only)")

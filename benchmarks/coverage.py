@@ -197,6 +197,7 @@ def check_and_verify(model, plan, tp: int, *, isolated: int = 0) -> dict:
         return out
     name, worst = report.worst_grad
     out.update(param_fraction=round(max(report.param_fraction), 4), collectives=dict(report.collectives),
+               collectives_backward=dict(report.collectives_backward),
                logits_diff=max(report.logits_max_abs_diff), grad_diff=worst)
     if report.float64 is not None:  # fp32 differences above tolerance, decided in float64
         out["float64_recheck"] = {"ok": report.float64.ok, "logits_diff": max(report.float64.logits_max_abs_diff),

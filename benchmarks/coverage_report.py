@@ -61,8 +61,13 @@ def summarize(results: list[dict]) -> dict:
                 continue
             key = f"tp{tp}/{'sp' if sp else 'plain'}"
             dec = [r for r in rows if r.get("class") == "decoder-text"]
+            verified_dec = [r for r in dec if _status(r.get("synth")) == "verified"]
             per_case[key] = {
                 "cases": len(rows),
+                # verified and within 0.1 of the Megatron-style parameter bound (issue 12's measure)
+                "near_bound_decoder_text": sum(_near_bound(r) for r in verified_dec),
+                # verified, and the backward issues no more collectives than the forward (issue 13)
+                "backward_le_forward_decoder_text": sum(_backward_le_forward(r) for r in verified_dec),
                 "synth_verified": sum(_status(r.get("synth")) == "verified" for r in rows),
                 "synth_verified_decoder_text": f"{sum(_status(r.get('synth')) == 'verified' for r in dec)}/{len(dec)}",
                 "synth_failures": dict(Counter(r["synth"].get("reason") for r in rows if _status(r.get("synth")) != "verified")),
@@ -81,6 +86,17 @@ def summarize(results: list[dict]) -> dict:
         "checker_confusion": confusion(results)["all"],
     }
     return {"headline": headline, "per_case": per_case, "checker_confusion": confusion(results)}
+
+
+def _near_bound(r: dict) -> bool:
+    bound, frac = r.get("megatron_fraction"), (r.get("synth") or {}).get("param_fraction")
+    return bound is not None and frac is not None and frac <= bound + 0.1
+
+
+def _backward_le_forward(r: dict) -> bool:
+    synth = r.get("synth") or {}
+    back = synth.get("collectives_backward")
+    return back is not None and sum(back.values()) <= sum((synth.get("collectives") or {}).values())
 
 
 def _hf_label(part: dict | None) -> str:
@@ -184,13 +200,20 @@ def write_markdown(path: Path, meta: dict, summary: dict, results: list[dict]) -
         "",
         "## Per case",
         "",
-        "| case | cases | synthesized verified | of decoder-only text | synthesized failures | transformers' plan |",
-        "| --- | --- | --- | --- | --- | --- |",
+        "`near bound`: verified decoder-only text types holding at most the Megatron-style bound + 0.1 of the "
+        "parameters per rank. `bwd <= fwd`: verified decoder-only text types whose backward issues no more "
+        "collectives than their forward.",
+        "",
+        "| case | cases | synthesized verified | of decoder-only text | near bound | bwd <= fwd | synthesized failures "
+        "| transformers' plan |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for key, c in summary["per_case"].items():
         fails = ", ".join(f"{k} {v}" for k, v in sorted(c["synth_failures"].items())) or "-"
         hf = ", ".join(f"{k} {v}" for k, v in sorted((c["hf"] or {}).items())) or "n/a (no SP variant)"
-        lines.append(f"| {key} | {c['cases']} | {c['synth_verified']} | {c['synth_verified_decoder_text']} | {fails} | {hf} |")
+        lines.append(f"| {key} | {c['cases']} | {c['synth_verified']} | {c['synth_verified_decoder_text']} | "
+                     f"{c.get('near_bound_decoder_text', '-')} | {c.get('backward_le_forward_decoder_text', '-')} | "
+                     f"{fails} | {hf} |")
     lines += _confusion_section(summary["checker_confusion"])
     lines += ["", "## Reason classes", ""] + [f"- `{k}`: {v}" for k, v in REASONS.items()]
     lines += _table(results)

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from torch import nn
-from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel, SequenceParallel
+from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, SequenceParallel
 
 from autotp.styles import RotaryEmbedParallel
 from handwritten_plans._blocks import row_output, shared_input, vocab_embedding, vocab_head

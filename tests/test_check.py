@@ -69,7 +69,8 @@ def test_fused_gate_up_sharded_contiguously(models):
 def test_reduction_over_sharded_width_olmo2_under_llama_plan(models):
     """OLMo2 normalises q and k over all heads together: a Llama plan leaves that norm inexact."""
     model = models["olmo2"]
-    plan = handwritten_plans.plan_for(models["llama"])
+    # OLMo2 has no pre-norms (it normalises after each branch): only the Llama plan's Linears apply.
+    plan = {k: v for k, v in handwritten_plans.plan_for(models["llama"]).items() if not k.endswith("layernorm")}
     findings = check_plan(model, plan, tp_size=2)
     assert {(f.module.rsplit(".", 1)[-1], f.kind) for f in findings} == {
         ("q_norm", "width_norm_style"),

@@ -8,17 +8,11 @@ round trip in them; each test then checks the figures it is about.
 
 from __future__ import annotations
 
-import os
-import queue
-import socket
-import time
-import traceback
 from functools import partial
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
@@ -38,6 +32,7 @@ from autotp.checkpoint import (
 )
 from autotp.kv import replicate_kv_heads
 from autotp.models import build_model
+from gloo_launch import run_on_ranks
 
 TOLERANCE = 1e-5
 FUSED = "phi3"  # fused qkv_proj and gate_up_proj: PackedColwiseParallel in its plan
@@ -235,52 +230,10 @@ def _round_trips(root: str) -> dict:
     return out
 
 
-def _worker(rank, world, port, root, results):
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=world)
-    try:
-        results.put((rank, _round_trips(root), None))
-    except Exception:
-        results.put((rank, None, traceback.format_exc(limit=-4)))
-    finally:
-        dist.destroy_process_group()
-
-
-def _launch(world: int, root: str, timeout: float = 240.0) -> dict:
-    """Rank 0's figures from ``world`` spawned gloo processes running :func:`_round_trips`."""
-    context = mp.get_context("spawn")  # fork deadlocks on torch's thread pools
-    results = context.Queue()
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    workers = [context.Process(target=_worker, args=(r, world, port, root, results)) for r in range(world)]
-    for worker in workers:
-        worker.start()
-    outcomes, deadline = {}, time.monotonic() + timeout
-    try:
-        while len(outcomes) < world:
-            try:
-                rank, result, error = results.get(timeout=1.0)
-            except queue.Empty:
-                dead = [w.exitcode for w in workers if w.exitcode not in (None, 0)]
-                if dead or time.monotonic() > deadline:
-                    pytest.fail(f"checkpoint workers: exit codes {dead}, or over {timeout:.0f} s")
-                continue
-            if error:
-                pytest.fail(f"rank {rank} failed:\n{error}")
-            outcomes[rank] = result
-    finally:
-        for worker in workers:
-            worker.join(timeout=5)
-            if worker.is_alive():
-                worker.kill()
-    return outcomes[0]
-
-
 @pytest.fixture(scope="module")
 def round_trips(tmp_path_factory):
     root = tmp_path_factory.mktemp("checkpoints")
-    return root, _launch(2, str(root))
+    return root, run_on_ranks(_round_trips, 2, str(root), timeout=240.0, what="checkpoint workers")[0]
 
 
 @pytest.mark.multiprocess

@@ -11,16 +11,9 @@ DTensor and the TP hooks); inductor was measured by hand (see the README section
 from __future__ import annotations
 
 import copy
-import os
-import queue
-import socket
-import time
-import traceback
 
 import pytest
 import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
@@ -31,6 +24,7 @@ from autotp.apply import apply_plan
 from autotp.errors import AutoTPError
 from autotp.models import build_model
 from autotp.training import compile_blocks
+from gloo_launch import run_on_ranks
 
 TOLERANCE = 1e-5
 BACKEND = "aot_eager"
@@ -93,46 +87,8 @@ def _one_case(family: str, sp: bool, plan: dict) -> dict:
     )
 
 
-def _worker(rank, world, port, plans, results):
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=world)
-    try:
-        results.put((rank, [_one_case(f, sp, plans[f, sp]) for f, _, sp in CASES], None))
-    except Exception:
-        results.put((rank, None, traceback.format_exc(limit=-6)))
-    finally:
-        dist.destroy_process_group()
-
-
-def _launch(world: int, plans: dict, timeout: float = 480.0) -> list[dict]:
-    """Every case on ``world`` spawned gloo processes; rank 0's results."""
-    context = mp.get_context("spawn")  # fork deadlocks on torch's thread pools
-    results = context.Queue()
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    workers = [context.Process(target=_worker, args=(r, world, port, plans, results)) for r in range(world)]
-    for worker in workers:
-        worker.start()
-    outcomes, deadline = {}, time.monotonic() + timeout
-    try:
-        while len(outcomes) < world:
-            try:
-                rank, result, error = results.get(timeout=1.0)
-            except queue.Empty:
-                dead = [w.exitcode for w in workers if w.exitcode not in (None, 0)]
-                if dead or time.monotonic() > deadline:
-                    pytest.fail(f"compile workers: exit codes {dead}, or over {timeout:.0f} s")
-                continue
-            if error:
-                pytest.fail(f"rank {rank} failed:\n{error}")
-            outcomes[rank] = result
-    finally:
-        for worker in workers:
-            worker.join(timeout=5)
-            if worker.is_alive():
-                worker.kill()
-    return outcomes[0]
+def _all_cases(plans):
+    return [_one_case(f, sp, plans[f, sp]) for f, _, sp in CASES]
 
 
 @pytest.mark.multiprocess
@@ -141,7 +97,7 @@ def test_compiled_blocks_match_eager_on_2_processes():
     every gradient equal the eager sharded model's and the unsharded model's; each block was
     captured as a graph without graph breaks, and parameter names are unchanged. Catches a TP hook
     or DTensor op that compiles to different numerics, or a block that silently falls back to eager."""
-    results = _launch(2, _plans())
+    results = run_on_ranks(_all_cases, 2, _plans(), timeout=480.0, what="compile workers")[0]
     for (family, source, sp), result in zip(CASES, results):
         label = f"{family} {source}{' sp' if sp else ''}: {result}"
         assert max(result["eager_vs_compiled"]) <= TOLERANCE, label

@@ -9,16 +9,10 @@ training step (FSDP2 x TP and TP alone, plain and sequence parallel) against sin
 from __future__ import annotations
 
 import copy
-import os
-import queue
-import socket
-import time
-import traceback
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 import torch.nn.functional as F
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
@@ -35,6 +29,7 @@ from autotp.loss import (
     vocab_parallel_cross_entropy,
 )
 from autotp.models import build_model
+from gloo_launch import run_on_ranks
 
 TOLERANCE = 1e-5
 IGNORE = -100
@@ -277,46 +272,8 @@ def _mp_step(mesh_dims, sp: bool, reference: dict) -> dict:
     )
 
 
-def _mp_worker(rank, world, port, reference, results):
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=world)
-    try:
-        results.put((rank, [_mp_step(dims, sp, reference) for dims, sp in MP_CASES], None))
-    except Exception:
-        results.put((rank, None, traceback.format_exc(limit=-4)))
-    finally:
-        dist.destroy_process_group()
-
-
-def _launch(world: int, reference: dict, timeout: float = 300.0) -> list[dict]:
-    """Every case of ``MP_CASES`` on ``world`` spawned gloo processes; rank 0's results."""
-    context = mp.get_context("spawn")  # fork deadlocks on torch's thread pools
-    results = context.Queue()
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    workers = [context.Process(target=_mp_worker, args=(r, world, port, reference, results)) for r in range(world)]
-    for worker in workers:
-        worker.start()
-    outcomes, deadline = {}, time.monotonic() + timeout
-    try:
-        while len(outcomes) < world:
-            try:
-                rank, result, error = results.get(timeout=1.0)
-            except queue.Empty:
-                dead = [w.exitcode for w in workers if w.exitcode not in (None, 0)]
-                if dead or time.monotonic() > deadline:
-                    pytest.fail(f"labels= workers: exit codes {dead}, or over {timeout:.0f} s")
-                continue
-            if error:
-                pytest.fail(f"rank {rank} failed:\n{error}")
-            outcomes[rank] = result
-    finally:
-        for worker in workers:
-            worker.join(timeout=5)
-            if worker.is_alive():
-                worker.kill()
-    return outcomes[0]
+def _mp_cases(reference):
+    return [_mp_step(dims, sp, reference) for dims, sp in MP_CASES]
 
 
 @pytest.mark.multiprocess
@@ -327,7 +284,7 @@ def test_labels_training_step_on_4_processes_matches_single_process():
     gathers or mis-offsets the vocabulary, mis-shifts labels, counts ignored labels, or a
     gradient that is not the full loss's on each tp rank."""
     reference = _mp_reference()
-    results = _launch(4, reference)
+    results = run_on_ranks(_mp_cases, 4, reference, what="labels= workers")[0]
     for (dims, sp), result in zip(MP_CASES, results):
         label = f"{dict(dims)}{' sp' if sp else ''}: {result}; single process: loss {reference['loss']}"
         assert result["logits_placements"] == "(Shard(dim=2),)", label

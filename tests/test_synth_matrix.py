@@ -27,6 +27,9 @@ LAYERS = 2
 FAMILIES = ["llama", "mistral", "qwen2", "qwen3", "gemma3", "gemma3-vlm", "phi3", "olmo2", "cohere",
             "starcoder2", "granite", "glm4", "gpt_neox", "phi", "qwen3_moe", "mixtral"]
 PARALLEL_BLOCKS = ("parallel_block", "cohere", "phi")
+# Parallel blocks whose two branch outputs are added to each other before the residual
+# (``attn + mlp + x``): the rows' partial sums meet first and are reduced once per layer.
+SUMMED_BRANCHES = ("gpt_neox", "phi")
 TOYS = {"nanogpt": NanoGPT, "titan_llama": TitanLlama, "parallel_block": lambda: TitanLlama(parallel=True)}
 
 
@@ -70,18 +73,17 @@ def optimal_collectives(name: str, sequence_parallel: bool) -> dict[str, int]:
       statistic: +2 all-reduces per layer, plain and SP.
     - parallel blocks (the toy, Cohere, Phi): attention and MLP read one norm, so under SP one
       all-gather per layer, fewer than the sequential optimum.
-    - Gemma3 (both classes) SP: the scaled embedding multiplies the vocab-parallel lookup by
-      ``embed_scale`` inside the module, and DTensor reduces the masked partial sum before the
-      multiply: the boundary reduce-scatter becomes 1 all-reduce. Post-norms sit before the
-      residual add and stay sequence-sharded; the two pre-norms gather, as for Llama.
+    - parallel blocks whose branch outputs are added before the residual (GPT-NeoX, Phi): one
+      all-reduce (SP: one reduce-scatter) per layer for both branches.
+    Gemma3's scaled embedding needs no deviation: the vocab-parallel lookup reduces its partial sum
+    (a reduce-scatter under SP) before the module scales it.
     """
+    reductions = 1 if name in SUMMED_BRANCHES else 2
     if sequence_parallel:
         gathers = 1 if name in PARALLEL_BLOCKS else 2
-        out = {"all_gather_into_tensor": gathers * LAYERS + 1, "reduce_scatter_tensor": 2 * LAYERS + 1}
-        if name.startswith("gemma3"):
-            out.update(reduce_scatter_tensor=2 * LAYERS, all_reduce=1)
+        out = {"all_gather_into_tensor": gathers * LAYERS + 1, "reduce_scatter_tensor": reductions * LAYERS + 1}
     else:
-        out = {"all_reduce": 2 * LAYERS + 1}
+        out = {"all_reduce": reductions * LAYERS + 1}
     if name == "olmo2":
         out["all_reduce"] = out.get("all_reduce", 0) + 2 * LAYERS
     return out

@@ -9,16 +9,10 @@ same step on the unsharded model, within ``TOLERANCE`` (fp32, absolute).
 from __future__ import annotations
 
 import copy
-import os
-import queue
-import socket
-import time
-import traceback
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 import torch.nn.functional as F
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
@@ -35,6 +29,7 @@ from autotp.training import (
     next_token_loss,
     unshard_fsdp2_model,
 )
+from gloo_launch import run_on_ranks
 
 TOLERANCE = 1e-5
 MODEL = "llama-1b"  # a Llama with tied embedding and head, so the tie is exercised too
@@ -122,48 +117,13 @@ def _max_diff(tensor, expected: torch.Tensor) -> float:
     return (full.detach() - expected).abs().max().item()
 
 
-def _worker(rank, world, port, cases, plans, reference, results):
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=world)
-    try:
-        results.put((rank, [_one_step(case, plans, reference) for case in cases], None))
-    except Exception:
-        results.put((rank, None, traceback.format_exc(limit=-4)))
-    finally:
-        dist.destroy_process_group()
+def _steps(cases, plans, reference):
+    return [_one_step(case, plans, reference) for case in cases]
 
 
 def _launch(world: int, cases: list[dict], plans: dict, reference: dict, timeout: float = 240.0) -> list[dict]:
     """Run ``cases`` on ``world`` spawned gloo processes; rank 0's results (all ranks must agree)."""
-    context = mp.get_context("spawn")  # fork deadlocks on torch's thread pools
-    results = context.Queue()
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    workers = [
-        context.Process(target=_worker, args=(rank, world, port, cases, plans, reference, results))
-        for rank in range(world)
-    ]
-    for worker in workers:
-        worker.start()
-    outcomes, deadline = {}, time.monotonic() + timeout
-    try:
-        while len(outcomes) < world:
-            try:
-                rank, result, error = results.get(timeout=1.0)
-            except queue.Empty:
-                dead = [w.exitcode for w in workers if w.exitcode not in (None, 0)]
-                if dead or time.monotonic() > deadline:
-                    pytest.fail(f"training workers: exit codes {dead}, or over {timeout:.0f} s")
-                continue
-            if error:
-                pytest.fail(f"rank {rank} failed:\n{error}")
-            outcomes[rank] = result
-    finally:
-        for worker in workers:
-            worker.join(timeout=5)
-            if worker.is_alive():
-                worker.kill()
+    outcomes = run_on_ranks(_steps, world, cases, plans, reference, timeout=timeout, what="training workers")
     for rank in range(1, world):
         for mine, theirs in zip(outcomes[0], outcomes[rank]):
             assert mine["loss"] == theirs["loss"] and mine["grad_norm"] == theirs["grad_norm"], f"rank {rank} disagrees"
