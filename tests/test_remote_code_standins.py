@@ -23,7 +23,6 @@ import torch.nn.functional as F
 from torch import nn
 
 import autotp
-from autotp.styles import PackedColwiseParallel
 
 pytestmark = pytest.mark.filterwarnings("ignore:Parallelize plan key")
 

@@ -336,3 +336,35 @@ def test_gpt2_conv1d_layers_are_sharded_and_verify():
         report = verify(model, plan, tp_size=2)
     assert report.ok, str(report)
     assert report.collectives == {"all_reduce": 2 * model.config.n_layer + 1}
+
+
+class StatefulBlock(TitanBlock):
+    """Saves its output as module state in forward, as recurrent blocks keep their last state."""
+
+    def forward(self, x):
+        out = super().forward(x)
+        self.last_state = out.detach()
+        return out
+
+
+class StatefulLlama(TitanLlama):
+    def __init__(self):
+        super().__init__()
+        self.layers = nn.ModuleList(StatefulBlock() for _ in range(2))
+
+
+def test_synthesis_leaves_no_fake_tensor_in_module_state():
+    """Tracing runs the blocks on fake tensors; state they save must not stay behind in the user's
+    model (a fake tensor there corrupted later runs under simulated ranks). Would catch synthesis
+    that returns with ``last_state`` holding a FakeTensor."""
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    model = StatefulLlama()
+    model(example_tokens())  # a real state before synthesis: kept as it was
+    real = model.layers[0].last_state
+    synthesize(model, example_inputs=(example_tokens(),), tp_size=2)
+    assert model.layers[0].last_state is real
+    fresh = StatefulLlama()  # no state before synthesis: none after
+    synthesize(fresh, example_inputs=(example_tokens(),), tp_size=2)
+    assert not any(isinstance(v, FakeTensor) for m in fresh.modules() for v in vars(m).values())
+    assert not hasattr(fresh.layers[0], "last_state")

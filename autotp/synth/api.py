@@ -20,7 +20,7 @@ from autotp.synth.localize import localize
 from autotp.synth.roles import Role
 from autotp.synth.sequence import sequence_parallel_roles
 from autotp.synth.shared import shared_input_roles
-from autotp.synth.trace import LayerGroups, repeated_lists, trace
+from autotp.synth.trace import LayerGroups, repeated_lists, restored_module_state, trace
 from autotp.synth.validate import require_language_model, require_repeated_block
 
 log = logging.getLogger(__name__)
@@ -53,7 +53,16 @@ class ExplainRecord:
 
 def analyse_model(model: nn.Module, *, example_inputs=None, sequence_parallel: bool = False,
                   tp_size: int | None = None) -> Analysis:
-    """Trace, build the graph, propagate shards and assign roles (no styles yet)."""
+    """Trace, build the graph, propagate shards and assign roles (no styles yet).
+
+    The model is left as it was: state a module writes while traced is restored
+    (:func:`~autotp.synth.trace.restored_module_state`).
+    """
+    with restored_module_state(model):
+        return _analyse(model, example_inputs=example_inputs, sequence_parallel=sequence_parallel, tp_size=tp_size)
+
+
+def _analyse(model: nn.Module, *, example_inputs, sequence_parallel: bool, tp_size: int | None) -> Analysis:
     require_repeated_block(model, repeated_lists(model))
     program, groups = trace(model, example_inputs)
     g = build_graph(program)

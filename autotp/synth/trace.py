@@ -265,6 +265,32 @@ def _quiet(names: tuple[str, ...]):
             lg.setLevel(level)
 
 
+@contextlib.contextmanager
+def restored_module_state(model: nn.Module):
+    """Within the block, tracing may write fake tensors into module attributes; on exit they go.
+
+    A module that saves state in its forward (a recurrent block's ``self.recurrent_states = h``)
+    keeps the fake tensor ``torch.export`` ran it on. Left there, it drags the trace's fake mode into
+    the user's later real runs (copies of such a model corrupted memory under simulated ranks). Each
+    attribute holding a fake tensor on exit gets back the value it had before, or is removed if it
+    did not exist. Parameters, buffers and submodules are not plain attributes and are not touched.
+    """
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    before = {module: dict(vars(module)) for module in model.modules()}
+    try:
+        yield
+    finally:
+        for module, saved in before.items():
+            for name, value in list(vars(module).items()):
+                if not isinstance(value, FakeTensor):
+                    continue
+                if name in saved and not isinstance(saved[name], FakeTensor):
+                    module.__dict__[name] = saved[name]
+                else:
+                    del module.__dict__[name]
+
+
 def export_model(model: nn.Module, example_inputs=None) -> torch.export.ExportedProgram:
     """``torch.export.export(strict=False)`` with good errors; inputs from the config if not given.
 
