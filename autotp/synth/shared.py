@@ -55,11 +55,12 @@ def _has_sharded(roles: dict[str, Role], module: str) -> bool:
     return any((m == module or m.startswith(module + ".")) and r.kind != "replicate" for m, r in roles.items())
 
 
-def _column_reader(g: nx.DiGraph, roles: dict[str, Role], reader: str) -> bool:
+def _column_reader(g: nx.DiGraph, roles: dict[str, Role], reader: str, *, seq_input_ok: bool = False) -> bool:
+    """Whether ``reader`` is a column Linear (one that gathers the stream itself only if allowed)."""
     if not (g.nodes[reader]["kind"] == "call" and is_linear(g, reader)):
         return False
     role = roles.get(_owner(g, reader))
-    return role is not None and role.kind in COLUMN_KINDS and not role.seq_input
+    return role is not None and role.kind in COLUMN_KINDS and (seq_input_ok or not role.seq_input)
 
 
 def _whole_reader(g: nx.DiGraph, roles: dict[str, Role], reader: str, output_stack: tuple[str, ...]) -> str | None:
@@ -149,17 +150,10 @@ def dtensor_gathers(g: nx.DiGraph, roles: dict[str, Role]) -> dict[str, Role]:
             readers = [n for n in g.nodes if module in g.nodes[n]["stack"] and g.nodes[n]["kind"] == "call"
                        and is_linear(g, n) and any(module not in g.nodes[r.name]["stack"]
                                                    for r in refs(g.nodes[n]["args"]))]
-        if readers and all(_column_reader_sp(g, roles, r) and not (blocks & set(g.nodes[r]["stack"]))
+        if readers and all(_column_reader(g, roles, r, seq_input_ok=True) and not (blocks & set(g.nodes[r]["stack"]))
                            for r in readers):
             found[module] = replace(role, dtensor_output=True)
     return found
-
-
-def _column_reader_sp(g: nx.DiGraph, roles: dict[str, Role], reader: str) -> bool:
-    if not (g.nodes[reader]["kind"] == "call" and is_linear(g, reader)):
-        return False
-    role = roles.get(_owner(g, reader))
-    return role is not None and role.kind in COLUMN_KINDS
 
 
 def _carried(g: nx.DiGraph, start: str, limit: int = 4) -> list[str]:
