@@ -229,7 +229,7 @@ def _parts(model, key, ratio, dim=0):
 def function_name(text: str) -> str:
     """A Python identifier for the plan function of model ``text``.
 
-    >>> function_name("qwen3-moe"), function_name("/tmp/config.json")
+    >>> function_name("qwen3-moe"), function_name("configs/my_model/config.json")
     ('qwen3_moe_plan', 'config_plan')
     """
     stem = re.sub(r"\.json$", "", text.rstrip("/").rsplit("/", 1)[-1])

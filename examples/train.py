@@ -4,8 +4,8 @@ Run with torchrun; on CPU it uses gloo, on GPUs nccl::
 
     torchrun --nproc_per_node 4 examples/train.py --model llama-1b --tp 2 --steps 30
     torchrun --nproc_per_node 2 examples/train.py --model qwen3 --tp 2 --sequence-parallel
-    torchrun --nproc_per_node 2 examples/train.py --model phi3 --steps 10 --save /tmp/ckpt
-    torchrun --nproc_per_node 2 examples/train.py --model phi3 --tp 1 --tiny-tp 2 --steps 20 --resume /tmp/ckpt
+    torchrun --nproc_per_node 2 examples/train.py --model phi3 --steps 10 --save runs/ckpt
+    torchrun --nproc_per_node 2 examples/train.py --model phi3 --tp 1 --tiny-tp 2 --steps 20 --resume runs/ckpt
 
 The model is a built-in config shrunk to a tiny size (``autotp.models.build_model(..., tiny=True)``)
 with random weights; the data is a synthetic, learnable token stream (each sequence counts up

@@ -2,11 +2,10 @@
 ``nn.Sequential``, and forwards with regions torch.export wraps in higher-order ops (autocast,
 grad mode). Numerical checks compare with the unsharded model (logits and every gradient)."""
 
-import warnings
 
 import pytest
 import torch
-from synth_toy import DIM, VOCAB, TitanBlock, TitanLlama, example_tokens
+from synth_toy import DIM, VOCAB, TitanBlock, TitanLlama, example_tokens, verify_toy
 from torch import nn
 
 from autotp.errors import TraceError
@@ -14,7 +13,6 @@ from autotp.synth import synthesize
 from autotp.synth.graph import build_graph
 from autotp.synth.trace import LayerGroups, collapsed, repeated_lists, trace
 from autotp.training import get_lm_ac_layers
-from autotp.verifier import verify
 
 
 class DictStack(TitanLlama):
@@ -43,11 +41,7 @@ class SequentialStack(TitanLlama):
 
 
 def _verify(model, plan, tp_size=2):
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        report = verify(model, plan, tp_size=tp_size, inputs=(example_tokens(),))
-    assert report.ok, str(report)
-    return report
+    return verify_toy(model, plan, tp_size)
 
 
 @pytest.mark.parametrize("sequence_parallel", [False, True], ids=["tp", "sp"])
