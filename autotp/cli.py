@@ -297,11 +297,7 @@ def _print_plan(args: argparse.Namespace, model, choice) -> int:
     replicated = replicated_linears(model, plan) if args.tp > 1 else []
     if replicated:
         print(f"autotp: warning: {_replicated_text(replicated, per_rank, total, args.tp)}", file=sys.stderr)
-    explanation = None
-    if args.explain:
-        from autotp.synth import explain  # traces the model: only when asked
-
-        explanation = explain(model, sequence_parallel=args.sp)
+    explanation = _explanation(model, choice, args) if args.explain else None
     findings = check_plan(model, plan, tp_size=args.tp) if args.check else None
     if args.json:
         print(json.dumps(_plan_json(args, model, choice, per_rank, total, explanation, findings), indent=2))
@@ -322,15 +318,16 @@ def _print_plan(args: argparse.Namespace, model, choice) -> int:
         print(_findings_text(findings))
     if explanation is not None:
         print()
-        print("why each module got its role (synthesizer):")
+        print(f"why each key has its style ({_explained_by(choice)}):")
         print(format_table(["module", "role", "style", "reason"], [_explain_row(r) for r in explanation]))
     return EXIT_MISMATCH if findings else 0
 
 
-def replicated_linears(model, plan) -> list[tuple[str, int]]:
+def replicated_linears(model, plan, share: float = None) -> list[tuple[str, int]]:
     """Linear-like weights (2-D, not an embedding table) the plan leaves whole, as
     ``(pattern, parameters)`` with layer indices folded to ``*``, largest first, when together they
-    pass :data:`REPLICATED_WARN_SHARE` of the model's parameters; else ``[]``."""
+    pass ``share`` (default :data:`REPLICATED_WARN_SHARE`) of the model's parameters; else ``[]``."""
+    share = REPLICATED_WARN_SHARE if share is None else share
     from torch import nn
 
     from autotp.errors import PlanError
@@ -350,7 +347,7 @@ def replicated_linears(model, plan) -> list[tuple[str, int]]:
             continue
         pattern = re.sub(r"\.\d+(?=\.|$)", ".*", fqn)
         whole[pattern] = whole.get(pattern, 0) + weight.numel()
-    if not total or sum(whole.values()) < REPLICATED_WARN_SHARE * total:
+    if not total or not whole or sum(whole.values()) < share * total:
         return []
     return sorted(whole.items(), key=lambda item: -item[1])
 
@@ -361,6 +358,29 @@ def _replicated_text(replicated: list[tuple[str, int]], per_rank: int, total: in
     return (f"each rank holds {per_rank / total:.1%} of the parameters at tp={tp} (ideal {1 / tp:.1%}): "
             f"Linear weights left whole: {names}{more}; `autotp plan ... --explain` gives the "
             "synthesizer's reasons, or write the plan for them (--plan FILE.py:NAME)")
+
+
+def _explanation(model, choice, args) -> list:
+    """Records that describe exactly ``choice.plan``: the synthesizer's reasons when it wrote the
+    plan (its own analysis, not a second trace), else the plan's own keys with their source, and the
+    Linear weights that plan leaves whole."""
+    from autotp.synth.api import ExplainRecord, describe
+
+    if choice.analysis is not None:
+        return describe(choice.analysis, choice.plan)
+    origin = f"{choice.source} plan" + (f" ({choice.detail})" if choice.detail else "")
+    records = [ExplainRecord(key, choice.source, repr(style), f"written in the {origin}", ())
+               for key, style in choice.plan.items()]
+    for pattern, count in replicated_linears(model, choice.plan, share=0.0):
+        records.append(ExplainRecord(pattern, "replicate", "replicated",
+                                     f"not sharded by the {choice.source} plan ({count:,} parameters)", ()))
+    return records
+
+
+def _explained_by(choice) -> str:
+    if choice.analysis is not None:
+        return "synthesizer"
+    return f"{choice.source} plan; `--source synth --explain` gives the synthesizer's reasons"
 
 
 def _explain_row(record) -> list[str]:

@@ -15,7 +15,7 @@ from __future__ import annotations
 import importlib
 import logging
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from torch import nn
 
@@ -44,6 +44,7 @@ class PlanChoice:
     source: str
     detail: str = ""
     skipped: list[tuple[str, str]] = field(default_factory=list)
+    analysis: object = None  # the synthesizer's Analysis when it wrote the plan (for ``explain``)
 
 
 def import_object(path: str):
@@ -159,7 +160,8 @@ def _cheap_rejection(model: nn.Module, plan: Plan, tp_size: int | None) -> None:
 
 def _candidates(model: nn.Module, sources: tuple[str, ...], sequence_parallel: bool, tp_size: int | None,
                 *, reraise: bool = False):
-    """Yield ``(source, detail, plan or None, reason if None)`` for each source, built lazily.
+    """Yield a :class:`PlanChoice` per source (``plan`` None: the source has none, ``detail`` says
+    why), built lazily; a synthesized choice carries its :class:`~autotp.synth.Analysis`.
 
     A source that has no plan for the model, or whose construction raises an :class:`AutoTPError`
     (a transformers style autotp cannot translate, a synthesized plan tp does not divide), yields
@@ -173,23 +175,24 @@ def _candidates(model: nn.Module, sources: tuple[str, ...], sequence_parallel: b
         try:
             if source == "handwritten":
                 plan = handwritten_plans.plan_for(model, sequence_parallel=sequence_parallel)
-                yield source, name, plan, None if plan is not None else f"no handwritten plan for {name}"
+                yield PlanChoice(plan, source, name if plan is not None else f"no handwritten plan for {name}")
             elif source == "hf" and sequence_parallel:
-                yield source, "", None, ("transformers plans have no sequence-parallel variant; "
-                                         "use source='synthesized'")
+                yield PlanChoice(None, source, "transformers plans have no sequence-parallel variant; "
+                                 "use source='synthesized'")
             elif source == "hf":
                 plan = hf_plans.hf_plan(model)
-                yield (source, "base_model_tp_plan + _tp_plan", plan,
-                       None if plan is not None else f"{type(model).__name__} ships no transformers tp plan")
+                yield PlanChoice(plan, source, "base_model_tp_plan + _tp_plan" if plan is not None
+                                 else f"{type(model).__name__} ships no transformers tp plan")
             else:
-                from autotp.synth import synthesize
+                from autotp.synth import analyse_model, build_plan
 
-                plan = synthesize(model, sequence_parallel=sequence_parallel, tp_size=tp_size)
-                yield source, "graph analysis", plan, None
+                analysis = analyse_model(model, sequence_parallel=sequence_parallel, tp_size=tp_size)
+                yield PlanChoice(build_plan(analysis.roles, analysis.groups), source, "graph analysis",
+                                 analysis=analysis)
         except AutoTPError as error:
             if reraise:
                 raise
-            yield source, "", None, str(error)
+            yield PlanChoice(None, source, str(error))
 
 
 def get_plan(
@@ -235,13 +238,14 @@ def get_plan(
         return _insisted(model, source, sequence_parallel, tp_size, check=bool(check))
     check = True if check is None else check
     skipped: list[tuple[str, str]] = []
-    for name, detail, plan, reason in _candidates(model, SOURCES[1:], sequence_parallel, tp_size):
-        if plan is not None and check:
-            reason = rejection(model, plan, tp_size=tp_size)
+    for choice in _candidates(model, SOURCES[1:], sequence_parallel, tp_size):
+        reason = choice.detail if choice.plan is None else None
+        if choice.plan is not None and check:
+            reason = rejection(model, choice.plan, tp_size=tp_size)
         if reason is None:
-            return PlanChoice(plan, name, detail, skipped)
-        log.info("plan source %s skipped for %s: %s", name, type(model).__name__, reason)
-        skipped.append((name, reason))
+            return replace(choice, skipped=skipped)
+        log.info("plan source %s skipped for %s: %s", choice.source, type(model).__name__, reason)
+        skipped.append((choice.source, reason))
     at = f" at tp={tp_size}" if tp_size else ""
     raise NoPlanError(
         f"{type(model).__name__}: no plan source gives a plan the checker accepts{at}: "
@@ -258,9 +262,10 @@ def _insisted(model: nn.Module, source: str, sequence_parallel: bool, tp_size: i
     Raises:
         PlanError: the source has no plan for the model, or (with ``check``) the checker rejects it.
     """
-    (name, detail, plan, reason), = _candidates(model, (source,), sequence_parallel, tp_size, reraise=True)
-    if plan is not None and check:
-        reason = rejection(model, plan, tp_size=tp_size)
+    choice, = _candidates(model, (source,), sequence_parallel, tp_size, reraise=True)
+    reason = choice.detail if choice.plan is None else None
+    if choice.plan is not None and check:
+        reason = rejection(model, choice.plan, tp_size=tp_size)
     if reason is not None:
-        raise PlanError(f"{reason.rstrip('.')}." if plan is None else f"{source} plan rejected: {reason}")
-    return PlanChoice(plan, name, detail)
+        raise PlanError(f"{reason.rstrip('.')}." if choice.plan is None else f"{source} plan rejected: {reason}")
+    return choice

@@ -1,7 +1,6 @@
 """The ``autotp`` command line (autotp.cli), driven through ``main([...])`` and once as a script."""
 
 import doctest
-import importlib.util
 import json
 import os
 import re
@@ -15,17 +14,6 @@ from torch.distributed.tensor.parallel import ColwiseParallel, PrepareModuleInpu
 
 from autotp import cli, cli_text
 from autotp.cli import main, plan_rows
-
-
-def _has(module: str, attr: str) -> bool:
-    try:
-        return importlib.util.find_spec(module) is not None and hasattr(importlib.import_module(module), attr)
-    except ImportError:
-        return False
-
-
-needs_selection = pytest.mark.skipif(not _has("autotp.selection", "get_plan"), reason="autotp.selection not there yet")
-needs_synth = pytest.mark.skipif(not _has("autotp.synth", "synthesize"), reason="autotp.synth not there yet")
 
 
 def test_plan_prints_table_and_per_rank_memory(capsys):
@@ -146,28 +134,24 @@ def test_verify_procs_runs_real_gloo_processes():
     assert "tp=2  OK" in done.stdout
 
 
-@needs_selection
 def test_plan_auto_source_names_the_source_it_used(capsys):
     assert main(["plan", "llama", "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["source"] in {"custom", "handwritten", "hf", "synthesized"}
 
 
-@needs_selection
 def test_verify_auto_source_on_tiny_qwen3(capsys):
     assert main(["verify", "qwen3", "--tp", "2"]) == 0
 
 
-@needs_synth
 def test_plan_synth_source_reports_synthesized(capsys):
     assert main(["plan", "llama", "--source", "synth", "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["source"] == "synthesized"
 
 
-@needs_synth
 def test_plan_explain_adds_the_synthesizer_reasons(capsys):
-    assert main(["plan", "qwen3", "--explain"]) == 0
+    assert main(["plan", "qwen3", "--source", "synth", "--explain"]) == 0
     out = capsys.readouterr().out
-    assert "why each module got its role (synthesizer):" in out
+    assert "why each key has its style (synthesizer):" in out
     assert re.search(r"model\.layers\.\*\.self_attn\.q_norm +\| head_norm", out)
 
 
@@ -438,7 +422,6 @@ def test_verify_a_plan_with_sizes_hard_coded_for_the_real_model_exits_2(capsys, 
     assert _one_line_error(err) and "IndexError" in err and "compute sizes from the model" in err
 
 
-@needs_synth
 def test_plan_names_the_sources_it_skipped(capsys):
     """transformers' Starcoder2 plan shards the tied embedding and head two ways: skipped, with why."""
     assert main(["plan", "starcoder2", "--tp", "2", "--json"]) == 0
@@ -446,3 +429,28 @@ def test_plan_names_the_sources_it_skipped(capsys):
     assert report["source"] == "synthesized"
     hf = next(s for s in report["skipped"] if s["source"] == "hf")
     assert "tied_weights" in hf["reason"]
+
+
+def _explained_keys(out: dict) -> dict[str, str]:
+    """Plan key -> style class, from the ``--explain --json`` records that name plan keys."""
+    return {r["key"]: r["style"].split("(", 1)[0] for r in out["explanation"] if r["style"] != "replicated"}
+
+
+def test_explain_describes_the_synthesized_plan_shown_with_kv_replication(capsys):
+    """tp=16 over 8 kv heads: the table's k_proj is ReplicatedKVColwise, and so is the explanation's
+    (it once re-ran the synthesizer without tp and explained a plain ColwiseParallel)."""
+    assert main(["plan", "qwen3", "--tp", "16", "--source", "synth", "--explain", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    table = {key: entry["style"] for key, entry in out["plan"].items()}
+    assert _explained_keys(out) == table
+    assert table["model.layers.*.self_attn.k_proj"] == "ReplicatedKVColwise"
+    roles = {r["key"]: r["role"] for r in out["explanation"]}
+    assert roles["model.layers.*.self_attn.k_proj"] == "kv_column"
+
+
+def test_explain_describes_the_transformers_plan_when_auto_chooses_it(capsys):
+    assert main(["plan", "olmo2", "--tp", "4", "--explain", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["source"] == "hf"
+    assert _explained_keys(out) == {key: entry["style"] for key, entry in out["plan"].items()}
+    assert {r["role"] for r in out["explanation"]} <= {"hf", "replicate"}

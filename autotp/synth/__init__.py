@@ -16,5 +16,6 @@ The pipeline is a literal sequence of passes::
 from __future__ import annotations
 
 from autotp.synth.api import Analysis, ExplainRecord, analyse_model, explain, synthesize
+from autotp.synth.build import build_plan
 
-__all__ = ["Analysis", "ExplainRecord", "analyse_model", "explain", "synthesize"]
+__all__ = ["Analysis", "ExplainRecord", "analyse_model", "build_plan", "explain", "synthesize"]

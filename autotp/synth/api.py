@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import re
 from dataclasses import dataclass, replace
 
 import networkx as nx
@@ -13,7 +14,7 @@ from autotp.errors import MeshError, working_tp_sizes
 from autotp.synth.analysis import Flow, analyse
 from autotp.synth.assign import assign_roles, foreign_reads, mutated_outputs, tie_conflicts
 from autotp.synth.assign import tied_embedding_modules as _tied_embeddings
-from autotp.synth.build import build_plan, expand, generalise, style_for
+from autotp.synth.build import build_plan
 from autotp.synth.graph import build_graph
 from autotp.synth.kvheads import replicate_kv
 from autotp.synth.localize import localize
@@ -182,15 +183,64 @@ def synthesize(model: nn.Module, *, example_inputs=None, sequence_parallel: bool
     return plan
 
 
-def explain(model: nn.Module, *, example_inputs=None, sequence_parallel: bool = False,
-            loss_parallel: bool = True, tp_size: int | None = None) -> list[ExplainRecord]:
-    """Per plan key (and per replicated module that was considered): role, style, reason, evidence."""
-    analysis = analyse_model(model, example_inputs=example_inputs, sequence_parallel=sequence_parallel,
-                             tp_size=tp_size)
-    records = generalise(expand(analysis.roles, analysis.groups), analysis.groups)
-    out = []
-    for key, role in records.items():
-        style = style_for(role, loss_parallel=loss_parallel)
-        out.append(ExplainRecord(key, role.kind, repr(style) if style is not None else "replicated",
-                                 role.reason, role.evidence))
-    return out
+def explain(model: nn.Module | None = None, *, example_inputs=None, sequence_parallel: bool = False,
+            loss_parallel: bool = True, tp_size: int | None = None,
+            analysis: Analysis | None = None) -> list[ExplainRecord]:
+    """Why the plan :func:`synthesize` writes (same arguments) looks as it does.
+
+    One record per plan key, in the plan's order, with that key's style; then one per module left
+    whole (folded to ``layers.*`` where every layer leaves it whole), with the reason.
+
+    Keyword Args:
+        analysis: an :class:`Analysis` already made (``get_plan`` keeps the one behind a
+            synthesized choice), so the model is not traced again; ``model`` may then be None.
+    """
+    if analysis is None:
+        analysis = analyse_model(model, example_inputs=example_inputs, sequence_parallel=sequence_parallel,
+                                 tp_size=tp_size)
+    plan = build_plan(analysis.roles, analysis.groups, loss_parallel=loss_parallel)
+    return describe(analysis, plan)
+
+
+def describe(analysis: Analysis, plan: dict[str, ParallelStyle]) -> list[ExplainRecord]:
+    """Records for ``plan`` (built from ``analysis``): its keys, then the modules it leaves whole."""
+    originals = {fqn: role for traced, role in analysis.roles.items() for fqn in analysis.groups.original(traced)}
+    records = []
+    for key, style in plan.items():
+        fqn = next(f for f in originals if _key_matches(key, f))
+        role = originals[fqn]
+        fold = "*" in key
+        records.append(ExplainRecord(key, role.kind, repr(style), _fold(role.reason, analysis.groups, fold),
+                                     tuple(_fold(e, analysis.groups, fold) for e in role.evidence)))
+    whole: dict[tuple[str, str], list[str]] = {}
+    for fqn, role in originals.items():
+        if not any(_key_matches(key, fqn) for key in plan):
+            whole.setdefault((_fold(fqn, analysis.groups, True), role.kind), []).append(fqn)
+    for (pattern, kind), fqns in whole.items():
+        role = originals[fqns[0]]
+        entries = _entries(analysis.groups, pattern)
+        every = "*" not in pattern or len(fqns) == entries
+        key = pattern if every else f"{pattern} ({len(fqns)} of {entries} layers)"
+        records.append(ExplainRecord(key, kind, "replicated", _fold(role.reason, analysis.groups, every),
+                                     tuple(_fold(e, analysis.groups, every) for e in role.evidence)))
+    return records
+
+
+def _key_matches(key: str, fqn: str) -> bool:
+    """Whether plan key ``key`` (``*`` for one stack entry) names module ``fqn``."""
+    parts, names = key.split("."), fqn.split(".")
+    return len(parts) == len(names) and all(p in ("*", n) for p, n in zip(parts, names))
+
+
+def _fold(text: str, groups: LayerGroups, fold: bool) -> str:
+    """``text`` with stack entries (``layers.3.``) written ``layers.*.`` when ``fold``."""
+    if not fold:
+        return text
+    for prefix in groups.groups:
+        text = re.sub(rf"(?<![\w.]){re.escape(prefix)}\.[^.\s]+(?=\.|\b)", f"{prefix}.*", text)
+    return text
+
+
+def _entries(groups: LayerGroups, pattern: str) -> int:
+    prefix = next((p for p in groups.groups if pattern.startswith(p + ".*")), None)
+    return sum(len(group) for group in groups.groups[prefix]) if prefix else 1
