@@ -68,15 +68,14 @@ def check_divisible(model: nn.Module, tp: int, plan: Plan | None = None) -> None
             hint = ""
             if attr == "num_key_value_heads" and tp % n == 0:
                 hint = " or replicate kv heads across ranks (autotp.kv.replicate_kv_heads / synthesize(tp_size=...))"
-            raise MeshError(
-                f"{type(model).__name__}: {attr}={n} cannot be split over tp={tp} "
-                f"(config {type(config).__name__}: {counts}); "
-                f"use tp in {working_tp_sizes(list(counts.values()))}{hint}."
-            )
+            raise MeshError(module=type(model).__name__, found=f"{attr}={n} cannot be split over tp={tp}",
+                            required=f"config {type(config).__name__}: {counts}",
+                            fix=f"use tp in {working_tp_sizes(list(counts.values()))}{hint}.")
     for where, size in (sharded or {}).items():
         if size % tp:
-            raise MeshError(f"{where} of size {size}, which tp={tp} does not divide; "
-                            f"use tp in {working_tp_sizes([size])}.")
+            module, _, found = where.partition(": ")
+            raise MeshError(module=module, found=f"{found} of size {size}, which tp={tp} does not divide",
+                            fix=f"use tp in {working_tp_sizes([size])}.")
 
 
 def _sharded_sizes(model: nn.Module, plan: Plan) -> dict[str, int]:
@@ -87,7 +86,7 @@ def _sharded_sizes(model: nn.Module, plan: Plan) -> dict[str, int]:
         module = modules[fqn]
         for pname, dim in sharded_param_dims(module, style).items():
             where = f"{fqn}.{pname}: {type(style).__name__} (plan key {key!r}) shards dim {dim}"
-            sizes[where] = getattr(module, pname).shape[dim]
+            sizes[where] = module.get_parameter(pname).shape[dim]
     return sizes
 
 
@@ -137,7 +136,7 @@ def apply_plan(model: nn.Module, tp_mesh: DeviceMesh, plan: Plan) -> nn.Module:
     """
     validate_tp_mesh(model, tp_mesh, plan)
     groups = _tied_groups(model)
-    _check_tied_styles(model, plan, groups)
+    check_tied_styles(model, plan, groups)
     parallelize_module(model, tp_mesh, plan)
     _retie(model, groups)
     _keep_layouts(model)  # FSDP2 drops parameter attributes; autotp.checkpoint reads these
@@ -158,8 +157,13 @@ def _keep_layouts(model: nn.Module) -> None:
                 module.__dict__.setdefault("_autotp_layouts", {})[pname] = to_layout
 
 
-def _check_tied_styles(model: nn.Module, plan: Plan, groups) -> None:
-    """Refuse, before sharding, a plan that shards one copy of a tied weight and not the other."""
+def check_tied_styles(model: nn.Module, plan: Plan, groups=None) -> None:
+    """Refuse, before sharding, a plan that shards one copy of a tied weight and not the other.
+
+    Raises:
+        PlanError: naming the tied parameters and the dims each copy would be sharded on.
+    """
+    groups = _tied_groups(model) if groups is None else groups
     resolved = resolve(model, plan)
     modules = dict(model.named_modules())
     for group in groups:
@@ -170,10 +174,9 @@ def _check_tied_styles(model: nn.Module, plan: Plan, groups) -> None:
         if len(set(dims)) > 1:
             names = [f"{fqn}.{p}" for fqn, p in group]
             raise PlanError(
-                f"tied parameters {names} would be sharded on dims {dims} (None = replicated); "
-                "a tied weight must be placed the same way everywhere: shard both (vocab-parallel "
-                "embedding + colwise head) or neither."
-            )
+                module=names[0], found=f"tied parameters {names} would be sharded on dims {dims} (None = replicated)",
+                fix="a tied weight must be placed the same way everywhere: shard both (vocab-parallel "
+                "embedding + colwise head) or neither.")
 
 
 def parallelize(

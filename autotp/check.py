@@ -22,7 +22,8 @@ from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 from torch.distributed.tensor.parallel.style import ParallelStyle
 
 from autotp import styles
-from autotp.styles_params import HeadParams
+from autotp.styles.raw_linear import LinearParams
+from autotp.styles.params import HeadParams
 from autotp.errors import AutoTPError
 from autotp.plan import Plan, base_style, describe_style, key_matches
 
@@ -78,17 +79,28 @@ def _resolve_findings(model: nn.Module, plan: Plan) -> tuple[dict[str, tuple[str
 
 
 def _size_findings(model: nn.Module, plan: Plan, tp_size: int) -> list[Finding]:
-    from autotp.apply import _check_tied_styles, _tied_groups, check_divisible
+    from autotp.apply import check_divisible, check_tied_styles
 
     findings = []
     for check, kind in ((lambda: check_divisible(model, tp_size, plan), "indivisible"),
-                        (lambda: _check_tied_styles(model, plan, _tied_groups(model)), "tied_weights")):
+                        (lambda: check_tied_styles(model, plan), "tied_weights")):
         try:
             check()
         except AutoTPError as error:
-            module, _, problem = str(error).partition(": ")
-            findings.append(Finding(module, problem.split("; ")[0], problem.partition("; ")[2] or str(error), kind))
+            found = error.found + (f" ({error.required})" if error.required else "")
+            findings.append(Finding(error.module, found, error.fix, kind))
     return findings
+
+
+def _raw_kind(g, node: str, style: ParallelStyle | None) -> str | None:
+    """``"column"`` / ``"row"`` when ``style`` (a :class:`LinearParams`) shards the raw weight of
+    Linear-like node ``node`` so; None otherwise."""
+    from autotp.synth.analysis import linear_weight, raw_weight
+
+    if not isinstance(style, LinearParams) or not raw_weight(g, node):
+        return None
+    leaf = g.nodes[linear_weight(g, node)]["param"].rpartition(".")[2]
+    return "column" if leaf in style.columns else "row" if leaf in style.rows else None
 
 
 def _starts_shard(style: ParallelStyle | None) -> bool:
@@ -96,17 +108,22 @@ def _starts_shard(style: ParallelStyle | None) -> bool:
     return isinstance(style, ColwiseParallel) and tuple(style.output_layouts) != (Replicate(),)
 
 
-def _graph_findings(model: nn.Module, resolved: dict, example_inputs, tp_size: int = 2) -> list[Finding]:
-    from autotp.synth.analysis import _bad_packs, _endless, is_linear, propagate
+def _graph_findings(model: nn.Module, resolved: dict, example_inputs, tp_size: int = 2,
+                    analysis=None) -> list[Finding]:
+    from autotp.synth.analysis import bad_packs, endless_shards, mixed_parts, is_linear, part_sizes, propagate
     from autotp.synth.assign import expert_roles, norm_roles
     from autotp.synth.graph import build_graph
     from autotp.synth.trace import trace
 
-    program, groups = trace(model, example_inputs)
-    g = build_graph(program)
+    if analysis is not None:
+        g, groups = analysis.graph, analysis.groups
+    else:
+        program, groups = trace(model, example_inputs)
+        g = build_graph(program)
     style_of = {fqn: base_style(style) for fqn, (_, style) in resolved.items()}
     linears = {n: g.nodes[n]["module"] for n in g.nodes if is_linear(g, n)}
-    active = {n for n, module in linears.items() if _starts_shard(style_of.get(module))}
+    active = {n for n, module in linears.items()
+              if _starts_shard(style_of.get(module)) or _raw_kind(g, n, style_of.get(module)) == "column"}
     flow = propagate(g, active)
     findings = []
 
@@ -117,12 +134,12 @@ def _graph_findings(model: nn.Module, resolved: dict, example_inputs, tp_size: i
         findings.append(Finding(linears[root], f"its column-sharded output meets {where(node)}: {reason}",
                                 "replicate this Linear, gather its output, or shard what follows it exactly",
                                 "breaks_shard"))
-    for root, reason in {**_bad_packs(flow), **_endless(flow)}.items():
+    for root, reason in {**mixed_parts(flow), **bad_packs(flow), **endless_shards(flow)}.items():
         findings.append(Finding(linears[root], f"column-sharded, but {reason}",
                                 "pair it with a row-parallel Linear or gather its output", "unclosed_column"))
     for root, ranges in flow.splits.items():
         module, style = linears[root], style_of.get(linears[root])
-        sizes = tuple(e - s for s, e in sorted(set(ranges)))
+        sizes = part_sizes(ranges, g.nodes[root]["shape"][-1])
         packed = getattr(style, "sizes", None) if isinstance(
             style, (styles.PackedColwiseParallel, styles.ColwiseParallelInOut)) else None
         if not packed:
@@ -133,8 +150,10 @@ def _graph_findings(model: nn.Module, resolved: dict, example_inputs, tp_size: i
             findings.append(Finding(module, f"PackedColwiseParallel sizes {style.sizes} differ from the parts "
                                     f"{sizes} the graph cuts", f"use sizes={sizes}", "fused_sizes"))
     reached_rows = {linears[r] for r in flow.rows}
+    rowwise = {linears[r] for r in flow.rows if isinstance(style_of.get(linears[r]), RowwiseParallel)
+               or _raw_kind(g, r, style_of.get(linears[r])) == "row"}
     for row in reached_rows:
-        if not isinstance(style_of.get(row), RowwiseParallel):
+        if row not in rowwise:
             findings.append(Finding(row, "receives a column-sharded input but is not row-parallel, so it "
                                     "reads a slice of the features as if it were all of them",
                                     "make it RowwiseParallel() (or gather the producer's output)", "missing_row"))
@@ -174,6 +193,13 @@ def _param_findings(g, flow, style_of: dict, taken: dict) -> list[Finding]:
                     module, f"its parameter {name} meets the sharded heads along its dim {dim} but is not "
                     "sharded with them, so each rank reads entries of other ranks' heads or fails on the shape",
                     f"use HeadParams(shard_dims={dict(role.param_dims)}, reduce={role.grad_reduced})", "head_params_style"))
+        packed = style.packed if isinstance(style, HeadParams) else {}
+        for name, sizes in role.param_packed:
+            if packed.get(name) != sizes:
+                findings.append(Finding(
+                    module, f"its parameter {name} is sharded with the parts {sizes} of a packed Linear but not "
+                    "packed like them, so each rank reads entries of other parts",
+                    f"use HeadParams(..., packed={dict(role.param_packed)})", "packed_params_style"))
         reduced = isinstance(style, styles.ReplicatedWithGradAllReduce) or (
             isinstance(style, HeadParams) and set(role.grad_reduced) <= set(style.reduce))
         if role.grad_reduced and not reduced:
@@ -200,6 +226,9 @@ def _plan_roles(style_of: dict, linear_modules: set[str]) -> dict:
             roles[module] = Role("row", "", weight_in_out=in_out)
         elif isinstance(style, styles.WidthShardedNorm):
             roles[module] = Role("width_norm", "")
+        elif isinstance(style, LinearParams):
+            roles[module] = Role("linear_params", "", param_dims=tuple(style.shard_dims.items()),
+                                 columns=style.columns, rows=style.rows)
         elif isinstance(style, HeadParams):
             roles[module] = Role("head_params", "", param_dims=tuple(style.shard_dims.items()))
     return roles
@@ -245,7 +274,7 @@ def _reshape_findings(model: nn.Module, g, flow, roles: dict, style_of: dict, co
     return findings
 
 
-def check_plan(model: nn.Module, plan: Plan, *, tp_size: int, example_inputs=None) -> list[Finding]:
+def check_plan(model: nn.Module, plan: Plan, *, tp_size: int, example_inputs=None, analysis=None) -> list[Finding]:
     """Problems of ``plan`` for ``model`` at ``tp_size``, found statically (no numerics run).
 
     Args:
@@ -253,6 +282,8 @@ def check_plan(model: nn.Module, plan: Plan, *, tp_size: int, example_inputs=Non
         plan: the plan to check.
         tp_size: the tensor-parallel size the plan is meant for.
         example_inputs: inputs to trace a non-transformers model with (as for ``synthesize``).
+        analysis: the synthesizer's :class:`~autotp.synth.Analysis` of this model, when one was made
+            (a synthesized choice carries it): its graph is checked, without tracing again.
 
     Returns:
         The findings, empty when the plan is consistent with the graph.
@@ -264,5 +295,5 @@ def check_plan(model: nn.Module, plan: Plan, *, tp_size: int, example_inputs=Non
     findings += _size_findings(model, {k: v for k, v in plan.items() if k not in unmatched}, tp_size)
     if any(f.kind == "indivisible" for f in findings):
         return findings  # heads cut in pieces: every graph finding would repeat this one
-    findings += _graph_findings(model, resolved, example_inputs, tp_size)
+    findings += _graph_findings(model, resolved, example_inputs, tp_size, analysis)
     return findings

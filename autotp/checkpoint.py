@@ -20,6 +20,9 @@ Every rank must call each function (they run collectives). The map back is read 
 ``_autotp_to_layout`` attribute the styles set on a parameter, or, after FSDP2 replaced the
 parameter, from the copy :func:`autotp.apply.apply_plan` keeps on the module; a model sharded by
 hand with ``parallelize_module`` and then FSDP2 has neither.
+
+Long because saving, loading and exporting must each undo every style's row permutation and kv
+repetition; kept in one module so the three stay consistent.
 """
 
 from __future__ import annotations
@@ -46,7 +49,8 @@ from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tenso
 from torch.distributed.tensor import empty as dtensor_empty
 
 from autotp.errors import AutoTPError
-from autotp.styles import _expand_kv_rows, _permute_rows
+from autotp.styles.attention import expand_kv_rows
+from autotp.styles.base import permute_rows
 
 __all__ = [
     "CheckpointError",
@@ -66,17 +70,17 @@ class CheckpointError(AutoTPError):
 
 
 def _unpermute_rows(tensor: torch.Tensor, *, dim: int, order: torch.Tensor) -> torch.Tensor:
-    """Inverse of ``_permute_rows``: row ``order[i]`` of the result is row ``i`` of ``tensor``.
+    """Inverse of ``permute_rows``: row ``order[i]`` of the result is row ``i`` of ``tensor``.
 
     >>> order = torch.tensor([0, 1, 4, 2, 3, 5])
-    >>> _unpermute_rows(_permute_rows(torch.arange(6), dim=0, order=order), dim=0, order=order).tolist()
+    >>> _unpermute_rows(permute_rows(torch.arange(6), dim=0, order=order), dim=0, order=order).tolist()
     [0, 1, 2, 3, 4, 5]
     """
     return tensor.index_select(dim, torch.argsort(order).to(tensor.device))
 
 
 def _collapse_kv_rows(tensor: torch.Tensor, *, kv_heads: int, head_dim: int, tp_size: int) -> torch.Tensor:
-    """Inverse of ``_expand_kv_rows``: the first of each head's ``tp / kv_heads`` identical copies.
+    """Inverse of ``expand_kv_rows``: the first of each head's ``tp / kv_heads`` identical copies.
 
     The copies stay identical in training (their gradients are summed), so any one is the head.
 
@@ -91,8 +95,8 @@ def _collapse_kv_rows(tensor: torch.Tensor, *, kv_heads: int, head_dim: int, tp_
 # The row maps styles store as ``_autotp_to_layout`` (a functools.partial of one of these keys),
 # and the map that undoes each. A style with a new row map must add its inverse here.
 _INVERSES: dict[Callable, Callable] = {
-    _permute_rows: _unpermute_rows,  # PackedColwiseParallel, ColwiseParallelInOut(sizes), ExpertsParallel
-    _expand_kv_rows: _collapse_kv_rows,  # ReplicatedKVColwise
+    permute_rows: _unpermute_rows,  # PackedColwiseParallel, ColwiseParallelInOut(sizes), ExpertsParallel
+    expand_kv_rows: _collapse_kv_rows,  # ReplicatedKVColwise
 }
 
 

@@ -11,6 +11,9 @@ the only one that prints.
 
 torch and transformers are imported inside the commands, not here: ``autotp --help`` and
 ``autotp --version`` answer without loading them.
+
+Long because it is the whole command line: argument parsing, the three subcommands and their
+text and JSON output; the table formatting lives in :mod:`autotp.cli_text`.
 """
 
 from __future__ import annotations

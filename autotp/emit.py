@@ -9,6 +9,9 @@ on the model before it is returned and must rebuild the plan exactly.
 
 :func:`emit_hf` maps each style back to the transformers style string that autotp translates into
 the same style (``autotp.hf_plans.STYLE_FACTORIES``), and names the styles that have none.
+
+Long because it writes two formats (Python modules and transformers' strings) and each style's
+options as model expressions; splitting would separate a style's two spellings.
 """
 
 from __future__ import annotations
@@ -307,7 +310,7 @@ def _imports(names: set[str], uses_parts: bool) -> list[str]:
     """Import lines for the classes ``names``: placements, torch's styles, autotp's styles."""
     import torch.distributed.tensor.parallel as torch_styles
 
-    from autotp import styles, synth_styles
+    from autotp import styles
 
     placements = sorted(names & {"Shard", "Replicate", "Partial"})
     classes = names - set(placements)
@@ -315,12 +318,10 @@ def _imports(names: set[str], uses_parts: bool) -> list[str]:
         "torch.distributed.tensor.parallel": sorted(n for n in classes if hasattr(torch_styles, n)),
         "autotp.styles": sorted(n for n in classes if hasattr(styles, n) and not hasattr(torch_styles, n)),
     }
-    rest = classes - {n for g in groups.values() for n in g}
-    groups["autotp.synth_styles"] = sorted(n for n in rest if hasattr(synth_styles, n))
-    unknown = rest - set(groups["autotp.synth_styles"])
+    unknown = classes - {n for g in groups.values() for n in g}
     if unknown:
-        raise PlanError(f"cannot export styles {sorted(unknown)}: only torch's, autotp.styles' and "
-                        "autotp.synth_styles' styles can be imported by name.")
+        raise PlanError(f"cannot export styles {sorted(unknown)}: only torch's and autotp.styles' styles "
+                        "can be imported by name.")
     lines = ["from fnmatch import fnmatch", ""] if uses_parts else []
     if placements:
         lines.append(f"from torch.distributed.tensor import {', '.join(placements)}")

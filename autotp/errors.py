@@ -7,7 +7,34 @@ import math
 
 
 class AutoTPError(Exception):
-    """Base class of every error autotp raises on bad input or an unusable plan."""
+    """Base class of every error autotp raises on bad input or an unusable plan.
+
+    Raised with a message, or with its parts as fields (the message is then made from them, as
+    ``"module: found (required); fix"``), so callers such as :func:`autotp.check_plan` read the
+    parts without parsing text.
+
+    Attributes:
+        module: the module (FQN or class name) the error is about, or None.
+        found: what was found there.
+        required: what was required instead, or None.
+        fix: what to do about it.
+
+    >>> error = AutoTPError(module="layers.0.attn", found="12 heads", required="tp divides them",
+    ...                     fix="use tp in (1, 2, 3, 4, 6, 12)")
+    >>> str(error)
+    'layers.0.attn: 12 heads (tp divides them); use tp in (1, 2, 3, 4, 6, 12)'
+    >>> error.fix
+    'use tp in (1, 2, 3, 4, 6, 12)'
+    """
+
+    def __init__(self, message: str = "", *, module: str | None = None, found: str | None = None,
+                 required: str | None = None, fix: str | None = None):
+        self.module, self.found, self.required, self.fix = module, found, required, fix
+        if not message:
+            message = f"{module}: {found}" if module else str(found or "")
+            message += f" ({required})" if required else ""
+            message += f"; {fix}" if fix else ""
+        super().__init__(message)
 
 
 class PlanError(AutoTPError):

@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from torch import nn
-from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor import Replicate
 from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel, SequenceParallel
 
 from autotp import styles
@@ -61,16 +61,12 @@ STYLE_FACTORIES: dict[str, Callable[[nn.Module], ParallelStyle | None]] = {
     "mla_kv_a_proj": _mla_kv_a_proj,
     "all_reduce": lambda m, c: styles.AllReduceOutput(),
     "moe_tp_experts": lambda m, c: styles.ExpertsParallel(),
+    # transformers pre-divides an identity expert's input by tp to cancel the all-reduce of the experts'
+    # sum; autotp's ExpertsParallel reduces only the experts' own output, so none is needed.
     "moe_identity_expert": lambda m, c: None,
     "local_params": lambda m, c: None,
     "replicate": lambda m, c: None,
 }
-
-# Styles with no torch equivalent that changes numerics when left out: a module keyed with them is
-# left replicated. ``moe_identity_expert`` pre-divides an identity expert's input by tp to cancel
-# the all-reduce of the experts' sum; autotp's ExpertsParallel reduces only the experts' own
-# output, so identity experts need no correction.
-LEFT_REPLICATED = frozenset({"replicate", "local_params", "moe_identity_expert", "packed_rowwise"})
 
 
 def raw_hf_plan(model: nn.Module) -> dict[str, str]:

@@ -11,7 +11,7 @@ from __future__ import annotations
 from torch import nn
 from torch.distributed.tensor.parallel import ColwiseParallel
 
-from autotp.errors import MeshError
+from autotp.errors import MeshError, working_tp_sizes
 from autotp.plan import Plan, describe_style, resolve
 from autotp.styles import KVHeadCounts, ReplicatedKVColwise
 
@@ -23,6 +23,22 @@ def config_head_dim(config) -> int | None:
         return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     except Exception:  # transformers raises its own error types for per-layer attributes
         return None
+
+
+def check_kv_replication(where: str, kv_heads: int, heads: int, tp: int) -> None:
+    """The one rule for repeating kv heads over ranks (``tp`` > ``kv_heads``), for handwritten,
+    transformers' and synthesized plans alike: each kv head goes to ``tp / kv_heads`` ranks, and
+    each rank keeps ``heads / tp`` query heads.
+
+    Raises:
+        MeshError: ``tp`` is not a multiple of ``kv_heads``, or does not divide ``heads``.
+    """
+    if tp % kv_heads:
+        raise MeshError(module=where, found=f"{kv_heads} kv heads cannot be shared evenly by tp={tp} ranks",
+                        fix=f"use tp a divisor or a multiple of {kv_heads}")
+    if not heads or heads % tp:
+        raise MeshError(module=where, found=f"{heads} query heads cannot be split over tp={tp}",
+                        fix=f"use tp in {working_tp_sizes([heads])}" if heads else "keep tp a divisor of the kv heads")
 
 
 def replicate_kv_heads(model: nn.Module, plan: Plan, tp_size: int) -> Plan:
@@ -39,11 +55,7 @@ def replicate_kv_heads(model: nn.Module, plan: Plan, tp_size: int) -> Plan:
     heads, kv = config.num_attention_heads, config.num_key_value_heads
     if kv % tp_size == 0:
         return plan
-    if tp_size % kv or heads % tp_size:
-        raise MeshError(
-            f"{type(model).__name__}: tp={tp_size} with {heads} query heads and {kv} kv heads: "
-            f"replicating kv heads needs tp to be a multiple of {kv} and to divide {heads}."
-        )
+    check_kv_replication(type(model).__name__, kv, heads, tp_size)
     modules = dict(model.named_modules())
     default_head_dim = config_head_dim(config)
     resolved = resolve(model, plan)
@@ -57,9 +69,7 @@ def replicate_kv_heads(model: nn.Module, plan: Plan, tp_size: int) -> Plan:
         is_kv = (head_dim is not None and type(style) is ColwiseParallel and isinstance(module, nn.Linear)
                  and module.out_features == local_kv * head_dim and local_kv % tp_size != 0)
         if is_kv:
-            if tp_size % local_kv:
-                raise MeshError(f"{fqn}: {local_kv} kv heads cannot be shared evenly by tp={tp_size} ranks; use "
-                                f"tp a divisor or a multiple of {local_kv}")
+            check_kv_replication(fqn, local_kv, heads, tp_size)
             kv_styles[fqn] = ReplicatedKVColwise(kv_heads=local_kv, head_dim=head_dim)
             counts[key.rsplit(".", 1)[0]] = KVHeadCounts(heads=heads)
     return {**_rewrite_keys(plan, resolved, kv_styles), **counts}

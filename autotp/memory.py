@@ -59,7 +59,7 @@ def _shard_dims_by_param(model: nn.Module, plan: Plan) -> dict[int, int]:
     for fqn, (_, style) in resolve(model, plan).items():
         module = modules[fqn]
         for pname, dim in sharded_param_dims(module, style).items():
-            param = getattr(module, pname, None)
+            param = dict(module.named_parameters()).get(pname)  # dotted: a child's, read by this module
             if isinstance(param, torch.Tensor):
                 dims.setdefault(id(param), dim % param.ndim)
     return dims

@@ -24,7 +24,7 @@ from autotp.plan import Plan
 from autotp.verifier import (
     DEFAULT_TOLERANCE,
     VerifyReport,
-    _check_materialised,
+    check_materialised,
     clean_copy,
     default_inputs,
     reference_run,
@@ -74,7 +74,7 @@ def verify_multiprocess(
     Raises:
         VerificationError: a worker died without reporting, or ``timeout`` seconds passed.
     """
-    _check_materialised(model)
+    check_materialised(model)
     model = clean_copy(model)  # pickles without a trace's fake tensors; each worker shards its own
     inputs = default_inputs(model, procs) if inputs is None else inputs
     ref_logits, ref_params = reference_run(model, inputs, backward)
@@ -143,7 +143,8 @@ def _merge(procs: int, tolerance: float, results: dict, reference_scales: dict) 
         logits_max_abs_diff=[results[r][0][r] for r in range(procs)],
         grad_max_abs_diff=grads,
         param_fraction=[results[r][2][r] for r in range(procs)],
-        collectives={k: v for k, v in results[0][3].items() if k != "backward"},
+        collectives={k: v for k, v in results[0][3].items() if k not in ("backward", "full_grads")},
         collectives_backward=results[0][3]["backward"],
+        grads_not_local_size=results[0][3]["full_grads"],
         **reference_scales,
     )

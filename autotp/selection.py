@@ -123,7 +123,7 @@ def _custom_plan(model: nn.Module, tp_shard_plan, sequence_parallel: bool) -> tu
     return target, tp_shard_plan
 
 
-def rejection(model: nn.Module, plan: Plan, *, tp_size: int | None) -> str | None:
+def rejection(model: nn.Module, plan: Plan, *, tp_size: int | None, analysis=None) -> str | None:
     """Why ``plan`` must not be chosen for ``model`` at ``tp_size``, or ``None`` if it may be.
 
     Runs :func:`autotp.check_plan` (keys, divisibility, tied weights sharded two ways, then the
@@ -135,14 +135,11 @@ def rejection(model: nn.Module, plan: Plan, *, tp_size: int | None) -> str | Non
     """
     from autotp.check import check_plan
 
-    findings = check_plan(model, plan, tp_size=tp_size or 1)
+    findings = check_plan(model, plan, tp_size=tp_size or 1, analysis=analysis)
     if not findings:
         return None
     kinds = sorted({f.kind for f in findings})
-    first = findings[0]
-    # A size finding's fix repeats its whole error message: show that once.
-    text = first.fix if first.fix.startswith(first.module) else str(first)
-    return f"check: {len(findings)} finding(s) ({', '.join(kinds)}): {text}"
+    return f"check: {len(findings)} finding(s) ({', '.join(kinds)}): {findings[0]}"
 
 
 def _cheap_rejection(model: nn.Module, plan: Plan, tp_size: int | None) -> None:
@@ -151,9 +148,9 @@ def _cheap_rejection(model: nn.Module, plan: Plan, tp_size: int | None) -> None:
     Raises:
         PlanError, MeshError: as :func:`autotp.apply.apply_plan` would, before any sharding.
     """
-    from autotp.apply import _check_tied_styles, _tied_groups, check_divisible
+    from autotp.apply import check_divisible, check_tied_styles
 
-    _check_tied_styles(model, plan, _tied_groups(model))
+    check_tied_styles(model, plan)
     if tp_size is not None:
         check_divisible(model, tp_size, plan)
 
@@ -241,7 +238,7 @@ def get_plan(
     for choice in _candidates(model, SOURCES[1:], sequence_parallel, tp_size):
         reason = choice.detail if choice.plan is None else None
         if choice.plan is not None and check:
-            reason = rejection(model, choice.plan, tp_size=tp_size)
+            reason = rejection(model, choice.plan, tp_size=tp_size, analysis=choice.analysis)
         if reason is None:
             return replace(choice, skipped=skipped)
         log.info("plan source %s skipped for %s: %s", choice.source, type(model).__name__, reason)
@@ -265,7 +262,7 @@ def _insisted(model: nn.Module, source: str, sequence_parallel: bool, tp_size: i
     choice, = _candidates(model, (source,), sequence_parallel, tp_size, reraise=True)
     reason = choice.detail if choice.plan is None else None
     if choice.plan is not None and check:
-        reason = rejection(model, choice.plan, tp_size=tp_size)
+        reason = rejection(model, choice.plan, tp_size=tp_size, analysis=choice.analysis)
     if reason is not None:
         raise PlanError(f"{reason.rstrip('.')}." if choice.plan is None else f"{source} plan rejected: {reason}")
     return choice

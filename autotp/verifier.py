@@ -5,6 +5,9 @@ rank: the logits; after a cross-entropy backward, every parameter gradient (each
 against the matching slice of the reference gradient); the fraction of parameters each rank holds;
 and the collectives one forward issues. A plan that drops an all-reduce, splits a fused projection
 contiguously, or leaves a partial gradient unreduced fails here, although it runs without error.
+
+Long because a report is only trusted when every part (reference run, sharded run, gradient
+slices, collectives, float64 re-run) is done the same way for every plan: they stay together.
 """
 
 from __future__ import annotations
@@ -56,6 +59,9 @@ class VerifyReport:
     collectives: dict[str, int] = field(default_factory=dict)
     # Collectives of the backward pass (of the plan; the verifier's own loss adds none).
     collectives_backward: dict[str, int] = field(default_factory=dict)
+    # Parameters whose local gradient has another shape than their local shard (a sharded parameter
+    # with a full-size gradient); redistributed before comparing, as an optimizer would.
+    grads_not_local_size: list[str] = field(default_factory=list)
     error: str | None = None
     # Peak |value| of the reference logits and of each reference gradient (see :func:`allowed`).
     logits_scale: float = 0.0
@@ -191,7 +197,7 @@ def _loss(logits: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(flat, labels)
 
 
-def _check_materialised(model: nn.Module) -> None:
+def check_materialised(model: nn.Module) -> None:
     for name, tensor in [*model.named_parameters(), *model.named_buffers()]:
         if tensor.is_meta:
             raise VerificationError(
@@ -284,7 +290,7 @@ def verify(
         VerificationError: the model is on meta, no inputs can be made, or (isolated) the model
             or plan cannot be sent to the child.
     """
-    _check_materialised(model)
+    check_materialised(model)
     if inputs is None:
         inputs = default_inputs(model, tp_size)
     if isolated:
@@ -368,8 +374,9 @@ def _run_sharded(sharded, inputs, ref_logits, ref_params, tp_size, backward, tol
         logits_max_abs_diff=[logit_diffs[r] for r in range(tp_size)],
         grad_max_abs_diff=grad_diffs,
         param_fraction=[held[r] for r in range(tp_size)],
-        collectives={k: v for k, v in counts.items() if k != "backward"},
+        collectives={k: v for k, v in counts.items() if k not in ("backward", "full_grads")},
         collectives_backward=counts["backward"],
+        grads_not_local_size=counts["full_grads"],
         **scales(ref_logits, ref_params),
     )
 
@@ -391,7 +398,8 @@ def run_and_compare(sharded, inputs, ref_logits, ref_params, backward, rank_valu
 
     Returns:
         ``({rank: logits diff}, {param: grad diff}, {rank: parameter fraction}, collective counts)``;
-        the counts are the forward's, with the backward's under the key ``"backward"``.
+        the counts are the forward's, with the backward's under the key ``"backward"`` and the
+        parameters whose local gradient is not their local shard's size under ``"full_grads"``.
     """
     with CollectiveCounter() as comm:
         logits = _call(sharded, inputs)
@@ -402,13 +410,16 @@ def run_and_compare(sharded, inputs, ref_logits, ref_params, backward, rank_valu
         # The backward of the logits' full_tensor() is a local slice: what is counted is the plan's.
         if loss is not None:
             loss.backward()
-    grad_diffs, held = _compare_params(sharded, ref_params, backward, rank_values)
-    return logit_diffs, grad_diffs, held, {**comm.counts, "backward": dict(back.counts)}
+    grad_diffs, held, full_grads = _compare_params(sharded, ref_params, backward, rank_values)
+    return logit_diffs, grad_diffs, held, {**comm.counts, "backward": dict(back.counts), "full_grads": full_grads}
 
 
 def _compare_params(sharded: nn.Module, ref_params: dict, backward: bool, rank_values):
-    """Per-parameter max gradient difference, and the fraction of parameters each rank holds."""
+    """Per-parameter max gradient difference, the fraction of parameters each rank holds, and the
+    parameters whose local gradient is larger than their local shard (a full-size gradient on every
+    rank for a sharded parameter: memory the optimizer and FSDP2 must not see)."""
     grad_diffs: dict[str, float] = {}
+    full_grads: list[str] = []
     held: Counter[int] = Counter()
     total = 0
     for name, param in sharded.named_parameters():
@@ -422,6 +433,8 @@ def _compare_params(sharded: nn.Module, ref_params: dict, backward: bool, rank_v
         if grad is None:
             grad_diffs[name] = float("inf")
             continue
+        if _local(grad).shape != _local(param).shape:
+            full_grads.append(name)
         if isinstance(grad, DTensor) and grad.placements != param.placements:
             # An optimizer step redistributes the gradient to the parameter's layout; do the same.
             grad = grad.redistribute(param.device_mesh, param.placements)
@@ -433,7 +446,7 @@ def _compare_params(sharded: nn.Module, ref_params: dict, backward: bool, rank_v
                 break
             worst = max(worst, (local_grad - expected).abs().max().item())
         grad_diffs[name] = worst
-    return grad_diffs, {rank: h / total for rank, h in held.items()}
+    return grad_diffs, {rank: h / total for rank, h in held.items()}, full_grads
 
 
 def _tp_size(param) -> int:

@@ -46,7 +46,7 @@ import torch
 import transformers
 
 sys.path.insert(0, str(Path(__file__).parent))
-from _plans_common import FAMILIES, SOURCES, NoPlan, build, layer_kinds, measure, plan_from  # noqa: E402
+from _plans_common import FAMILIES, NoPlan, build, layer_kinds, measure, plan_from  # noqa: E402
 
 from autotp.memory import param_bytes_per_rank  # noqa: E402
 from autotp.plan import plan_diff  # noqa: E402

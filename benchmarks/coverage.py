@@ -198,6 +198,7 @@ def check_and_verify(model, plan, tp: int, *, isolated: int = 0) -> dict:
     name, worst = report.worst_grad
     out.update(param_fraction=round(max(report.param_fraction), 4), collectives=dict(report.collectives),
                collectives_backward=dict(report.collectives_backward),
+               grads_not_local_size=list(report.grads_not_local_size),
                logits_diff=max(report.logits_max_abs_diff), grad_diff=worst)
     if report.float64 is not None:  # fp32 differences above tolerance, decided in float64
         out["float64_recheck"] = {"ok": report.float64.ok, "logits_diff": max(report.float64.logits_max_abs_diff),
@@ -565,7 +566,8 @@ def main(argv: list[str] | None = None) -> None:
             parser.error(f"not causal-LM model types in this transformers: {', '.join(unknown)}")
         types = [t for t in types if t in wanted]
     tps = tuple(int(t) for t in args.tp.split(","))
-    modes = tuple({"plain": False, "sp": True}[m] for m in args.modes.split(","))
+    names = ("plain", "sp") if args.modes == "both" else args.modes.split(",")
+    modes = tuple({"plain": False, "sp": True}[m] for m in names)
     todo = cases(types, tps, modes, args.isolated)
     started = datetime.now(timezone.utc)
     t0 = time.perf_counter()

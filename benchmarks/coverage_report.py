@@ -68,6 +68,8 @@ def summarize(results: list[dict]) -> dict:
                 "near_bound_decoder_text": sum(_near_bound(r) for r in verified_dec),
                 # verified, and the backward issues no more collectives than the forward (issue 13)
                 "backward_le_forward_decoder_text": sum(_backward_le_forward(r) for r in verified_dec),
+                # verified, and every gradient the size of its parameter's local shard (issue 13)
+                "local_grads_decoder_text": sum(_local_grads(r) for r in verified_dec),
                 "synth_verified": sum(_status(r.get("synth")) == "verified" for r in rows),
                 "synth_verified_decoder_text": f"{sum(_status(r.get('synth')) == 'verified' for r in dec)}/{len(dec)}",
                 "synth_failures": dict(Counter(r["synth"].get("reason") for r in rows if _status(r.get("synth")) != "verified")),
@@ -97,6 +99,26 @@ def _backward_le_forward(r: dict) -> bool:
     synth = r.get("synth") or {}
     back = synth.get("collectives_backward")
     return back is not None and sum(back.values()) <= sum((synth.get("collectives") or {}).values())
+
+
+def _local_grads(r: dict) -> bool:
+    synth = r.get("synth") or {}
+    return "grads_not_local_size" in synth and not synth["grads_not_local_size"]
+
+
+def above_bound(results: list[dict]) -> list[dict]:
+    """Verified decoder-only text types above the bound at the headline case, with the first module
+    kept whole and why."""
+    out = []
+    for r in sorted(_case(results, *HEADLINE_CASE), key=lambda r: r["model_type"]):
+        synth = r.get("synth") or {}
+        if r.get("class") != "decoder-text" or _status(synth) != "verified" or _near_bound(r):
+            continue
+        first = (synth.get("replicated") or [{}])[0]
+        out.append({"model_type": r["model_type"], "param_fraction": synth.get("param_fraction"),
+                    "bound": r.get("megatron_fraction"), "module": first.get("module", "-"),
+                    "reason": first.get("reason", "no module kept whole reported")})
+    return out
 
 
 def _hf_label(part: dict | None) -> str:
@@ -186,8 +208,13 @@ def write_markdown(path: Path, meta: dict, summary: dict, results: list[dict]) -
         "",
         f"- Model types in `MODEL_FOR_CAUSAL_LM_MAPPING_NAMES`: **{h['model_types']}** "
         f"({', '.join(f'{k} {v}' for k, v in sorted(h['by_class'].items()))}).",
-        f"- Synthesized plan verified at tp=2 plain: **{h['tp2_plain_verified_decoder_text']}/"
-        f"{h['decoder_text_types']} decoder-only text architectures = {h['tp2_plain_verified_pct']}%**.",
+        "- Verified **and** sharded near the Megatron-style bound (at most the bound + 0.1 of the parameters "
+        "per rank), decoder-only text architectures of " + str(h["decoder_text_types"]) + ": "
+        + ", ".join(f"**{c.get('near_bound_decoder_text', '-')}** at {k}" for k, c in summary["per_case"].items())
+        + ".",
+        f"- Synthesized plan verified at tp=2 plain: {h['tp2_plain_verified_decoder_text']}/"
+        f"{h['decoder_text_types']} decoder-only text architectures = {h['tp2_plain_verified_pct']}% (a plan "
+        "that keeps a block whole also verifies: the line above is the measure).",
         "- Failure classes at tp=2 plain (decoder-only text): "
         + (", ".join(f"`{k}` {v}" for k, v in sorted(h["tp2_plain_failure_classes_decoder_text"].items())) or "none")
         + "; over all types: "
@@ -202,22 +229,40 @@ def write_markdown(path: Path, meta: dict, summary: dict, results: list[dict]) -
         "",
         "`near bound`: verified decoder-only text types holding at most the Megatron-style bound + 0.1 of the "
         "parameters per rank. `bwd <= fwd`: verified decoder-only text types whose backward issues no more "
-        "collectives than their forward.",
+        "collectives than their forward. `local grads`: verified decoder-only text types in which every "
+        "parameter's gradient has the size of its local shard (no full-size gradient on any rank).",
         "",
-        "| case | cases | synthesized verified | of decoder-only text | near bound | bwd <= fwd | synthesized failures "
-        "| transformers' plan |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- |",
+        "| case | cases | synthesized verified | of decoder-only text | near bound | bwd <= fwd | local grads "
+        "| synthesized failures | transformers' plan |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for key, c in summary["per_case"].items():
         fails = ", ".join(f"{k} {v}" for k, v in sorted(c["synth_failures"].items())) or "-"
         hf = ", ".join(f"{k} {v}" for k, v in sorted((c["hf"] or {}).items())) or "n/a (no SP variant)"
         lines.append(f"| {key} | {c['cases']} | {c['synth_verified']} | {c['synth_verified_decoder_text']} | "
                      f"{c.get('near_bound_decoder_text', '-')} | {c.get('backward_le_forward_decoder_text', '-')} | "
-                     f"{fails} | {hf} |")
+                     f"{c.get('local_grads_decoder_text', '-')} | {fails} | {hf} |")
+    lines += _above_bound_section(results)
     lines += _confusion_section(summary["checker_confusion"])
     lines += ["", "## Reason classes", ""] + [f"- `{k}`: {v}" for k, v in REASONS.items()]
     lines += _table(results)
     path.write_text("\n".join(lines) + "\n")
+
+
+def _above_bound_section(results: list[dict]) -> list[str]:
+    rows = above_bound(results)
+    tp, sp = HEADLINE_CASE
+    lines = ["", f"## Above the bound (tp={tp} {'SP' if sp else 'plain'})", "",
+             f"{len(rows)} verified decoder-only text types hold more than the bound + 0.1; the first module "
+             "the synthesizer kept whole, and why. The bound counts every Linear weight, the token embedding "
+             "(`get_input_embeddings()`) and every 3-D expert parameter as sharded (position tables, norms, "
+             "biases and routers that are not `nn.Linear` replicated, as Megatron keeps them).", "",
+             "| architecture | param fraction | bound | first module kept whole | reason |",
+             "| --- | --- | --- | --- | --- |"]
+    for r in rows:
+        reason = r["reason"].replace("|", "\\|")
+        lines.append(f"| {r['model_type']} | {r['param_fraction']} | {r['bound']} | `{r['module']}` | {reason} |")
+    return lines
 
 
 def _confusion_section(conf: dict) -> list[str]:

@@ -3,7 +3,6 @@
 import copy
 
 import pytest
-import torch
 from torch.distributed.device_mesh import init_device_mesh
 
 import handwritten_plans

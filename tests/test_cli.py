@@ -181,8 +181,7 @@ def test_doctests_pass():
 
 def test_console_script_prints_json():
     script = Path(sys.executable).with_name("autotp")
-    if not script.exists():
-        pytest.skip("the autotp console script is not installed (pip install -e .)")
+    assert script.exists(), "the autotp console script is not installed: pip install -e ."
     env = {**os.environ, "PYTHONWARNINGS": "ignore"}
     done = subprocess.run(
         [str(script), "plan", "mistral", "--source", "handwritten", "--json"],

@@ -168,3 +168,16 @@ def test_embedding_that_indexes_its_table_is_a_plan_error():
         apply_plan(model, mesh, {"tok_embeddings": VocabParallelEmbedding(input_layouts=Replicate())})
         with pytest.raises(PlanError, match="never looks up its weight with F.embedding"):
             model(example_tokens() % (VOCAB // 2))
+
+
+def test_verifier_names_a_full_size_embedding_gradient(tiny_llama):
+    """torch's stock ``RowwiseParallel`` on the table is numerically right but returns a
+    ``Replicate()`` full-size gradient on every rank: the verifier reports it by name, and reports
+    nothing for autotp's vocab-parallel embedding."""
+    from torch.distributed.tensor.parallel import RowwiseParallel
+
+    ids = torch.randint(0, tiny_llama.config.vocab_size, (2, 16))
+    plan = handwritten_plans.plan_for(tiny_llama)
+    stock = {**plan, "model.embed_tokens": RowwiseParallel(input_layouts=Replicate())}
+    assert _verified(tiny_llama, stock, 2, {"input_ids": ids}).grads_not_local_size == ["model.embed_tokens.weight"]
+    assert _verified(tiny_llama, plan, 2, {"input_ids": ids}).grads_not_local_size == []

@@ -9,7 +9,7 @@ import torch.distributed.tensor.parallel as torch_styles
 from torch.distributed.tensor import Partial, Replicate, Shard
 from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle
 
-from autotp import emit, styles, synth_styles
+from autotp import emit, styles
 from autotp.cli import main
 from autotp.hf_plans import raw_hf_plan
 from autotp.models import build_model
@@ -20,20 +20,23 @@ from autotp.plan import describe_style
 _REQUIRED = {
     "sizes": (6, 2), "kv_heads": 2, "head_dim": 4, "heads": 8, "width": 4, "names": ("num_heads",),
     "wrapped": ColwiseParallel(output_layouts=Replicate()), "output_layouts": Shard(1),
-    "desired_output_layouts": Replicate(),
+    "desired_output_layouts": Replicate(), "shard_dims": {"w1": 0}, "columns": ("w1",),
 }
 _OPTIONAL = {
     "input_layouts": Shard(1), "output_layouts": Partial(), "desired_input_layouts": Replicate(),
     "input_kwarg_layouts": {"hidden": Shard(1)}, "desired_input_kwarg_layouts": {"hidden": Replicate()},
     "sequence_dim": 0, "shard_dim": 1, "shard_dims": {"w1": 0}, "packed": {"w1": 3}, "attribute": "groups",
     "reshard_output": True, "sizes": (3, 3, 2), "stream": "hidden_states",
+    "reduce": ("lam",), "counts": ("n_heads",), "columns": ("w1",), "rows": ("w2",),
 }
+# Where one option name means another thing in another style: its sample there.
+_PER_CLASS = {"HeadParams": {"packed": {"w1": (3, 3)}}, "LinearParams": {"packed": {"w1": (3, 3)}}}
 
 
 def _style_classes() -> list[type]:
-    """Every ParallelStyle class torch, autotp.styles and autotp.synth_styles export by name."""
+    """Every ParallelStyle class torch and autotp.styles export by name."""
     found = {}
-    for module in (torch_styles, styles, synth_styles):
+    for module in (torch_styles, styles):
         for name, value in vars(module).items():
             if (inspect.isclass(value) and issubclass(value, ParallelStyle) and value is not ParallelStyle
                     and not name.startswith("_")):
@@ -45,7 +48,8 @@ def _instances(cls: type) -> list[ParallelStyle]:
     """``cls`` with its required options only, and with every optional one moved off its default."""
     params = emit._parameters(cls)
     required = {p.name: _REQUIRED[p.name] for p in params if p.default is p.empty}
-    optional = {p.name: (not p.default) if isinstance(p.default, bool) else _OPTIONAL[p.name]
+    samples = {**_OPTIONAL, **_PER_CLASS.get(cls.__name__, {})}
+    optional = {p.name: (not p.default) if isinstance(p.default, bool) else samples[p.name]
                 for p in params if p.default is not p.empty}
     return [cls(**required), cls(**required, **optional)]
 
@@ -69,7 +73,7 @@ def test_every_style_round_trips(cls):
         assert repr(rebuilt) == repr(style)
 
 
-def test_style_classes_cover_the_three_modules():
+def test_style_classes_cover_both_modules():
     names = {c.__name__ for c in _style_classes()}
     assert {"ColwiseParallel", "PrepareModuleInputOutput", "PackedColwiseParallel", "GatherSequenceInput"} <= names
 

@@ -48,6 +48,8 @@ def test_handwritten_plan_matches_unsharded_model(tiny_models, name, tp_size, se
     assert max(report.logits_max_abs_diff) <= 1e-5
     assert report.worst_grad[1] <= 1e-5
     assert report.collectives == expected_collectives(name, sequence_parallel)
+    # Every gradient has its parameter's placement and local size (the vocab-parallel table's too).
+    assert report.grads_not_local_size == []
     if not name.startswith("gemma3"):  # Gemma3's tied embedding stays replicated by design
         assert all(abs(f - 1 / tp_size) < 0.01 for f in report.param_fraction), report.param_fraction
 

@@ -185,7 +185,8 @@ def test_mistral3_vision_tower_and_projector_stay_replicated(tiny_models):
 
 
 def _synthesize(model, sequence_parallel):
-    synthesize = pytest.importorskip("autotp.synth").synthesize
+    from autotp.synth import synthesize
+
     return synthesize(model, sequence_parallel=sequence_parallel)
 
 
@@ -242,7 +243,9 @@ def test_gemma4_vlm_tied_embedding_read_outside_its_module_stays_whole(tiny_mode
     so equals the handwritten VLM plan. Would catch a plan that crashes or reads a shard as the whole."""
     model = tiny_models["gemma4-vlm"]
     assert plan_diff(model, _synthesize(model, False), handwritten_plans.plan_for(model)) == {}
-    reasons = {r.key: r.reason for r in pytest.importorskip("autotp.synth").explain(model)}
+    from autotp.synth import explain
+
+    reasons = {r.key: r.reason for r in explain(model)}
     assert "read by select in model, outside the module" in reasons["lm_head"]
 
 def test_gemma4_kv_heads_replicated_beyond_tp_by_each_attention_head_size(tiny_models):

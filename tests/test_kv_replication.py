@@ -65,18 +65,18 @@ def test_summed_kv_gradient_is_placed_like_the_weight_even_from_a_pending_sum():
     import torch
     from torch.distributed.tensor import Partial, Shard, distribute_tensor
 
-    from autotp.styles import _expand_kv_rows, _sum_kv_copies
+    from autotp.styles.attention import expand_kv_rows, sum_kv_copies
 
     a, b = torch.arange(32.0).reshape(8, 4), torch.ones(4, 1)
     full = a @ b  # 1 kv head of head_dim 2, expanded to tp=4 rows
     with simulated_mesh(4) as mesh:
         grad = distribute_tensor(a, mesh, [Shard(1)]) @ distribute_tensor(b, mesh, [Shard(0)])
         assert grad.placements == (Partial(),)  # a row-parallel product: a pending sum
-        summed = _sum_kv_copies(grad, kv_heads=1, head_dim=2)
+        summed = sum_kv_copies(grad, kv_heads=1, head_dim=2)
         assert summed.placements == (Shard(0),)
         total = summed.full_tensor()
     per_head = full.reshape(1, 4, 2, 1).sum(dim=1).reshape(2, 1)
-    assert torch.equal(total, _expand_kv_rows(per_head, 1, 2, 4))
+    assert torch.equal(total, expand_kv_rows(per_head, 1, 2, 4))
 
 
 def test_layer_types_with_other_head_sizes_get_their_own_kv_keys():

@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
-from autotp import styles_params
+from autotp import styles
 from autotp.check import check_plan
 from autotp.synth.analysis import Flow
 from autotp.synth.graph import Ref, add_node
@@ -119,6 +119,34 @@ class SinkScaleAttention(nn.Module):
         return self.out(y.transpose(1, 2).reshape(b, t, -1))
 
 
+class CastWeightNorm(nn.Module):
+    """RMSNorm over the whole width whose weight is cast to the input's dtype first
+    (``self.weight.type_as(x)``), as olmo-core writes it."""
+
+    def __init__(self, width):
+        super().__init__()
+        self.weight = nn.Parameter(torch.rand(width) + 0.5)
+
+    def forward(self, x):
+        x = x * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + 1e-6)
+        return x * self.weight.type_as(x)
+
+
+class WidthNormAttention(CountViewAttention):
+    """OLMo2-style QK-norm: q and k normalised over their whole width, before the head split."""
+
+    def __init__(self, spec):
+        super().__init__(spec)
+        self.q_norm, self.k_norm = CastWeightNorm(spec.heads * spec.head_dim), CastWeightNorm(spec.heads * spec.head_dim)
+
+    def forward(self, x):
+        b, t, _ = x.shape
+        q, k, v = self.q_norm(self.q(x)), self.k_norm(self.k(x)), self.v(x)
+        q, k, v = (z.view(b, t, self.n_heads, -1).transpose(1, 2) for z in (q, k, v))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.out(y.transpose(1, 2).reshape(b, t, -1))
+
+
 def _synthesize_and_verify(attention, tp_size):
     model = SpecLM(SPEC, attention)
     plan = synthesize(model, example_inputs=(tokens(),), tp_size=tp_size)
@@ -166,7 +194,7 @@ def test_lambda_vectors_read_by_every_head_get_their_gradient_reduced(tp_size):
     their gradients only the rank's own heads' share."""
     _, plan = _synthesize_and_verify(SharedLambdaAttention, tp_size)
     style = plan["blocks.*.attn"]
-    assert isinstance(style, styles_params.HeadParams)
+    assert isinstance(style, styles.HeadParams)
     assert style.reduce == ("lambda_q", "lambda_k") and style.counts == ("n_heads",)
 
 
@@ -257,3 +285,13 @@ def test_checker_accepts_transformers_mla_plans(name):
 
     model = build_model(name, tiny=True, tp=2, device="cpu")
     assert check_plan(model, hf_plan(model), tp_size=2) == []
+
+
+@pytest.mark.parametrize("tp_size", [2, 4])
+def test_width_norm_with_a_cast_weight_reduces_its_statistic(tp_size):
+    """Would catch the norm's weight, once followed through ``type_as``, being sharded with the
+    heads (HeadParams) instead of the width norm's style: the mean over the sharded width would then
+    be a per-rank mean, and the logits wrong."""
+    _, plan = _synthesize_and_verify(WidthNormAttention, tp_size)
+    assert _sharded_projections(plan, "q", "k", "v", "out")
+    assert type(plan["blocks.*.attn.q_norm"]).__name__ == "WidthShardedNorm"

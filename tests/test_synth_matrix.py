@@ -42,8 +42,8 @@ def megatron_fraction(model: nn.Module, tp: int) -> float:
     """The smallest per-rank parameter fraction a Megatron-style plan reaches.
 
     ``(S / tp + R) / (S + R)``: S counts what Megatron shards, every ``nn.Linear`` weight (q, k, v,
-    o, MLP, fused projections, the head), every ``nn.Embedding`` looked up by token ids (the one
-    with the most rows; position tables stay replicated) and every 3-D (per-expert) parameter; R is
+    o, MLP, fused projections, the head), the token embedding (``get_input_embeddings()``, else the
+    table with the most rows; position tables stay replicated) and every 3-D (per-expert) parameter; R is
     the rest, replicated: norms, biases (counted replicated even for column Linears, which makes the
     bound slightly high; biases are under 1% of these models), MoE routers (not ``nn.Linear`` in
     transformers 5), and the parameters under :data:`UNSHARDED_PREFIXES`. Tied parameters count once.
@@ -51,7 +51,10 @@ def megatron_fraction(model: nn.Module, tp: int) -> float:
     modules = [m for n, m in model.named_modules() if not n.startswith(UNSHARDED_PREFIXES)]
     sharded: set[int] = set()
     embeddings = [m for m in modules if isinstance(m, nn.Embedding)]
-    if embeddings:
+    tokens = getattr(model, "get_input_embeddings", lambda: None)()
+    if isinstance(tokens, nn.Embedding) and any(tokens is m for m in embeddings):
+        sharded.add(id(tokens.weight))  # the token table, even where a position table has more rows
+    elif embeddings:
         sharded.add(id(max(embeddings, key=lambda m: m.num_embeddings).weight))
     for module in modules:
         if isinstance(module, nn.Linear):

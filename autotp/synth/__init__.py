@@ -1,16 +1,18 @@
 """Plan synthesis: trace a model, find how shards flow through it, and write the TP plan.
 
-The pipeline is a literal sequence of passes::
+The pipeline (:mod:`autotp.synth.pipeline`) is one :class:`Analysis` made by a constraint fixpoint
+and then passed through a literal list of passes::
 
     program, groups = trace(model)            # torch.export, one block per distinct type
     g = build_graph(program)                   # networkx view of the program
-    flow, dropped = analyse(g)                 # shard propagation to a fixpoint
-    roles = assign_roles(g, flow, dropped)     # one Role (with its reason) per module
-    local = localize(model, ..., g, flow, roles, tp)  # fused outputs cut with global sizes:
-                                               # ShardCounts names, or keep the Linear whole
-    roles |= replicate_kv(...)                 # tp > kv heads: ReplicatedKVColwise + KVHeadCounts
-    roles = sequence_parallel_roles(...)       # SP only
-    plan = build_plan(roles, groups)           # one function maps roles to styles
+    analysis = constraint_fixpoint(...)        # analyse (shard propagation) -> assign_roles ->
+                                               # new constraints (foreign reads, tie conflicts,
+                                               # fused outputs cut with global sizes), until none
+    for step in POST_PASSES:                   # shard_counts, kv_replication, sequence_parallel,
+        analysis = step(analysis)              # shared_inputs, divisibility, owned_outputs
+    plan = build_plan(analysis.roles, groups)  # one table maps role kinds to styles
+
+``synthesize``, ``explain``, ``check_plan`` (``analysis=``) and the CLI share one Analysis.
 """
 
 from __future__ import annotations

@@ -5,6 +5,9 @@ dim is followed op by op (:mod:`autotp.synth.ops`) until a Linear contracts over
 graph output takes it (the head). A candidate whose shard meets an op that needs the whole dim is
 dropped with the op as its reason, and the propagation is run again without it, until nothing
 changes: what is left is sound by construction.
+
+Long because propagation, its fixpoint and the checks that drop a candidate (packs that do
+not tile, mixed parts, endless shards, a side giving way) share the Flow state they read.
 """
 
 from __future__ import annotations
@@ -15,20 +18,27 @@ from dataclasses import dataclass, field
 
 import networkx as nx
 
-from autotp.synth.graph import Ref, refs
-from autotp.synth.ops import ATTENTION, ELEMENTWISE, MATMULS, PASSTHROUGH, Break, Out, Parts, Split, apply_rule
+from autotp.synth.graph import Ref, param_modules, refs
+from autotp.synth.ops import ATTENTION, ELEMENTWISE, MATMULS, PASSTHROUGH, SINKS, VIEW_LIKE, Break, Out, Parts, Split, apply_rule
 
 log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
 class Shard:
-    """A sharded value: its dim, the candidate Linears it comes from, and the path it took."""
+    """A sharded value: its dim, the candidate Linears it comes from, and the path it took.
+
+    ``span``: the features ``[start, end)`` of its origins' output that the sharded dim holds,
+    in order, when it is such a range (the whole output, or a part cut from it): a part may be cut
+    again (a packed projection whose part is itself packed), and its cuts are then placed in the
+    origin's output.
+    """
 
     dim: int
     origins: frozenset
     intact: bool = False
     prev: str | None = None
+    span: tuple[int, int] | None = None
 
 
 @dataclass
@@ -46,7 +56,11 @@ class Flow:
     extent: dict = field(default_factory=dict)  # root -> gcd of every sharded extent it reached
     roots: set = field(default_factory=set)  # candidates that started a shard this pass
     unit_heads: frozenset = frozenset()  # candidates whose views may split off one head (one-kv-head k/v)
+    whole: dict = field(default_factory=dict)  # Linear node -> why its weight stays whole (no column, no row)
     param_shards: dict = field(default_factory=dict)  # parameter placeholder -> dim sharded with the heads
+    param_spans: dict = field(default_factory=dict)  # parameter placeholder -> {(origins, span)} it met
+    meeting: tuple = ()  # the sharded inputs of the node a rule is deciding (for shard_param)
+    yielded: dict = field(default_factory=dict)  # root that gave way -> the candidates it gave way to
 
     def sharded(self, name: str) -> bool:
         """Whether ``name``'s output (or an element of it) is sharded."""
@@ -62,12 +76,38 @@ class Flow:
         if found is None or self.param_shards.get(found[0], found[1]) != found[1]:
             return False
         self.param_shards[found[0]] = found[1]
+        for shard in self.meeting:  # a part cut from a packed output: the parameter is packed alike
+            self.param_spans.setdefault(found[0], set()).add((shard.origins, shard.span))
+        return True
+
+    def gives_way(self, other: str, name: str) -> bool:
+        """Whether replicated operand ``other`` of ``name``, the reduced output of a row Linear,
+        yields to the shard it meets: one side must stay whole, and the row's shard covers fewer
+        weights (LoRA: ``lora_B(lora_A(x)) * scale`` added to a column base Linear's output).
+        The row's columns are then dropped; the next round decides again without them, and in the
+        round that converges no operand gave way, so what is kept is sound as before."""
+        rows = _row_sources(self.g, self, other)
+        rivals = frozenset().union(*(self.rows[r] for r in rows))
+        mine = frozenset().union(*(s.origins for s in self.meeting))
+        if not rivals or rivals & mine or _weight_numel(self.g, rivals) >= _weight_numel(self.g, mine):
+            return False
+        def modules(nodes):
+            return ", ".join(sorted({self.g.nodes[n]["module"] or "the root" for n in nodes}))
+
+        for root in rivals:
+            self.broken.setdefault(root, (f"its shard, reduced by {modules(rows)}, meets the larger shard of "
+                                          f"{modules(mine)}; the smaller side stays whole", name))
+            self.yielded.setdefault(root, mine)
         return True
 
     def unit_heads_of(self, name: str) -> bool:
         """Whether the shard of ``name`` comes only from candidates read as one-kv-head k/v."""
         value = self.state.get(name)
         return isinstance(value, Shard) and bool(value.origins) and value.origins <= self.unit_heads
+
+    def span(self, name: str) -> tuple[int, int] | None:
+        value = self.state.get(name)
+        return value.span if isinstance(value, Shard) else None
 
     def intact(self, name: str) -> bool:
         value = self.state.get(name)
@@ -77,6 +117,10 @@ class Flow:
         value = self.state.get(name)
         return value[index] if isinstance(value, tuple) else None
 
+    def weight_of(self, origins) -> int:
+        """How many weight elements the candidates ``origins`` hold (which side of a conflict goes on)."""
+        return _weight_numel(self.g, origins)
+
     def shards_along(self, other: str, name: str) -> bool:
         """Whether replicated operand ``other`` of ``name`` is a width-sharded norm's own weight."""
         source = param_source(self.g, other)
@@ -84,6 +128,25 @@ class Flow:
             return False
         owner = self.g.nodes[source]["param"].rpartition(".")[0]
         return owner in self.width_norms and owner in self.g.nodes[name]["stack"]
+
+
+# Ops after which a row Linear's reduced output is still that output, scaled (``* scale``).
+_SCALINGS = PASSTHROUGH | VIEW_LIKE | {"mul", "div"}
+
+
+def _row_sources(g: nx.DiGraph, flow: Flow, name: str) -> list[str]:
+    """The row Linear that ``name`` is a one-tensor chain of casts, views and scalings of, if any."""
+    while name not in flow.rows:
+        data = g.nodes[name]
+        inputs = refs(data["args"], data["kwargs"])
+        if data["kind"] != "call" or data["op"] not in _SCALINGS or len(inputs) != 1:
+            return []
+        name = inputs[0].name
+    return [name]
+
+
+def _weight_numel(g: nx.DiGraph, linears) -> int:
+    return sum(math.prod(g.nodes[w]["shape"]) for w in map(lambda n: linear_weight(g, n), linears) if w)
 
 
 def param_source(g: nx.DiGraph, name: str) -> str | None:
@@ -101,6 +164,9 @@ def param_source(g: nx.DiGraph, name: str) -> str | None:
 # Grouped (per-expert) matmuls ``x @ W[e]``: weight argument (experts, in, out), possibly a
 # transposed view of a stored (experts, out, in) parameter (transformers 5 MoE experts).
 GROUPED_MATMULS = frozenset({"grouped_mm_fallback", "_grouped_mm", "grouped_mm"})
+# Batched matmuls read the same way when the weight is a 3-D parameter (stacked per-expert or
+# per-group weights: ``torch.bmm(x, self.w1)``); a raw parameter, so :func:`raw_weight`.
+STACKED_MATMULS = frozenset({"bmm", "matmul"})
 
 
 @dataclass(frozen=True)
@@ -123,7 +189,7 @@ def weight_of(g: nx.DiGraph, name: str) -> Weight | None:
         if not source or len(g.nodes[source]["shape"] or ()) != 2:
             return None
         return Weight(source, 1, 0) if data.get("weight_in_out") else Weight(source, 0, 1)
-    if data["op"] in GROUPED_MATMULS:
+    if data["op"] in GROUPED_MATMULS | STACKED_MATMULS:
         node, swapped = args[1].name, False
         while g.nodes[node]["kind"] == "call" and g.nodes[node]["op"] in ("transpose", "t", *PASSTHROUGH):
             if g.nodes[node]["op"] != "transpose" or sorted(x % 3 for x in g.nodes[node]["args"][1:3]) == [1, 2]:
@@ -134,15 +200,55 @@ def weight_of(g: nx.DiGraph, name: str) -> Weight | None:
     return None
 
 
+def raw_weight(g: nx.DiGraph, name: str) -> bool:
+    """Whether Linear-like node ``name`` multiplies by a raw parameter of the module whose code runs
+    it (``x @ self.wq.T``, ``F.linear(x, self.wk)``, an einsum, a ``bmm`` by a stacked 3-D weight):
+    no ``nn.Linear``'s weight, so
+    the module gets :class:`~autotp.styles.raw_linear.LinearParams` rather than a Linear style."""
+    return raw_like(g, name) and _only_reader(g, linear_weight(g, name), name)
+
+
+def raw_like(g: nx.DiGraph, name: str) -> bool:
+    """:func:`raw_weight` but for the weight being read by this product alone."""
+    weight = linear_weight(g, name)
+    stacked = g.nodes[name]["op"] in STACKED_MATMULS
+    if weight is None or len(g.nodes[weight]["shape"]) != (3 if stacked else 2):
+        return False
+    owner, _, leaf = g.nodes[weight]["param"].rpartition(".")
+    return owner == g.nodes[name]["module"] and (leaf != "weight" or stacked or bool(g.nodes[name].get("raw_weight")))
+
+
+def _only_reader(g: nx.DiGraph, weight: str, name: str) -> bool:
+    """Whether node ``name`` is the one reader of ``weight`` (through casts and transposes): a raw
+    parameter read elsewhere too (a second product, a norm of it) would be read there as a shard."""
+    while True:
+        readers = [s for s in g.successors(weight) if g.nodes[s]["op"] not in SINKS]
+        if readers == [name]:
+            return True
+        if len(readers) != 1 or g.nodes[readers[0]]["op"] not in PASSTHROUGH | {"t", "numpy_T", "transpose"}:
+            return False
+        weight = readers[0]
+
+
 def linear_weight(g: nx.DiGraph, name: str) -> str | None:
     """The parameter placeholder a Linear-like node multiplies by, or None."""
     weight = weight_of(g, name)
     return weight.node if weight else None
 
 
+def module_of(g: nx.DiGraph, name: str) -> str:
+    """Module a Linear/Embedding node belongs to: the module that ran it (export names a tied
+    parameter after one of its users only), or for a grouped matmul the owner of its 3-D weight."""
+    data = g.nodes[name]
+    weight = linear_weight(g, name) if is_linear(g, name) else None
+    if weight is not None and (len(g.nodes[weight]["shape"]) == 3 or not data["module"]):
+        return g.nodes[weight]["param"].rpartition(".")[0]
+    return data["module"]
+
+
 def is_linear(g: nx.DiGraph, name: str) -> bool:
     """A ``linear`` or grouped-matmul node whose weight is a parameter."""
-    return g.nodes[name]["op"] in GROUPED_MATMULS | {"linear"} and weight_of(g, name) is not None
+    return g.nodes[name]["op"] in GROUPED_MATMULS | STACKED_MATMULS | {"linear"} and weight_of(g, name) is not None
 
 
 def weight_uses(g: nx.DiGraph):
@@ -159,18 +265,6 @@ def weight_uses(g: nx.DiGraph):
             yield name, weight
 
 
-def tied_params(g: nx.DiGraph) -> dict[str, str]:
-    """Parameters read as a weight by more than one linear/embedding node: placeholder -> users."""
-    users: dict[str, list[str]] = {}
-    for name, weight in weight_uses(g):
-        users.setdefault(weight, []).append(g.nodes[name]["module"])
-    return {w: ", ".join(u) for w, u in users.items() if len(u) > 1}
-
-
-def _param_modules(g: nx.DiGraph) -> set[str]:
-    return {d["param"].rpartition(".")[0] for _, d in g.nodes(data=True) if d["kind"] == "param"}
-
-
 def _sharded_inputs(flow: Flow, data) -> dict[str, int]:
     found = {}
     for ref in refs(data["args"], data["kwargs"]):
@@ -180,21 +274,44 @@ def _sharded_inputs(flow: Flow, data) -> dict[str, int]:
     return found
 
 
-def _record(flow: Flow, name: str, result, origins: frozenset, prev: str):
+def part_sizes(ranges, width: int) -> tuple[int, ...]:
+    """The finest parts that the cuts ``ranges`` of a ``width``-feature output make.
+
+    >>> part_sizes([(0, 8), (8, 20), (8, 12), (12, 16), (16, 20)], 20)
+    (8, 4, 4, 4)
+    """
+    points = sorted({0, width} | {p for r in ranges for p in r})
+    return tuple(b - a for a, b in zip(points, points[1:]))
+
+
+def _kept_span(flow: Flow, name: str, dims: dict, dim: int):
+    """The span a rule's output keeps: its inputs' common span, if the sharded dim keeps its size
+    (every rule that returns the shard on a dim of the same size keeps the features in order)."""
+    spans = {flow.span(src) for src in dims}
+    if len(spans) != 1 or None in spans:
+        return None
+    span = spans.pop()
+    return span if flow.g.nodes[name]["shape"][dim] == span[1] - span[0] else None
+
+
+def _record(flow: Flow, name: str, result, origins: frozenset, prev: str, dims: dict | None = None):
     """Store a rule's result as the node's state."""
     if isinstance(result, Out):
-        flow.state[name] = Shard(result.dim, origins, result.intact, prev)
+        span = _kept_span(flow, name, dims or {}, result.dim)
+        flow.state[name] = Shard(result.dim, origins, result.intact, prev, span)
         size = flow.g.nodes[name]["shape"][result.dim]
         for o in origins:
             flow.extent[o] = math.gcd(flow.extent.get(o, 0), size)
     elif isinstance(result, Parts):
         flow.state[name] = tuple(Shard(p.dim, origins, p.intact, prev) if p else None for p in result.parts)
     elif isinstance(result, Split):
+        start = flow.span(prev)[0] if flow.span(prev) else 0
+        ranges = tuple((start + a, start + b) for a, b in result.ranges)
         for o in origins:
-            flow.splits.setdefault(o, []).extend(result.ranges)
+            flow.splits.setdefault(o, []).extend(ranges)
             flow.split_nodes.setdefault(o, []).append(name)
-        shard = Shard(result.dim, origins, False, prev)
-        flow.state[name] = tuple(shard for _ in result.ranges) if result.tuple_output else shard
+        shards = [Shard(result.dim, origins, False, prev, r) for r in ranges]
+        flow.state[name] = tuple(shards) if result.tuple_output else shards[0]
 
 
 def _linear_step(flow: Flow, name: str, data, dims: dict, active: set):
@@ -203,11 +320,16 @@ def _linear_step(flow: Flow, name: str, data, dims: dict, active: set):
     x = data["args"][0].name
     if x in dims and linear_weight(g, name):
         if dims[x] == len(g.nodes[x]["shape"]) - 1:
+            if name in flow.whole:  # a row would shard its weight: the shard must stop before it
+                for o in flow.state[x].origins:
+                    flow.broken.setdefault(o, (f"it reaches {data['module']}, whose weight stays whole: "
+                                               f"{flow.whole[name]}", name))
+                return
             flow.rows[name] = flow.state[x].origins
             return
         _record(flow, name, Out(dims[x]), flow.state[x].origins, x)  # per-position: shard passes
     elif x not in dims and name in active:
-        flow.state[name] = Shard(len(data["shape"]) - 1, frozenset({name}), True, None)
+        flow.state[name] = Shard(len(data["shape"]) - 1, frozenset({name}), True, None, (0, data["shape"][-1]))
         flow.roots.add(name)
         flow.extent[name] = data["shape"][-1]
 
@@ -218,30 +340,33 @@ def _getitem_step(flow: Flow, name: str, data) -> None:
     value = flow.state.get(source.name) if isinstance(source, Ref) else None
     if isinstance(value, tuple) and isinstance(index, int) and value[index] is not None:
         part = value[index]
-        flow.state[name] = Shard(part.dim, part.origins, part.intact, source.name)
+        flow.state[name] = Shard(part.dim, part.origins, part.intact, source.name, part.span)
 
 
-def _reduction_in_norm(flow: Flow, data, origins, param_modules) -> bool:
+def _reduction_in_norm(flow: Flow, data, origins, owners: set[str]) -> bool:
     """A reduction over the shard inside a parametrised, non-Linear module: a width-sharded norm."""
     module = data["module"]
     roots = {flow.g.nodes[o]["module"] for o in origins}
-    if module in param_modules and module not in roots and module:
+    if module in owners and module not in roots and module:
         flow.width_norms.setdefault(module, data)
         return True
     return False
 
 
-def propagate(g: nx.DiGraph, active: set[str], unit_heads: frozenset = frozenset()) -> Flow:
+def propagate(g: nx.DiGraph, active: set[str], unit_heads: frozenset = frozenset(),
+              whole: dict[str, str] | None = None) -> Flow:
     """Follow the shard of every active candidate Linear through ``g`` (one pass, program order).
 
     Args:
         g: the analysis graph.
         active: ``linear`` node names allowed to start a shard.
         unit_heads: candidates whose views may split off a single head (see :func:`analyse`).
+        whole: Linear nodes whose weight must stay whole (read outside their module, tied
+            differently): neither a column nor a row; a shard reaching one breaks, with the reason.
     Returns:
         The :class:`Flow`: node states, rows, heads, splits and the candidates that broke.
     """
-    flow, param_modules = Flow(g, unit_heads=frozenset(unit_heads)), _param_modules(g)
+    flow, owners = Flow(g, unit_heads=frozenset(unit_heads), whole=dict(whole or {})), param_modules(g)
     for name in sorted(g.nodes, key=lambda n: g.nodes[n]["order"]):
         data = g.nodes[name]
         if data["kind"] == "output":
@@ -261,30 +386,131 @@ def propagate(g: nx.DiGraph, active: set[str], unit_heads: frozenset = frozenset
         if not dims:
             continue
         origins = frozenset().union(*(flow.state[s].origins for s in dims))
+        flow.meeting = tuple(flow.state[s] for s in dims)
         result = apply_rule(g, name, dims, flow)
         if isinstance(result, Break):
-            if result.reduction and _reduction_in_norm(flow, data, origins, param_modules):
+            if result.reduction and _reduction_in_norm(flow, data, origins, owners):
                 continue
-            for o in origins:
+            for o in result.only or origins:
                 flow.broken.setdefault(o, (result.reason, name))
+            if result.only and result.then:
+                kept = {s: d for s, d in dims.items() if not flow.state[s].origins & result.only}
+                _record(flow, name, result.then, origins - result.only, next(iter(kept)), kept)
             continue
-        _record(flow, name, result, origins, next(iter(dims)))
+        _record(flow, name, result, origins, next(iter(dims)), dims)
     return flow
 
 
-def _bad_packs(flow: Flow) -> dict[str, str]:
-    """Candidates whose output is cut into pieces that do not tile it exactly once."""
+def bad_packs(flow: Flow) -> dict[str, str]:
+    """Candidates whose output is cut into pieces that do not tile it exactly once: the outermost
+    pieces must tile it, and a piece cut again must be tiled by its own pieces (nested, never
+    overlapping: each rank then holds its share of every finest part)."""
     bad = {}
     for root, ranges in flow.splits.items():
         width = flow.g.nodes[root]["shape"][-1]
-        ordered = sorted(set(ranges))
-        ends = [0] + [end for _, end in ordered]
-        if [s for s, _ in ordered] != ends[:-1] or ends[-1] != width:
-            bad[root] = f"its output is sliced into {ordered}, which do not tile {width} features"
+        if not _tiles(sorted(set(ranges)), 0, width):
+            bad[root] = f"its output is sliced into {sorted(set(ranges))}, which do not tile {width} features"
     return bad
 
 
-def _endless(flow: Flow) -> dict[str, str]:
+def _tiles(ranges: list, start: int, end: int) -> bool:
+    """Whether the outermost of ``ranges`` inside ``[start, end)`` tile it, each of them tiled in
+    turn by the ranges inside it, and no range crosses another (a laminar family).
+
+    >>> _tiles([(0, 4), (4, 12), (4, 8), (8, 12)], 0, 12), _tiles([(0, 8), (4, 12)], 0, 12)
+    (True, False)
+    """
+    ranges = sorted({r for r in ranges if r != (start, end)})
+    if not ranges:
+        return True  # the whole, taken as one piece
+    at, pieces = start, []
+    while at < end:
+        widest = max((r for r in ranges if r[0] == at), key=lambda r: r[1], default=None)
+        if widest is None or widest[1] > end:
+            return False
+        pieces.append(widest)
+        at = widest[1]
+    for a, b in pieces:
+        inner = [r for r in ranges if a <= r[0] and r[1] <= b and r != (a, b)]
+        if inner and not _tiles(inner, a, b):
+            return False
+    return all(any(a <= r[0] and r[1] <= b for a, b in pieces) for r in ranges)
+
+
+def inner_parts(flow: Flow, origins, span) -> tuple[int, ...] | None:
+    """The finest parts of ``origins``' outputs inside ``span`` (one part: a contiguous shard), or
+    None if the origins are cut differently there."""
+    if span is None:
+        return None
+    found = set()
+    for root in origins:
+        points = sorted({span[0], span[1], *(p for r in flow.splits.get(root, ()) for p in r if span[0] < p < span[1])})
+        found.add(tuple(b - a for a, b in zip(points, points[1:])))
+    return found.pop() if len(found) == 1 else None
+
+
+def packed_params(flow: Flow) -> dict[str, tuple[int, ...]]:
+    """Co-sharded parameters that met a shard holding several parts of a packed output (a
+    depthwise conv over ``[x | B | C]``): parameter placeholder -> those parts' widths. Each rank
+    holds its share of every part, so the parameter is permuted like the packed Linear's rows."""
+    found = {}
+    for param, meetings in flow.param_spans.items():
+        parts = {inner_parts(flow, origins, span) for origins, span in meetings if span is not None}
+        parts = {p for p in parts if p is not None and len(p) > 1}
+        if parts:
+            found[param] = parts.pop()
+    return found
+
+
+def mixed_parts(flow: Flow) -> dict[str, str]:
+    """Candidates with a shard holding several parts of their packed output (each rank has its
+    share of every part, not one contiguous block) that reaches an op that does not keep it whole
+    or cut it at the parts (a view into heads, a row Linear, a parameter met with two packings)."""
+    g, bad = flow.g, {}
+    for name, state in flow.state.items():
+        for index, shard in enumerate(state if isinstance(state, tuple) else (state,)):
+            parts = inner_parts(flow, shard.origins, shard.span) if isinstance(shard, Shard) else None
+            if parts is None or len(parts) < 2:
+                continue
+            for succ in g.successors(name):
+                data = g.nodes[succ]
+                if data["op"] in SINKS or (isinstance(state, tuple) and data["args"][1:2] != (index,)):
+                    continue  # a metadata assert, or the getitem of another element
+                out = flow.state.get(succ)
+                outs = out if isinstance(out, tuple) else (out,)
+                if not any(isinstance(o, Shard) and o.span and shard.span[0] <= o.span[0] and o.span[1] <= shard.span[1]
+                           for o in outs):
+                    for root in shard.origins:
+                        bad.setdefault(root, f"its packed parts {parts} meet {g.nodes[succ]['op']} in "
+                                             f"{g.nodes[succ]['module'] or 'the root'}, which does not keep them apart")
+    for param, meetings in flow.param_spans.items():
+        packings = {inner_parts(flow, o, s) for o, s in meetings}
+        if len({p if p and len(p) > 1 else None for p in packings}) > 1:  # one part: contiguous, as None
+            for origins, _ in meetings:
+                for root in origins:
+                    bad.setdefault(root, f"parameter {g.nodes[param]['param']} meets shards of different packings")
+    return bad
+
+
+def _raw_limits(flow: Flow) -> dict[str, str]:
+    """Raw-parameter Linears (:func:`raw_weight`) sharded in a way their style does not realise:
+    cut into parts, giving the model output, or a product by another module's parameter."""
+    g, bad = flow.g, {}
+    for root in flow.roots:
+        if raw_weight(g, root) and (root in flow.splits or root in flow.heads):
+            bad[root] = "a raw parameter used as a Linear weight is sharded whole, not cut into parts or as the output"
+        elif raw_like(g, root) and not raw_weight(g, root):
+            bad[root] = "its raw weight parameter is also read elsewhere, which would read a shard as the whole"
+        elif g.nodes[root].get("raw_weight") and not raw_weight(g, root):
+            bad[root] = "it multiplies by a parameter of another module, which that module's style would not shard"
+    for row in flow.rows:
+        if (g.nodes[row].get("raw_weight") or raw_like(g, row)) and not raw_weight(g, row):
+            for root in flow.rows[row]:
+                bad.setdefault(root, "it is contracted by a parameter of another module, which stays whole")
+    return bad
+
+
+def endless_shards(flow: Flow) -> dict[str, str]:
     """Candidates whose shard never reaches a row-parallel Linear or the output."""
     reached = set(flow.heads)
     for origins in flow.rows.values():
@@ -293,11 +519,13 @@ def _endless(flow: Flow) -> dict[str, str]:
 
 
 def analyse(g: nx.DiGraph, forbidden: dict[str, str] | None = None, *,
-            unit_heads: bool = False) -> tuple[Flow, dict[str, str]]:
+            unit_heads: bool = False, whole: dict[str, str] | None = None) -> tuple[Flow, dict[str, str]]:
     """Run :func:`propagate` to a fixpoint, dropping candidates that break.
 
     Args:
         forbidden: Linear nodes that may not start a shard, with the reason (tie conflicts).
+        whole: Linear nodes whose weight stays whole, as a column and as a row (weights read outside
+            their module, tie conflicts); they are forbidden as columns too.
         unit_heads: when candidates were dropped, try once more reading their views as splits into
             a single head (the k/v of one-kv-head attention, whose shard then has extent 1). Kept
             only for candidates that reach an attention with more heads than that; for a tp size
@@ -305,13 +533,15 @@ def analyse(g: nx.DiGraph, forbidden: dict[str, str] | None = None, *,
     Returns:
         The final :class:`Flow` and, for each dropped candidate, why it was dropped.
     """
-    flow, dropped = _fixpoint(g, dict(forbidden or {}), frozenset())
-    retry = frozenset(dropped) - set(forbidden or {})
+    whole = dict(whole or {})
+    forbidden = {**whole, **(forbidden or {})}
+    flow, dropped = _fixpoint(g, dict(forbidden), frozenset(), whole)
+    retry = frozenset(dropped) - set(forbidden)
     if not unit_heads or not retry:
         return flow, dropped
     forbidden_now = dict(forbidden or {})
     for _ in range(2):  # the second round drops extent-1 roots that feed no wider attention
-        second, second_dropped = _fixpoint(g, dict(forbidden_now), retry)
+        second, second_dropped = _fixpoint(g, dict(forbidden_now), retry, whole)
         stray = {r: dropped[r] for r in second.roots & retry
                  if second.extent.get(r) == 1 and wider_attention(second, r) is None}
         if not stray:
@@ -325,19 +555,32 @@ def analyse(g: nx.DiGraph, forbidden: dict[str, str] | None = None, *,
     return flow, dropped
 
 
-def _fixpoint(g: nx.DiGraph, dropped: dict[str, str], unit_heads: frozenset) -> tuple[Flow, dict[str, str]]:
+def _fixpoint(g: nx.DiGraph, dropped: dict[str, str], unit_heads: frozenset,
+              whole: dict[str, str]) -> tuple[Flow, dict[str, str]]:
     active = {name for name in g.nodes if is_linear(g, name)} - set(dropped)
-    rounds = 0
+    rounds, yielded, retried = 0, {}, set()
     while True:
         rounds += 1
-        flow = propagate(g, active, unit_heads)
+        flow = propagate(g, active, unit_heads, whole)
         bad = {r: f"{reason} (at {g.nodes[node]['op']} in {g.nodes[node]['module'] or 'the root'})"
                for r, (reason, node) in flow.broken.items()}
-        bad.update(_bad_packs(flow))
-        bad.update(_endless(flow))
+        bad.update(bad_packs(flow))
+        bad.update({r: reason for r, reason in mixed_parts(flow).items() if r not in bad})
+        bad.update(endless_shards(flow))
+        bad.update({r: reason for r, reason in _raw_limits(flow).items() if r not in bad})
+        yielded.update({r: mine for r, mine in flow.yielded.items() if r in bad})
         if not bad:
-            log.debug("analysis converged after %d rounds, %d candidates dropped", rounds, len(dropped))
-            return flow, dropped
+            # A candidate that gave way to shards which were all dropped later gave way for nothing:
+            # it is tried again (once), and the rounds go on.
+            back = {r for r, mine in yielded.items() if r not in retried and not (mine & flow.roots)}
+            if not back:
+                log.debug("analysis converged after %d rounds, %d candidates dropped", rounds, len(dropped))
+                return flow, dropped
+            retried |= back
+            for r in back:
+                dropped.pop(r, None)
+            active |= back
+            continue
         dropped.update(bad)
         active -= set(bad)
 

@@ -1,11 +1,16 @@
-"""Turn a converged :class:`~autotp.synth.analysis.Flow` into one :class:`Role` per module."""
+"""Turn a converged :class:`~autotp.synth.analysis.Flow` into one :class:`Role` per module.
+
+Long because each role family (Linears, experts, embeddings, norms, raw weights, tie and
+foreign-read constraints) is assigned here from the same converged flow.
+"""
 
 from __future__ import annotations
 
 import networkx as nx
 
-from autotp.synth.analysis import Flow, Shard, is_linear, linear_weight, param_source, weight_of, weight_uses
-from autotp.synth.graph import Ref, refs
+from autotp.synth.analysis import (Flow, Shard, is_linear, linear_weight, module_of, param_source, part_sizes,
+                                   raw_weight, weight_of, weight_uses)
+from autotp.synth.graph import Ref, param_modules, refs
 from autotp.synth.ops import PASSTHROUGH, VIEW_LIKE
 from autotp.synth.params import param_roles
 from autotp.synth.roles import Role
@@ -38,18 +43,8 @@ def root_path(g: nx.DiGraph, flow: Flow, root: str, ends: set[str]) -> list[str]
 
 
 def _describe(g: nx.DiGraph, path: list[str], end: str) -> tuple[str, ...]:
-    owner = _owner(g, path[0])
+    owner = module_of(g, path[0])
     return (owner, *[g.nodes[n]["op"] for n in path[1:]], end)
-
-
-def _owner(g: nx.DiGraph, name: str) -> str:
-    """Module a Linear/Embedding node belongs to: the module that ran it (export names a tied
-    parameter after one of its users only), or for a grouped matmul the owner of its 3-D weight."""
-    data = g.nodes[name]
-    weight = linear_weight(g, name) if is_linear(g, name) else None
-    if weight is not None and (len(g.nodes[weight]["shape"]) == 3 or not data["module"]):
-        return g.nodes[weight]["param"].rpartition(".")[0]
-    return data["module"]
 
 
 def linear_roles(g: nx.DiGraph, flow: Flow, dropped: dict[str, str]) -> dict[str, Role]:
@@ -57,12 +52,16 @@ def linear_roles(g: nx.DiGraph, flow: Flow, dropped: dict[str, str]) -> dict[str
     roles: dict[str, Role] = {}
     in_out = {n for n in (*flow.rows, *flow.roots) if g.nodes[n].get("weight_in_out")}
     for row in flow.rows:
+        if raw_weight(g, row):
+            continue  # its module's raw_linear_roles
         x = g.nodes[row]["args"][0].name
-        path = _describe(g, shard_path(g, flow, x), _owner(g, row))
-        roles[_owner(g, row)] = Role("row", "contracts over the sharded input features", path,
+        path = _describe(g, shard_path(g, flow, x), module_of(g, row))
+        roles[module_of(g, row)] = Role("row", "contracts over the sharded input features", path,
                                      weight_in_out=row in in_out)
     for root in sorted(flow.roots, key=lambda n: g.nodes[n]["order"]):
-        owner = _owner(g, root)
+        owner = module_of(g, root)
+        if raw_weight(g, root):
+            continue
         if root in flow.heads:
             path = _describe(g, shard_path(g, flow, flow.heads[root]), "output")
             roles[owner] = Role("head", "its sharded output features are the model output", path,
@@ -70,18 +69,56 @@ def linear_roles(g: nx.DiGraph, flow: Flow, dropped: dict[str, str]) -> dict[str
             continue
         rows = {r for r, origins in flow.rows.items() if root in origins}
         path = root_path(g, flow, root, rows)
-        evidence = (*_describe(g, path[:-1], _owner(g, path[-1])),)
+        evidence = (*_describe(g, path[:-1], module_of(g, path[-1])),)
         if root in flow.splits:
-            sizes = tuple(e - s for s, e in sorted(set(flow.splits[root])))
+            sizes = part_sizes(flow.splits[root], g.nodes[root]["shape"][-1])
             roles[owner] = Role("packed_column", f"its output is split into parts {sizes}", evidence, sizes=sizes,
                                 weight_in_out=root in in_out)
         else:
             roles[owner] = Role("column", "its output features stay sharded until a row Linear", evidence,
                                 weight_in_out=root in in_out)
     for name, reason in dropped.items():
-        roles.setdefault(_owner(g, name), Role("replicate", reason))
+        roles.setdefault(module_of(g, name), Role("replicate", reason))
     roles.update(expert_roles(g, flow, dropped, roles))
     return roles
+
+
+def raw_linear_roles(g: nx.DiGraph, flow: Flow) -> dict[str, Role]:
+    """Modules whose own raw parameters are column / row Linear weights (:func:`raw_weight`): one
+    ``linear_params`` role each, with every such weight's sharded dim (a column's bias: dim 0)."""
+    dims: dict[str, dict[str, int]] = {}
+    kinds: dict[str, dict[str, list[str]]] = {}
+    for name in sorted(set(flow.rows) | set(flow.roots), key=lambda n: g.nodes[n]["order"]):
+        if not raw_weight(g, name):
+            continue
+        weight, args = weight_of(g, name), g.nodes[name]["args"]
+        module, _, pname = g.nodes[weight.node]["param"].rpartition(".")
+        row = name in flow.rows
+        dims.setdefault(module, {})[pname] = weight.in_dim if row else weight.out_dim
+        kinds.setdefault(module, {"columns": [], "rows": []})["rows" if row else "columns"].append(pname)
+        bias = param_source(g, args[2].name) if len(args) > 2 and isinstance(args[2], Ref) else None
+        if bias is not None and not row:
+            dims[module][g.nodes[bias]["param"].rpartition(".")[2]] = 0
+    return {module: Role("linear_params", f"its raw parameters {', '.join(by_param)} are Linear weights "
+                         f"(columns {kinds[module]['columns']}, rows {kinds[module]['rows']}), sharded like them",
+                         (module,), param_dims=tuple(sorted(by_param.items())),
+                         columns=tuple(kinds[module]["columns"]), rows=tuple(kinds[module]["rows"]))
+            for module, by_param in dims.items()}
+
+
+def _with_raw_linears(roles: dict[str, Role], raw: dict[str, Role]) -> dict[str, Role]:
+    """``raw_linear_roles`` over ``roles``; a module's ``head_params`` (a per-head parameter beside
+    its raw weights) folded into its ``linear_params``."""
+    from dataclasses import replace
+
+    out = dict(roles)
+    for module, role in raw.items():
+        current = roles.get(module)
+        if current is not None and current.kind == "head_params":
+            role = replace(role, param_dims=tuple(sorted({**dict(current.param_dims), **dict(role.param_dims)}.items())),
+                           grad_reduced=current.grad_reduced, param_packed=current.param_packed)
+        out[module] = role
+    return out
 
 
 def expert_roles(g: nx.DiGraph, flow: Flow, dropped: dict[str, str], roles: dict[str, Role]) -> dict[str, Role]:
@@ -91,8 +128,8 @@ def expert_roles(g: nx.DiGraph, flow: Flow, dropped: dict[str, str], roles: dict
     evidence: dict[str, tuple] = {}
     for name in set(flow.rows) | set(flow.roots) | set(dropped):
         weight = weight_of(g, name)
-        if weight is None or len(g.nodes[weight.node]["shape"]) != 3:
-            continue
+        if weight is None or len(g.nodes[weight.node]["shape"]) != 3 or raw_weight(g, name):
+            continue  # raw stacked weights (a bmm in the module's own code): raw_linear_roles
         module, _, pname = g.nodes[weight.node]["param"].rpartition(".")
         dims.setdefault(module, {})
         if name in flow.rows:
@@ -100,7 +137,7 @@ def expert_roles(g: nx.DiGraph, flow: Flow, dropped: dict[str, str], roles: dict
         elif name in flow.roots:
             dims[module][pname] = weight.out_dim
             if name in flow.splits:
-                parts.setdefault(module, {})[pname] = len(set(flow.splits[name]))
+                parts.setdefault(module, {})[pname] = len(part_sizes(flow.splits[name], g.nodes[name]["shape"][-1]))
         else:
             dims[module][pname] = -1
         evidence[module] = evidence.get(module, ()) + roles[module].evidence
@@ -149,7 +186,7 @@ def _shard_origins(g: nx.DiGraph, flow: Flow | None, name: str, names: str) -> d
     state = flow.state.get(source.name) if flow is not None and isinstance(source, Ref) else None
     if not isinstance(state, Shard):
         return {}
-    owner = _owner(g, name)
+    owner = module_of(g, name)
     return {o: f"its output reaches {owner}, whose weight is tied ({names}) and must stay whole" for o in state.origins}
 
 
@@ -242,7 +279,7 @@ def embedding_roles(g: nx.DiGraph, forced: dict[str, str]) -> dict[str, Role]:
 
 def norm_roles(g: nx.DiGraph, flow: Flow, taken: set[str]) -> dict[str, Role]:
     """Parametrised non-Linear modules that read a shard: head-sharded or width-sharded norms."""
-    roles = {}
+    roles, owners = {}, param_modules(g)
     for name, data in sorted(g.nodes(data=True), key=lambda item: item[1]["order"]):
         if data["kind"] != "call":
             continue
@@ -253,7 +290,7 @@ def norm_roles(g: nx.DiGraph, flow: Flow, taken: set[str]) -> dict[str, Role]:
             for module in data["stack"]:
                 if module in taken or module in roles or module in g.nodes[ref.name]["stack"]:
                     continue
-                if module not in _owners_of_params(g) or not _params_meet_shard(g, flow, module):
+                if module not in owners or not _params_meet_shard(g, flow, module):
                     continue
                 dim = shard.dim - len(g.nodes[ref.name]["shape"])
                 path = _describe(g, shard_path(g, flow, ref.name), module)
@@ -286,14 +323,6 @@ def _params_meet_shard(g: nx.DiGraph, flow: Flow, module: str) -> bool:
     return False
 
 
-def _owners_of_params(g: nx.DiGraph) -> set[str]:
-    cached = g.graph.get("_param_owners")
-    if cached is None:
-        cached = {d["param"].rpartition(".")[0] for _, d in g.nodes(data=True) if d["kind"] == "param"}
-        g.graph["_param_owners"] = cached
-    return cached
-
-
 def assign_roles(g: nx.DiGraph, flow: Flow, dropped: dict[str, str],
                  forced: dict[str, str] | None = None) -> dict[str, Role]:
     """Every module's role (modules absent from the result run replicated with no style).
@@ -305,7 +334,7 @@ def assign_roles(g: nx.DiGraph, flow: Flow, dropped: dict[str, str],
     roles.update(embedding_roles(g, forced or {}))
     roles.update(norm_roles(g, flow, set(roles)))
     roles.update(param_roles(g, flow, roles))
-    return roles
+    return _with_raw_linears(roles, raw_linear_roles(g, flow))
 
 
 def tied_embedding_modules(g: nx.DiGraph, conflicts: dict[str, str]) -> dict[str, str]:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
@@ -13,9 +15,9 @@ from torch.distributed.tensor.parallel import (
 )
 from torch.distributed.tensor.parallel.style import ParallelStyle
 
-from autotp import styles, styles_params
+from autotp import styles
 from autotp.plan import describe_style
-from autotp.synth_styles import GatherSequenceInput, PartialExpertsParallel, SequenceParallelMoEBlock
+from autotp.styles.raw_linear import LinearParams
 from autotp.synth.roles import Role
 from autotp.synth.trace import LayerGroups
 
@@ -33,75 +35,83 @@ def style_for(role: Role, *, loss_parallel: bool = True) -> ParallelStyle | None
 
 
 def _style_for(role: Role, *, loss_parallel: bool = True) -> ParallelStyle | None:
-    """The ParallelStyle that realises ``role`` (``None``: leave the module replicated).
-
-    Column Linears shard weight rows (Shard(0), as Linear is x @ W^T + b); rows shard weight
-    columns and reduce (all-reduce, or reduce-scatter to Shard(1) when the residual stream is
-    sequence-sharded). The head keeps its vocab-sharded logits as a DTensor for loss parallel.
-    """
-    kind = role.kind
-    if role.weight_in_out and kind in ("column", "packed_column", "row", "head"):
+    """The ParallelStyle that realises ``role`` (``None``: leave the module replicated)."""
+    if role.weight_in_out and role.kind in ("column", "packed_column", "row", "head"):
         return _in_out_style(role, loss_parallel)
-    if kind == "column":
-        return ColwiseParallel(**_seq_in(role))
-    if kind == "kv_column":
-        return styles.ReplicatedKVColwise(kv_heads=role.kv_heads, head_dim=role.head_dim, **_seq_in(role))
-    if kind == "kv_head_counts":
-        return styles.KVHeadCounts(heads=role.heads, attribute=role.names[0])
-    if kind == "packed_column":
-        return styles.PackedColwiseParallel(sizes=role.sizes, **_seq_in(role))
-    if kind == "row":
-        if role.partial_output:  # one branch of a parallel block: reduced with the other at their sum
-            return styles.PartialRowwiseParallel()
-        if role.seq_output:
-            return RowwiseParallel(output_layouts=Shard(1), use_local_output=False)
-        return RowwiseParallel()
-    if kind == "head":
-        if loss_parallel:
-            return ColwiseParallel(**_seq_in(role), output_layouts=Shard(-1), use_local_output=False)
-        return ColwiseParallel(**_seq_in(role), output_layouts=Replicate())
-    if kind == "vocab_embedding":
-        if role.seq_output:
-            return styles.VocabParallelEmbedding(input_layouts=Replicate(), output_layouts=Shard(1),
-                                                 use_local_output=False)
-        return styles.VocabParallelEmbedding(input_layouts=Replicate())
-    if kind == "head_norm":
-        return styles.HeadShardedNorm()
-    if kind == "width_norm":
-        return styles.WidthShardedNorm(shard_dim=role.shard_dim)
-    if kind == "seq_norm":
-        return SequenceParallel()
-    if kind == "seq_params":
-        return styles.ReplicatedParams()
-    if kind == "seq_norm_gather":
-        return styles.SequenceParallelAllGather(use_local_output=not role.dtensor_output)
-    if kind == "shared_input":
-        return styles.ReplicatedOutput()
-    if kind == "whole_module":
-        return styles.ReplicatedModule()
-    if kind == "stream_block":
-        return styles.ReplicatedStream()
-    if kind == "stream_params":
-        return styles.ReplicatedParams()
-    if kind == "experts":
-        experts = PartialExpertsParallel if role.seq_output else styles.ExpertsParallel
-        return experts(shard_dims=dict(role.param_dims), packed=dict(role.param_parts))
-    if kind == "seq_gather" and role.seq_output:
-        return GatherSequenceInput(reshard_output=True)
-    if kind == "seq_gather":
-        return GatherSequenceInput(use_local_output=not role.dtensor_output)
-    if kind == "moe_block":
-        # Whole tokens in (the dispatch indexes them); the experts' partial sums reduce-scattered out.
-        return SequenceParallelMoEBlock()
-    if kind == "rotary":
-        return styles.RotaryEmbedParallel()
-    if kind == "shard_counts":
-        return styles.ShardCounts(names=role.names)
-    if kind == "head_params":
-        return styles_params.HeadParams(shard_dims=dict(role.param_dims), reduce=role.grad_reduced, counts=role.names)
-    if kind == "replicate":
-        return _replicated_at_sequence_edge(role)
-    raise ValueError(f"unknown role kind {kind!r}")
+    return _STYLES[role.kind](role, loss_parallel)
+
+
+def _row(role: Role, loss_parallel: bool) -> ParallelStyle:
+    # Rows shard weight columns and reduce: all-reduce, or reduce-scatter to Shard(1) when the
+    # residual stream is sequence-sharded; one branch of a parallel block stays Partial() and is
+    # reduced with the other at their sum.
+    if role.partial_output:
+        return styles.PartialRowwiseParallel()
+    if role.seq_output:
+        return RowwiseParallel(output_layouts=Shard(1), use_local_output=False)
+    return RowwiseParallel()
+
+
+def _head(role: Role, loss_parallel: bool) -> ParallelStyle:
+    # The head keeps its vocab-sharded logits as a DTensor for loss parallel.
+    if loss_parallel:
+        return ColwiseParallel(**_seq_in(role), output_layouts=Shard(-1), use_local_output=False)
+    return ColwiseParallel(**_seq_in(role), output_layouts=Replicate())
+
+
+def _vocab_embedding(role: Role, loss_parallel: bool) -> ParallelStyle:
+    if role.seq_output:
+        return styles.VocabParallelEmbedding(input_layouts=Replicate(), output_layouts=Shard(1), use_local_output=False)
+    return styles.VocabParallelEmbedding(input_layouts=Replicate())
+
+
+def _seq_gather(role: Role, loss_parallel: bool) -> ParallelStyle:
+    if role.seq_output:
+        return styles.GatherSequenceInput(reshard_output=True)
+    return styles.GatherSequenceInput(use_local_output=not role.dtensor_output)
+
+
+def _experts(role: Role, loss_parallel: bool) -> ParallelStyle:
+    experts = styles.PartialExpertsParallel if role.seq_output else styles.ExpertsParallel
+    return experts(shard_dims=dict(role.param_dims), packed=dict(role.param_parts),
+                   partial_grad_inputs=role.partial_grad_inputs)
+
+
+# Role kind -> style, one entry per kind of ``ROLE_KINDS`` (``None``: the module stays replicated).
+# Column Linears shard weight rows (Shard(0), as Linear is x @ W^T + b).
+_STYLES: dict[str, Callable[[Role, bool], ParallelStyle | None]] = {
+    "column": lambda role, lp: ColwiseParallel(**_seq_in(role)),
+    "kv_column": lambda role, lp: styles.ReplicatedKVColwise(kv_heads=role.kv_heads, head_dim=role.head_dim,
+                                                             **_seq_in(role)),
+    "kv_head_counts": lambda role, lp: styles.KVHeadCounts(heads=role.heads, attribute=role.names[0]),
+    "packed_column": lambda role, lp: styles.PackedColwiseParallel(sizes=role.sizes, **_seq_in(role)),
+    "row": _row,
+    "head": _head,
+    "vocab_embedding": _vocab_embedding,
+    "head_norm": lambda role, lp: styles.HeadShardedNorm(),
+    "width_norm": lambda role, lp: styles.WidthShardedNorm(shard_dim=role.shard_dim),
+    "seq_norm": lambda role, lp: SequenceParallel(),
+    "seq_params": lambda role, lp: styles.ReplicatedParams(),
+    "seq_norm_gather": lambda role, lp: styles.SequenceParallelAllGather(use_local_output=not role.dtensor_output),
+    "shared_input": lambda role, lp: styles.ReplicatedOutput(),
+    "whole_module": lambda role, lp: styles.ReplicatedModule(),
+    "router": lambda role, lp: styles.PartialGradRouter(),
+    "shared_entry": lambda role, lp: styles.SharedReplicatedInput(columns=role.names),
+    "stream_block": lambda role, lp: styles.ReplicatedStream(),
+    "stream_params": lambda role, lp: styles.ReplicatedParams(),
+    "experts": _experts,
+    "seq_gather": _seq_gather,
+    # Whole tokens in (the dispatch indexes them); the experts' partial sums reduce-scattered out.
+    "moe_block": lambda role, lp: styles.SequenceParallelMoEBlock(),
+    "rotary": lambda role, lp: styles.RotaryEmbedParallel(),
+    "shard_counts": lambda role, lp: styles.ShardCounts(names=role.names),
+    "head_params": lambda role, lp: styles.HeadParams(
+        shard_dims=dict(role.param_dims), reduce=role.grad_reduced, counts=role.names, packed=dict(role.param_packed)),
+    "linear_params": lambda role, lp: LinearParams(
+        shard_dims=dict(role.param_dims), columns=role.columns, rows=role.rows, reduce=role.grad_reduced,
+        counts=role.names, packed=dict(role.param_packed), seq_output=role.seq_output),
+    "replicate": lambda role, lp: _replicated_at_sequence_edge(role),
+}
 
 
 def _in_out_style(role: Role, loss_parallel: bool) -> ParallelStyle:

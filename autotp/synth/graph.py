@@ -240,21 +240,74 @@ def _products_as_linear(g: nx.DiGraph) -> None:
     >>> g.nodes["y"]["op"], g.nodes["y"]["args"][0], g.nodes["y"]["weight_in_out"]
     ('linear', Ref(name='x'), True)
     """
-    for name, data in g.nodes(data=True):
+    for name, data in list(g.nodes(data=True)):
         args = data["args"]
         if data["op"] == "addmm" and len(args) == 3 and not data["kwargs"] and _matrix_param(g, args[2]):
             data.update(op="linear", args=(args[1], args[2], args[0]), weight_in_out=True)
         elif data["op"] in ("mm", "matmul") and len(args) == 2 and _matrix_param(g, args[1]) \
                 and not _matrix_param(g, args[0]):
             data.update(op="linear", args=(args[0], args[1]), weight_in_out=True)
+        elif data["op"] in ("mm", "matmul") and len(args) == 2 and _transposed_param(g, args[1]) \
+                and not _matrix_param(g, args[0]):
+            _read_as_linear(g, name, args[0], _transposed_param(g, args[1]), in_out=False)
+        elif data["op"] == "einsum" and (found := _einsum_product(g, data)) is not None:
+            _read_as_linear(g, name, found[0], found[1], in_out=found[2])
 
 
-def producer_module(g: nx.DiGraph, name: str) -> str:
-    """Module that produced node ``name``'s value; for parameters, the module owning the parameter."""
-    data = g.nodes[name]
-    if data["kind"] in ("param", "buffer"):
-        return data["param"].rpartition(".")[0]
-    return data["module"]
+_TRANSPOSES = frozenset({"t", "numpy_T", "transpose", "permute"})
+
+
+def _transposed_param(g: nx.DiGraph, ref):
+    """``W.T`` (``t``, ``transpose(0, 1)``, ``permute(1, 0)``) of a 2-D parameter: the Ref of ``W``."""
+    data = g.nodes[ref.name] if isinstance(ref, Ref) else None
+    if data is None or data["op"] not in _TRANSPOSES or not data["args"] or not _matrix_param(g, data["args"][0]):
+        return None
+    if data["op"] == "transpose":
+        swaps = sorted(d % 2 for d in data["args"][1:3]) == [0, 1]
+    elif data["op"] == "permute":
+        swaps = [d % 2 for d in data["args"][1]] == [1, 0]
+    else:
+        swaps = True
+    return data["args"][0] if swaps else None
+
+
+def _einsum_product(g: nx.DiGraph, data):
+    """``einsum("...d,fd->...f", x, W)`` (or ``"df"``: W stored (in, out)) with W a 2-D parameter:
+    ``(x, W, in_out)``, the Linear it is; None for any other equation."""
+    equation, operands = data["args"][0], data["args"][1] if len(data["args"]) == 2 else data["args"][1:]
+    inputs, _, out = equation.replace(" ", "").partition("->")
+    if len(operands) != 2 or "." in equation or not _matrix_param(g, operands[1]) or _matrix_param(g, operands[0]):
+        return None
+    x, w = inputs.split(",") if inputs.count(",") == 1 else ("", "")
+    if len(w) != 2 or len(set(x + w)) != len(x) + 1 or not x or x[-1] not in w:
+        return None
+    other = w.replace(x[-1], "")
+    if out != x[:-1] + other:
+        return None
+    return operands[0], operands[1], w[0] == x[-1]
+
+
+def _read_as_linear(g: nx.DiGraph, name: str, x: Ref, weight: Ref, *, in_out: bool) -> None:
+    """Make node ``name`` the Linear ``linear(x, weight)``, ``weight`` read through its casts to the
+    parameter (``W.type_as(x)`` reads x only for its dtype); a transpose left unread is removed."""
+    while g.nodes[weight.name]["kind"] == "call":
+        weight = refs(g.nodes[weight.name]["args"])[0]
+    old = [r.name for r in refs(g.nodes[name]["args"])]
+    g.nodes[name].update(op="linear", args=(x, weight), kwargs={}, weight_in_out=in_out, raw_weight=True)
+    for source in old:
+        g.remove_edge(source, name)
+    g.add_edge(x.name, name)
+    g.add_edge(weight.name, name)
+    while old:  # the chain of casts and transposes that led to the weight, now read by nothing
+        source = old.pop()
+        if source in g and g.out_degree(source) == 0 and g.nodes[source]["op"] in _TRANSPOSES | _WEIGHT_CASTS:
+            old.extend(r.name for r in refs(g.nodes[source]["args"], g.nodes[source]["kwargs"]))
+            g.remove_node(source)
+
+
+def param_modules(g: nx.DiGraph, kind: str = "param") -> set[str]:
+    """FQNs of the modules that own a ``kind`` (``"param"`` or ``"buffer"``) placeholder of ``g``."""
+    return {d["param"].rpartition(".")[0] for _, d in g.nodes(data=True) if d["kind"] == kind}
 
 
 def common_module(stacks) -> str:

@@ -15,12 +15,13 @@ import logging
 import networkx as nx
 from torch import nn
 
-from autotp.errors import MeshError, working_tp_sizes
-from autotp.synth.analysis import Flow, Shard, wider_attention
+from autotp.errors import MeshError
+from autotp.kv import check_kv_replication
+from autotp.synth.analysis import Flow, Shard, module_of, wider_attention
 from autotp.synth.local_run import capture_inputs, run_local
-from autotp.synth.localize import _is_count, cutting_module, inner_roles
-from autotp.synth.roles import Role
-from autotp.synth.trace import collapsed
+from autotp.synth.localize import is_count, cutting_module, inner_roles
+from autotp.synth.roles import Role, kind_of
+from autotp.synth.trace import LayerGroups, collapsed
 
 log = logging.getLogger(__name__)
 
@@ -28,12 +29,10 @@ log = logging.getLogger(__name__)
 def kv_roots(g: nx.DiGraph, flow: Flow, roles: dict[str, Role], tp: int) -> dict[str, tuple[int, str]]:
     """Column roots with fewer heads than ``tp`` and than the attention they feed (k/v of grouped-query
     attention): root -> (kv heads, attention node)."""
-    from autotp.synth.assign import _owner
-
     found = {}
     for root in sorted(flow.roots, key=lambda n: g.nodes[n]["order"]):
         extent = flow.extent.get(root, 0)
-        if not extent or extent >= tp or roles.get(_owner(g, root), Role("", "")).kind != "column":
+        if not extent or extent >= tp or kind_of(roles, module_of(g, root)) != "column":
             continue
         attention = wider_attention(flow, root)
         if attention is not None:
@@ -49,7 +48,7 @@ def ratio_attribute(module: nn.Module, inputs, roles: dict[str, Role], ratio: in
     reference = run_local(module, inputs, roles, [], (), 1)
     if reference is None:
         return None
-    for name in sorted(n for n, v in vars(module).items() if _is_count(v) and v == ratio):
+    for name in sorted(n for n, v in vars(module).items() if is_count(v) and v == ratio):
         result = run_local(module, inputs, roles, [], (), tp, {name: local_ratio})
         if result is not None and result[0] == reference[0]:
             return name
@@ -60,7 +59,7 @@ def ratio_attribute(module: nn.Module, inputs, roles: dict[str, Role], ratio: in
 
 
 def replicate_kv(model: nn.Module, example_inputs, g: nx.DiGraph, flow: Flow, roles: dict[str, Role],
-                 tp: int) -> tuple[dict[str, Role], set[str]]:
+                 tp: int, groups: LayerGroups | None = None) -> tuple[dict[str, Role], set[str]]:
     """Roles for k/v projections with fewer heads than ``tp`` and for their attention modules.
 
     Returns:
@@ -69,27 +68,20 @@ def replicate_kv(model: nn.Module, example_inputs, g: nx.DiGraph, flow: Flow, ro
         MeshError: tp is not a multiple of the kv heads, the query heads do not divide over tp, or
             no attribute of the attention holds the grouped-query ratio.
     """
-    from autotp.synth.assign import _owner
-
     found = kv_roots(g, flow, roles, tp)
     out: dict[str, Role] = {}
     attention: dict[str, tuple[int, int]] = {}
     for root, (kv, node) in found.items():
-        owner = _owner(g, root)
-        if tp % kv:
-            raise MeshError(f"{owner}: {kv} kv heads cannot be shared evenly by tp={tp} ranks; use tp a "
-                            f"divisor or a multiple of {kv}")
+        owner = module_of(g, root)
         heads = g.nodes[node]["shape"][flow.state[node].dim] if isinstance(flow.state.get(node), Shard) else 0
         width = g.nodes[root]["shape"][-1]
-        if not heads or heads % tp:
-            raise MeshError(f"{owner}: {heads} query heads cannot be split over tp={tp}; "
-                            f"use tp in {working_tp_sizes([heads])}")
+        check_kv_replication(owner, kv, heads, tp)
         out[owner] = Role("kv_column", f"{kv} kv heads < tp={tp}: each rank holds the kv head its query "
                           "heads read; the copies' gradients are summed", roles[owner].evidence,
                           kv_heads=kv, head_dim=width // kv)
         attention[cutting_module(g, root, [node])] = (heads, kv)
     if attention:
-        out.update(_ratio_roles(model, example_inputs, roles, out, attention, tp, g.graph.get("layer_groups")))
+        out.update(_ratio_roles(model, example_inputs, roles, out, attention, tp, groups))
     return out, set(found)
 
 

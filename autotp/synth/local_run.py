@@ -19,11 +19,11 @@ from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from autotp.synth.analysis import Shard, is_linear, propagate
+from autotp.synth.analysis import Shard, is_linear, module_of, propagate
 from autotp.synth.graph import build_graph
 from autotp.synth.ops import PASSTHROUGH
 from autotp.synth.params import chain_dims
-from autotp.synth.roles import Role
+from autotp.synth.roles import Role, kind_of
 from autotp.synth.trace import LayerGroups, collapsed, example_args
 
 log = logging.getLogger(__name__)
@@ -87,18 +87,24 @@ _LOCAL_DIMS = {"column": 0, "packed_column": 0, "head": 0, "row": 1, "width_norm
 
 def _shrink(module: nn.Module, role: Role, tp: int) -> None:
     """Give ``module``'s parameters their per-rank shapes under ``role``."""
-    dims = dict(role.param_dims) if role.kind in ("experts", "head_params") else None
+    dims = dict(role.param_dims) if role.kind in ("experts", "head_params", "linear_params") else None
     if _in_out(role):
         _shrink_in_out(module, role, tp)
         return
-    for name, param in list(module.named_parameters(recurse=False)):
+    # Dotted names: a child's parameter read by this module's own code (see HeadParams).
+    owned = dict(module.named_parameters()) | dict(module.named_buffers())
+    children = [n for n in (dims or {}) if ("." in n or n in module._buffers) and n in owned]
+    for name, param in list(module.named_parameters(recurse=False)) + [(n, owned[n]) for n in children]:
         dim = dims.get(name) if dims is not None else _LOCAL_DIMS.get(role.kind)
         if dim is None or (role.kind == "row" and param.ndim < 2):
             continue
         shape = list(param.shape)
         # A replicated kv projection holds one head per rank, whatever tp is.
         shape[dim] = role.head_dim if role.kind == "kv_column" else shape[dim] // tp
-        setattr(module, name, nn.Parameter(torch.empty(shape, dtype=param.dtype, device="meta"), requires_grad=False))
+        path, _, leaf = name.rpartition(".")
+        local = torch.empty(shape, dtype=param.dtype, device="meta")
+        setattr(module.get_submodule(path), leaf,
+                nn.Parameter(local, requires_grad=False) if isinstance(param, nn.Parameter) else local)
 
 
 def _shrink_in_out(module: nn.Module, role: Role, tp: int) -> None:
@@ -242,9 +248,8 @@ def shapes_are_local(g: nx.DiGraph, local: nx.DiGraph, roles: dict[str, Role], t
     the Linears that ``roles`` shards; every other dim must keep its global size (parameters are
     per-rank by construction and not compared).
     """
-    from autotp.synth.assign import _owner
-
-    active = {n for n in g.nodes if is_linear(g, n) and roles.get(_owner(g, n), Role("", "")).kind in _STARTS}
+    active = {n for n in g.nodes if is_linear(g, n) and (kind_of(roles, module_of(g, n)) in _STARTS
+                                                          or _raw_column(g, n, roles))}
     flow = propagate(g, active)
     order = lambda graph: sorted(graph.nodes, key=lambda n: graph.nodes[n]["order"])  # noqa: E731
     # Copies may vanish at per-rank shapes (``contiguous`` of a tensor with one head is a no-op).
@@ -283,3 +288,12 @@ def _broadcast_to_heads(g: nx.DiGraph, name: str, shape, local_shape, tp: int) -
 
 # Roles whose Linear starts a shard in the module re-traced alone.
 _STARTS = frozenset({"column", "packed_column", "head"})
+
+
+def _raw_column(g: nx.DiGraph, name: str, roles: dict[str, Role]) -> bool:
+    """Whether ``name`` multiplies by a raw parameter its module's ``linear_params`` role shards as a column."""
+    from autotp.synth.analysis import linear_weight, raw_weight
+
+    role = roles.get(g.nodes[name]["module"])
+    return role is not None and role.kind == "linear_params" and raw_weight(g, name) \
+        and g.nodes[linear_weight(g, name)]["param"].rpartition(".")[2] in role.columns

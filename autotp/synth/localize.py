@@ -28,17 +28,18 @@ import networkx as nx
 import torch
 from torch import nn
 
-from autotp.synth.analysis import Flow, Shard
+from autotp.synth.analysis import Flow, Shard, module_of
 from autotp.synth.graph import Ref, common_module
 from autotp.synth.local_run import FIXED_SIZE_CUTS, capture_inputs, run_local, shapes_are_local, trace_local
 from autotp.synth.ops import VIEW_LIKE
 from autotp.synth.roles import Role
-from autotp.synth.trace import collapsed
+from autotp.synth.trace import LayerGroups, collapsed
 
 log = logging.getLogger(__name__)
 
-# How many candidate attributes one module may need divided together (Phi3 needs 2).
-MAX_NAMES = 3
+# How many candidate attributes one module may need divided together (Phi3 needs 2; a packed
+# projection whose part is cut again, into heads and groups, needs 4: both widths and both counts).
+MAX_NAMES = 4
 
 
 @dataclass
@@ -54,8 +55,8 @@ def inner_roles(roles: dict[str, Role], fqn: str) -> dict[str, Role]:
     that change a shape when it runs alone at per-rank widths."""
     prefix = fqn + "." if fqn else ""
     found = {m[len(prefix):]: r for m, r in roles.items() if m.startswith(prefix) and r.kind != "replicate"}
-    if fqn in roles and roles[fqn].kind == "head_params":
-        found[""] = roles[fqn]  # its per-head parameters are per-rank too
+    if fqn in roles and roles[fqn].kind in ("head_params", "linear_params"):
+        found[""] = roles[fqn]  # its per-head parameters (or raw Linear weights) are per-rank too
     return found
 
 
@@ -104,16 +105,16 @@ def candidate_names(module: nn.Module, values: set[int]) -> list[str]:
     """
     names = []
     for name, value in vars(module).items():
-        if _is_count(value) and value in values:
+        if is_count(value) and value in values:
             names.append(name)
         elif _plain_object(value):
             for sub, inner in vars(value).items():
-                if _is_count(inner) and inner in values:
+                if is_count(inner) and inner in values:
                     names.append(f"{name}.{sub}")
     return sorted(names, key=lambda n: (n.count("."), n))
 
 
-def _is_count(value) -> bool:
+def is_count(value) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
@@ -151,7 +152,9 @@ def find_names(module: nn.Module, inputs, roles: dict[str, Role], fused: dict[st
     reference = run_local(module, inputs, roles, names_of, (), 1)
     if reference is None:
         return None
-    expected = {i: local_ranges(fused[n], tp) for i, n in enumerate(names_of)}
+    # Each global cut at its per-rank place: every part is divided by tp, so every cut point is.
+    # (A part cut again is cut on another tensor; the shape proof below checks those cuts.)
+    expected = {i: {(start // tp, end // tp) for start, end in cuts} for i, cuts in reference[1].items()}
     traced = None
     for count in range(min(MAX_NAMES, len(candidates)) + 1):
         for names in itertools.combinations(candidates, count):
@@ -170,7 +173,7 @@ def find_names(module: nn.Module, inputs, roles: dict[str, Role], fused: dict[st
     return None
 
 def localize(model: nn.Module, example_inputs, g: nx.DiGraph, flow: Flow, roles: dict[str, Role],
-             tp: int) -> Localization:
+             tp: int, groups: LayerGroups | None = None) -> Localization:
     """For every fused Linear cut with fixed sizes: the attributes to divide, or why it cannot be.
 
     Args:
@@ -178,21 +181,19 @@ def localize(model: nn.Module, example_inputs, g: nx.DiGraph, flow: Flow, roles:
         example_inputs: as given to ``synthesize``.
         g, flow, roles: the converged analysis.
         tp: the tp size to check the cuts at (any size that divides the parts behaves alike).
+        groups: the layer groups of the trace: modules are run on the model collapsed the same way.
     Returns:
         A :class:`Localization`.
     """
-    from autotp.synth.assign import _owner
-
     result = Localization()
     by_module: dict[str, list[str]] = {}
     for root, nodes in fixed_size_roots(g, flow).items():
         by_module.setdefault(cutting_module(g, root, nodes), []).append(root)
-    groups = g.graph.get("layer_groups")
     captured = capture_inputs(model, example_inputs, {m for m in by_module if m}, groups) if by_module else {}
     for fqn, roots in by_module.items():
         prefix = fqn + "." if fqn else ""
         inner = inner_roles(roles, fqn)
-        fused = {_owner(g, r)[len(prefix):]: roles[_owner(g, r)].sizes for r in roots}
+        fused = {module_of(g, r)[len(prefix):]: roles[module_of(g, r)].sizes for r in roots}
         values = set().union(*(part_numbers(g, flow, r) for r in roots))
         with collapsed(model, groups):
             module = model.get_submodule(fqn)
@@ -203,14 +204,18 @@ def localize(model: nn.Module, example_inputs, g: nx.DiGraph, flow: Flow, roles:
         if names is None:
             tried = ", ".join(candidates) or "none found"
             for root in roots:
+                # A part split into fewer heads or groups than ranks (Mamba2's B/C with one group)
+                # has no per-rank cut: say so rather than blame the attributes.
+                narrow = flow.extent.get(root, 0) % tp and f"; its shard reaches a dim of only " \
+                    f"{flow.extent[root]} (heads or groups), which tp={tp} does not divide"
                 result.unlocal[root] = (
                     f"its output is cut with fixed sizes {sorted(set(flow.splits[root]))} in "
                     f"{fqn or 'the root'}, and no integer attributes there (tried: {tried}) divided by tp "
-                    "make the cuts per-rank (sizes from x.size() or constants?); kept whole")
+                    f"make the cuts per-rank (sizes from x.size() or constants?){narrow or ''}; kept whole")
         elif names:
             result.counts[fqn] = names
         log.info("localize %s: %s", fqn, names)
     from autotp.synth.shape_proof import localize_shapes
 
-    localize_shapes(model, example_inputs, g, flow, roles, tp, result)
+    localize_shapes(model, example_inputs, g, flow, roles, tp, result, groups)
     return result

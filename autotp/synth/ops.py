@@ -5,6 +5,9 @@ input. It returns :class:`Out` (the output is sharded on ``dim``), :class:`Parts
 one state per element), ``None`` (the output is a replicated statistic), :class:`Split` (the
 sharded dimension is cut into parts: a fused projection) or :class:`Break` (the op needs the whole
 dimension on one rank).
+
+Long because it is the shard algebra: one rule per op family, kept in one table so that
+every op the analysis knows (and every one it refuses) is read in one place.
 """
 
 from __future__ import annotations
@@ -33,6 +36,11 @@ ELEMENTWISE = frozenset({
     "relu6", "hardswish", "hardsigmoid", "selu", "celu", "logit", "sgn", "trunc", "nan_to_num",
     # ``dst.copy_(src)`` writes src into dst element by element (a slice of a fresh ``new_empty``).
     "copy_", "copy",
+    # In place, the same values as out of place: ``x *= scale`` (the caller reading x after it is
+    # the graph's next user of this node, so the shard follows as for ``mul``).
+    "add_", "sub_", "mul_", "div_", "neg_", "clamp_", "masked_fill_",
+    # Aliases export keeps under their own names.
+    "multiply", "divide", "subtract", "negative",
 })
 
 # A fresh tensor shaped like its input (``x.new_empty(*x.shape[:-1], n)``): no values flow, but
@@ -65,6 +73,17 @@ ATTENTION = frozenset({
 
 # Batched matmuls: leading (batch) dims are independent, the last two take part in the product.
 MATMULS = frozenset({"matmul", "bmm"})
+
+# Convolutions -> position of their ``groups`` argument. A depthwise convolution (``groups`` equal
+# to the input channels) makes output channel c from input channel c // multiplier alone, so a
+# contiguous block of channels, with the matching rows of the weight and bias, is computed locally.
+CONVOLUTIONS = {"conv1d": 6, "conv2d": 6, "conv3d": 6, "convolution": 8}
+
+# Pads: the pad widths come in (before, after) pairs from the last dim backwards.
+PADS = frozenset({"pad", "constant_pad_nd"})
+
+# Triangular masks of the last two dims (a causal (time, time) decay matrix): other dims untouched.
+TRIANGULAR = frozenset({"tril", "triu"})
 
 # Ops that consume a tensor without producing one the analysis follows.
 SINKS = frozenset({"_assert_tensor_metadata", "sym_size", "sym_numel", "_assert_scalar"})
@@ -100,6 +119,10 @@ class Break:
 
     reason: str
     reduction: bool = False
+    # When given, only these candidates are dropped, and the others go on as ``then`` this round
+    # (which is rerun without the dropped ones, so ``then`` only keeps them from breaking further on).
+    only: frozenset = frozenset()
+    then: Out | None = None
 
 
 def _arg(g: nx.DiGraph, name: str, index: int, key: str, default=None):
@@ -153,17 +176,32 @@ def view_dim(in_shape: tuple, out_shape: tuple, dim: int, *, unit_heads: bool = 
 
 
 def _view(g, name, dims, ctx):
-    (src, dim), = dims.items()
+    args = g.nodes[name]["args"]
+    like = args[1] if g.nodes[name]["op"] in ("view_as", "reshape_as") and len(args) > 1 else None
+    src = args[0].name if isinstance(args[0], Ref) else None
+    if src not in dims:  # ``x.view_as(y)`` with only y sharded: the whole x cannot take y's local shape
+        return Break(f"{g.nodes[name]['op']} shapes a replicated tensor like a sharded one")
+    dim = dims[src]
     in_shape, out_shape = g.nodes[src]["shape"], g.nodes[name]["shape"]
     e = view_dim(in_shape, out_shape, dim, unit_heads=ctx.unit_heads_of(src))
     if e is None:
         return Break(f"{g.nodes[name]['op']} {in_shape} -> {out_shape} interleaves sharded dim {dim}")
+    if isinstance(like, Ref) and dims.get(like.name, e) != e:
+        # The per-rank shape is the local shape of ``like``: it must be cut where x's shard lands.
+        return Break(f"{g.nodes[name]['op']} takes the shape of a tensor sharded on dim {dims[like.name]}, "
+                     f"not on dim {e}")
+    if isinstance(like, Ref) and like.name not in dims:
+        return Break(f"{g.nodes[name]['op']} takes the full shape of a replicated tensor")
     return Out(e, intact=out_shape[e] == in_shape[dim] and ctx.intact(src))
 
 
 def _passthrough(g, name, dims, ctx):
-    src, dim = next(iter(dims.items()))
-    return Out(dim, intact=ctx.intact(src))
+    """The first argument's values in its layout. A second tensor argument (``type_as``'s dtype
+    reference) lends only its dtype: sharded alone, it leaves the output unsharded."""
+    source = g.nodes[name]["args"][0]
+    if not isinstance(source, Ref) or source.name not in dims:
+        return None
+    return Out(dims[source.name], intact=ctx.intact(source.name))
 
 
 def _broadcast_ok(g, name, other, out_dim, out_ndim, ctx) -> bool:
@@ -208,7 +246,8 @@ def _elementwise(g, name, dims, ctx):
     out_dim = next(iter(aligned.values()))
     data = g.nodes[name]
     for ref in _tensor_refs(data):
-        if ref.name not in dims and not _broadcast_ok(g, name, ref.name, out_dim, out_ndim, ctx):
+        if ref.name not in dims and not _broadcast_ok(g, name, ref.name, out_dim, out_ndim, ctx) \
+                and not ctx.gives_way(ref.name, name):
             return Break(f"{data['op']} combines the sharded dim {out_dim} with the full-size tensor "
                          f"{ref.name} {g.nodes[ref.name]['shape']}")
     intact = all(ctx.intact(src) for src in dims) and g.nodes[name]["shape"][out_dim] == g.nodes[next(iter(dims))]["shape"][dims[next(iter(dims))]]
@@ -224,19 +263,31 @@ def _tensor_refs(data):
 
 
 def _reduction(g, name, dims, ctx):
-    src, dim = next(iter(dims.items()))
     op = g.nodes[name]["op"]
     position, keeps_shape = REDUCTIONS[op]
-    ndim = _ndim(g, src)
     reduced = _arg(g, name, position, "dim")
+    if isinstance(reduced, Ref) or len(dims) > 1:
+        # ``torch.min(x, other)``: the elementwise form, a tensor where the dim would be.
+        return _elementwise(g, name, dims, ctx) if op in ("max", "min") else \
+            Break(f"{op} of several sharded tensors")
+    src, dim = next(iter(dims.items()))
+    ndim = _ndim(g, src)
     if reduced is None or (isinstance(reduced, (list, tuple)) and len(reduced) == 0):
         reduced = list(range(ndim))
     reduced = {_norm(r, ndim) for r in (reduced if isinstance(reduced, (list, tuple)) else [reduced])}
     if dim in reduced:
         return Break(f"{op} reduces over the sharded dim {dim}", reduction=True)
-    if keeps_shape or _ndim(g, name) == ndim:
-        return Out(dim)
-    return Out(dim - sum(1 for r in reduced if r < dim))
+    shape = g.nodes[name]["shape"]
+    kept = keeps_shape or (len(shape) == ndim if shape is not None else _arg(g, name, position + 1, "keepdim", False))
+    out = Out(dim if kept else dim - sum(1 for r in reduced if r < dim))
+    if g.nodes[name]["shape"] is None and op in _TUPLE_REDUCTIONS:
+        # ``x.max(dim)`` -> (values, indices), ``var_mean`` -> (var, mean): both reduced alike.
+        return Parts((out, out))
+    return out
+
+
+# Reductions that return two tensors of the reduced shape when given a dim.
+_TUPLE_REDUCTIONS = frozenset({"max", "min", "var_mean"})
 
 
 def _fused_norm(g, name, dims, ctx):
@@ -308,9 +359,24 @@ def _slice(g, name, dims, ctx):
     start = args[2] if len(args) > 2 and args[2] is not None else 0
     end = min(args[3] if len(args) > 3 and args[3] is not None else size, size)
     step = args[4] if len(args) > 4 else 1
-    if step != 1 or not ctx.intact(src):
+    if step != 1:
+        return _strided_slice(g, name, src, dim, start, end, step, ctx)
+    if ctx.span(src) is None:  # cut points are features of the Linear's output (or a part of it)
         return Break(f"slice of the sharded dim {dim} [{start}:{end}:{step}]")
     return Split(dim, ((_norm(start, size) if start < 0 else start, end),), tuple_output=False)
+
+
+def _strided_slice(g, name, src, dim, start, end, step, ctx):
+    """``h[..., k::s]`` of a whole Linear output (k < s, to the end): part k of features interleaved
+    one by one (a gate/up fused feature by feature). Rank r holds the contiguous block r of ``h``;
+    when that block's width is a multiple of s (the divisibility check asks that the output's
+    size, size / s, splits over tp), its local ``[k::s]`` is exactly block r of the part, so the
+    part stays sharded on the same dim (features no longer a range of the Linear's output)."""
+    size = g.nodes[src]["shape"][dim]
+    if not ctx.intact(src) or not 0 <= start < step or end < size or size % step:
+        return Break(f"slice of the sharded dim {dim} [{start}:{end}:{step}] is not one of {step} "
+                     f"interleaved parts of a whole Linear output")
+    return Out(dim)
 
 
 def _split_parts(g, name, dims, ctx, sizes, at):
@@ -318,7 +384,7 @@ def _split_parts(g, name, dims, ctx, sizes, at):
     at = _norm(at, _ndim(g, src))
     if at != dim:
         return Parts(tuple(Out(dim) for _ in sizes))
-    if not ctx.intact(src):
+    if ctx.span(src) is None:  # a part cut again: its cuts are placed in the Linear's output
         return Break(f"split of the sharded dim {dim} into {list(sizes)}")
     starts = [sum(sizes[:i]) for i in range(len(sizes))]
     return Split(dim, tuple((s, s + n) for s, n in zip(starts, sizes)), tuple_output=True)
@@ -359,15 +425,43 @@ def _cat(g, name, dims, ctx):
     ndim = _ndim(g, name)
     at = _norm(data["args"][1] if len(data["args"]) > 1 else 0, ndim)
     if len(set(dims.values())) > 1:
-        return Break("cat of tensors sharded on different dims")
+        return _cat_conflict(dims, ctx)
     dim = next(iter(dims.values()))
     if at == dim:
         return Break(f"cat along the sharded dim {dim}")
     for ref in tensors:
-        # A replicated piece (a per-head sink logit) joins only if it can be sharded the same way.
+        # A replicated piece joins only if it can be sharded the same way (a per-head sink logit)
+        # or is the same for every index of the dim (a rope part shared by all heads, expanded).
         if isinstance(ref, Ref) and ref.name not in dims and not ctx.shard_param(ref.name, dim):
-            return Break(f"cat joins sharded and replicated tensors along dim {at}")
+            if not _broadcast_of(g, ref.name, dim):
+                return Break(f"cat joins sharded and replicated tensors along dim {at}")
+            if _from_params(g, ref.name):
+                # Each rank would hold the gradient of its own heads only: a partial sum no style reduces.
+                return Break(f"cat joins the sharded dim {dim} with a replicated tensor expanded along it "
+                             f"whose gradient would stay a per-rank partial sum")
     return Out(dim)
+
+
+def _from_params(g, name) -> bool:
+    """Whether ``name`` is computed from a parameter (its gradient flows back to one)."""
+    return any(g.nodes[a].get("kind") == "param" for a in nx.ancestors(g, name))
+
+
+def _cat_conflict(dims, ctx):
+    """Pieces sharded on different dims (per-head q and a shared rope part sharded on its width):
+    the candidates of the pieces on the dim holding the most weights go on, the others are dropped
+    (whole, they are replicated pieces the next round reads again); all when that is a tie."""
+    by_dim: dict[int, frozenset] = {}
+    for src, dim in dims.items():
+        by_dim[dim] = by_dim.get(dim, frozenset()) | ctx.state[src].origins
+    weights = {dim: ctx.weight_of(origins) for dim, origins in by_dim.items()}
+    best = max(weights.values())
+    keep = [dim for dim, w in weights.items() if w == best]
+    others = frozenset().union(*(o for dim, o in by_dim.items() if dim not in keep))
+    if len(keep) > 1 or others & by_dim[keep[0]]:
+        return Break("cat of tensors sharded on different dims")
+    return Break(f"cat of tensors sharded on different dims {sorted(by_dim)}: the pieces on dim "
+                 f"{keep[0]} hold more weights", only=others, then=Out(keep[0]))
 
 
 def _stack(g, name, dims, ctx):
@@ -391,6 +485,12 @@ def _attention(g, name, dims, ctx):
     mask = _arg(g, name, 3, "attn_mask")
     if isinstance(mask, Ref) and mask.name in dims:
         return Break("attention mask is sharded")
+    if isinstance(mask, Ref) and g.nodes[mask.name]["shape"]:
+        shape = g.nodes[mask.name]["shape"]
+        at = dim - (ndim - len(shape))  # the mask broadcasts from the end
+        if at >= 0 and shape[at] != 1:
+            return Break(f"attention mask holds all {shape[at]} heads of the sharded dim {dim} (a per-head bias "
+                         "made outside the sharded region)")
     return Out(dim)
 
 
@@ -435,6 +535,54 @@ def _einsum(g, name, dims, ctx):
     return Out(output.index(letter))
 
 
+def _conv(g, name, dims, ctx):
+    """A convolution over a channel-sharded input (dim 1) keeps the shard when it is depthwise; its
+    weight and bias (output channels on dim 0) are sharded with it."""
+    data = g.nodes[name]
+    op, x = data["op"], data["args"][0]
+    weight, bias = _arg(g, name, 1, "weight"), _arg(g, name, 2, "bias")
+    if not isinstance(x, Ref) or set(dims) != {x.name}:
+        return Break(f"{op} with a sharded weight or bias")
+    if dims[x.name] != 1 or _ndim(g, x.name) < 3:
+        return Break(f"{op} over the sharded dim {dims[x.name]}, which is not the channel dim of a batched input")
+    channels, groups = g.nodes[x.name]["shape"][1], _arg(g, name, CONVOLUTIONS[op], "groups", 1)
+    if op == "convolution" and _arg(g, name, 6, "transposed", False):
+        return Break(f"{op} is transposed")
+    if groups != channels:
+        return Break(f"{op} mixes the channels of the sharded dim 1 (groups={groups} for {channels} channels)")
+    if not isinstance(weight, Ref) or not ctx.shard_param(weight.name, 0):
+        return Break(f"{op}'s weight cannot be sharded with its channels (not a parameter read only here)")
+    if isinstance(bias, Ref) and not ctx.shard_param(bias.name, 0):
+        return Break(f"{op}'s bias cannot be sharded with its channels (not a parameter read only here)")
+    return Out(1)
+
+
+def _repeat_interleave(g, name, dims, ctx):
+    """``x.repeat_interleave(r, dim)`` with a fixed count: a block of rows [a, b) becomes the block
+    [a r, b r), so a shard of that dim stays one (groups repeated to their heads)."""
+    (src, dim), = dims.items()
+    repeats, at = _arg(g, name, 1, "repeats"), _arg(g, name, 2, "dim")
+    if not isinstance(repeats, int) or at is None:
+        return Break("repeat_interleave by per-index counts or over the flattened tensor")
+    return Out(dim)
+
+
+def _triangular(g, name, dims, ctx):
+    (src, dim), = dims.items()
+    if dim >= _ndim(g, src) - 2:
+        return Break(f"{g.nodes[name]['op']} masks the sharded dim {dim} against another")
+    return Out(dim, intact=ctx.intact(src))
+
+
+def _pad(g, name, dims, ctx):
+    """A pad of other dims (a time axis, a chunk remainder) keeps the shard where it is."""
+    (src, dim), = dims.items()
+    widths, ndim = _arg(g, name, 1, "pad"), _ndim(g, src)
+    if any(w != 0 and ndim - 1 - i // 2 == dim for i, w in enumerate(widths)):
+        return Break(f"{g.nodes[name]['op']} widens the sharded dim {dim}")
+    return Out(dim, intact=ctx.intact(src))
+
+
 RULES = {
     **{op: _passthrough for op in PASSTHROUGH},
     **{op: _elementwise for op in ELEMENTWISE},
@@ -444,6 +592,10 @@ RULES = {
     **{op: _attention for op in ATTENTION},
     **{op: _matmul for op in MATMULS},
     **{op: _new_like for op in NEW_LIKE},
+    **{op: _conv for op in CONVOLUTIONS},
+    **{op: _pad for op in PADS},
+    **{op: _triangular for op in TRIANGULAR},
+    "repeat_interleave": _repeat_interleave,
     "transpose": _transpose, "t": _transpose, "permute": _permute, "unsqueeze": _unsqueeze,
     "squeeze": _squeeze, "expand": _expand, "repeat": _repeat, "select": _select, "slice": _slice,
     "split": _split, "split_with_sizes": _split, "chunk": _chunk, "unbind": _unbind,

@@ -20,12 +20,17 @@ import math
 
 import networkx as nx
 
-from autotp.synth.graph import Ref, refs
-from autotp.synth.ops import ELEMENTWISE, PASSTHROUGH, VIEW_LIKE
+from autotp.synth.graph import Ref, common_module, refs
+from autotp.synth.ops import ELEMENTWISE, PASSTHROUGH, SINKS, VIEW_LIKE
 from autotp.synth.roles import Role
 
 # One-tensor ops through which a parameter's dims can be followed back from a consumer.
-_SINGLE_INPUT = PASSTHROUGH | VIEW_LIKE | ELEMENTWISE | {"unsqueeze", "expand", "transpose", "permute", "t"}
+_SINGLE_INPUT = PASSTHROUGH | VIEW_LIKE | ELEMENTWISE | {"unsqueeze", "squeeze", "expand", "transpose", "permute", "t"}
+
+
+def readers(g: nx.DiGraph, name: str) -> int:
+    """How many nodes read ``name``'s value (metadata asserts of the trace do not count)."""
+    return sum(1 for succ in g.successors(name) if g.nodes[succ]["op"] not in SINKS)
 
 
 def _source_dim(g: nx.DiGraph, name: str, dim: int) -> int | None:
@@ -52,6 +57,13 @@ def _source_dim(g: nx.DiGraph, name: str, dim: int) -> int | None:
     if op == "unsqueeze":
         at = data["args"][1] % len(out_shape)
         return None if at == dim else dim - (at < dim)
+    if op == "squeeze":
+        # The dims of the input that are not squeezed away, in order (``w.squeeze(1)`` of a
+        # depthwise conv weight (c, 1, k)).
+        at = data["args"][1] if len(data["args"]) > 1 else list(range(len(in_shape)))
+        at = {a % len(in_shape) for a in (at if isinstance(at, (list, tuple)) else [at])}
+        kept = [d for d in range(len(in_shape)) if not (d in at and in_shape[d] == 1)]
+        return kept[dim] if len(kept) == len(out_shape) else None
     if op in ("transpose", "t"):
         a, b = (x % len(out_shape) for x in data["args"][1:3]) if len(data["args"]) > 2 else (0, 1)
         return b if dim == a else a if dim == b else dim
@@ -63,6 +75,14 @@ def _source_dim(g: nx.DiGraph, name: str, dim: int) -> int | None:
     return source_dim
 
 
+def _value_refs(data) -> list[Ref]:
+    """The inputs whose values an op reads: ``type_as(x, other)`` reads ``x`` and only the dtype of
+    ``other`` (a norm's ``weight.type_as(hidden)``)."""
+    if data["op"] == "type_as":
+        return [data["args"][0]] if isinstance(data["args"][0], Ref) else []
+    return refs(data["args"], data["kwargs"])
+
+
 def param_dim(g: nx.DiGraph, name: str, dim: int) -> tuple[str, int] | None:
     """``(parameter placeholder, its dim)`` that dim ``dim`` of node ``name`` is, if ``name`` is a
     chain of one-tensor ops on a parameter used nowhere else; else None.
@@ -72,17 +92,17 @@ def param_dim(g: nx.DiGraph, name: str, dim: int) -> tuple[str, int] | None:
     """
     while g.nodes[name]["kind"] == "call":
         data = g.nodes[name]
-        inputs = refs(data["args"], data["kwargs"])
+        inputs = _value_refs(data)
         if data["op"] not in _SINGLE_INPUT or len(inputs) != 1 or not isinstance(data["args"][0], Ref):
             return None
         source = inputs[0].name
-        if g.out_degree(source) != 1:
+        if readers(g, source) != 1:
             return None
         dim = _source_dim(g, name, dim)
         if dim is None:
             return None
         name = source
-    if g.nodes[name]["kind"] != "param" or g.out_degree(name) != 1:
+    if g.nodes[name]["kind"] not in ("param", "buffer") or readers(g, name) != 1:
         return None
     return name, dim
 
@@ -95,10 +115,10 @@ def chain_dims(g: nx.DiGraph, param_shards: dict[str, int]) -> dict[str, int]:
     """
     found = {}
     for node, dim in param_shards.items():
-        while g.out_degree(node) == 1:
-            succ = next(iter(g.successors(node)))
+        while readers(g, node) == 1:
+            succ = next(s for s in g.successors(node) if g.nodes[s]["op"] not in SINKS)
             data = g.nodes[succ]
-            if data["op"] not in _SINGLE_INPUT or len(refs(data["args"], data["kwargs"])) != 1 or not data["shape"]:
+            if data["op"] not in _SINGLE_INPUT or len(_value_refs(data)) != 1 or not data["shape"]:
                 break
             dims = [d for d in range(len(data["shape"])) if _source_dim(g, succ, d) == dim]
             if len(dims) != 1:
@@ -106,6 +126,22 @@ def chain_dims(g: nx.DiGraph, param_shards: dict[str, int]) -> dict[str, int]:
             node, dim = succ, dims[0]
             found[node] = dim
     return found
+
+
+def reading_module(g: nx.DiGraph, param: str) -> tuple[str, str]:
+    """``(module, name relative to it)`` of the module whose forward reads placeholder ``param``.
+
+    Usually its owner. A child's parameter read in its parent's own code (``F.conv1d(x,
+    self.conv1d.weight)``, the child's forward never called) belongs to the innermost module
+    around every read: a style's forward hooks must run there to hand it over as a local tensor.
+    """
+    fqn = g.nodes[param]["param"]
+    owner, _, name = fqn.rpartition(".")
+    stacks = [g.nodes[s]["stack"] for s in g.successors(param) if g.nodes[s]["op"] not in SINKS]
+    if not stacks or all(owner in stack for stack in stacks) or not owner:
+        return owner, name
+    module = common_module(stacks)
+    return module, fqn[len(module) + 1:] if module else fqn
 
 
 def _meets_shard(g: nx.DiGraph, flow, param: str, module: str) -> bool:
@@ -142,25 +178,37 @@ def param_roles(g: nx.DiGraph, flow, roles: dict[str, Role]) -> dict[str, Role]:
     """
     linear_params = {r.name for n, d in g.nodes(data=True) if d["op"] in ("linear", "embedding")
                      for r in refs(d["args"])}
+    from autotp.synth.analysis import packed_params
+
     sharded: dict[str, dict[str, int]] = {}
     reduced: dict[str, list[str]] = {}
+    packed, packings = packed_params(flow), {}
     for name, data in sorted(g.nodes(data=True), key=lambda item: item[1]["order"]):
-        if data["kind"] != "param" or name in linear_params:
+        if data["kind"] not in ("param", "buffer") or name in linear_params:
+            continue
+        if data["kind"] == "buffer" and name not in flow.param_shards:
+            continue  # a buffer has no gradient: only one sharded with the heads concerns us
+        if name in flow.param_shards:  # read once: by the module whose code reads it
+            module, pname = reading_module(g, name)
+            sharded.setdefault(module, {})[pname] = flow.param_shards[name]
+            if name in packed:
+                packings.setdefault(module, {})[pname] = packed[name]
             continue
         module, _, pname = data["param"].rpartition(".")
-        if name in flow.param_shards:
-            sharded.setdefault(module, {})[pname] = flow.param_shards[name]
-        elif _meets_shard(g, flow, name, module):
+        if _meets_shard(g, flow, name, module):
             reduced.setdefault(module, []).append(pname)
     out = {}
     for module in sorted(set(sharded) | set(reduced)):
         current = roles.get(module)
         if current is not None and module not in sharded and current.kind != "replicate":
             continue  # a norm style (or a Linear's) already covers it
+        if current is not None and current.kind == "width_norm":
+            continue  # its style shards the weight with the width and all-reduces the statistic
         dims = tuple(sorted(sharded.get(module, {}).items()))
         grads = tuple(reduced.get(module, ()))
         parts = [f"{', '.join(n for n, _ in dims)} sharded with the heads" if dims else "",
                  f"{', '.join(grads)} replicated, gradient all-reduced" if grads else ""]
         out[module] = Role("head_params", "its own parameters meet a sharded activation: "
-                           + "; ".join(p for p in parts if p), (module,), param_dims=dims, grad_reduced=grads)
+                           + "; ".join(p for p in parts if p), (module,), param_dims=dims, grad_reduced=grads,
+                           param_packed=tuple(sorted(packings.get(module, {}).items())))
     return out

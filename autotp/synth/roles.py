@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from enum import StrEnum
 
 # Role kinds and what each means; ``build.style_for`` turns them into ParallelStyles.
 ROLE_KINDS = {
@@ -24,12 +25,21 @@ ROLE_KINDS = {
     "shard_counts": "module whose integer attributes size the cuts of a fused output; divided by tp",
     "seq_params": "module holding sharded children whose own parameters act on the sequence-sharded stream",
     "head_params": "module whose own parameters meet a sharded activation: sharded with it, or gradient all-reduced",
+    "linear_params": "module whose code uses its raw parameters as column / row Linear weights: sharded like them",
     "shared_input": "module whose output only column Linears read: a Replicate() DTensor, gradient reduced once",
     "whole_module": "module kept whole that reads a shared input's DTensor: runs on its local value",
+    "shared_entry": "module whose column Linears read one tensor from outside it: they share one Replicate() "
+                    "DTensor of it, gradient reduced once",
+    "router": "module kept whole that routes tokens to grouped experts: its backward runs on their partial "
+              "gradient, so the block input's gradient is reduced once",
     "stream_block": "parallel block run on a Replicate() DTensor stream: its branches reduced once together",
     "stream_params": "module on a stream block's DTensor stream: its parameters are replicated DTensors",
     "replicate": "kept whole on every rank",
 }
+
+# The kinds as an enum: a ``str`` (``Kind.COLUMN == "column"``), checked when a Role is made, so an
+# unknown kind fails where it is written rather than where a style is built for it.
+Kind = StrEnum("Kind", {kind.upper(): kind for kind in ROLE_KINDS})
 
 
 @dataclass(frozen=True)
@@ -50,8 +60,10 @@ class Role:
         param_dims: of ``experts`` and ``head_params``, (parameter name, sharded dim) pairs.
         grad_reduced: of ``head_params``, parameters kept whole whose gradient is all-reduced.
         param_parts: of ``experts``, (parameter name, number of fused parts) pairs.
+        param_packed: of ``head_params``, (parameter name, part widths along its sharded dim) pairs:
+            parameters sharded with a packed Linear's parts, each rank holding its share of each.
         names: of ``shard_counts``, the attribute paths divided by tp; of ``kv_head_counts``, the
-            grouped-query ratio attribute.
+            grouped-query ratio attribute; of ``shared_entry``, the column Linears (relative names).
         kv_heads, head_dim: of ``kv_column``, its kv heads and head size.
         heads: of ``kv_head_counts``, the query heads of the attention.
         owned_output: the calling code modifies the output in place, so the style returns a copy
@@ -61,6 +73,10 @@ class Role:
             reduce-scattered once.
         partial_output: of a ``row``, its output stays ``Partial()``: a parallel block adds it to
             another row's before one reduction.
+        partial_grad_inputs: of ``experts``, the block input arrives as a ``Replicate()`` DTensor and
+            the routing weights from a ``router``: their gradients are left partial sums, reduced
+            once with the block input's.
+        columns, rows: of ``linear_params``, the raw parameters used as column / row Linear weights.
         weight_in_out: of a Linear-like role, the weight is stored ``(in, out)`` (transformers'
             ``Conv1D``), so its sharded dims are swapped.
     """
@@ -75,6 +91,7 @@ class Role:
     seq_join: bool = False
     param_dims: tuple[tuple[str, int], ...] = ()
     param_parts: tuple[tuple[str, int], ...] = ()
+    param_packed: tuple[tuple[str, tuple[int, ...]], ...] = ()
     grad_reduced: tuple[str, ...] = ()
     names: tuple[str, ...] = ()
     kv_heads: int = 0
@@ -84,3 +101,17 @@ class Role:
     weight_in_out: bool = False
     dtensor_output: bool = False
     partial_output: bool = False
+    partial_grad_inputs: bool = False
+    columns: tuple[str, ...] = ()
+    rows: tuple[str, ...] = ()
+
+    def __post_init__(self):
+        if self.kind not in ROLE_KINDS:
+            raise ValueError(f"unknown role kind {self.kind!r}; one of {', '.join(ROLE_KINDS)}")
+        object.__setattr__(self, "kind", Kind(self.kind))
+
+
+def kind_of(roles: dict[str, Role], module: str) -> Kind | None:
+    """The kind of ``module``'s role, None if it has none."""
+    role = roles.get(module)
+    return role.kind if role is not None else None

@@ -3,6 +3,9 @@
 Between blocks the residual stream is replicated under plain TP; under sequence parallel it stays a
 DTensor sharded on dim 1. It starts at the embeddings and at every row Linear (which reduce-scatter
 instead of all-reduce) and flows through pointwise ops and norms until a Linear reads it.
+
+Long because sequence parallelism touches every boundary of the stream (norms, rotary, rows,
+the head, MoE blocks, modules kept whole): one pass, each boundary a function.
 """
 
 from __future__ import annotations
@@ -11,11 +14,11 @@ from dataclasses import replace
 
 import networkx as nx
 
-from autotp.synth.analysis import Flow, Shard, is_linear, param_source
+from autotp.synth.analysis import Flow, Shard, is_linear, module_of, param_source
 from autotp.synth.assign import reads_model_input
-from autotp.synth.graph import common_module, refs
+from autotp.synth.graph import common_module, param_modules, refs
 from autotp.synth.ops import ATTENTION, ELEMENTWISE, MATMULS, PASSTHROUGH
-from autotp.synth.roles import Role
+from autotp.synth.roles import Role, kind_of
 
 # Linear roles that take a replicated input and can share one all-gather before them.
 _GATHERING = frozenset({"column", "packed_column", "kv_column"})
@@ -112,10 +115,12 @@ def module_outputs(g: nx.DiGraph, module: str) -> tuple[list[str], list[str]]:
     return outputs, readers
 
 
-def _owner(g, name):
-    from autotp.synth.assign import _owner as owner
+def is_raw_row(g: nx.DiGraph, name: str, role: Role) -> bool:
+    """Whether Linear node ``name`` multiplies by a raw parameter its module's role shards as a row."""
+    from autotp.synth.analysis import linear_weight
 
-    return owner(g, name)
+    return g.nodes[linear_weight(g, name)]["param"].rpartition(".")[2] in role.rows
+
 
 
 def expert_blocks(roles: dict[str, Role], groups=None) -> set[str]:
@@ -145,14 +150,39 @@ def expert_blocks(roles: dict[str, Role], groups=None) -> set[str]:
     return found
 
 
+# Ops by which a module picks rows of a tensor by computed ids (routed tokens: ``x[token_idx]``).
+_DISPATCH = frozenset({"index", "index_select"})
+# Hops from such a pick to the column Linear that reads the rows.
+_DISPATCH_HOPS = 3
+
+
+def dispatch_blocks(g: nx.DiGraph, roles: dict[str, Role]) -> set[str]:
+    """Modules whose own code picks rows by index and hands them to column Linears inside it (a MoE
+    block over a list of expert modules): the pick needs every token, so under sequence parallel
+    the block is gathered whole at entry like a block of grouped experts."""
+    found = set()
+    for name, data in g.nodes(data=True):
+        block = data["module"]
+        if data["kind"] != "call" or data["op"] not in _DISPATCH or not block or block in found:
+            continue
+        frontier = [name]
+        for _ in range(_DISPATCH_HOPS):
+            frontier = [s for n in frontier for s in g.successors(n) if block in g.nodes[s]["stack"]]
+            if any(is_linear(g, s) and kind_of(roles, module_of(g, s)) in _GATHERING and module_of(g, s) != block
+                   for s in frontier):
+                found.add(block)
+                break
+    return found
+
+
 def partial_blocks(g: nx.DiGraph, roles: dict[str, Role], blocks: set[str]) -> set[str]:
     """MoE blocks whose experts' partial sums may leave the block unreduced: nothing inside holds
     parameters but the experts and replicated Linears (the router). A shared expert's output or a
     norm after the combine would meet a partial sum (wrong values, or a gate weight's gradient
     left partial), so such blocks reduce inside instead.
     """
-    owners = {d["param"].rpartition(".")[0] for _, d in g.nodes(data=True) if d["kind"] == "param"}
-    linear_owners = {_owner(g, n) for n in g.nodes if g.nodes[n]["kind"] == "call" and is_linear(g, n)}
+    owners = param_modules(g)
+    linear_owners = {module_of(g, n) for n in g.nodes if g.nodes[n]["kind"] == "call" and is_linear(g, n)}
     simple = set()
     for block in blocks:
         inside = [m for m in owners if m.startswith(block + ".")]
@@ -178,7 +208,7 @@ def replicated_blocks(g: nx.DiGraph, region: set[str], roles: dict[str, Role]) -
     for name in g.nodes:
         if g.nodes[name]["kind"] == "call" and _weight_matmul(g, name):
             for module in g.nodes[name]["stack"][:-1]:
-                linear_modules.setdefault(module, []).append(_owner(g, name))
+                linear_modules.setdefault(module, []).append(module_of(g, name))
     found = {}
     # Modules the stream starts in (the body holding the token embedding) are not entered by it.
     starts = {m for n in region if g.nodes[n]["op"] == "embedding" for m in g.nodes[n]["stack"]}
@@ -213,14 +243,14 @@ def _weight_matmul(g: nx.DiGraph, name: str) -> bool:
     return data["op"] in _MATMUL_OPS and any(param_source(g, r.name) for r in refs(data["args"]))
 
 
-def sequence_norms(g: nx.DiGraph, region: set[str], roles: dict[str, Role]) -> dict[str, Role]:
+def sequence_norms(g: nx.DiGraph, region: set[str], roles: dict[str, Role], groups=None) -> dict[str, Role]:
     """Parametrised modules on the residual stream (norms): gather ones feed only column Linears
     or MoE blocks (whose router and experts both need every token)."""
-    owners = {d["param"].rpartition(".")[0] for _, d in g.nodes(data=True) if d["kind"] == "param"}
+    owners = param_modules(g)
     # A module that multiplies by a weight matrix mixes features: it is a Linear (kept whole, or
     # sharded), never a norm.
     owners -= {d["module"] for _, d in g.nodes(data=True) if d["op"] in _MATMUL_OPS}
-    blocks = expert_blocks(roles, g.graph.get("layer_groups"))
+    blocks = expert_blocks(roles, groups)
     found = {}
     for name in sorted(region, key=lambda n: g.nodes[n]["order"]):
         for module in g.nodes[name]["stack"]:
@@ -240,9 +270,9 @@ def sequence_norms(g: nx.DiGraph, region: set[str], roles: dict[str, Role]) -> d
                 continue
             _, readers = module_outputs(g, module)
             consumers = {"column" if _in_block(g, r, blocks) else
-                         roles.get(_owner(g, r), Role("replicate", "")).kind if is_linear(g, r)
+                         roles.get(module_of(g, r), Role("replicate", "")).kind if is_linear(g, r)
                          else "other" for r in readers}
-            readers_text = ", ".join(sorted({_owner(g, r) for r in readers}))
+            readers_text = ", ".join(sorted({module_of(g, r) for r in readers}))
             if consumers and consumers <= _GATHERING:
                 found[module] = Role("seq_norm_gather", "norm on the sequence-sharded residual stream, read only "
                                      "by column Linears: all-gathered once", ("residual", module, readers_text))
@@ -254,8 +284,8 @@ def sequence_norms(g: nx.DiGraph, region: set[str], roles: dict[str, Role]) -> d
 
 def rotary_modules(g: nx.DiGraph, flow: Flow, roles: dict[str, Role]) -> dict[str, Role]:
     """Parameter-free modules with buffers whose outputs soon meet a sharded tensor (cos/sin tables)."""
-    buffer_owners = {d["param"].rpartition(".")[0] for _, d in g.nodes(data=True) if d["kind"] == "buffer"}
-    param_owners = {d["param"].rpartition(".")[0] for _, d in g.nodes(data=True) if d["kind"] == "param"}
+    buffer_owners = param_modules(g, "buffer")
+    param_owners = param_modules(g)
     found = {}
     for module in sorted(buffer_owners - param_owners - set(roles)):
         if not module or any(p.startswith(module + ".") for p in param_owners):
@@ -313,6 +343,11 @@ def joining_modules(g: nx.DiGraph, flow: Flow, region: set[str], roles: dict[str
             role = roles.get(module, Role("replicate", "runs whole on every rank"))
             if role.kind == "replicate" and not role.seq_output and not role.seq_input:
                 found[module] = replace(role, seq_join=True)
+            elif role.kind == "seq_gather" and not role.seq_output and not any(
+                    m.startswith(module + ".") and r.kind != "replicate" for m, r in roles.items()):
+                # Gathered at entry, it ran on the whole sequence (an MoE block whose experts stay
+                # whole under sharded attention): its output, read as the stream, is sliced back.
+                found[module] = replace(role, seq_output=True)
     return found
 
 
@@ -340,7 +375,7 @@ def shared_gathers(g: nx.DiGraph, region: set[str], roles: dict[str, Role]) -> d
         if gathered & set(g.nodes[name]["stack"]):  # already gathered by its norm
             continue
         readers = [s for s in g.successors(name) if is_linear(g, s)]
-        if len(readers) < 2 or any(roles.get(_owner(g, r), Role("", "")).kind not in _GATHERING for r in readers):
+        if len(readers) < 2 or any(kind_of(roles, module_of(g, r)) not in _GATHERING for r in readers):
             continue
         module = common_module([g.nodes[r]["stack"] for r in readers])
         if not module or module in roles or module in g.nodes[name]["stack"]:
@@ -352,32 +387,38 @@ def shared_gathers(g: nx.DiGraph, region: set[str], roles: dict[str, Role]) -> d
     return found
 
 
-def sequence_parallel_roles(g: nx.DiGraph, flow: Flow, roles: dict[str, Role]) -> dict[str, Role]:
-    """Roles under sequence parallel: add seq norms and rotary, and mark sequence-sharded ends."""
-    blocks = expert_blocks(roles, g.graph.get("layer_groups"))
+def sequence_parallel_roles(g: nx.DiGraph, flow: Flow, roles: dict[str, Role], groups=None) -> dict[str, Role]:
+    """Roles under sequence parallel: add seq norms and rotary, and mark sequence-sharded ends.
+    ``groups``: the trace's layer groups (a MoE block is recognised across the layers it stands for)."""
+    blocks = expert_blocks(roles, groups) | dispatch_blocks(g, roles)
     partial = partial_blocks(g, roles, blocks)
     region = residual_region(g, flow, blocks)
     out = dict(roles)
     out.update(replicated_blocks(g, region, out))
-    out.update(sequence_norms(g, region, out))
+    out.update(sequence_norms(g, region, out, groups))
     out.update(rotary_modules(g, flow, out))
     for block in blocks:
         if block in partial:
             out[block] = Role("moe_block", "holds grouped experts whose per-rank partial sums go back to the "
                               "sequence-sharded stream: reduce-scattered once", (block,), seq_output=True)
         else:
-            out[block] = Role("replicate", "holds grouped experts and other modules that combine with their "
-                              "output (a shared expert, a norm): each is reduced inside, and the whole output "
-                              "is sliced back to the sequence-sharded stream", (block,), seq_output=True)
+            # Gathered at entry too: its dispatch indexes every token of a stream still sharded there.
+            out[block] = Role("seq_gather", "holds experts and other modules that combine with their "
+                              "output (a shared expert, a norm): gathered whole at entry, each reduced inside, "
+                              "and the whole output sliced back to the sequence-sharded stream", (block,),
+                              seq_output=True)
     out.update({m: replace(r, seq_output=True) for m, r in out.items()
                 if r.kind == "experts" and any(m.startswith(block + ".") for block in partial)})
     out.update(joining_modules(g, flow, region, out))
     out.update(shared_gathers(g, region, out))
-    gathered = {m for m, r in out.items() if r.kind in ("seq_norm_gather", "seq_gather")}
+    # Modules whose inputs are gathered whole at entry: the Linears inside read them whole.
+    # (``LinearParams`` gathers its module's inputs: the code around raw weights reads every position.)
+    gathered = {m for m, r in out.items() if r.kind in ("seq_norm_gather", "seq_gather", "linear_params")}
+    raw_modules = {m for m, r in out.items() if r.kind == "linear_params"}  # reduce inside, slice their output
     inner = inner_rows(g, flow)
     for name, data in g.nodes(data=True):
         linear = data["kind"] == "call" and is_linear(g, name)
-        owner = _owner(g, name) if linear or data["op"] == "embedding" else None
+        owner = module_of(g, name) if linear or data["op"] == "embedding" else None
         role = out.get(owner)
         if data["op"] == "embedding":
             # Token embeddings start the (batch, seq, dim) residual stream; position tables and
@@ -387,9 +428,15 @@ def sequence_parallel_roles(g: nx.DiGraph, flow: Flow, roles: dict[str, Role]) -
             continue
         if role is None:
             continue
-        elif linear and role.kind == "row":
-            if name not in inner and not _in_block(g, name, blocks):  # a shared expert reduces inside
+        elif linear and role.kind == "linear_params" and is_raw_row(g, name, role):
+            if name not in inner and not _in_block(g, name, blocks):  # raw weights: its module reduces
                 out[owner] = replace(role, seq_output=True)
+        elif linear and role.kind == "row":
+            if name not in inner and not _in_block(g, name, blocks | raw_modules):  # a shared expert reduces inside
+                out[owner] = replace(role, seq_output=True)
+            elif name not in inner and not _in_block(g, name, blocks):  # the raw-weight module around it slices
+                around = [m for m in g.nodes[name]["stack"] if m in raw_modules][-1]
+                out[around] = replace(out[around], seq_output=True)
         elif linear and data["args"][0].name in region and not _in_block(g, name, blocks):
             src_stack = g.nodes[data["args"][0].name]["stack"]
             if not gathered & (set(src_stack) | set(data["stack"])):

@@ -18,22 +18,24 @@ import logging
 import networkx as nx
 from torch import nn
 
-from autotp.synth.analysis import Flow, Shard
+from autotp.synth.analysis import Flow, Shard, module_of
 from autotp.synth.local_run import FIXED_SIZE_CUTS, capture_inputs, run_local, shapes_are_local, trace_local
 from autotp.synth.localize import MAX_NAMES, Localization, candidate_names, cutting_module, inner_roles
 from autotp.synth.ops import NEW_LIKE, VIEW_LIKE
-from autotp.synth.roles import Role
-from autotp.synth.trace import collapsed
+from autotp.synth.roles import Role, kind_of
+from autotp.synth.trace import LayerGroups, collapsed
 
 log = logging.getLogger(__name__)
 
 
 # Ops that reshape or cut a sharded tensor with sizes the module's code computes: at per-rank widths
 # each must give the global shape with only the sharded extent divided (the shape proof).
-SHAPING = VIEW_LIKE | FIXED_SIZE_CUTS | NEW_LIKE | {"chunk", "unbind"}
+# A convolution's ``groups`` is such a constant too: depthwise at the global width, it must be
+# the per-rank channel count at per-rank widths.
+SHAPING = VIEW_LIKE | FIXED_SIZE_CUTS | NEW_LIKE | {"chunk", "unbind", "conv1d", "conv2d", "conv3d", "convolution"}
 
 # Roles whose Linear starts a shard that the module's own code then shapes.
-_SHAPED_ROOTS = frozenset({"column", "packed_column"})
+_SHAPED_ROOTS = frozenset({"column", "packed_column", "linear_params"})
 
 
 def shaped_roots(g: nx.DiGraph, flow: Flow, roles: dict[str, Role]) -> dict[str, list[str]]:
@@ -46,11 +48,9 @@ def shaped_roots(g: nx.DiGraph, flow: Flow, roles: dict[str, Role]) -> dict[str,
     -1)``) runs at per-rank widths too, but into heads of half the size: only comparing the
     per-rank shapes with the global ones tells the two apart.
     """
-    from autotp.synth.assign import _owner
-
     found: dict[str, list[str]] = {}
     for root in sorted(flow.roots, key=lambda n: g.nodes[n]["order"]):
-        if roles.get(_owner(g, root), Role("", "")).kind not in _SHAPED_ROOTS:
+        if kind_of(roles, module_of(g, root)) not in _SHAPED_ROOTS:
             continue
         nodes = [n for n in _carriers(g, flow, root) if g.nodes[n]["op"] in SHAPING]
         if nodes:
@@ -82,14 +82,15 @@ def shaped_sizes(g: nx.DiGraph, flow: Flow, roots: list[str]) -> set[int]:
 
 
 def localize_shapes(model: nn.Module, example_inputs, g: nx.DiGraph, flow: Flow, roles: dict[str, Role],
-                    tp: int, result: Localization) -> None:
+                    tp: int, result: Localization, groups: LayerGroups | None = None) -> None:
     """The shape proof: every module that reshapes or cuts a column shard must, run alone at
     per-rank widths, produce each global shape with only the sharded extent divided.
 
     A module that does so as it is (``view(..., -1, head_dim)``) needs nothing. One that does not
     (fails, or runs into heads of another size: ``view(..., self.n_heads, -1)``) gets the integer
     attributes whose division makes it do so (:func:`head_names`), or its Linears are kept whole
-    with the reason.
+    with the reason. ``groups``: the layer groups of the trace (modules run on the model collapsed
+    the same way).
     """
     # Modules localized by their fused cuts are proven there; roots kept whole there keep that reason.
     by_module = {m: [x for x in r if x not in result.unlocal] for m, r in shaped_roots(g, flow, roles).items()
@@ -97,7 +98,6 @@ def localize_shapes(model: nn.Module, example_inputs, g: nx.DiGraph, flow: Flow,
     by_module = {m: r for m, r in by_module.items() if r}
     if not by_module:
         return
-    groups = g.graph.get("layer_groups")
     captured = capture_inputs(model, example_inputs, set(by_module), groups)
     for fqn, roots in by_module.items():
         if fqn not in captured:

@@ -13,13 +13,25 @@ This pass finds, from the graph:
   or by column Linears and modules kept whole beside them (a Mamba mixer next to attention). The
   module returns a ``Replicate()`` DTensor (:class:`~autotp.styles.ReplicatedOutput`); the whole
   modules take it local (:class:`~autotp.styles.ReplicatedModule`).
+- :func:`shared_entries` (plain TP): column Linears that read one tensor entering their module
+  with no norm before them (OLMo2's q/k/v read the residual stream): the module shares one
+  ``Replicate()`` DTensor of it among them (:class:`~autotp.styles.SharedReplicatedInput`).
 - :func:`dtensor_gathers` (SP): all-gathering norms and module-entry gathers whose readers are
   all column Linears keep the gathered value a DTensor, so the backward reduce-scatters once.
+- :func:`expert_inputs`: an MoE block's input (a norm's output) read by the grouped experts, the
+  router, column Linears (a shared expert) and modules kept whole. The norm returns a DTensor
+  (plain: ``Replicate()``; SP: the all-gather kept a DTensor), the experts take it with a
+  ``Partial()`` gradient, and the router runs its backward on the experts' partial gradient of
+  the routing weights (:class:`~autotp.styles.PartialGradRouter`): one reduction of the block
+  input's gradient per layer, and none of the routing weights'.
 - :func:`parallel_blocks`: two row Linears whose outputs are added before anything else reads
   them (attention and MLP side by side: GPT-J, Phi, Cohere) leave their outputs ``Partial()`` and
   the sum is reduced once per layer. Under plain TP the decoder layer then runs on a
   ``Replicate()`` DTensor stream (:class:`~autotp.styles.ReplicatedStream`), with its norms'
   parameters replicated DTensors.
+
+Long because the three shared-input patterns (a norm read by several columns, a module entry,
+a MoE block's input) and parallel blocks share their reader tests.
 """
 
 from __future__ import annotations
@@ -29,10 +41,10 @@ from dataclasses import replace
 
 import networkx as nx
 
-from autotp.synth.analysis import Flow, is_linear
-from autotp.synth.graph import common_module, refs
+from autotp.synth.analysis import Flow, is_linear, module_of
+from autotp.synth.graph import common_module, param_modules, refs
 from autotp.synth.ops import ELEMENTWISE, PASSTHROUGH
-from autotp.synth.roles import Role
+from autotp.synth.roles import Role, kind_of
 from autotp.synth.sequence import expert_blocks, inner_rows, module_outputs
 
 log = logging.getLogger(__name__)
@@ -43,12 +55,9 @@ COLUMN_KINDS = frozenset({"column", "packed_column", "kv_column"})
 _PLAIN_PRODUCER = frozenset({"replicate"})
 # Ops between a row's output and the add that joins the branches: scaling, dropout, casts.
 _CARRY = PASSTHROUGH | ELEMENTWISE | frozenset({"dropout", "native_dropout"})
+# And reshapes, which a Replicate() DTensor takes as a plain tensor would (an MoE block flattens tokens).
+_RESHAPE = frozenset({"view", "reshape", "_unsafe_view", "flatten", "unsqueeze", "squeeze"})
 
-
-def _owner(g: nx.DiGraph, name: str) -> str:
-    from autotp.synth.assign import _owner as owner
-
-    return owner(g, name)
 
 
 def _has_sharded(roles: dict[str, Role], module: str) -> bool:
@@ -59,7 +68,7 @@ def _column_reader(g: nx.DiGraph, roles: dict[str, Role], reader: str, *, seq_in
     """Whether ``reader`` is a column Linear (one that gathers the stream itself only if allowed)."""
     if not (g.nodes[reader]["kind"] == "call" and is_linear(g, reader)):
         return False
-    role = roles.get(_owner(g, reader))
+    role = roles.get(module_of(g, reader))
     return role is not None and role.kind in COLUMN_KINDS and (seq_input_ok or not role.seq_input)
 
 
@@ -82,7 +91,7 @@ def _readers_ok(g: nx.DiGraph, roles: dict[str, Role], readers: list[str], stack
     for reader in readers:
         data = g.nodes[reader]
         if _column_reader(g, roles, reader):
-            columns.append(_owner(g, reader))
+            columns.append(module_of(g, reader))
             continue
         whole = _whole_reader(g, roles, reader, stack)
         if whole is not None:
@@ -96,6 +105,17 @@ def _readers_ok(g: nx.DiGraph, roles: dict[str, Role], readers: list[str], stack
     return True
 
 
+def _plain_producer(g: nx.DiGraph, roles: dict[str, Role], module: str, param_owners: set[str]) -> bool:
+    """Whether ``module`` is a replicated leaf with parameters and no Linear (a norm)."""
+    role = roles.get(module)
+    if not module or (role is not None and role.kind not in _PLAIN_PRODUCER) or _has_sharded(roles, module):
+        return False
+    if any(m.startswith(module + ".") for m in param_owners):
+        return False  # holds other parametrised modules: a block, not a norm
+    # A Linear kept whole mixes features; its own output is not this pattern.
+    return not any(g.nodes[n]["kind"] == "call" and is_linear(g, n) for n in g.nodes if module in g.nodes[n]["stack"])
+
+
 def shared_inputs(g: nx.DiGraph, roles: dict[str, Role]) -> dict[str, Role]:
     """Plain TP: modules whose output only column Linears (and whole modules) read.
 
@@ -106,16 +126,11 @@ def shared_inputs(g: nx.DiGraph, roles: dict[str, Role]) -> dict[str, Role]:
     Returns:
         New roles: ``shared_input`` for each such module, ``whole_module`` for whole readers.
     """
-    param_owners = {d["param"].rpartition(".")[0] for _, d in g.nodes(data=True) if d["kind"] == "param"}
+    param_owners = param_modules(g)
     found: dict[str, Role] = {}
     for module in sorted(param_owners):
-        role = roles.get(module)
-        if not module or (role is not None and role.kind not in _PLAIN_PRODUCER) or _has_sharded(roles, module):
+        if not _plain_producer(g, roles, module, param_owners):
             continue
-        if any(m.startswith(module + ".") for m in param_owners):
-            continue  # holds other parametrised modules: a block, not a norm
-        if any(g.nodes[n]["kind"] == "call" and is_linear(g, n) for n in g.nodes if module in g.nodes[n]["stack"]):
-            continue  # a Linear kept whole mixes features; its own output is not this pattern
         outputs, readers = module_outputs(g, module)
         if len(outputs) != 1 or not readers:
             continue
@@ -133,6 +148,148 @@ def shared_inputs(g: nx.DiGraph, roles: dict[str, Role]) -> dict[str, Role]:
     return found
 
 
+def shared_entries(g: nx.DiGraph, roles: dict[str, Role]) -> dict[str, Role]:
+    """Plain TP: modules whose column Linears read one tensor from outside the module directly.
+
+    The module is the innermost one holding those Linears and must have no role of its own; the
+    tensor's producer keeps it plain (the residual add reads it too), so the sharing happens at
+    the Linears' entry, for one call of the module.
+    """
+    found: dict[str, Role] = {}
+    for name, data in g.nodes(data=True):
+        if data["kind"] != "call" or not data["shape"]:
+            continue
+        readers = [s for s in g.successors(name) if _column_reader(g, roles, s)]
+        if len(readers) < 2:
+            continue
+        module = common_module([g.nodes[r]["stack"] for r in readers])
+        if not module or module in roles or module in found or module in data["stack"]:
+            continue
+        owners = sorted({module_of(g, r) for r in readers})
+        if len(owners) < 2 or not all(o.startswith(module + ".") for o in owners):
+            continue
+        columns = tuple(o[len(module) + 1:] for o in owners)
+        found[module] = Role("shared_entry", f"its column Linears ({', '.join(columns)}) read one tensor from outside "
+                             "it with no norm before them: they share one Replicate() DTensor of it, so their "
+                             "input gradients are summed and all-reduced once", (name, *owners), names=columns)
+    return found
+
+
+def expert_inputs(g: nx.DiGraph, roles: dict[str, Role], *, sequence_parallel: bool,
+                  groups=None) -> dict[str, Role]:
+    """MoE blocks whose input gradient can be reduced once: the norm before the block hands it a DTensor.
+
+    The block's only input must be one norm's only output, and inside the block (through
+    reshapes) it may be read only by the grouped experts, column Linears and modules kept whole.
+    A module kept whole whose outputs the experts read is a router: it runs its backward on the
+    experts' partial gradients. The experts must read nothing from outside but the block input
+    and router outputs (any other gradient handed back to them would be left partial).
+
+    Returns:
+        New roles: the norm (``shared_input``, or its gather kept a DTensor under SP), the experts
+        (``partial_grad_inputs``), ``router`` and ``whole_module`` roles.
+    """
+    param_owners = param_modules(g)
+    found: dict[str, Role] = {}
+    for block in sorted(expert_blocks(roles, groups)):
+        block_kind = kind_of(roles, block)
+        if block_kind != ("moe_block" if sequence_parallel else None):
+            continue
+        inside = {n for n, d in g.nodes(data=True) if block in d["stack"]}
+        entries = {p for n in inside for p in g.predecessors(n)
+                   if p not in inside and g.nodes[p]["kind"] == "call" and g.nodes[p]["shape"]}
+        if len(entries) != 1:
+            continue
+        entry = entries.pop()
+        producer = g.nodes[entry]["stack"][-1] if g.nodes[entry]["stack"] else ""
+        outputs, readers = module_outputs(g, producer) if producer else ([], [])
+        if outputs != [entry] or not set(readers) <= inside:
+            continue
+        if sequence_parallel:
+            role = roles.get(producer)
+            if role is None or role.kind != "seq_norm_gather" or role.seq_output:
+                continue
+        elif not _plain_producer(g, roles, producer, param_owners):
+            continue
+        experts = {m for m, r in roles.items() if r.kind == "experts" and m.startswith(block + ".")}
+        parts = _block_readers(g, roles, block, entry, experts)
+        if parts is None:
+            continue
+        chain, wholes = parts
+        routers = {m for m in wholes if any(experts & set(g.nodes[r]["stack"]) for r in module_outputs(g, m)[1])}
+        fed = {p for n in inside if experts & set(g.nodes[n]["stack"]) for p in g.predecessors(n)
+               if g.nodes[p]["kind"] == "call" and not experts & set(g.nodes[p]["stack"])}
+        if not all(p in chain or any(m in g.nodes[p]["stack"] for m in routers) for p in fed):
+            continue  # the experts read something else from the block: its gradient would stay partial
+        if any(_reads_other_state(g, router) for router in routers):
+            continue  # the router style covers the module's own parameters only (not a child Linear's)
+        how = "its all-gather kept a DTensor" if sequence_parallel else "a Replicate() DTensor"
+        found[producer] = (replace(roles[producer], dtensor_output=True) if sequence_parallel else Role(
+            "shared_input", f"its output is the MoE block {block}'s input: {how}, so the experts', router's "
+            "and shared expert's input gradients are summed and reduced once", (producer, block)))
+        if sequence_parallel:
+            found[producer] = replace(found[producer], reason=found[producer].reason + f"; {how} for the MoE "
+                                      f"block {block}, whose input gradient is then reduce-scattered once")
+        for module in sorted(experts):
+            found[module] = replace(roles[module], partial_grad_inputs=True, reason=roles[module].reason +
+                                    "; takes the block input's DTensor and the router's weights with partial "
+                                    "gradients, reduced once with the block input's")
+        for module in sorted(wholes):
+            kept = roles[module].reason if module in roles else "kept whole"
+            found[module] = (Role("router", f"{kept}; its outputs route tokens to {', '.join(sorted(experts))}: "
+                                  "runs its backward on their partial gradients (weight gradient left Partial())",
+                                  (producer, module, *sorted(experts))) if module in routers else
+                             Role("whole_module", f"kept whole and reads {producer}'s DTensor output: runs on its "
+                                  "local value", (producer, module)))
+    return found
+
+
+def _reads_other_state(g: nx.DiGraph, module: str) -> bool:
+    """Whether code inside ``module`` reads a parameter or buffer that is not ``module``'s own: a
+    child's (a router's ``gate`` Linear) or another module's (a routing bias of the block). The
+    router style gives only the module's own parameters their ``Partial()`` gradient; a child's
+    weight would keep a per-rank partial gradient no one reduces."""
+    for name, data in g.nodes(data=True):
+        if module not in data["stack"]:
+            continue
+        for p in g.predecessors(name):
+            source = g.nodes[p]
+            if source["kind"] in ("param", "buffer") and source["param"].rpartition(".")[0] != module:
+                return True
+    return False
+
+
+def _block_readers(g: nx.DiGraph, roles: dict[str, Role], block: str, entry: str,
+                   experts: set[str]) -> tuple[set[str], set[str]] | None:
+    """The block input's reshapes inside ``block`` and the modules kept whole that read it, or None
+    where anything but those, the experts and column Linears reads it."""
+    chain, wholes, todo = {entry}, set(), [entry]
+    while todo:
+        for reader in g.successors(todo.pop()):
+            data = g.nodes[reader]
+            if block not in data["stack"]:
+                return None  # leaves the block as a DTensor
+            if experts & set(data["stack"]) or _column_reader(g, roles, reader):
+                continue
+            below = [m for m in data["stack"] if m.startswith(block + ".")]
+            if below:
+                module = below[0]
+                role = roles.get(module)
+                if role is not None and (role.kind != "replicate" or role.seq_input or role.seq_output
+                                         or role.seq_join):
+                    return None  # sharded, or a layout change of its own at a sequence edge
+                if _has_sharded(roles, module):
+                    return None
+                wholes.add(module)
+                continue
+            tensors = [r.name for r in refs(data["args"], data["kwargs"]) if g.nodes[r.name]["shape"]]
+            if not (data["kind"] == "call" and data["op"] in _CARRY | _RESHAPE and len(tensors) == 1) or reader in chain:
+                return None
+            chain.add(reader)
+            todo.append(reader)
+    return chain, wholes
+
+
 def dtensor_gathers(g: nx.DiGraph, roles: dict[str, Role]) -> dict[str, Role]:
     """SP: gathering norms and entry gathers whose readers are all column Linears keep a DTensor.
 
@@ -146,14 +303,34 @@ def dtensor_gathers(g: nx.DiGraph, roles: dict[str, Role]) -> dict[str, Role]:
             continue
         if role.kind == "seq_norm_gather":
             _, readers = module_outputs(g, module)
+        elif len(role.evidence) == 2 and role.evidence[1] == module and role.evidence[0] in g:
+            # shared_gathers' evidence: (the stream node, the module); its readers inside the module
+            readers = [s for s in g.successors(role.evidence[0]) if module in g.nodes[s]["stack"]]
         else:  # the module's own column Linears read the gathered stream
-            readers = [n for n in g.nodes if module in g.nodes[n]["stack"] and g.nodes[n]["kind"] == "call"
-                       and is_linear(g, n) and any(module not in g.nodes[r.name]["stack"]
-                                                   for r in refs(g.nodes[n]["args"]))]
+            readers = [n for n in _entry_readers(g, module) if is_linear(g, n)]
         if readers and all(_column_reader(g, roles, r, seq_input_ok=True) and not (blocks & set(g.nodes[r]["stack"]))
                            for r in readers):
             found[module] = replace(role, dtensor_output=True)
     return found
+
+
+def _upstream(g: nx.DiGraph, name: str, limit: int = 4) -> list[str]:
+    """``name`` and the nodes it comes from through single-input scalings, casts and reshapes."""
+    chain = [name]
+    for _ in range(limit):
+        data = g.nodes[chain[-1]]
+        tensors = [r.name for r in refs(data["args"], data["kwargs"]) if g.nodes[r.name]["shape"]]
+        if data["kind"] != "call" or data["op"] not in _CARRY | _RESHAPE or len(tensors) != 1:
+            break
+        chain.append(tensors[0])
+    return chain
+
+
+def _entry_readers(g: nx.DiGraph, module: str) -> list[str]:
+    """Nodes of ``module`` that read an activation from outside it (parameters aside)."""
+    return [n for n in g.nodes if module in g.nodes[n]["stack"] and g.nodes[n]["kind"] == "call"
+            and any(module not in g.nodes[r.name]["stack"] and g.nodes[r.name]["kind"] == "call"
+                    and g.nodes[r.name]["shape"] for r in refs(g.nodes[n]["args"], g.nodes[n]["kwargs"]))]
 
 
 def _carried(g: nx.DiGraph, start: str, limit: int = 4) -> list[str]:
@@ -180,7 +357,7 @@ def parallel_blocks(g: nx.DiGraph, flow: Flow, roles: dict[str, Role], *, sequen
         the parametrised modules on its stream before the columns (``stream_params``).
     """
     rows = [n for n, d in g.nodes(data=True) if d["kind"] == "call" and is_linear(g, n)
-            and roles.get(_owner(g, n), Role("", "")).kind == "row"]
+            and kind_of(roles, module_of(g, n)) == "row"]
     blocks = expert_blocks(roles)
     inner = inner_rows(g, flow)
     ends = {}
@@ -199,7 +376,7 @@ def parallel_blocks(g: nx.DiGraph, flow: Flow, roles: dict[str, Role], *, sequen
             if len(operands) != 2 or len(others) != 1:
                 continue
             pair = sorted((row, others[0]))
-            modules = [_owner(g, r) for r in pair]
+            modules = [module_of(g, r) for r in pair]
             if any(roles[m].weight_in_out or roles[m].owned_output for m in modules):
                 continue
             if any(roles[m].seq_output is False and sequence_parallel for m in modules):
@@ -230,7 +407,7 @@ def _stream_norms(g: nx.DiGraph, roles: dict[str, Role], layer: str) -> list[str
     """Parametrised modules of ``layer`` that act on its stream before the column Linears: these
     see the DTensor stream and need DTensor parameters. ``None`` where the layer holds another
     parametrised module kept whole (it would meet the DTensor stream with plain weights)."""
-    param_owners = {d["param"].rpartition(".")[0] for _, d in g.nodes(data=True) if d["kind"] == "param"}
+    param_owners = param_modules(g)
     inside = [m for m in param_owners if m.startswith(layer + ".")]
     norms = []
     for module in inside:
@@ -247,7 +424,7 @@ def _stream_norms(g: nx.DiGraph, roles: dict[str, Role], layer: str) -> list[str
 
 
 def shared_input_roles(g: nx.DiGraph, flow: Flow, roles: dict[str, Role], *,
-                       sequence_parallel: bool) -> dict[str, Role]:
+                       sequence_parallel: bool, groups=None) -> dict[str, Role]:
     """The pass: roles updated so that each shared input's gradient is reduced once.
 
     Args:
@@ -255,6 +432,7 @@ def shared_input_roles(g: nx.DiGraph, flow: Flow, roles: dict[str, Role], *,
         flow: the shard propagation (its rows).
         roles: every module's role after sequence-parallel roles (if any).
         sequence_parallel: whether the residual stream is sequence-sharded.
+        groups: the trace's layer groups (a MoE block is recognised across the layers it stands for).
 
     Returns:
         A new roles dict.
@@ -264,6 +442,7 @@ def shared_input_roles(g: nx.DiGraph, flow: Flow, roles: dict[str, Role], *,
     out.update(blocks)
     if sequence_parallel:
         changed = dtensor_gathers(g, out)
+        changed.update(expert_inputs(g, out, sequence_parallel=True, groups=groups))
     else:
         stream = {m for m, r in blocks.items() if r.kind == "stream_block"}
         changed = {m: r for m, r in shared_inputs(g, out).items()
@@ -271,6 +450,13 @@ def shared_input_roles(g: nx.DiGraph, flow: Flow, roles: dict[str, Role], *,
         for module, role in blocks.items():  # the norms of a stream block hand on DTensors already
             if role.kind == "stream_params":
                 changed.pop(module, None)
+        changed.update(expert_inputs(g, out, sequence_parallel=False, groups=groups))
+        # Already a DTensor where the value comes from a shared norm (maybe scaled) or a stream block.
+        dtensors = {m for m, r in {**out, **changed}.items() if r.kind in ("shared_input", "stream_block",
+                                                                           "stream_params")}
+        for module, role in shared_entries(g, {**out, **changed}).items():
+            if not any(dtensors & set(g.nodes[n]["stack"]) for n in _upstream(g, role.evidence[0])):
+                changed[module] = role
     out.update(changed)
     log.info("shared inputs: %d modules changed (%d parallel-block roles)", len(changed), len(blocks))
     return out

@@ -3,6 +3,9 @@
 Repeated blocks (the entries of an ``nn.ModuleList``, ``nn.ModuleDict`` or ``nn.Sequential``) are grouped by structure: class plus parameter
 and buffer shapes. Only one representative per group is traced, so tracing cost does not grow with
 depth; :class:`LayerGroups` maps the traced FQNs back to every layer they stand for.
+
+Long because layer grouping, export with its retries, and the module-state guard around it are
+one concern: getting a program from a model that torch.export accepts.
 """
 
 from __future__ import annotations
@@ -274,21 +277,35 @@ def restored_module_state(model: nn.Module):
     the user's later real runs (copies of such a model corrupted memory under simulated ranks). Each
     attribute holding a fake tensor on exit gets back the value it had before, or is removed if it
     did not exist. Parameters, buffers and submodules are not plain attributes and are not touched.
+    A fake tensor kept in a mapping attribute (a cache of rotary tables) is dropped from it: the
+    module builds it again on its next call.
     """
-    from torch._subclasses.fake_tensor import FakeTensor
-
     before = {module: dict(vars(module)) for module in model.modules()}
     try:
         yield
     finally:
-        for module, saved in before.items():
-            for name, value in list(vars(module).items()):
-                if not isinstance(value, FakeTensor):
-                    continue
-                if name in saved and not isinstance(saved[name], FakeTensor):
-                    module.__dict__[name] = saved[name]
-                else:
-                    del module.__dict__[name]
+        drop_fake_state(model, before)
+
+
+def drop_fake_state(model: nn.Module, saved: dict | None = None) -> None:
+    """Remove the fake tensors tracing left in ``model``'s plain attributes and in mappings they
+    hold; an attribute in ``saved`` (module -> its ``vars`` before) gets its old value back."""
+    from collections.abc import MutableMapping
+
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    for module in model.modules():
+        old = (saved or {}).get(module, {})
+        for name, value in list(vars(module).items()):
+            if isinstance(value, MutableMapping) and not isinstance(value, nn.Module):
+                for key in [k for k, v in list(value.items()) if isinstance(v, FakeTensor)]:
+                    del value[key]
+            if not isinstance(value, FakeTensor):
+                continue
+            if name in old and not isinstance(old[name], FakeTensor):
+                module.__dict__[name] = old[name]
+            else:
+                del module.__dict__[name]
 
 
 def export_model(model: nn.Module, example_inputs=None) -> torch.export.ExportedProgram:
@@ -300,6 +317,10 @@ def export_model(model: nn.Module, example_inputs=None) -> torch.export.Exported
     materialised model the export is retried with real values propagated: the graph follows the
     branch these inputs take. A branch in a module with parameters could skip a Linear, or use it
     differently, on other inputs than the ones traced, so it stays an error.
+
+    A module that stores tensors on itself while traced (a rotary cache of sin/cos tables kept in
+    a dict) is given its state back after each export (:func:`drop_fake_state`): the next export, or
+    a copy of the module, would otherwise meet the fake tensors of this one.
 
     Raises:
         TraceError: no inputs could be made, or export failed.
@@ -320,9 +341,13 @@ def export_model(model: nn.Module, example_inputs=None) -> torch.export.Exported
 def _export(model: nn.Module, args: tuple, kwargs: dict, *, real_values: bool) -> torch.export.ExportedProgram:
     import torch._functorch.config as functorch_config
 
-    with torch.no_grad(), _quiet(_EXPORT_LOGGERS), \
-            functorch_config.patch(fake_tensor_propagate_real_tensors=real_values):
-        return torch.export.export(model, args, kwargs, strict=False)
+    before = {module: dict(vars(module)) for module in model.modules()}
+    try:
+        with torch.no_grad(), _quiet(_EXPORT_LOGGERS), \
+                functorch_config.patch(fake_tensor_propagate_real_tensors=real_values):
+            return torch.export.export(model, args, kwargs, strict=False)
+    finally:
+        drop_fake_state(model, before)
 
 
 def _data_dependent(error: BaseException) -> bool:

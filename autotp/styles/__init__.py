@@ -1,0 +1,96 @@
+"""ParallelStyles that torch does not ship but LLM plans need.
+
+Each style is a small class in the manner of ``torch.distributed.tensor.parallel.style``: keyword-only
+options, static ``_prepare_input_fn`` / ``_prepare_output_fn``, and a comment on the shard algebra.
+
+- :class:`VocabParallelEmbedding`: vocab-sharded embedding, looked up on the local shard (local-size gradient).
+- :class:`RotaryEmbedParallel`: a rotary module whose output is a tuple ``(cos, sin)``.
+- :class:`SequenceParallelAllGather`: a sequence-parallel norm that all-gathers its output once, so
+  that every column-parallel consumer (q, k, v or gate, up) shares one all-gather.
+- :class:`ReplicatedWithGradAllReduce` / :class:`HeadShardedNorm`: replicated parameters whose
+  gradients are partial (a per-head norm such as Qwen3's QK-norm on head-sharded tensors).
+- :class:`WidthShardedNorm`: a norm over a width that is sharded (OLMo2 QK-norm), kept exact by
+  reducing its statistic across ranks.
+- :class:`PackedColwiseParallel`: a column-parallel Linear whose output is split into parts
+  (fused ``qkv_proj`` / ``gate_up_proj``), sharded part by part.
+- :class:`ShardCounts`: divide a module's head counts by tp, for code that sizes slices from them.
+- :class:`ReplicatedKVColwise`, :class:`KVHeadCounts`: tp larger than the number of kv heads; each
+  rank holds the one kv head its query heads read, copies' gradients summed.
+- :class:`ExpertsParallel`, :class:`AllReduceOutput`, :class:`GradAllReduceOutputSlice`: MoE experts
+  (3-D parameters) sharded on their FFN dim, and the reductions around them and around MLA.
+- :class:`SharedReplicatedInput`: column projections reading one tensor at a module's entry share
+  one ``Replicate()`` DTensor of it (no norm before them), so their input gradient is reduced once.
+- :class:`PartialGradRouter`: a router kept whole that runs backward on the experts' partial
+  gradients, so the MoE block's input gradient is reduced once.
+- :class:`GatherSequenceInput`, :class:`SequenceParallelMoEBlock`, :class:`PartialExpertsParallel`:
+  under sequence parallel, a module's sequence-sharded inputs gathered once at its entry, and a MoE
+  block that takes whole tokens and reduce-scatters its experts' partial sums.
+- :class:`HeadParams`, :class:`LinearParams`: a module's own parameters meeting a sharded activation
+  (per-head vectors sharded with the heads, shared ones' gradients all-reduced), and raw weight
+  parameters used as Linears (``x @ W.T``, ``F.linear``, einsum, bmm) sharded as their Linear would be.
+
+Modules, by concern: :mod:`~autotp.styles.linear` (packed, ``(in, out)`` and partial rows),
+:mod:`~autotp.styles.embedding`, :mod:`~autotp.styles.norms` and :mod:`~autotp.styles.params`
+(norms, and a module's own parameters meeting a sharded activation: :class:`HeadParams`),
+:mod:`~autotp.styles.raw_linear` (raw weight parameters used as Linears: :class:`LinearParams`),
+:mod:`~autotp.styles.experts`, :mod:`~autotp.styles.attention` (rotary, head counts, kv heads), :mod:`~autotp.styles.boundaries` (layouts at the edges of sharded regions),
+and :mod:`~autotp.styles.base` (what they share). Every style is importable from ``autotp.styles``.
+"""
+
+from autotp.styles.attention import KVHeadCounts, ReplicatedKVColwise, RotaryEmbedParallel, ShardCounts
+from autotp.styles.base import packed_row_order
+from autotp.styles.boundaries import (
+    AllReduceOutput,
+    GradAllReduceOutputSlice,
+    OwnedOutput,
+    ReplicatedModule,
+    ReplicatedOutput,
+    ReplicatedParams,
+    ReplicatedStream,
+    GatherSequenceInput,
+    SequenceParallelAllGather,
+    SharedReplicatedInput,
+)
+from autotp.styles.embedding import VocabParallelEmbedding
+from autotp.styles.experts import ExpertsParallel, PartialExpertsParallel, PartialGradRouter, SequenceParallelMoEBlock
+from autotp.styles.linear import (
+    ColwiseParallelInOut,
+    PackedColwiseParallel,
+    PartialRowwiseParallel,
+    RowwiseParallelInOut,
+)
+from autotp.styles.params import HeadParams
+from autotp.styles.raw_linear import LinearParams
+from autotp.styles.norms import HeadShardedNorm, ReplicatedWithGradAllReduce, WidthShardedNorm
+
+__all__ = [
+    "GatherSequenceInput",
+    "PartialExpertsParallel",
+    "SequenceParallelMoEBlock",
+    "HeadParams",
+    "LinearParams",
+    "KVHeadCounts",
+    "ReplicatedKVColwise",
+    "AllReduceOutput",
+    "ExpertsParallel",
+    "GradAllReduceOutputSlice",
+    "ReplicatedWithGradAllReduce",
+    "HeadShardedNorm",
+    "OwnedOutput",
+    "PackedColwiseParallel",
+    "PartialRowwiseParallel",
+    "PartialGradRouter",
+    "ColwiseParallelInOut",
+    "RowwiseParallelInOut",
+    "ReplicatedOutput",
+    "ReplicatedModule",
+    "ReplicatedParams",
+    "ReplicatedStream",
+    "RotaryEmbedParallel",
+    "SequenceParallelAllGather",
+    "SharedReplicatedInput",
+    "ShardCounts",
+    "VocabParallelEmbedding",
+    "WidthShardedNorm",
+    "packed_row_order",
+]

@@ -1,0 +1,207 @@
+"""Attention attributes: rotary tables, head counts divided by tp, and kv heads repeated over ranks
+when tp exceeds them."""
+
+from __future__ import annotations
+
+import copy
+from functools import partial
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
+from torch.distributed.tensor.parallel import ColwiseParallel
+from torch.distributed.tensor.parallel.style import ParallelStyle
+
+from autotp.styles.base import to_local
+
+class RotaryEmbedParallel(ParallelStyle):
+    """Make a rotary-embedding module return plain, full-sequence tensors under sequence parallel.
+
+    The rotary module gets the (sequence-sharded) hidden states only for their dtype and device, and
+    the position ids for the values; its output is a tuple ``(cos, sin)``, which the stock
+    ``SequenceParallel`` cannot handle. Inputs are turned local (the hidden states are not read, so
+    their shard is enough), and every tensor of the output tuple is returned local and whole: the
+    attention consumes cos/sin after its input has been all-gathered over the sequence.
+
+    Example::
+        >>> plan = {"model.rotary_emb": RotaryEmbedParallel()}
+    """
+
+    @staticmethod
+    def _prepare_input_fn(mod, inputs, kwargs):
+        inputs = tuple(x.to_local() if isinstance(x, DTensor) else x for x in inputs)
+        kwargs = {k: (v.to_local() if isinstance(v, DTensor) else v) for k, v in kwargs.items()}
+        return inputs, kwargs
+
+    @staticmethod
+    def _prepare_output_fn(mod, inputs, outputs):
+        if isinstance(outputs, (tuple, list)):
+            return type(outputs)(to_local(o) for o in outputs)
+        return to_local(outputs)
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        module.register_forward_pre_hook(self._prepare_input_fn, with_kwargs=True)
+        module.register_forward_hook(self._prepare_output_fn)
+        return module
+
+    def __repr__(self) -> str:
+        return f"{self.__class__.__name__}()"
+
+
+class ShardCounts(ParallelStyle):
+    """Divide integer attributes of a module (head counts) by the tp size.
+
+    Attention code that slices a fused projection with sizes computed from its head counts
+    (``qkv[..., : num_heads * head_dim]``) reads global counts while holding a local shard. After
+    this style, the module sees per-rank counts, as gpt-fast's ``tp.py`` does by hand. A dotted name
+    (``"config.num_attention_heads"``) changes a private shallow copy of the sub-object, so the
+    model's shared config keeps the global numbers.
+
+    Keyword Args:
+        names (tuple[str, ...]): attribute paths relative to the module.
+
+    Example::
+        >>> plan = {"model.layers.*.self_attn": ShardCounts(names=("num_key_value_heads",))}
+    """
+
+    def __init__(self, *, names: tuple[str, ...]):
+        super().__init__()
+        self.names = tuple(names)
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        tp = device_mesh.size()
+        copied: set[str] = set()
+        for name in self.names:
+            *path, attr = name.split(".")
+            owner = module
+            for i, part in enumerate(path):
+                child_path = ".".join(path[: i + 1])
+                if child_path not in copied:
+                    setattr(owner, part, copy.copy(getattr(owner, part)))
+                    copied.add(child_path)
+                owner = getattr(owner, part)
+            value = getattr(owner, attr)
+            if value % tp:
+                from autotp.errors import MeshError
+
+                raise MeshError(f"{type(module).__name__}.{name}={value} cannot be split over tp={tp}")
+            setattr(owner, attr, value // tp)
+        return module
+
+    def __repr__(self) -> str:
+        return f"{self.__class__.__name__}(names={self.names})"
+
+
+def expand_kv_rows(tensor: torch.Tensor, kv_heads: int, head_dim: int, tp_size: int) -> torch.Tensor:
+    """Repeat each kv head's rows ``tp / kv_heads`` times: row block r is the head rank r reads.
+
+    >>> expand_kv_rows(torch.arange(4.0), kv_heads=2, head_dim=2, tp_size=4).tolist()
+    [0.0, 1.0, 0.0, 1.0, 2.0, 3.0, 2.0, 3.0]
+    """
+    copies = tp_size // kv_heads
+    rows = tensor.reshape(kv_heads, head_dim, *tensor.shape[1:])
+    return rows.repeat_interleave(copies, dim=0).reshape(tp_size * head_dim, *tensor.shape[1:])
+
+
+class ReplicatedKVColwise(ColwiseParallel):
+    """Column-parallel k/v projection when tp exceeds the number of kv heads.
+
+    With ``kv_heads < tp``, a contiguous split would cut a kv head in pieces. Instead each kv head
+    is repeated ``tp / kv_heads`` times (the ranks whose query heads read it), and that expanded
+    weight is sharded ``Shard(0)``: rank r holds exactly the ``head_dim`` rows of kv head
+    ``r // (tp / kv_heads)``, computes only that head, and the attention's grouped-query repeat is
+    local. Each copy's gradient covers only its rank's query heads; a gradient hook sums the copies
+    of a head (an all-gather of the small k/v gradient) so every copy gets the full gradient and the
+    copies stay identical after an optimizer step.
+
+    Keyword Args:
+        kv_heads (int): number of kv heads of the projection.
+        head_dim (int): size of one head.
+
+    Example::
+        >>> plan = {"model.layers.*.self_attn.k_proj": ReplicatedKVColwise(kv_heads=2, head_dim=128)}
+    """
+
+    def __init__(self, *, kv_heads: int, head_dim: int, **kwargs):
+        super().__init__(**kwargs)
+        self.kv_heads = kv_heads
+        self.head_dim = head_dim
+
+    def _partition_linear_fn(self, name, module, device_mesh):
+        tp = device_mesh.size()
+        if tp % self.kv_heads:
+            from autotp.errors import MeshError
+
+            raise MeshError(
+                f"{type(module).__name__}: tp={tp} is not a multiple of kv_heads={self.kv_heads}; "
+                "each kv head must be shared by the same number of ranks."
+            )
+        for pname, param in list(module.named_parameters(recurse=False)):
+            with torch.no_grad():
+                expanded = expand_kv_rows(param, self.kv_heads, self.head_dim, tp)
+            new = nn.Parameter(distribute_tensor(expanded, device_mesh, [Shard(0)]), requires_grad=param.requires_grad)
+            new._autotp_to_layout = partial(expand_kv_rows, kv_heads=self.kv_heads, head_dim=self.head_dim, tp_size=tp)
+            new.register_hook(partial(sum_kv_copies, kv_heads=self.kv_heads, head_dim=self.head_dim))
+            module.register_parameter(pname, new)
+
+    def __repr__(self) -> str:
+        return super().__repr__()[:-1] + f", kv_heads={self.kv_heads}, head_dim={self.head_dim})"
+
+
+def sum_kv_copies(grad: DTensor, *, kv_heads: int, head_dim: int) -> DTensor:
+    """Give every copy of a kv head the sum of all copies' gradients.
+
+    The result is placed like the parameter (``Shard(0)``), not like ``grad``: depending on the
+    sharding strategy DTensor picks for the projection's backward, ``grad`` may arrive ``Partial``,
+    and a replicated tensor cannot be redistributed back to a pending sum.
+    """
+    tp = grad.device_mesh.size()
+    if grad.placements == (Shard(0),):
+        return _sum_kv_shards(grad, kv_heads, head_dim)
+    full = grad.redistribute(placements=[Replicate()]).to_local()
+    per_head = full.reshape(kv_heads, tp // kv_heads, head_dim, *full.shape[1:]).sum(dim=1)
+    summed = expand_kv_rows(per_head.reshape(kv_heads * head_dim, *full.shape[1:]), kv_heads, head_dim, tp)
+    return DTensor.from_local(summed, grad.device_mesh, [Replicate()], run_check=False).redistribute(
+        placements=[Shard(0)]
+    )
+
+
+def _sum_kv_shards(grad: DTensor, kv_heads: int, head_dim: int) -> DTensor:
+    """:func:`sum_kv_copies` of a ``Shard(0)`` gradient: each rank puts its rows in its head's slot of
+    a ``(kv_heads * head_dim, ...)`` buffer, one all-reduce sums each head's copies, and each rank
+    keeps its head's slot. Ring bytes ``2 (tp - 1) / tp * kv_heads`` head-widths, where all-gathering
+    the expanded gradient costs ``tp - 1`` (never less, as ``tp >= 2 kv_heads``)."""
+    from autotp._simulate import mesh_coordinate
+
+    mesh, local = grad.device_mesh, grad.to_local()
+    head = (mesh_coordinate(mesh) // (mesh.size() // kv_heads)).reshape(1).to(local.device)
+    slots = local.new_zeros(kv_heads, *local.shape).index_copy(0, head, local.unsqueeze(0))
+    partial_sum = DTensor.from_local(slots, mesh, [Partial()], run_check=False)
+    summed = partial_sum.redistribute(placements=[Replicate()]).to_local()
+    return DTensor.from_local(summed.index_select(0, head).squeeze(0), mesh, [Shard(0)], run_check=False)
+
+
+class KVHeadCounts(ParallelStyle):
+    """Set an attention module's grouped-query ratio for the heads one rank holds.
+
+    When tp exceeds the kv heads, a rank holds ``heads / tp`` query heads and one kv head, so its
+    local ratio is ``heads / tp``, not the global ``heads / kv_heads``; code that repeats kv heads
+    by the stored ratio (``num_key_value_groups`` in transformers) must see the local one.
+
+    Keyword Args:
+        heads (int): query heads of the module.
+        attribute (str): the ratio attribute. Default: ``"num_key_value_groups"``.
+    """
+
+    def __init__(self, *, heads: int, attribute: str = "num_key_value_groups"):
+        super().__init__()
+        self.heads = heads
+        self.attribute = attribute
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        setattr(module, self.attribute, self.heads // device_mesh.size())
+        return module
+
+    def __repr__(self) -> str:
+        return f"{self.__class__.__name__}(heads={self.heads}, attribute={self.attribute!r})"

@@ -1,0 +1,117 @@
+"""Helpers every style module shares: local values, the reductions of a partial sum, row orders of packed
+parts, and the base class of styles that act on a module's own parameters."""
+
+from __future__ import annotations
+
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
+from torch.distributed.tensor.parallel.style import ParallelStyle
+
+def to_local(x):
+    """Return the full local value of ``x``: a replicated plain tensor for any DTensor."""
+    if isinstance(x, DTensor):
+        return x.redistribute(placements=[Replicate()] * x.device_mesh.ndim).to_local()
+    return x
+
+
+class LocalParamsStyle(ParallelStyle):
+    """Base for styles whose module runs on plain local tensors with DTensor parameters.
+
+    Parameters are distributed by :meth:`_placement`; during each forward they are swapped for
+    ``param.to_local(grad_placements=...)`` views, so unmodified module code (indexing, F.linear,
+    ``weight * x``) runs on plain tensors while gradients still flow to the DTensor parameters with
+    the right placement. Subclasses may also transform inputs and outputs.
+    """
+
+    def _placement(self, name: str, param: torch.Tensor):
+        raise NotImplementedError
+
+    def _grad_placement(self, name: str, param: DTensor):
+        return param.placements
+
+    def sharded_param_dims(self, module: nn.Module) -> dict[str, int]:
+        dims = {}
+        for name, param in module.named_parameters(recurse=False):
+            placement = self._placement(name, param)
+            if isinstance(placement, Shard):
+                dims[name] = placement.dim
+        return dims
+
+    def _distribute(self, module: nn.Module, device_mesh: DeviceMesh) -> None:
+        for name, param in list(module.named_parameters(recurse=False)):
+            dist = distribute_tensor(param, device_mesh, [self._placement(name, param)])
+            module.register_parameter(name, nn.Parameter(dist, requires_grad=param.requires_grad))
+
+    def _prepare_inputs(self, args, kwargs, device_mesh):
+        return args, kwargs
+
+    def _prepare_output(self, output, device_mesh):
+        return output
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        self._distribute(module, device_mesh)
+        saved: dict[str, nn.Parameter] = {}
+
+        def pre_hook(mod, args, kwargs):
+            for name, param in list(mod._parameters.items()):
+                if isinstance(param, DTensor):
+                    saved[name] = param
+                    mod._parameters[name] = param.to_local(grad_placements=self._grad_placement(name, param))
+            return self._prepare_inputs(args, kwargs, device_mesh)
+
+        def post_hook(mod, args, kwargs, output):
+            mod._parameters.update(saved)
+            saved.clear()
+            return self._prepare_output(output, device_mesh)
+
+        module.register_forward_pre_hook(pre_hook, with_kwargs=True)
+        module.register_forward_hook(post_hook, with_kwargs=True)
+        return module
+
+    def __repr__(self) -> str:
+        return f"{self.__class__.__name__}()"
+
+
+def all_reduce_backward(x: torch.Tensor, device_mesh: DeviceMesh) -> torch.Tensor:
+    """Identity forward; all-reduce of the gradient in backward.
+
+    For a replicated activation consumed by sharded computation: each rank's gradient with respect
+    to it covers only its shard, so the full gradient is the sum over ranks.
+    """
+    if isinstance(x, DTensor) or not x.is_floating_point():
+        return x
+    return DTensor.from_local(x, device_mesh, [Replicate()], run_check=False).to_local(grad_placements=[Partial()])
+
+
+def all_reduce_forward(x: torch.Tensor, device_mesh: DeviceMesh) -> torch.Tensor:
+    """Sum a per-rank partial result over ranks (gradient passes through unchanged)."""
+    if isinstance(x, DTensor):
+        return x.redistribute(placements=[Replicate()]).to_local()
+    return DTensor.from_local(x, device_mesh, [Partial()], run_check=False).redistribute(placements=[Replicate()]).to_local()
+
+
+def packed_row_order(sizes: tuple[int, ...], tp_size: int) -> torch.Tensor:
+    """Row permutation that makes a contiguous ``Shard(0)`` give each rank a slice of every part.
+
+    A fused weight stacks parts ``[q | k | v]`` along its rows. Reordered as
+    ``[q_0 k_0 v_0 | q_1 k_1 v_1 | ...]`` (``x_r`` = rank r's contiguous slice of part x), the r-th
+    contiguous chunk is exactly rank r's slice of each part, in order, so the local output can be
+    split with local sizes.
+
+    >>> packed_row_order((4, 2), 2).tolist()
+    [0, 1, 4, 2, 3, 5]
+    """
+    starts = torch.tensor([0, *sizes]).cumsum(0)[:-1].tolist()
+    order = []
+    for rank in range(tp_size):
+        for start, size in zip(starts, sizes):
+            step = size // tp_size
+            order.extend(range(start + rank * step, start + (rank + 1) * step))
+    return torch.tensor(order)
+
+
+def permute_rows(tensor: torch.Tensor, *, dim: int, order: torch.Tensor) -> torch.Tensor:
+    return tensor.index_select(dim, order)

@@ -1,0 +1,417 @@
+"""Layouts at the edges of the sharded regions: one gather or one Replicate() DTensor shared by several
+column projections, whole modules inside a DTensor stream, reductions and copies of outputs.
+
+Long because each boundary style is small but there are many: every place a plan changes
+layout between sharded regions (shared DTensors, gathers, whole modules, output reductions).
+"""
+
+from __future__ import annotations
+
+from functools import partial
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor.parallel import SequenceParallel
+from torch.distributed.tensor.parallel.style import ParallelStyle
+from torch.distributed.tensor.placement_types import Placement
+
+from autotp.styles.embedding import VocabParallelEmbedding  # noqa: F401 (doctest)
+from autotp.styles.base import all_reduce_backward, all_reduce_forward, to_local
+
+class SequenceParallelAllGather(SequenceParallel):
+    """A sequence-parallel norm whose output is all-gathered once, for column-parallel consumers.
+
+    The norm runs on the ``Shard(sequence_dim)`` input with replicated weights (their gradients are
+    partial sums and get all-reduced, as in :class:`SequenceParallel`). Its output is redistributed
+    to ``Replicate()``, so q/k/v (or gate/up) projections that read it share one all-gather.
+
+    With ``use_local_output=False`` the output stays a ``Replicate()`` DTensor: each column
+    projection's input gradient comes back ``Partial()``, autograd sums them as DTensors, and the
+    all-gather's backward reduce-scatters the sum once. With a plain tensor each projection would
+    all-reduce its own input gradient (3 for q/k/v where 1 reduce-scatter suffices). Only use it
+    where every reader of the output accepts a DTensor (torch's Linear styles do).
+
+    Keyword Args:
+        sequence_dim (int): the sequence dimension of the input. Default: 1.
+        use_local_output (bool): return a plain tensor instead of the ``Replicate()`` DTensor.
+            Default: True.
+
+    Example::
+        >>> plan = {"model.layers.*.input_layernorm": SequenceParallelAllGather(use_local_output=False)}
+    """
+
+    def __init__(self, *, sequence_dim: int = 1, use_local_output: bool = True):
+        super().__init__(sequence_dim=sequence_dim, use_local_output=use_local_output)
+
+    @staticmethod
+    def _prepare_output_fn(use_local_output, mod, outputs, device_mesh):
+        if isinstance(outputs, DTensor):
+            outputs = outputs.redistribute(placements=[Replicate()])
+            return outputs.to_local() if use_local_output else outputs
+        return outputs
+
+    def __repr__(self) -> str:
+        flag = "" if self.use_local_output else "use_local_output=False"
+        return f"{self.__class__.__name__}({flag})"
+
+
+class ReplicatedOutput(ParallelStyle):
+    """Return a module's (replicated) output as a ``Replicate()`` DTensor, so that the column
+    projections reading it reduce their input gradient once.
+
+    Under plain TP a norm's output feeds several column-parallel Linears (q, k, v; gate, up; or
+    both branches of a parallel block). Each ``ColwiseParallel`` turns a plain input into a
+    ``Replicate()`` DTensor itself, and in backward all-reduces the ``Partial()`` input gradient
+    it gets from ``x @ W_shard^T``: one all-reduce per projection. Wrapping the output here instead
+    lets autograd sum the projections' ``Partial()`` gradients as DTensors (addition is linear, so
+    a sum of partial sums is a partial sum), and ``from_local``'s backward all-reduces that sum
+    once. The forward costs nothing: the value is already the same on every rank.
+
+    The module's own parameters stay plain tensors. Only use it where every reader of the output
+    accepts a DTensor (torch's Linear styles do; a replicated Linear with plain weights does not).
+
+    Example::
+        >>> plan = {"model.layers.*.input_layernorm": ReplicatedOutput()}
+    """
+
+    @staticmethod
+    def _prepare_output_fn(mod, inputs, outputs, device_mesh):
+        if isinstance(outputs, torch.Tensor) and not isinstance(outputs, DTensor):
+            return DTensor.from_local(outputs, device_mesh, (Replicate(),), run_check=False)
+        return outputs
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        module.register_forward_hook(partial(self._prepare_output_fn, device_mesh=device_mesh))
+        return module
+
+    def __repr__(self) -> str:
+        return f"{self.__class__.__name__}()"
+
+
+class SharedReplicatedInput(ParallelStyle):
+    """Column projections of a module that read one plain tensor share one ``Replicate()`` DTensor of it.
+
+    Without a norm before them (OLMo2 normalises after attention and MLP), q, k and v read the
+    residual stream as it enters their module, and no producer can return a DTensor
+    (:class:`ReplicatedOutput`): the residual add reads the same tensor. Each ``ColwiseParallel``
+    would wrap it itself and all-reduce its own ``Partial()`` input gradient. Here the first of
+    ``columns`` to read a tensor during one call of the module wraps it (a pre-hook that runs
+    before the Linear's style), and the others reading the same tensor get that DTensor: their
+    gradients are summed, and ``from_local``'s backward all-reduces the sum once. A column reading
+    another tensor gets its own wrapper, so sharing never changes values.
+
+    Keyword Args:
+        columns (tuple[str, ...]): the column-parallel children, relative to the module.
+
+    Example::
+        >>> plan = {"model.layers.*.self_attn": SharedReplicatedInput(columns=("q_proj", "k_proj", "v_proj"))}
+    """
+
+    def __init__(self, *, columns: tuple[str, ...]):
+        super().__init__()
+        self.columns = tuple(columns)
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        shared: dict[int, tuple[torch.Tensor, DTensor]] = {}  # id -> (tensor, its DTensor), one call's
+
+        def wrap(mod, args):
+            value = args[0] if args else None
+            if not isinstance(value, torch.Tensor) or isinstance(value, DTensor):
+                return None
+            hit = shared.get(id(value))
+            if hit is None or hit[0] is not value:
+                hit = (value, DTensor.from_local(value, device_mesh, (Replicate(),), run_check=False))
+                shared[id(value)] = hit
+            return (hit[1], *args[1:])
+
+        module.register_forward_pre_hook(lambda mod, args: shared.clear())
+        module.register_forward_hook(lambda mod, args, out: shared.clear())
+        for name in self.columns:
+            module.get_submodule(name).register_forward_pre_hook(wrap, prepend=True)
+        return module
+
+    def __repr__(self) -> str:
+        return f"{self.__class__.__name__}(columns={self.columns!r})"
+
+
+class ReplicatedModule(ParallelStyle):
+    """A module kept whole on every rank, in a plan that hands it DTensors: it runs on plain tensors.
+
+    Where a norm returns its output as a ``Replicate()`` DTensor for the column projections of a
+    branch (:class:`ReplicatedOutput`, :class:`SequenceParallelAllGather`), a module beside them
+    that is not sharded (a Mamba mixer or linear-attention block kept whole) reads the same DTensor
+    and would mix it with its plain weights. Its DTensor inputs are made whole and local at entry:
+    ``to_local()`` of a replica is free, and its gradient comes back ``Replicate()`` (every rank
+    computes the same one), which autograd adds to the projections' ``Partial()`` gradients with no
+    extra collective. Sequence-sharded inputs are all-gathered.
+
+    Keyword Args:
+        output_layouts (Placement, optional): return the (first) output as a DTensor with this
+            placement, taken from the replicated value: ``Shard(1)`` slices it back to this rank's
+            positions for a sequence-sharded residual stream. Default: a plain tensor.
+
+    Example::
+        >>> plan = {"model.layers.*.mamba": ReplicatedModule()}
+    """
+
+    def __init__(self, *, output_layouts: Placement | None = None):
+        super().__init__()
+        self.output_layouts = output_layouts
+
+    @staticmethod
+    def _whole(value):
+        return to_local(value) if isinstance(value, DTensor) else value
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        def pre_hook(mod, args, kwargs):
+            return tuple(self._whole(a) for a in args), {k: self._whole(v) for k, v in kwargs.items()}
+
+        module.register_forward_pre_hook(pre_hook, with_kwargs=True)
+        if self.output_layouts is not None:
+            def to_layout(value):
+                if isinstance(value, torch.Tensor) and not isinstance(value, DTensor):
+                    whole = DTensor.from_local(value, device_mesh, (Replicate(),), run_check=False)
+                    return whole.redistribute(placements=(self.output_layouts,))
+                return value
+
+            def hook(mod, args, out):
+                if type(out) in (tuple, list) and out:
+                    return type(out)([to_layout(out[0]), *out[1:]])
+                return to_layout(out)
+
+            module.register_forward_hook(hook)
+        return module
+
+    def __repr__(self) -> str:
+        extra = f"output_layouts={self.output_layouts}" if self.output_layouts is not None else ""
+        return f"{self.__class__.__name__}({extra})"
+
+
+class ReplicatedStream(ParallelStyle):
+    """Run a block on the residual stream as a ``Replicate()`` DTensor, so that partial sums from
+    several row-parallel branches are added before one reduction (a parallel block).
+
+    A parallel block computes ``x + attn(norm(x)) + mlp(norm(x))``. With each row projection
+    all-reducing its own output that is two all-reduces per layer in each direction. If instead
+    both rows return ``Partial()`` DTensors (``RowwiseParallel(output_layouts=Partial(),
+    use_local_output=False)``), their sum is still a partial sum, and adding the replicated
+    residual reduces it once; in backward the column projections' ``Partial()`` input gradients
+    are likewise summed before the norm reduces them once. For that the residual must be a DTensor
+    inside the block: the stream input is wrapped as ``Replicate()`` at entry (free: every rank
+    holds it) and the output is made replicated and local at exit. The norm on the stream needs
+    DTensor parameters (:class:`ReplicatedParams`). Under sequence parallel the stream is already a
+    ``Shard(1)`` DTensor and this style is not needed.
+
+    Keyword Args:
+        stream (int | str): the positional index or keyword name of the residual-stream input.
+            Default: 0.
+
+    Example::
+        >>> from torch.distributed.tensor import Partial
+        >>> from torch.distributed.tensor.parallel import RowwiseParallel
+        >>> plan = {"model.layers.*": ReplicatedStream(),
+        ...         "model.layers.*.input_layernorm": ReplicatedParams(),
+        ...         "model.layers.*.mlp.fc2": RowwiseParallel(output_layouts=Partial(), use_local_output=False)}
+    """
+
+    def __init__(self, *, stream: int | str = 0):
+        super().__init__()
+        self.stream = stream
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        def wrap(value):
+            if isinstance(value, torch.Tensor) and not isinstance(value, DTensor):
+                return DTensor.from_local(value, device_mesh, (Replicate(),), run_check=False)
+            return value
+
+        def pre_hook(mod, args, kwargs):
+            if isinstance(self.stream, int) and self.stream < len(args):
+                args = (*args[: self.stream], wrap(args[self.stream]), *args[self.stream + 1:])
+            elif isinstance(self.stream, str) and self.stream in kwargs:
+                kwargs = {**kwargs, self.stream: wrap(kwargs[self.stream])}
+            else:
+                from autotp.errors import PlanError
+
+                raise PlanError(
+                    f"{type(mod).__name__}: ReplicatedStream(stream={self.stream!r}) found no such input "
+                    f"(positional: {len(args)}, keywords: {sorted(kwargs)}); name the residual-stream input "
+                    "by its position or keyword."
+                )
+            return args, kwargs
+
+        def hook(mod, args, kwargs, out):
+            if type(out) in (tuple, list) and out:
+                return type(out)([to_local(out[0]), *out[1:]])
+            return to_local(out)
+
+        module.register_forward_pre_hook(pre_hook, with_kwargs=True)
+        module.register_forward_hook(hook, with_kwargs=True)
+        return module
+
+    def __repr__(self) -> str:
+        return f"{self.__class__.__name__}(stream={self.stream!r})"
+
+
+class ReplicatedParams(ParallelStyle):
+    """Make a module's own parameters (not its children's) replicated DTensors; no hooks.
+
+    For a module that applies parameters of its own to the sequence-sharded stream (an input
+    scale or bias on a model that also holds the layers): DTensor reduces their gradients over
+    the sequence shards, as ``SequenceParallel`` does for a norm's weight, while the children keep
+    their own styles.
+
+    Example::
+        >>> plan = {"model": ReplicatedParams()}
+    """
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        for name, param in list(module.named_parameters(recurse=False)):
+            if not isinstance(param, DTensor):
+                dist = DTensor.from_local(param, device_mesh, [Replicate()], run_check=False)
+                module.register_parameter(name, nn.Parameter(dist, requires_grad=param.requires_grad))
+        return module
+
+    def __repr__(self) -> str:
+        return f"{self.__class__.__name__}()"
+
+
+class OwnedOutput(ParallelStyle):
+    """Apply ``style``, then hand the caller a copy of the module's plain-tensor output.
+
+    Styles with ``use_local_output=True`` return ``DTensor.to_local()``, which autograd treats as a
+    view made inside a custom Function; code that then writes the output in place (``x *= scale``
+    after an embedding, ``out.add_(routed)`` after a shared expert) fails with "Output 0 of
+    _ToTorchTensor is a view and is being modified inplace". One copy of the activation avoids it;
+    the synthesizer adds this wrapper only where the traced graph shows such a write.
+
+    Example::
+        >>> plan = {"transformer.w": OwnedOutput(VocabParallelEmbedding())}
+    """
+
+    def __init__(self, wrapped: ParallelStyle):
+        super().__init__()
+        self.wrapped = wrapped  # styles with a ``wrapped`` style shard parameters as that one does
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        module = self.wrapped._apply(module, device_mesh)
+        module.register_forward_hook(lambda mod, args, out: _owned(out))  # runs after the style's hooks
+        return module
+
+    def __repr__(self) -> str:
+        return f"{self.__class__.__name__}({self.wrapped!r})"
+
+
+def _owned(out):
+    if isinstance(out, torch.Tensor) and not isinstance(out, DTensor):
+        return out.clone()
+    if isinstance(out, tuple) and out and isinstance(out[0], torch.Tensor) and not isinstance(out[0], DTensor):
+        return (out[0].clone(), *out[1:])
+    return out
+
+
+class AllReduceOutput(ParallelStyle):
+    """Sum a module's per-rank partial output over ranks (e.g. shared experts run on shards).
+
+    Example::
+        >>> plan = {"model.layers.*.mlp.shared_experts": AllReduceOutput()}
+    """
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        module.register_forward_hook(lambda mod, args, out: all_reduce_forward(out, device_mesh))
+        return module
+
+    def __repr__(self) -> str:
+        return f"{self.__class__.__name__}()"
+
+
+class GradAllReduceOutputSlice(ParallelStyle):
+    """All-reduce, in backward, the gradient of the last ``width`` features of a replicated output.
+
+    MLA's ``kv_a_proj_with_mqa`` output splits into a part that feeds a column-parallel Linear
+    (whose input gradient is already reduced) and a rotary part that reaches head-sharded attention
+    directly, whose gradient is partial per rank.
+
+    Keyword Args:
+        width (int): features at the end of the output whose gradient is partial.
+    """
+
+    def __init__(self, *, width: int):
+        super().__init__()
+        self.width = width
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        def hook(mod, args, out):
+            keep, rope = out.split([out.shape[-1] - self.width, self.width], dim=-1)
+            return torch.cat([keep, all_reduce_backward(rope, device_mesh)], dim=-1)
+
+        module.register_forward_hook(hook)
+        return module
+
+    def __repr__(self) -> str:
+        return f"{self.__class__.__name__}(width={self.width})"
+
+
+class GatherSequenceInput(ParallelStyle):
+    """All-gather a module's sequence-sharded inputs once, for the column Linears inside it.
+
+    Without a norm before them (OLMo2 normalises after attention and MLP), q, k and v read the
+    ``Shard(1)`` residual stream directly, and ``ColwiseParallel(input_layouts=Shard(1))`` on each
+    would all-gather the same tensor three times. Here every DTensor argument sharded on the
+    sequence is redistributed to ``Replicate()`` once, at the module's entry, and passed on as a
+    plain tensor; positional or keyword, whatever the caller used.
+
+    Keyword Args:
+        sequence_dim (int): the sequence dimension of the sharded inputs. Default: 1.
+        reshard_output (bool): the module's (first) output is the residual stream itself (a whole
+            decoder block kept replicated): return it as a ``Shard(sequence_dim)`` DTensor, this
+            rank's slice of the whole-sequence result. Default: False.
+        use_local_output (bool): pass the gathered inputs on as plain tensors; ``False`` keeps
+            them ``Replicate()`` DTensors (only where every reader is a column Linear). Default: True.
+
+    Example::
+        >>> plan = {"model.layers.*.self_attn": GatherSequenceInput()}
+    """
+
+    def __init__(self, *, sequence_dim: int = 1, reshard_output: bool = False, use_local_output: bool = True):
+        super().__init__()
+        self.sequence_dim = sequence_dim
+        self.reshard_output = reshard_output
+        self.use_local_output = use_local_output
+
+    @staticmethod
+    def _gather(sequence_dim, use_local_output, value):
+        if isinstance(value, DTensor) and value.placements == (Shard(sequence_dim),):
+            value = value.redistribute(placements=[Replicate()])
+            # Kept a DTensor, the column Linears' Partial() input gradients are summed and the
+            # all-gather's backward reduce-scatters them once.
+            return value.to_local() if use_local_output else value
+        return value
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        gather = partial(self._gather, self.sequence_dim, self.use_local_output)
+
+        def pre_hook(mod, args, kwargs):
+            return tuple(gather(a) for a in args), {k: gather(v) for k, v in kwargs.items()}
+
+        module.register_forward_pre_hook(pre_hook, with_kwargs=True)
+        if self.reshard_output:
+            def slice_back(value):
+                if isinstance(value, torch.Tensor) and not isinstance(value, DTensor):
+                    whole = DTensor.from_local(value, device_mesh, [Replicate()], run_check=False)
+                    return whole.redistribute(placements=[Shard(self.sequence_dim)])
+                return value
+
+            def hook(mod, args, out):
+                if type(out) in (tuple, list) and out:  # (hidden, attentions...), as a tuple or a list
+                    return type(out)([slice_back(out[0]), *out[1:]])
+                return slice_back(out)
+
+            module.register_forward_hook(hook)
+        return module
+
+    def __repr__(self) -> str:
+        extra = ", reshard_output=True" if self.reshard_output else ""
+        extra += "" if self.use_local_output else ", use_local_output=False"
+        return f"{self.__class__.__name__}(sequence_dim={self.sequence_dim}{extra})"

@@ -1,0 +1,249 @@
+"""Grouped experts: 3-D expert parameters sharded on their FFN dim, the output reduced after the module."""
+
+from __future__ import annotations
+
+from functools import partial
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
+
+from autotp.errors import PlanError
+from autotp.styles.boundaries import GatherSequenceInput
+from autotp.styles.base import LocalParamsStyle, all_reduce_backward, all_reduce_forward, packed_row_order, permute_rows
+
+class ExpertsParallel(LocalParamsStyle):
+    """Shard every expert of a grouped-experts module on its FFN dimension (transformers 5 MoE).
+
+    transformers 5 stores experts as 3-D parameters: ``gate_up_proj`` (experts, 2 * ffn, hidden)
+    and ``down_proj`` (experts, hidden, ffn). Each rank keeps ``ffn / tp`` of every expert: the
+    fused gate/up rows part by part (dim 1, :func:`packed_row_order`), the down projection's input
+    columns (dim 2). Each rank runs the routing on the replicated tokens with its slice of every
+    expert and produces a partial sum, all-reduced once after the module: one all-reduce per MoE
+    layer, as for a dense MLP. The router stays replicated; the gradients of the hidden states and
+    of the routing weights are partial and are all-reduced in backward.
+
+    With ``partial_grad_inputs=True`` the block's input arrives as a ``Replicate()`` DTensor (its
+    norm returns one) and the routing weights from a :class:`PartialGradRouter`: both input
+    gradients are left per-rank partial sums, added to the router's and any shared expert's before
+    the norm reduces the block input's gradient once, where the default reduces hidden states and
+    routing weights separately (two all-reduces per layer in backward where the forward has one).
+
+    Keyword Args:
+        shard_dims (dict[str, int]): parameter name -> sharded dim.
+        packed (dict[str, int]): parameter name -> number of equal parts fused along its sharded dim.
+        partial_grad_inputs (bool): DTensor inputs are taken local with ``Partial()`` gradients, and
+            plain floating inputs come from a :class:`PartialGradRouter`. Default: False.
+
+    Example::
+        >>> plan = {"model.layers.*.mlp.experts": ExpertsParallel()}
+    """
+
+    def __init__(self, *, shard_dims: dict[str, int] | None = None, packed: dict[str, int] | None = None,
+                 partial_grad_inputs: bool = False):
+        super().__init__()
+        self.shard_dims = dict(shard_dims or {"gate_up_proj": 1, "down_proj": 2})
+        self.packed = dict(packed if packed is not None else {"gate_up_proj": 2})
+        self.partial_grad_inputs = partial_grad_inputs
+
+    def _placement(self, name, param):
+        return Shard(self.shard_dims[name]) if name in self.shard_dims else Replicate()
+
+    def _grad_placement(self, name, param):
+        # A replicated parameter (e.g. a bias added by every rank) gets a partial gradient.
+        return [Partial()] if name not in self.shard_dims else param.placements
+
+    def _distribute(self, module, device_mesh):
+        tp = device_mesh.size()
+        for name, param in list(module.named_parameters(recurse=False)):
+            value = param
+            parts = self.packed.get(name)
+            if parts:
+                dim = self.shard_dims[name]
+                with torch.no_grad():
+                    value = param.index_select(dim, packed_row_order((param.shape[dim] // parts,) * parts, tp))
+            dist = distribute_tensor(value, device_mesh, [self._placement(name, param)])
+            new = nn.Parameter(dist, requires_grad=param.requires_grad)
+            if parts:
+                dim = self.shard_dims[name]
+                order = packed_row_order((param.shape[dim] // parts,) * parts, tp)
+                new._autotp_to_layout = partial(permute_rows, dim=dim, order=order)
+            module.register_parameter(name, new)
+
+    def _prepare_inputs(self, args, kwargs, device_mesh):
+        if self.partial_grad_inputs:
+            if not any(isinstance(v, DTensor) for v in (*args, *kwargs.values())):
+                from autotp.errors import PlanError
+
+                raise PlanError(
+                    "ExpertsParallel(partial_grad_inputs=True) got no DTensor input: the MoE block's input "
+                    "must arrive as the Replicate() DTensor its norm returns (ReplicatedOutput, or "
+                    "SequenceParallelAllGather(use_local_output=False)); else drop partial_grad_inputs.")
+            # From a PartialGradRouter, which divides its outputs' gradients by tp: times tp here
+            # keeps this partial sum whole, while a full gradient from elsewhere counts once.
+            take = partial(_partial_grad_input, scale=float(device_mesh.size()))
+        else:
+            take = partial(all_reduce_backward, device_mesh=device_mesh)
+        args = tuple(take(a) if isinstance(a, torch.Tensor) else a for a in args)
+        kwargs = {k: take(v) if isinstance(v, torch.Tensor) else v for k, v in kwargs.items()}
+        return args, kwargs
+
+    def _prepare_output(self, output, device_mesh):
+        return all_reduce_forward(output, device_mesh)
+
+    def __repr__(self) -> str:
+        extra = ", partial_grad_inputs=True" if self.partial_grad_inputs else ""
+        return f"{self.__class__.__name__}(shard_dims={self.shard_dims}, packed={self.packed}{extra})"
+
+
+class PartialGradRouter(LocalParamsStyle):
+    """A router kept whole that runs its backward on the experts' partial gradients.
+
+    The routing weights' gradient from experts sharded on their FFN dim is a per-rank partial sum
+    (each rank's slice of every expert's output). A backward is linear in its incoming gradient, so
+    the router can run it on that partial sum as is: its input gradient is then partial too, and is
+    added to the experts' before the block input's single reduction; its weight gradient is left
+    ``Partial()`` (reduced where gradients are synchronised, as a sequence-parallel norm's). That
+    saves the all-reduce of the routing weights' gradient per layer.
+
+    A gradient reaching the router's outputs from elsewhere (an auxiliary loss on the router
+    logits) is the same full value on every rank; outputs' gradients are divided by tp so that it
+    counts once in the sum over ranks, and :class:`ExpertsParallel` with ``partial_grad_inputs``
+    multiplies its own by tp. DTensor inputs (the norm's ``Replicate()`` output) are taken local
+    with ``Partial()`` gradients; plain floating inputs all-reduce theirs.
+
+    Example::
+        >>> from autotp.styles import ReplicatedOutput
+        >>> plan = {"model.layers.*.post_attention_layernorm": ReplicatedOutput(),
+        ...         "model.layers.*.mlp.gate": PartialGradRouter(),
+        ...         "model.layers.*.mlp.experts": ExpertsParallel(partial_grad_inputs=True)}
+    """
+
+    def _placement(self, name, param):
+        return Replicate()
+
+    def _grad_placement(self, name, param):
+        return [Partial()]
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        # Only the module's own parameters get Partial() gradients: a child's (a ``gate`` Linear
+        # inside the router) would keep a per-rank partial gradient that nothing reduces.
+        nested = [name for name, _ in module.named_parameters() if "." in name]
+        if nested:
+            raise PlanError(f"{type(module).__name__}: PartialGradRouter covers the module's own parameters, "
+                            f"but {nested[0]} belongs to a child module; put the style on the module that "
+                            "owns the router weight (the gate Linear), or keep the router out of the plan")
+        return super()._apply(module, device_mesh)
+
+    def _prepare_inputs(self, args, kwargs, device_mesh):
+        take = partial(_partial_grad_input, scale=None, device_mesh=device_mesh)
+        args = tuple(take(a) if isinstance(a, torch.Tensor) else a for a in args)
+        kwargs = {k: take(v) if isinstance(v, torch.Tensor) else v for k, v in kwargs.items()}
+        return args, kwargs
+
+    def _prepare_output(self, output, device_mesh):
+        scale = 1.0 / device_mesh.size()
+        if isinstance(output, (tuple, list)):
+            return type(output)(_scale_grad(o, scale) for o in output)
+        return _scale_grad(output, scale)
+
+
+def _partial_grad_input(value, *, scale, device_mesh=None):
+    """A DTensor taken local with a ``Partial()`` gradient; a plain floating tensor's gradient
+    multiplied by ``scale``, or all-reduced where ``scale`` is None."""
+    if isinstance(value, DTensor):
+        if value.placements != (Replicate(),):  # not when replicated: its backward would all-reduce
+            value = value.redistribute(placements=[Replicate()])
+        return value.to_local(grad_placements=[Partial()])
+    if scale is None:
+        return all_reduce_backward(value, device_mesh)
+    return _scale_grad(value, scale)
+
+
+class _ScaleGrad(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, scale):
+        ctx.scale = scale
+        return x.clone()  # not a view: callers may write routing weights in place (small tensors)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad * ctx.scale, None
+
+
+def _scale_grad(value, scale: float):
+    """Identity forward; the gradient times ``scale``."""
+    if isinstance(value, torch.Tensor) and not isinstance(value, DTensor) and value.is_floating_point():
+        return _ScaleGrad.apply(value, scale)
+    return value
+
+
+class PartialExpertsParallel(ExpertsParallel):
+    """Experts sharded on their FFN dim whose output stays a per-rank partial sum (no all-reduce).
+
+    Under sequence parallel the MoE block's output goes back to the ``Shard(1)`` residual stream.
+    :class:`~autotp.styles.ExpertsParallel` would all-reduce the partial sum and the block would
+    then drop all but its own sequence slice: a reduce-scatter does the same with half the traffic.
+    So the reduction is left to the block: ``PrepareModuleOutput(output_layouts=Partial(),
+    desired_output_layouts=Shard(1))``. The inputs' gradients are still all-reduced (each rank's
+    slice of every expert contributes to them), as in the parent style.
+
+    Keyword Args:
+        shard_dims, packed: as for :class:`~autotp.styles.ExpertsParallel`.
+
+    Example::
+        >>> from torch.distributed.tensor import Partial, Shard
+        >>> from torch.distributed.tensor.parallel import PrepareModuleOutput
+        >>> plan = {"model.layers.*.mlp.experts": PartialExpertsParallel(),
+        ...         "model.layers.*.mlp": PrepareModuleOutput(output_layouts=Partial(),
+        ...                                                   desired_output_layouts=Shard(1))}
+    """
+
+    def _prepare_output(self, output, device_mesh):
+        return output
+
+
+class SequenceParallelMoEBlock(GatherSequenceInput):
+    """A MoE block (router, experts, the combine) on the sequence-sharded residual stream.
+
+    The block's dispatch indexes tokens with plain ids (``y[token_idx]``, a scatter of routed
+    rows), which a ``Shard(1)`` DTensor cannot take: any input still sharded on the sequence is
+    all-gathered once at the block's entry (a norm before it usually did that already, and then
+    nothing happens here), so router and experts see every token as plain ``(tokens, C)`` rows.
+    The experts (:class:`PartialExpertsParallel`) leave per-rank partial sums, so the block's output
+    is a ``Partial()`` DTensor reduce-scattered to ``Shard(1)``: one collective out, as a row
+    Linear's under sequence parallel.
+
+    Keyword Args:
+        sequence_dim (int): the sequence dimension of the stream. Default: 1.
+
+    Example::
+        >>> plan = {"model.layers.*.mlp": SequenceParallelMoEBlock(),
+        ...         "model.layers.*.mlp.experts": PartialExpertsParallel()}
+    """
+
+    def __init__(self, *, sequence_dim: int = 1):
+        super().__init__(sequence_dim=sequence_dim)
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        super()._apply(module, device_mesh)
+        sequence_dim = self.sequence_dim
+
+        def reduce_scatter(value):
+            # The experts' output on each rank is its shard's share of every token: a partial sum.
+            if isinstance(value, torch.Tensor) and not isinstance(value, DTensor):
+                partial_sum = DTensor.from_local(value, device_mesh, [Partial()], run_check=False)
+                return partial_sum.redistribute(placements=[Shard(sequence_dim)])
+            return value
+
+        def hook(mod, args, out):
+            if type(out) in (tuple, list) and out:  # (hidden, router logits...): the first is the stream
+                return type(out)([reduce_scatter(out[0]), *out[1:]])
+            return reduce_scatter(out)
+
+        module.register_forward_hook(hook)
+        return module
+
+    def __repr__(self) -> str:
+        return f"{self.__class__.__name__}(sequence_dim={self.sequence_dim})"

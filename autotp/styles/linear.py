@@ -1,0 +1,180 @@
+"""Linear styles torch lacks: fused projections cut part by part, weights stored (in, out), and a row
+whose partial output is reduced together with another's."""
+
+from __future__ import annotations
+
+import weakref
+from functools import partial
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_module, distribute_tensor
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+from autotp.styles.base import packed_row_order, permute_rows
+
+class PartialRowwiseParallel(RowwiseParallel):
+    """A row-parallel Linear whose output stays a ``Partial()`` DTensor (one branch of a parallel
+    block), for the caller to add to the other branch before one reduction.
+
+    Its gradient is taken ``Replicate()``: when the sum is reduce-scattered onto the ``Shard(1)``
+    stream (SP), the gradient comes back sequence-sharded and is all-gathered once here, instead of
+    once for the input gradient and again for the weight gradient inside the Linear's backward.
+    The add that joins the branches hands both the same sequence-sharded gradient: the first
+    branch to gather it keeps the result for the other (by identity, for the backward pass), so the
+    block all-gathers once per layer, mirroring its one reduce-scatter.
+
+    Example::
+        >>> plan = {"model.layers.*.mlp.fc2": PartialRowwiseParallel()}
+    """
+
+    def __init__(self):
+        super().__init__(output_layouts=Partial(), use_local_output=False)
+
+    @staticmethod
+    def _prepare_output_fn(output_layouts, use_local_output, mod, outputs, device_mesh):
+        local = outputs.to_local(grad_placements=(Replicate(),))
+        return _PartialFromLocal.apply(local, device_mesh)
+
+    def __repr__(self) -> str:
+        return f"{self.__class__.__name__}()"
+
+
+# Sequence-sharded gradients already all-gathered, by the gradient's id while it lives (a weak
+# reference tells a reused id apart): two branches of a parallel block get the same one from the
+# add that joins them. Not a WeakKeyDictionary: it compares tensor keys with ``==``.
+_GATHERED: dict[int, tuple[weakref.ref, torch.Tensor]] = {}
+
+
+class _PartialFromLocal(torch.autograd.Function):
+    """``DTensor.from_local(local, mesh, (Partial(),))`` whose backward gathers a given gradient once."""
+
+    @staticmethod
+    def forward(ctx, local, device_mesh):
+        return DTensor.from_local(local, device_mesh, (Partial(),), run_check=False)
+
+    @staticmethod
+    def backward(ctx, grad):
+        if not isinstance(grad, DTensor):
+            return grad, None
+        if not any(p.is_shard() for p in grad.placements):  # as from_local's backward: kept as is
+            return grad.to_local(), None
+        key = id(grad)
+        held = _GATHERED.get(key)
+        if held is not None and held[0]() is grad:
+            return held[1], None
+        whole = grad.redistribute(placements=[Replicate()] * grad.device_mesh.ndim).to_local()
+        _GATHERED[key] = (weakref.ref(grad, lambda _, key=key: _GATHERED.pop(key, None)), whole)
+        return whole, None
+
+
+class PackedColwiseParallel(ColwiseParallel):
+    """Column-parallel Linear whose output is a concatenation of parts, sharded part by part.
+
+    Plain ``ColwiseParallel`` on a fused ``[q | k | v]`` or ``[gate | up]`` weight hands rank 0 all
+    of q and rank 1 the rest of q plus k and v: the split after it then mixes parts and the logits
+    are wrong with no error. Here the weight rows (and bias) are first permuted by
+    :func:`packed_row_order`, then sharded ``Shard(0)``: each rank holds ``size / tp`` rows of every
+    part. Parts may be unequal (GQA: ``sizes=(heads * d, kv * d, kv * d)``). The parameter keeps the
+    permuted order; its ``_autotp_to_layout`` attribute maps an unsharded tensor to that order, for checkpoint
+    conversion and for :func:`autotp.verify`.
+
+    Keyword Args:
+        sizes (tuple[int, ...]): widths of the parts, summing to ``out_features``.
+        input_layouts, output_layouts, use_local_output: as for :class:`ColwiseParallel`.
+
+    Example::
+        >>> plan = {"model.layers.*.mlp.gate_up_proj": PackedColwiseParallel(sizes=(8192, 8192))}
+    """
+
+    def __init__(self, *, sizes: tuple[int, ...], **kwargs):
+        super().__init__(**kwargs)
+        self.sizes = tuple(int(s) for s in sizes)
+
+    def _partition_linear_fn(self, name, module, device_mesh):
+        tp = device_mesh.size()
+        order = packed_row_order(self.sizes, tp)
+        for pname, param in list(module.named_parameters(recurse=False)):
+            with torch.no_grad():
+                permuted = param[order]
+            dist = distribute_tensor(permuted, device_mesh, [Shard(0)], src_data_rank=self.src_data_rank)
+            new = nn.Parameter(dist, requires_grad=param.requires_grad)
+            new._autotp_to_layout = partial(permute_rows, dim=0, order=order)
+            module.register_parameter(pname, new)
+
+    def __repr__(self) -> str:
+        return super().__repr__()[:-1] + f", sizes={self.sizes})"
+
+
+class ColwiseParallelInOut(ColwiseParallel):
+    """:class:`ColwiseParallel` for a Linear-like module whose weight is stored ``(in, out)``
+    (transformers' ``Conv1D``: ``addmm(bias, x, weight)``): the weight is sharded on dim 1, the bias
+    on dim 0. With ``sizes`` the output is a concatenation of parts sharded part by part, as
+    :class:`PackedColwiseParallel` does (GPT-2's fused ``c_attn``).
+
+    The module runs on DTensors (its code reshapes with global sizes, ``view(..., self.nf)``); the
+    output is turned local after it returns.
+
+    Keyword Args:
+        sizes (tuple[int, ...] | None): widths of the parts of a fused output, or None.
+        input_layouts, output_layouts, use_local_output: as for :class:`ColwiseParallel`.
+
+    Example::
+        >>> plan = {"transformer.h.*.mlp.c_fc": ColwiseParallelInOut()}
+    """
+
+    def __init__(self, *, sizes: tuple[int, ...] | None = None, **kwargs):
+        super().__init__(**kwargs)
+        self.sizes = tuple(int(s) for s in sizes) if sizes else None
+
+    def _partition_in_out_fn(self, name, module, device_mesh):
+        order = packed_row_order(self.sizes, device_mesh.size()) if self.sizes else None
+        for pname, param in list(module.named_parameters(recurse=False)):
+            dim = param.ndim - 1  # the out features: weight (in, out) dim 1, bias (out,) dim 0
+            with torch.no_grad():
+                value = param if order is None else param.index_select(dim, order.to(param.device))
+            dist = distribute_tensor(value, device_mesh, [Shard(dim)], src_data_rank=self.src_data_rank)
+            new = nn.Parameter(dist, requires_grad=param.requires_grad)
+            if order is not None:
+                new._autotp_to_layout = partial(permute_rows, dim=dim, order=order)
+            module.register_parameter(pname, new)
+
+    def sharded_param_dims(self, module: nn.Module) -> dict[str, int]:
+        return {n: p.ndim - 1 for n, p in module.named_parameters(recurse=False)}
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        return distribute_module(
+            module, device_mesh, self._partition_in_out_fn,
+            partial(self._prepare_input_fn, self.input_layouts, self.desired_input_layouts),
+            partial(self._prepare_output_fn, self.output_layouts, self.use_local_output),
+        )
+
+    def __repr__(self) -> str:
+        return super().__repr__()[:-1] + (f", sizes={self.sizes})" if self.sizes else ")")
+
+
+class RowwiseParallelInOut(RowwiseParallel):
+    """:class:`RowwiseParallel` for a Linear-like module whose weight is stored ``(in, out)``: the
+    weight is sharded on dim 0 (the contracted input features), the bias kept whole.
+
+    Example::
+        >>> plan = {"transformer.h.*.mlp.c_proj": RowwiseParallelInOut()}
+    """
+
+    def _partition_in_out_fn(self, name, module, device_mesh):
+        for pname, param in list(module.named_parameters(recurse=False)):
+            placement = Shard(0) if param.ndim == 2 else Replicate()
+            dist = distribute_tensor(param, device_mesh, [placement], src_data_rank=self.src_data_rank)
+            module.register_parameter(pname, nn.Parameter(dist, requires_grad=param.requires_grad))
+
+    def sharded_param_dims(self, module: nn.Module) -> dict[str, int]:
+        return {n: 0 for n, p in module.named_parameters(recurse=False) if p.ndim == 2}
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        self.desired_input_layouts = (Shard(-1),)
+        return distribute_module(
+            module, device_mesh, self._partition_in_out_fn,
+            partial(self._prepare_input_fn, self.input_layouts, self.desired_input_layouts),
+            partial(self._prepare_output_fn, self.output_layouts, self.use_local_output),
+        )

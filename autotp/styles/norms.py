@@ -1,0 +1,94 @@
+"""Norms and per-head parameters that meet a sharded activation: gradients all-reduced, or statistics
+reduced over a sharded width."""
+
+from __future__ import annotations
+
+from functools import partial
+
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_module, distribute_tensor
+from torch.distributed.tensor.parallel.style import ParallelStyle
+
+from autotp.styles.base import LocalParamsStyle
+
+class ReplicatedWithGradAllReduce(LocalParamsStyle):
+    """Keep a module's parameters replicated and all-reduce their gradients.
+
+    For a module between a column- and a row-parallel Linear that sees only this rank's part of
+    the activation: each rank's parameter gradient is a partial sum over its shard, and plain
+    replicated parameters would drift apart after one optimizer step, silently.
+
+    Example::
+        >>> plan = {"model.layers.*.mlp.gate_norm": ReplicatedWithGradAllReduce()}
+    """
+
+    def _placement(self, name, param):
+        return Replicate()
+
+    def _grad_placement(self, name, param):
+        return [Partial()]
+
+
+class HeadShardedNorm(ReplicatedWithGradAllReduce):
+    """A per-head norm (Qwen3 ``q_norm`` / ``k_norm``) on a tensor whose heads are sharded.
+
+    The input ``(..., heads / tp, head_dim)`` comes from a column-parallel projection; the norm
+    reduces over ``head_dim`` only, so the local result is exact. The weight (over ``head_dim``)
+    stays replicated; each rank's gradient sums over its own heads only, so it is all-reduced.
+
+    Example::
+        >>> plan = {"model.layers.*.self_attn.q_norm": HeadShardedNorm()}
+    """
+
+
+class WidthShardedNorm(ParallelStyle):
+    """A norm over a width that a column-parallel projection sharded (OLMo2 ``q_norm``).
+
+    ``RMSNorm(q_proj(x))`` normalises over all heads together. With ``q_proj`` column-parallel,
+    each rank holds a slice of that width. The norm runs on DTensors: the input is
+    ``Shard(shard_dim)``, the weight ``Shard(0)`` like its input, the mean of squares becomes a
+    partial sum that DTensor all-reduces (a ``(batch, seq, 1)`` statistic), and the result is exact
+    and stays sharded (returned local).
+
+    Keyword Args:
+        shard_dim (int): the sharded (normalised) dimension of the input. Default: -1.
+
+    Example::
+        >>> plan = {"model.layers.*.self_attn.q_norm": WidthShardedNorm()}
+    """
+
+    def __init__(self, *, shard_dim: int = -1):
+        super().__init__()
+        self.shard_dim = shard_dim
+
+    def sharded_param_dims(self, module: nn.Module) -> dict[str, int]:
+        return {name: 0 for name, _ in module.named_parameters(recurse=False)}
+
+    def _partition_fn(self, name, module, device_mesh):
+        for pname, param in list(module.named_parameters(recurse=False)):
+            dist = distribute_tensor(param, device_mesh, [Shard(0)])
+            module.register_parameter(pname, nn.Parameter(dist, requires_grad=param.requires_grad))
+
+    @staticmethod
+    def _prepare_input_fn(shard_dim, mod, inputs, device_mesh):
+        x = inputs[0]
+        if not isinstance(x, DTensor):
+            x = DTensor.from_local(x, device_mesh, [Shard(shard_dim % x.ndim)], run_check=False)
+        return (x, *inputs[1:])
+
+    @staticmethod
+    def _prepare_output_fn(mod, outputs, device_mesh):
+        return outputs.to_local() if isinstance(outputs, DTensor) else outputs
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        return distribute_module(
+            module,
+            device_mesh,
+            self._partition_fn,
+            partial(self._prepare_input_fn, self.shard_dim),
+            self._prepare_output_fn,
+        )
+
+    def __repr__(self) -> str:
+        return f"{self.__class__.__name__}(shard_dim={self.shard_dim})"

@@ -1,0 +1,216 @@
+"""The synthesis pipeline: one :class:`Analysis`, a constraint fixpoint, then a list of passes.
+
+::
+
+    program, groups = trace(model)                 # torch.export, one block per distinct type
+    g = build_graph(program)                        # networkx view of the program
+    analysis = constraint_fixpoint(...)             # analyse -> roles -> constraints, until none is new
+    for step in POST_PASSES:                        # each Analysis -> Analysis, logging what it changed
+        analysis = step(analysis)
+
+The fixpoint's constraints are facts that keep Linears whole and that only a converged analysis
+can reveal: weights read outside their module, a tied weight its users would shard two ways, a
+fused output cut with global sizes (:func:`~autotp.synth.localize.localize`). Each round analyses
+again with every constraint found so far; the loop ends when a round adds none.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
+
+import networkx as nx
+from torch import nn
+
+from autotp.errors import MeshError, working_tp_sizes
+from autotp.synth.analysis import Flow, analyse, module_of
+from autotp.synth.assign import assign_roles, foreign_reads, mutated_outputs, tie_conflicts, tied_embedding_modules
+from autotp.synth.graph import build_graph
+from autotp.synth.kvheads import replicate_kv
+from autotp.synth.localize import localize
+from autotp.synth.roles import Role
+from autotp.synth.sequence import sequence_parallel_roles
+from autotp.synth.shared import shared_input_roles
+from autotp.synth.trace import LayerGroups, repeated_lists, trace
+from autotp.synth.validate import require_language_model, require_repeated_block
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Analysis:
+    """Everything synthesis found about a model, keyed by traced FQNs, and what it was asked.
+
+    Attributes:
+        graph: the traced program as a graph (:func:`~autotp.synth.graph.build_graph`).
+        flow: the converged shard propagation.
+        roles: one :class:`~autotp.synth.roles.Role` per module that needs a style, with its reason.
+        groups: which original layers each traced layer stands for.
+        model, example_inputs, tp_size, sequence_parallel: what the analysis was made for. Without a
+            tp size, fused outputs are checked at tp=2 (any tp that divides the parts behaves alike)
+            and nothing is checked for divisibility or replicated per kv head.
+        counts: per module, the integer attributes that size the cuts of a fused output.
+        kv_handled: k/v projection nodes replicated per kv head (not checked for divisibility).
+    """
+
+    graph: nx.DiGraph
+    flow: Flow
+    roles: dict[str, Role]
+    groups: LayerGroups
+    model: nn.Module | None = field(default=None, repr=False)
+    example_inputs: object = field(default=None, repr=False)
+    tp_size: int | None = None
+    sequence_parallel: bool = False
+    counts: dict[str, tuple[str, ...]] = field(default_factory=dict)
+    kv_handled: frozenset = frozenset()
+
+
+def run(model: nn.Module, *, example_inputs=None, sequence_parallel: bool = False,
+        tp_size: int | None = None) -> Analysis:
+    """The whole pipeline on ``model``: trace, graph, constraint fixpoint, then :data:`POST_PASSES`."""
+    require_repeated_block(model, repeated_lists(model))
+    program, groups = trace(model, example_inputs)
+    g = build_graph(program)
+    require_language_model(model, g)
+    analysis = constraint_fixpoint(g, groups, model, example_inputs, tp_size)
+    analysis = replace(analysis, sequence_parallel=sequence_parallel)
+    for step in POST_PASSES:
+        analysis = _logged(step, analysis)
+    log.info("synthesis: %d graph nodes, %d roles", g.number_of_nodes(), len(analysis.roles))
+    return analysis
+
+
+def constraint_fixpoint(g: nx.DiGraph, groups: LayerGroups, model: nn.Module, example_inputs,
+                        tp_size: int | None) -> Analysis:
+    """Analyse and assign roles until no round finds a new constraint; log what each round added.
+
+    Constraints: Linears whose weights stay whole (read outside their module, tied weights their
+    users would shard differently), embeddings kept whole with them, and column candidates whose
+    fused output is cut with global sizes.
+    """
+    whole, forced = foreign_reads(g)
+    unlocal: dict[str, str] = {}
+    one_kv = tp_size is not None  # one-kv-head k/v can be replicated per rank only for a known tp
+    for round_ in itertools.count(1):
+        flow, dropped = analyse(g, unlocal, unit_heads=one_kv, whole=whole)
+        roles = assign_roles(g, flow, dropped, forced)
+        ties = {n: reason for n, reason in tie_conflicts(g, roles, flow).items() if n not in whole}
+        if ties:  # keep tied weights whole on every user, and analyse again without them
+            log.info("constraints, round %d: tied weights kept whole at %s", round_, sorted(ties))
+            whole = {**whole, **ties}
+            forced = {**forced, **tied_embedding_modules(g, whole)}
+            continue
+        local = localize(model, example_inputs, g, flow, roles, tp_size or 2, groups)
+        new = {n: reason for n, reason in local.unlocal.items() if n not in unlocal}
+        if new:  # fused outputs cut with global sizes: keep those Linears whole
+            log.info("constraints, round %d: fused outputs cut with global sizes at %s", round_, sorted(new))
+            unlocal = {**unlocal, **new}
+            continue
+        log.debug("constraints converged after %d rounds", round_)
+        return Analysis(g, flow, roles, groups, model, example_inputs, tp_size, counts=dict(local.counts))
+    raise AssertionError("unreachable")  # itertools.count never ends
+
+
+# --- post-passes: each Analysis -> Analysis -------------------------------------------------------
+
+
+def shard_counts(a: Analysis) -> Analysis:
+    """Modules whose integer attributes size the cuts of a fused output get them divided by tp."""
+    roles = dict(a.roles)
+    for module, names in a.counts.items():
+        current = roles.get(module)
+        if current is not None and current.kind in ("head_params", "linear_params"):  # one style does both
+            roles[module] = replace(current, names=names, reason=current.reason + f"; its attributes "
+                                    f"{', '.join(names)} size its reshapes, divided by tp")
+            continue
+        roles[module] = Role("shard_counts", f"its attributes {', '.join(names)} size the cuts of a fused "
+                             "output; divided by tp, the cuts are the per-rank parts", (module,), names=names)
+    return replace(a, roles=roles)
+
+
+def kv_replication(a: Analysis) -> Analysis:
+    """tp > kv heads: k/v projections hold the kv head their ranks' query heads read."""
+    if a.tp_size is None:
+        return a
+    kv_roles, handled = replicate_kv(a.model, a.example_inputs, a.graph, a.flow, a.roles, a.tp_size, a.groups)
+    return replace(a, roles={**a.roles, **kv_roles}, kv_handled=frozenset(handled))
+
+
+def sequence_parallel(a: Analysis) -> Analysis:
+    """Under sequence parallel: the residual stream sharded on the sequence between blocks."""
+    if not a.sequence_parallel:
+        return a
+    return replace(a, roles=sequence_parallel_roles(a.graph, a.flow, a.roles, a.groups))
+
+
+def shared_inputs(a: Analysis) -> Analysis:
+    """Inputs shared by several column projections (and parallel blocks) are reduced once."""
+    return replace(a, roles=shared_input_roles(a.graph, a.flow, a.roles, sequence_parallel=a.sequence_parallel,
+                                               groups=a.groups))
+
+
+def divisibility(a: Analysis) -> Analysis:
+    """With a tp size: every sharded extent must divide (else MeshError); vocab tables it does not
+    divide stay whole."""
+    if a.tp_size is None:
+        return a
+    check_divisible(a.graph, a.flow, a.roles, a.tp_size, skip=a.kv_handled)
+    return replace(a, roles={**a.roles, **indivisible_tables(a.graph, a.roles, a.tp_size)})
+
+
+def owned_outputs(a: Analysis) -> Analysis:
+    """Modules whose output the calling code modifies in place return a copy, not a shard's view."""
+    roles = dict(a.roles)
+    for module in mutated_outputs(a.graph) & roles.keys():
+        roles[module] = replace(roles[module], owned_output=True)
+    return replace(a, roles=roles)
+
+
+# The passes after the fixpoint, in order.
+POST_PASSES: tuple[Callable[[Analysis], Analysis], ...] = (
+    shard_counts, kv_replication, sequence_parallel, shared_inputs, divisibility, owned_outputs,
+)
+
+
+def _logged(step: Callable[[Analysis], Analysis], a: Analysis) -> Analysis:
+    out = step(a)
+    changed = sorted(m for m in out.roles.keys() | a.roles.keys() if out.roles.get(m) != a.roles.get(m))
+    if changed:
+        log.info("%s: %d roles changed (%s)", step.__name__, len(changed), ", ".join(changed[:8]))
+    return out
+
+
+def indivisible_tables(g: nx.DiGraph, roles: dict[str, Role], tp_size: int) -> dict[str, Role]:
+    """Vocab-parallel embeddings whose rows ``tp_size`` does not divide (OPT's 2050 positions at
+    tp=4) stay whole: a small table costs less replicated than a plan that cannot be applied."""
+    out = {}
+    for name, data in g.nodes(data=True):
+        role = roles.get(data["module"])
+        if data["op"] != "embedding" or role is None or role.kind != "vocab_embedding":
+            continue
+        rows = g.nodes[data["args"][0].name]["shape"][0]
+        if rows % tp_size:
+            out[data["module"]] = Role("replicate", f"its {rows} rows do not split over tp={tp_size} (tp in "
+                                       f"{working_tp_sizes([rows])} would); kept whole", role.evidence)
+    return out
+
+
+def check_divisible(g: nx.DiGraph, flow: Flow, roles: dict[str, Role], tp_size: int,
+                    skip: set[str] = frozenset()) -> None:
+    """Every sharded extent (heads, features, parts) must split evenly over ``tp_size`` ranks.
+
+    ``skip``: roots sharded another way (kv projections replicated per head).
+
+    Raises:
+        MeshError: naming the module, the extent found and the tp sizes that would work.
+    """
+    for root in sorted(set(flow.roots) - set(skip), key=lambda n: g.nodes[n]["order"]):
+        module = module_of(g, root)
+        sizes = roles[module].sizes or () if module in roles else ()
+        for size in (flow.extent.get(root, 0), *sizes):
+            if size > 0 and size % tp_size:
+                raise MeshError(module=module, found=f"its sharded output reaches a dim of size {size} (heads or "
+                                f"features), which tp={tp_size} does not divide",
+                                fix=f"use tp in {working_tp_sizes([size])}")

@@ -1,0 +1,377 @@
+"""Plain-PyTorch idioms the synthesizer must keep sharded (or refuse clearly), one toy decoder each.
+
+Each toy is a two-layer decoder (embedding, pre-norm attention and MLP, head) in which one pattern
+of hand-written model code varies: grouped-query attention by ``repeat_interleave`` or by
+``expand`` + ``reshape``, a head-major fused qkv cut by ``unbind`` / ``split`` on the last-but-one
+dim, an interleaved gate/up taken by strided slices, raw ``nn.Parameter`` weights used as Linears
+(``x @ W.T``, ``x @ W``, ``F.linear``, ``einsum``, ``torch.bmm`` by stacked 3-D weights), LoRA-style
+adapters beside a base Linear (``nn.Linear`` or raw), and a merge-back ``reshape`` to a fixed width
+attribute.
+
+Every synthesized plan is verified against the unsharded model (logits and every gradient) at tp 2
+and 4, and its per-rank parameter fraction must be near ``1/tp``: a test catches both a plan that
+computes something else and one that silently leaves the pattern whole. Patterns that cannot be
+sharded correctly (kv heads tiled by ``repeat`` rather than interleaved, raw weights viewed into
+heads by a module constant, a raw weight read twice) must be left whole.
+"""
+
+import warnings
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from autotp import check_plan
+from autotp.synth import synthesize
+from autotp.synth.api import analyse_model
+from autotp.verifier import verify
+
+DIM, HEADS, KV_HEADS, HD, FFN, VOCAB, SEQ, RANK = 64, 8, 4, 8, 128, 128, 8, 4
+
+
+def _heads(x, n):
+    b, t, _ = x.shape
+    return x.view(b, t, n, HD).transpose(1, 2)
+
+
+class RepeatInterleaveGQA(nn.Module):
+    """Grouped-query attention, kv heads repeated to the query heads by ``repeat_interleave``."""
+
+    def __init__(self):
+        super().__init__()
+        self.n_rep = HEADS // KV_HEADS
+        self.wq, self.wo = nn.Linear(DIM, HEADS * HD, bias=False), nn.Linear(HEADS * HD, DIM, bias=False)
+        self.wk, self.wv = nn.Linear(DIM, KV_HEADS * HD, bias=False), nn.Linear(DIM, KV_HEADS * HD, bias=False)
+
+    def repeat(self, k):
+        return k.repeat_interleave(self.n_rep, dim=1)
+
+    def forward(self, x):
+        b, t, _ = x.shape
+        q, k, v = _heads(self.wq(x), -1), _heads(self.wk(x), -1), _heads(self.wv(x), -1)
+        y = F.scaled_dot_product_attention(q, self.repeat(k), self.repeat(v), is_causal=True)
+        return self.wo(y.transpose(1, 2).reshape(b, t, -1))
+
+
+class ExpandReshapeGQA(RepeatInterleaveGQA):
+    """kv heads repeated by ``expand`` of a new group dim and a ``reshape`` that merges it in."""
+
+    def repeat(self, k):
+        b, kv, t, hd = k.shape
+        return k[:, :, None].expand(b, kv, self.n_rep, t, hd).reshape(b, kv * self.n_rep, t, hd)
+
+
+class ExpandReshapeCountsGQA(RepeatInterleaveGQA):
+    """The same repeat sized by head-count attributes: ``reshape(b, self.n_head, t, hd)``."""
+
+    def __init__(self):
+        super().__init__()
+        self.n_head, self.n_kv_head = HEADS, KV_HEADS
+
+    def repeat(self, k):
+        b, _, t, hd = k.shape
+        return k[:, :, None].expand(b, self.n_kv_head, self.n_rep, t, hd).reshape(b, self.n_head, t, hd)
+
+
+class TiledRepeatGQA(RepeatInterleaveGQA):
+    """kv heads tiled by ``repeat`` (head h reads kv head h % kv): not the grouping of the shards."""
+
+    def repeat(self, k):
+        return k.repeat(1, self.n_rep, 1, 1)
+
+
+class HeadMajorQKVUnbind(nn.Module):
+    """One fused qkv Linear laid out head by head: ``view(b, t, heads, 3, hd)``, then ``unbind(3)``."""
+
+    def __init__(self):
+        super().__init__()
+        self.n_head, self.head_dim = HEADS, HD
+        self.qkv, self.proj = nn.Linear(DIM, 3 * HEADS * HD), nn.Linear(HEADS * HD, DIM)
+
+    def parts(self, qkv):
+        return qkv.unbind(3)
+
+    def forward(self, x):
+        b, t, _ = x.shape
+        qkv = self.qkv(x).view(b, t, self.n_head, 3, self.head_dim)
+        q, k, v = (z.reshape(b, t, self.n_head, self.head_dim).transpose(1, 2) for z in self.parts(qkv))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.proj(y.transpose(1, 2).reshape(b, t, self.n_head * self.head_dim))
+
+
+class HeadMajorQKVSplit(HeadMajorQKVUnbind):
+    """The same layout cut by ``split(1, dim=-2)``."""
+
+    def parts(self, qkv):
+        return qkv.split(1, dim=-2)
+
+
+class FixedWidthMerge(RepeatInterleaveGQA):
+    """Heads merged back by ``reshape(b, t, self.d_model)``: a width attribute, not ``-1``."""
+
+    def __init__(self):
+        super().__init__()
+        self.d_model = HEADS * HD
+
+    def forward(self, x):
+        b, t, _ = x.shape
+        q, k, v = _heads(self.wq(x), -1), _heads(self.wk(x), -1), _heads(self.wv(x), -1)
+        y = F.scaled_dot_product_attention(q, self.repeat(k), self.repeat(v), is_causal=True)
+        return self.wo(y.transpose(1, 2).reshape(b, t, self.d_model))
+
+
+class GatedMLP(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.gate, self.up, self.down = nn.Linear(DIM, FFN), nn.Linear(DIM, FFN), nn.Linear(FFN, DIM)
+
+    def forward(self, x):
+        return self.down(F.silu(self.gate(x)) * self.up(x))
+
+
+class StridedGateUp(nn.Module):
+    """gate and up fused feature by feature: ``h[..., ::2]`` is the gate, ``h[..., 1::2]`` the up."""
+
+    def __init__(self):
+        super().__init__()
+        self.gate_up, self.down = nn.Linear(DIM, 2 * FFN), nn.Linear(FFN, DIM)
+
+    def forward(self, x):
+        h = self.gate_up(x)
+        return self.down(F.silu(h[..., ::2]) * h[..., 1::2])
+
+
+def _param(*shape):
+    return nn.Parameter(torch.randn(*shape) * shape[-1] ** -0.5)
+
+
+class RawParamAttention(nn.Module):
+    """Attention whose weights are raw parameters: ``x @ W.T``, ``F.linear``, ``x @ W`` (in, out)."""
+
+    def __init__(self):
+        super().__init__()
+        self.n_head = HEADS
+        self.wq, self.wk = _param(HEADS * HD, DIM), _param(HEADS * HD, DIM)
+        self.wv_in_out, self.wo = _param(DIM, HEADS * HD), _param(DIM, HEADS * HD)
+
+    def forward(self, x):
+        b, t, _ = x.shape
+        n = self.n_head
+        q, k, v = _heads(x @ self.wq.T, n), _heads(F.linear(x, self.wk), n), _heads(x @ self.wv_in_out, n)
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return F.linear(y.transpose(1, 2).reshape(b, t, -1), self.wo)
+
+
+class RawQKVLinearOut(RawParamAttention):
+    """Raw q/k/v weights and an ``nn.Linear`` output projection in the same module."""
+
+    def __init__(self):
+        super().__init__()
+        self.out = nn.Linear(HEADS * HD, DIM, bias=False)
+        del self.wo
+
+    def forward(self, x):
+        b, t, _ = x.shape
+        n = self.n_head
+        q, k, v = _heads(x @ self.wq.T, n), _heads(F.linear(x, self.wk), n), _heads(x @ self.wv_in_out, n)
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.out(y.transpose(1, 2).reshape(b, t, -1))
+
+
+class RawParamEinsumMLP(nn.Module):
+    """Gated MLP written with ``torch.einsum`` over raw parameters."""
+
+    def __init__(self):
+        super().__init__()
+        self.w_gate, self.w_up, self.w_down = _param(FFN, DIM), _param(FFN, DIM), _param(DIM, FFN)
+
+    def forward(self, x):
+        up = torch.einsum("btd,fd->btf", x, self.w_up.type_as(x))  # a cast of the weight is the weight
+        h = F.silu(torch.einsum("btd,fd->btf", x, self.w_gate)) * up
+        return torch.einsum("btf,df->btd", h, self.w_down)
+
+
+class StackedBmmMLP(nn.Module):
+    """A gated MLP per group over stacked 3-D weights, ``torch.bmm`` by each, groups averaged."""
+
+    def __init__(self, groups: int = 2):
+        super().__init__()
+        self.w_gate, self.w_up = _param(groups, DIM, FFN), _param(groups, DIM, FFN)
+        self.w_down = _param(groups, FFN, DIM)
+
+    def forward(self, x):
+        b, t, d = x.shape
+        h = x.reshape(1, b * t, d).expand(self.w_gate.shape[0], b * t, d)
+        y = torch.bmm(F.silu(torch.bmm(h, self.w_gate)) * torch.bmm(h, self.w_up), self.w_down)
+        return y.mean(0).view(b, t, d)
+
+
+class LoRALinear(nn.Module):
+    """A base Linear plus low-rank adapters: ``base(x) + lora_B(lora_A(x)) * scale``."""
+
+    def __init__(self, base: nn.Linear):
+        super().__init__()
+        self.base, self.scale = base, 0.5
+        self.lora_A = nn.Linear(base.in_features, RANK, bias=False)
+        self.lora_B = nn.Linear(RANK, base.out_features, bias=False)
+
+    def forward(self, x):
+        return self.base(x) + self.lora_B(self.lora_A(x)) * self.scale
+
+
+class RawLoRALinear(nn.Module):
+    """The adapters as raw parameters beside the base Linear: ``x @ lora_A.T @ lora_B.T``."""
+
+    def __init__(self, base: nn.Linear):
+        super().__init__()
+        self.base, self.scale = base, 0.5
+        self.lora_A, self.lora_B = _param(RANK, base.in_features), _param(base.out_features, RANK)
+
+    def forward(self, x):
+        return self.base(x) + (x @ self.lora_A.T) @ self.lora_B.T * self.scale
+
+
+class LoRAAttention(RepeatInterleaveGQA):
+    """Adapters on q, v and o."""
+
+    def __init__(self):
+        super().__init__()
+        self.wq, self.wv, self.wo = LoRALinear(self.wq), LoRALinear(self.wv), LoRALinear(self.wo)
+
+
+class LoRAMLP(GatedMLP):
+    """Adapters on up and down."""
+
+    def __init__(self):
+        super().__init__()
+        self.up, self.down = LoRALinear(self.up), LoRALinear(self.down)
+
+
+class RawLoRAMLP(GatedMLP):
+    """Raw-parameter adapters on up (a column) and down (a row)."""
+
+    def __init__(self):
+        super().__init__()
+        self.up, self.down = RawLoRALinear(self.up), RawLoRALinear(self.down)
+
+
+class Block(nn.Module):
+    def __init__(self, attention, mlp):
+        super().__init__()
+        self.norm1, self.norm2 = nn.RMSNorm(DIM), nn.RMSNorm(DIM)
+        self.attn, self.mlp = attention(), mlp()
+
+    def forward(self, x):
+        x = x + self.attn(self.norm1(x))
+        return x + self.mlp(self.norm2(x))
+
+
+class Decoder(nn.Module):
+    """Two blocks between a token embedding and a head; ``attention`` and ``mlp`` are the idiom."""
+
+    def __init__(self, attention=RepeatInterleaveGQA, mlp=GatedMLP):
+        super().__init__()
+        torch.manual_seed(0)
+        self.embed = nn.Embedding(VOCAB, DIM)
+        self.layers = nn.ModuleList(Block(attention, mlp) for _ in range(2))
+        self.norm, self.head = nn.RMSNorm(DIM), nn.Linear(DIM, VOCAB, bias=False)
+        for name, param in self.named_parameters():
+            if name.endswith(("lora_B.weight",)):  # adapters start at zero in training; not here
+                nn.init.normal_(param, std=0.1)
+
+    def forward(self, tokens):
+        x = self.embed(tokens)
+        for layer in self.layers:
+            x = layer(x)
+        return self.head(self.norm(x))
+
+
+IDIOMS = {
+    "repeat_interleave_gqa": dict(attention=RepeatInterleaveGQA),
+    "expand_reshape_gqa": dict(attention=ExpandReshapeGQA),
+    "expand_reshape_counts_gqa": dict(attention=ExpandReshapeCountsGQA),
+    "head_major_qkv_unbind": dict(attention=HeadMajorQKVUnbind),
+    "head_major_qkv_split": dict(attention=HeadMajorQKVSplit),
+    "fixed_width_merge": dict(attention=FixedWidthMerge),
+    "strided_gate_up": dict(mlp=StridedGateUp),
+    "raw_param_attention": dict(attention=RawParamAttention),
+    "raw_qkv_linear_out": dict(attention=RawQKVLinearOut),
+    "raw_param_einsum_mlp": dict(mlp=RawParamEinsumMLP),
+    "stacked_bmm_mlp": dict(mlp=StackedBmmMLP),
+    "lora_adapters": dict(attention=LoRAAttention, mlp=LoRAMLP),
+    "raw_lora_adapters": dict(mlp=RawLoRAMLP),
+}
+
+
+def tokens():
+    return torch.randint(0, VOCAB, (2, SEQ), generator=torch.Generator().manual_seed(1))
+
+
+def run(model, tp, sequence_parallel=False):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        plan = synthesize(model, example_inputs=(tokens(),), tp_size=tp, sequence_parallel=sequence_parallel)
+        return plan, verify(model, plan, tp_size=tp, inputs=(tokens(),))
+
+
+# Plain at tp 2 and 4; sequence parallel at tp 2 (its layouts do not depend on the tp size).
+@pytest.mark.parametrize(("tp", "sequence_parallel"), [(2, False), (4, False), (2, True)], ids=["tp2", "tp4", "sp2"])
+@pytest.mark.parametrize("idiom", list(IDIOMS))
+def test_idiom_keeps_its_shard_and_is_exact(idiom, tp, sequence_parallel):
+    """Would catch a wrong plan (logits or a gradient off) and a pattern silently left whole."""
+    model = Decoder(**IDIOMS[idiom])
+    plan, report = run(model, tp, sequence_parallel)
+    assert report.ok, str(report)
+    assert max(report.logits_max_abs_diff) <= 1e-4 and report.worst_grad[1] <= 1e-4
+    # Norm weights and biases stay whole: a little above 1/tp.
+    assert all(f <= 1 / tp + 0.05 for f in report.param_fraction), (report.param_fraction, plan)
+    if tp == 2 and not sequence_parallel:  # the static checker reads the plan as the synthesizer meant it
+        assert check_plan(model, plan, tp_size=tp, example_inputs=(tokens(),)) == []
+
+
+def test_tiled_kv_repeat_is_left_whole():
+    """``repeat`` tiles the kv heads (query head h reads kv head h % kv): a rank's block of query
+    heads then reads kv heads other ranks hold, so k and v (and all attention) must stay whole."""
+    model = Decoder(attention=TiledRepeatGQA)
+    roles = analyse_model(model, example_inputs=(tokens(),), tp_size=2).roles
+    assert roles["layers.0.attn.wk"].kind == "replicate" and "repeat" in roles["layers.0.attn.wk"].reason
+    plan, report = run(model, 2)
+    assert report.ok, str(report)
+
+
+class RawParamConstantHeads(RawParamAttention):
+    """Raw weights viewed into heads by a module constant: no attribute to divide by tp."""
+
+    def forward(self, x):
+        b, t, _ = x.shape
+        q, k, v = _heads(x @ self.wq.T, HEADS), _heads(F.linear(x, self.wk), HEADS), _heads(x @ self.wv_in_out, HEADS)
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return F.linear(y.transpose(1, 2).reshape(b, t, -1), self.wo)
+
+
+def test_raw_weights_viewed_by_a_constant_stay_whole():
+    """Per rank, ``view(b, t, HEADS, HD)`` of a sharded raw projection fails or mixes heads: the
+    shape proof must keep the module's raw weights whole, and the plan must still be exact."""
+    model = Decoder(attention=RawParamConstantHeads)
+    roles = analyse_model(model, example_inputs=(tokens(),), tp_size=2).roles
+    assert roles["layers.0.attn"].kind == "replicate" and "fixed sizes" in roles["layers.0.attn"].reason
+    plan, report = run(model, 2)
+    assert report.ok, str(report)
+
+
+
+class RawWeightReadTwice(RawParamEinsumMLP):
+    """``w_up`` is also read by a penalty term: sharded, that term would see a shard as the whole."""
+
+    def forward(self, x):
+        return super().forward(x) + 1e-3 * self.w_up.pow(2).mean()
+
+
+def test_raw_weight_read_elsewhere_stays_whole():
+    """A raw weight with a second reader in the module is no Linear's alone: kept whole, plan exact."""
+    model = Decoder(mlp=RawWeightReadTwice)
+    roles = analyse_model(model, example_inputs=(tokens(),), tp_size=2).roles
+    assert roles["layers.0.mlp"].kind == "replicate", roles["layers.0.mlp"]
+    plan, report = run(model, 2)
+    assert report.ok, str(report)
