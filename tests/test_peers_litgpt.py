@@ -7,8 +7,9 @@ verified against the unsharded model (logits and every gradient) at tp 2 and 4, 
 parameter fraction is held to what it reaches now, so a plan that silently keeps more whole fails.
 
 Kept out of ``test_peers.py``, whose module-level torchtitan skip would hide these cases: skipped
-when litgpt is not installed (``pip install -e .[peers]``; litgpt itself with ``--no-deps`` needs
-only lightning, lightning-utilities, torchmetrics and psutil to import).
+when litgpt is not installed. litgpt 0.5.13 pins huggingface-hub<1.4, which transformers 5.23 does
+not accept, so it is not in the ``peers`` extra; install it beside, without its pins:
+``pip install --no-deps litgpt==0.5.13 lightning lightning-utilities torchmetrics psutil``.
 """
 
 import warnings
@@ -16,7 +17,7 @@ import warnings
 import pytest
 import torch
 
-pytest.importorskip("litgpt", reason="litgpt is an optional test dependency (extra 'peers')")
+pytest.importorskip("litgpt", reason="litgpt is installed by hand (--no-deps): see the module docstring")
 
 from litgpt.config import Config
 from litgpt.model import GPT
