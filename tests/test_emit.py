@@ -28,6 +28,7 @@ _OPTIONAL = {
     "sequence_dim": 0, "shard_dim": 1, "shard_dims": {"w1": 0}, "packed": {"w1": 3}, "attribute": "groups",
     "reshard_output": True, "sizes": (3, 3, 2), "stream": "hidden_states",
     "reduce": ("lam",), "counts": ("n_heads",), "columns": ("w1",), "rows": ("w2",),
+    "reduce_grad_features": ((4, 8),),
 }
 # Where one option name means another thing in another style: its sample there.
 _PER_CLASS = {"HeadParams": {"packed": {"w1": (3, 3)}}, "LinearParams": {"packed": {"w1": (3, 3)}}}

@@ -44,10 +44,7 @@ MODELS = {
 # and its float32 router's top-8 choice differs between the runs (logits 3e-4 apart at tp 2, also
 # in the float64 re-run), plan equal to torchtitan's or not.
 VERIFIED = ["deepseek-v3", "llama3", "qwen3"]
-# DeepSeek-V3's MLA attention (wq, wkv_b, wo) is kept whole by the synthesizer; torchtitan shards it.
-MLA_WHOLE = pytest.mark.xfail(strict=True, reason="MLA attention kept whole: 0.826 of the parameters per "
-                              "rank at tp 2, torchtitan's plan 0.514")
-EQUAL = ["llama3", "qwen3", "qwen3-moe", pytest.param("deepseek-v3", marks=MLA_WHOLE)]
+EQUAL = ["llama3", "qwen3", "qwen3-moe", "deepseek-v3"]
 VOCAB = 2048  # the debug flavors' vocabulary
 
 
@@ -104,8 +101,10 @@ def test_torchtitan_model_as_shipped_is_synthesized_and_verified(name, tp_size, 
         warnings.simplefilter("ignore")
         report = verify(model, plan, tp_size=tp_size, inputs=(tokens(),))
     assert report.ok, str(report)
-    if name != "deepseek-v3":  # its MLA attention stays whole (see MLA_WHOLE)
-        assert all(abs(f - 1 / tp_size) < 0.01 for f in report.param_fraction), report.param_fraction
+    # DeepSeek-V3's MLA keeps its kv down-projection, norms and router whole on every rank (as
+    # torchtitan's own plan does): 0.514 at tp 2, 0.271 at tp 4 in the debug flavor.
+    slack = 0.03 if name == "deepseek-v3" else 0.01
+    assert all(abs(f - 1 / tp_size) < slack for f in report.param_fraction), report.param_fraction
 
 
 @pytest.mark.parametrize("sequence_parallel", [False, True], ids=["tp", "sp"])

@@ -147,18 +147,28 @@ class ReplicatedModule(ParallelStyle):
     computes the same one), which autograd adds to the projections' ``Partial()`` gradients with no
     extra collective. Sequence-sharded inputs are all-gathered.
 
+    With ``reduce_grad_features``, spans of the (first) output's features are read by sharded
+    computation through a broadcast (a rope key cut from this Linear and expanded to every head
+    of a head-sharded attention): each rank's gradient of them covers its own heads only, so it
+    is all-reduced on the way back, and the module's weight and input gradients are whole again.
+
     Keyword Args:
         output_layouts (Placement, optional): return the (first) output as a DTensor with this
             placement, taken from the replicated value: ``Shard(1)`` slices it back to this rank's
             positions for a sequence-sharded residual stream. Default: a plain tensor.
+        reduce_grad_features (tuple[tuple[int, int], ...]): ``(start, stop)`` spans of the output's
+            last dim whose gradient is all-reduced.
 
     Example::
-        >>> plan = {"model.layers.*.mamba": ReplicatedModule()}
+        >>> plan = {"model.layers.*.mamba": ReplicatedModule(),
+        ...         "model.layers.*.self_attn.kv_a_proj": ReplicatedModule(reduce_grad_features=((512, 576),))}
     """
 
-    def __init__(self, *, output_layouts: Placement | None = None):
+    def __init__(self, *, output_layouts: Placement | None = None,
+                 reduce_grad_features: tuple[tuple[int, int], ...] = ()):
         super().__init__()
         self.output_layouts = output_layouts
+        self.reduce_grad_features = tuple((int(a), int(b)) for a, b in reduce_grad_features)
 
     @staticmethod
     def _whole(value):
@@ -169,6 +179,15 @@ class ReplicatedModule(ParallelStyle):
             return tuple(self._whole(a) for a in args), {k: self._whole(v) for k, v in kwargs.items()}
 
         module.register_forward_pre_hook(pre_hook, with_kwargs=True)
+        if self.reduce_grad_features:
+            spans = self.reduce_grad_features
+
+            def reduce_hook(mod, args, out):
+                first = out[0] if type(out) in (tuple, list) else out
+                reduced = _reduce_feature_grads(first, spans, device_mesh)
+                return type(out)([reduced, *out[1:]]) if type(out) in (tuple, list) else reduced
+
+            module.register_forward_hook(reduce_hook)
         if self.output_layouts is not None:
             def to_layout(value):
                 if isinstance(value, torch.Tensor) and not isinstance(value, DTensor):
@@ -185,8 +204,22 @@ class ReplicatedModule(ParallelStyle):
         return module
 
     def __repr__(self) -> str:
-        extra = f"output_layouts={self.output_layouts}" if self.output_layouts is not None else ""
-        return f"{self.__class__.__name__}({extra})"
+        extra = [f"output_layouts={self.output_layouts}"] if self.output_layouts is not None else []
+        if self.reduce_grad_features:
+            extra.append(f"reduce_grad_features={self.reduce_grad_features}")
+        return f"{self.__class__.__name__}({', '.join(extra)})"
+
+
+def _reduce_feature_grads(value, spans: tuple[tuple[int, int], ...], device_mesh: DeviceMesh):
+    """``value`` unchanged, with the gradient of each ``(start, stop)`` span of its last dim all-reduced."""
+    if not isinstance(value, torch.Tensor) or isinstance(value, DTensor) or not value.is_floating_point():
+        return value
+    pieces, at = [], 0
+    for start, stop in spans:
+        pieces += [value[..., at:start], all_reduce_backward(value[..., start:stop], device_mesh)]
+        at = stop
+    pieces.append(value[..., at:])
+    return torch.cat([p for p in pieces if p.shape[-1]], dim=-1)
 
 
 class ReplicatedStream(ParallelStyle):

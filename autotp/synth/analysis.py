@@ -61,6 +61,7 @@ class Flow:
     param_spans: dict = field(default_factory=dict)  # parameter placeholder -> {(origins, span)} it met
     meeting: tuple = ()  # the sharded inputs of the node a rule is deciding (for shard_param)
     yielded: dict = field(default_factory=dict)  # root that gave way -> the candidates it gave way to
+    broadcasts: dict = field(default_factory=dict)  # whole Linear -> output spans expanded across the heads
 
     def sharded(self, name: str) -> bool:
         """Whether ``name``'s output (or an element of it) is sharded."""
@@ -80,6 +81,33 @@ class Flow:
             self.param_spans.setdefault(found[0], set()).add((shard.origins, shard.span))
         return True
 
+    def broadcast_from(self, other: str) -> bool:
+        """Whether replicated operand ``other``, expanded along the sharded heads and computed from
+        parameters, comes from one span of a Linear kept whole whose gradient can be all-reduced
+        there (:func:`~autotp.synth.params.broadcast_source`). Recorded in ``broadcasts``."""
+        from autotp.synth.params import broadcast_source
+
+        found = broadcast_source(self.g, other)
+        # A candidate root there would have sharded ``other``; one whose shard broke this round is
+        # dropped before the round that converges, so only a row must be ruled out here.
+        if found is None or found[0] in self.rows:
+            return False
+        self.broadcasts.setdefault(found[0], set()).add(found[1])
+        return True
+
+    def broadcast_grad_ok(self, other: str) -> bool:
+        """Whether replicated operand ``other``, repeated along the sharded dim, gets a gradient
+        that is made whole. On each rank it is that rank's share only, which is sound when no
+        Linear's output is behind it (parameters met directly are their module's, whose gradient
+        :func:`~autotp.synth.params.param_roles` all-reduces), when it is computed from the shard
+        itself (a width norm's statistic, whose style reduces it), or when it comes from one span of a
+        Linear kept whole (:meth:`broadcast_from`). A gate from a whole Linear broadcast over the
+        heads is otherwise refused: its gradient would stay a per-rank partial sum."""
+        found = upstream_linears(self.g, other)
+        if found is None or not found[0] or any(self.sharded(n) for n in found[1] | found[0]):
+            return True  # no Linear behind it, or a statistic of the shard (a width norm's, reduced by its style)
+        return self.broadcast_from(other)
+
     def gives_way(self, other: str, name: str) -> bool:
         """Whether replicated operand ``other`` of ``name``, the reduced output of a row Linear,
         yields to the shard it meets: one side must stay whole, and the row's shard covers fewer
@@ -91,14 +119,34 @@ class Flow:
         mine = frozenset().union(*(s.origins for s in self.meeting))
         if not rivals or rivals & mine or _weight_numel(self.g, rivals) >= _weight_numel(self.g, mine):
             return False
+        self._give_way(rivals, rows, mine, name, "the larger shard of")
+        return True
+
+    def gives_way_to_heads(self, other: str, name: str) -> bool:
+        """Whether replicated query / key / value ``other`` of attention ``name`` is computed only from
+        the reduced outputs of row Linears (a low-rank column / row pair in front of the heads: a
+        query down- and up-projection), whose shard then yields to the heads' shard it meets, as
+        Megatron shards the up-projection by heads. Should the heads' shard be dropped later, the
+        pair is tried again (``yielded``)."""
+        found = upstream_linears(self.g, other)
+        rows = found[0] if found else set()
+        if not rows or not rows <= set(self.rows):
+            return False
+        rivals = frozenset().union(*(self.rows[r] for r in rows))
+        mine = frozenset().union(*(s.origins for s in self.meeting))
+        if not rivals or rivals & mine:
+            return False
+        self._give_way(rivals, sorted(rows), mine, name, "the head-sharded attention of")
+        return True
+
+    def _give_way(self, rivals, rows, mine, name: str, what: str) -> None:
         def modules(nodes):
             return ", ".join(sorted({self.g.nodes[n]["module"] or "the root" for n in nodes}))
 
         for root in rivals:
-            self.broken.setdefault(root, (f"its shard, reduced by {modules(rows)}, meets the larger shard of "
+            self.broken.setdefault(root, (f"its shard, reduced by {modules(rows)}, meets {what} "
                                           f"{modules(mine)}; the smaller side stays whole", name))
             self.yielded.setdefault(root, mine)
-        return True
 
     def unit_heads_of(self, name: str) -> bool:
         """Whether the shard of ``name`` comes only from candidates read as one-kv-head k/v."""
@@ -143,6 +191,26 @@ def _row_sources(g: nx.DiGraph, flow: Flow, name: str) -> list[str]:
             return []
         name = inputs[0].name
     return [name]
+
+
+def upstream_linears(g: nx.DiGraph, name: str) -> tuple[set[str], set[str]] | None:
+    """``(the Linear nodes nearest above name, the nodes between)``: the walk back stops at each
+    Linear. None if a parameter enters on the way other than as a Linear's weight (its gradient
+    would have to be reduced too). Buffers and inputs may enter (rope's cos and sin)."""
+    seen, todo, linears = {name}, [name], set()
+    while todo:
+        for pred in g.predecessors(todo.pop()):
+            if pred in seen or pred in linears or g.nodes[pred]["op"] in SINKS:
+                continue
+            kind = g.nodes[pred]["kind"]
+            if kind == "param":
+                return None
+            if kind == "call" and is_linear(g, pred):
+                linears.add(pred)
+            elif kind == "call":
+                seen.add(pred)
+                todo.append(pred)
+    return linears, seen
 
 
 def _weight_numel(g: nx.DiGraph, linears) -> int:

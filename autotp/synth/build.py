@@ -95,6 +95,7 @@ _STYLES: dict[str, Callable[[Role, bool], ParallelStyle | None]] = {
     "seq_norm_gather": lambda role, lp: styles.SequenceParallelAllGather(use_local_output=not role.dtensor_output),
     "shared_input": lambda role, lp: styles.ReplicatedOutput(),
     "whole_module": lambda role, lp: styles.ReplicatedModule(),
+    "broadcast_source": lambda role, lp: styles.ReplicatedModule(reduce_grad_features=role.grad_spans),
     "router": lambda role, lp: styles.PartialGradRouter(),
     "shared_entry": lambda role, lp: styles.SharedReplicatedInput(columns=role.names),
     "stream_block": lambda role, lp: styles.ReplicatedStream(),

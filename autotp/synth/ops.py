@@ -212,7 +212,7 @@ def _broadcast_ok(g, name, other, out_dim, out_ndim, ctx) -> bool:
         return True
     offset = out_ndim - len(shape)
     if out_dim < offset or shape[out_dim - offset] == 1 or _broadcast_of(g, other, out_dim - offset):
-        return True
+        return ctx.broadcast_grad_ok(other)
     return ctx.shards_along(other, name) or ctx.shard_param(other, out_dim - offset)
 
 
@@ -435,7 +435,7 @@ def _cat(g, name, dims, ctx):
         if isinstance(ref, Ref) and ref.name not in dims and not ctx.shard_param(ref.name, dim):
             if not _broadcast_of(g, ref.name, dim):
                 return Break(f"cat joins sharded and replicated tensors along dim {at}")
-            if _from_params(g, ref.name):
+            if _from_params(g, ref.name) and not ctx.broadcast_from(ref.name):
                 # Each rank would hold the gradient of its own heads only: a partial sum no style reduces.
                 return Break(f"cat joins the sharded dim {dim} with a replicated tensor expanded along it "
                              f"whose gradient would stay a per-rank partial sum")
@@ -477,6 +477,9 @@ def _attention(g, name, dims, ctx):
     q, k, v = (g.nodes[name]["args"][i] for i in range(3))
     ndim = _ndim(g, name)
     states = [dims.get(ref.name) for ref in (q, k, v)]
+    sharded = {s for s in states if s is not None}
+    if len(sharded) == 1 and all(ctx.gives_way_to_heads(ref.name, name) for ref in (q, k, v) if ref.name not in dims):
+        states = [next(iter(sharded))] * 3  # the replicated side's candidates are dropped: decided next round
     if None in states or len(set(states)) > 1:
         return Break("attention mixes sharded and replicated query/key/value")
     dim = states[0]

@@ -12,6 +12,14 @@ gets, on each rank, the gradient of that rank's heads only. Two sound outcomes:
 
 :func:`param_dim` is what the shard rules ask (can this operand be sharded along?), and
 :func:`param_roles` gives the owning module its role once the analysis has converged.
+
+A replicated *activation* broadcast across the heads is the same case one step removed: a rope key
+shared by every head (MLA's ``k_rot``, cut from a down-projection kept whole and expanded to the
+heads before it is concatenated to them) gets, on each rank, the gradient of that rank's heads only.
+:func:`broadcast_source` finds the Linear and the span of its output features it comes from, when
+nothing else reads that span; :func:`broadcast_roles` has the Linear all-reduce the gradient of that
+span (:class:`~autotp.styles.ReplicatedModule` with ``reduce_grad_features``), one small collective
+of ``tokens x rope width`` per layer.
 """
 
 from __future__ import annotations
@@ -211,4 +219,100 @@ def param_roles(g: nx.DiGraph, flow, roles: dict[str, Role]) -> dict[str, Role]:
         out[module] = Role("head_params", "its own parameters meet a sharded activation: "
                            + "; ".join(p for p in parts if p), (module,), param_dims=dims, grad_reduced=grads,
                            param_packed=tuple(sorted(packings.get(module, {}).items())))
+    return out
+
+
+_SPLITS = frozenset({"split", "split_with_sizes"})
+
+
+def broadcast_source(g: nx.DiGraph, name: str) -> tuple[str, tuple[int, int]] | None:
+    """``(Linear node, (start, stop))``: the output features of the one Linear that replicated
+    tensor ``name`` (an ``expand`` along the sharded heads) is computed from, if its gradient can be
+    made whole by all-reducing that span of the Linear's output gradient; else None.
+
+    Sound only when every gradient reaching the span comes through ``name`` (each rank's then
+    covers its own heads, and the sum over ranks is the whole one): the span is the Linear's whole
+    output or one part of a ``split`` along its features, nothing outside the path to ``name``
+    reads it, and no other parameter enters on the way (its gradient would be partial too). The
+    way back may read buffers and inputs (rope's cos and sin).
+
+    >>> from autotp.synth.graph import add_node
+    >>> g = nx.DiGraph()
+    >>> _ = add_node(g, "w", "placeholder", kind="param", param="a.wkv.weight", shape=(12, 8))
+    >>> _ = add_node(g, "x", "placeholder", kind="input", shape=(2, 8))
+    >>> _ = add_node(g, "kv", "linear", (Ref("x"), Ref("w")), shape=(2, 12), module="a.wkv")
+    >>> _ = add_node(g, "s", "split_with_sizes", (Ref("kv"), [8, 4], -1), shape=None)
+    >>> _ = add_node(g, "k", "getitem", (Ref("s"), 0), shape=(2, 8))
+    >>> _ = add_node(g, "r", "getitem", (Ref("s"), 1), shape=(2, 4))
+    >>> _ = add_node(g, "u", "unsqueeze", (Ref("r"), 1), shape=(2, 1, 4))
+    >>> _ = add_node(g, "e", "expand", (Ref("u"), [-1, 4, -1]), shape=(2, 4, 4))
+    >>> _ = add_node(g, "q", "placeholder", kind="input", shape=(2, 4, 4))
+    >>> _ = add_node(g, "c", "cat", ([Ref("q"), Ref("e")], -1), shape=(2, 4, 8))  # its one reader
+    >>> broadcast_source(g, "e")
+    ('kv', (8, 12))
+    >>> _ = add_node(g, "o", "add", (Ref("r"), 1.0), shape=(2, 4))  # the span read elsewhere too
+    >>> broadcast_source(g, "e") is None
+    True
+    """
+    from autotp.synth.analysis import upstream_linears
+
+    found = upstream_linears(g, name)
+    if found is None:
+        return None  # a parameter's gradient on the way would be partial and not reduced
+    linears, above = found
+    if len(linears) != 1:
+        return None
+    (linear,) = linears
+    width = g.nodes[linear]["shape"][-1]
+    taken = [s for s in g.successors(linear) if s in above]
+    span, start = (0, width), linear
+    if any(g.nodes[s]["op"] in _SPLITS for s in taken):
+        if len(taken) != 1:
+            return None
+        split = g.nodes[taken[0]]
+        args = split["args"]
+        at = args[2] if len(args) > 2 else split["kwargs"].get("dim", 0)
+        if at % len(g.nodes[linear]["shape"]) != len(g.nodes[linear]["shape"]) - 1:
+            return None
+        sizes = args[1] if isinstance(args[1], (list, tuple)) else [args[1]] * -(-width // args[1])
+        picked = [s for s in g.successors(taken[0]) if s in above]
+        if len(picked) != 1 or g.nodes[picked[0]]["op"] != "getitem":
+            return None
+        index = g.nodes[picked[0]]["args"][1]
+        begin = sum(sizes[:index])
+        span, start = (begin, min(begin + sizes[index], width)), picked[0]
+    # Every gradient reaching the span must come through ``name``'s one reader (the op that meets
+    # the shard): nothing else may read the span or any value on the way from it to ``name``.
+    between = ({start} | nx.descendants(g, start)) & above - {name}
+    if readers(g, name) != 1 or any(s not in above for n in between for s in g.successors(n)
+                                    if g.nodes[s]["op"] not in SINKS):
+        return None
+    return linear, span
+
+
+def broadcast_roles(g: nx.DiGraph, flow, roles: dict[str, Role]) -> dict[str, Role]:
+    """``broadcast_source`` roles: a Linear kept whole whose output span is broadcast across the heads.
+
+    Args:
+        flow: the converged propagation (its ``broadcasts``: Linear node -> spans).
+        roles: the roles assigned so far; the Linear's module must have none but ``replicate``.
+    Raises:
+        PlanError: the module has another role (the span's gradient would not be reduced).
+    """
+    from autotp.errors import PlanError
+    from autotp.synth.analysis import module_of
+
+    out = {}
+    for linear, spans in sorted(flow.broadcasts.items()):
+        module = module_of(g, linear)
+        current = roles.get(module)
+        if current is not None and current.kind != "replicate":
+            raise PlanError(f"{module}: its output features {sorted(spans)} are broadcast across sharded "
+                                 f"heads, but it is also {current.kind} ({current.reason}); the broadcast "
+                                 "part's gradient would not be reduced. Keep it out of the plan or report this.")
+        spans = tuple(sorted(spans))
+        features = ", ".join(f"{a}:{b}" for a, b in spans)
+        out[module] = Role("broadcast_source", f"kept whole; its output features [{features}] are broadcast along "
+                           "the sharded dim (the same for every head), so their gradient is all-reduced after it",
+                           (module,), grad_spans=spans)
     return out

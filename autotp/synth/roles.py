@@ -34,6 +34,8 @@ ROLE_KINDS = {
               "gradient, so the block input's gradient is reduced once",
     "stream_block": "parallel block run on a Replicate() DTensor stream: its branches reduced once together",
     "stream_params": "module on a stream block's DTensor stream: its parameters are replicated DTensors",
+    "broadcast_source": "Linear kept whole whose output span is expanded across sharded heads (a rope key shared "
+                        "by all heads): that span's gradient is all-reduced",
     "replicate": "kept whole on every rank",
 }
 
@@ -59,6 +61,8 @@ class Role:
             ``Replicate()`` DTensor there.
         param_dims: of ``experts`` and ``head_params``, (parameter name, sharded dim) pairs.
         grad_reduced: of ``head_params``, parameters kept whole whose gradient is all-reduced.
+        grad_spans: of ``broadcast_source``, ``(start, stop)`` output features whose gradient is
+            all-reduced.
         param_parts: of ``experts``, (parameter name, number of fused parts) pairs.
         param_packed: of ``head_params``, (parameter name, part widths along its sharded dim) pairs:
             parameters sharded with a packed Linear's parts, each rank holding its share of each.
@@ -93,6 +97,7 @@ class Role:
     param_parts: tuple[tuple[str, int], ...] = ()
     param_packed: tuple[tuple[str, tuple[int, ...]], ...] = ()
     grad_reduced: tuple[str, ...] = ()
+    grad_spans: tuple[tuple[int, int], ...] = ()
     names: tuple[str, ...] = ()
     kv_heads: int = 0
     head_dim: int = 0
