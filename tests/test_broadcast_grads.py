@@ -94,6 +94,18 @@ class WholeGateAttention(nn.Module):
         return self.out((y * gate.unsqueeze(-1)).reshape(b, t, -1))
 
 
+class EinsumGateAttention(WholeGateAttention):
+    """The same gate, one value per position, combined with the heads by an einsum whose gate operand
+    lacks the head index (``"bhtd,bt->bthd"``): an operand broadcast along the sharded letter."""
+
+    def forward(self, x):
+        b, t, _ = x.shape
+        q, k, v = (p(x).view(b, t, -1, self.head_dim).transpose(1, 2) for p in (self.q, self.k, self.v))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        gate = torch.sigmoid(self.gate(x)).mean(-1)
+        return self.out(torch.einsum("bhtd,bt->bthd", y, gate).reshape(b, t, -1))
+
+
 def _verified(attention, tp_size, sequence_parallel):
     model = SpecLM(SPEC, attention)
     plan = synthesize(model, example_inputs=(tokens(),), tp_size=tp_size, sequence_parallel=sequence_parallel)
@@ -143,12 +155,13 @@ def test_rope_key_read_outside_the_heads_keeps_the_attention_whole(tp_size):
     assert "partial sum" in reasons["blocks.*.attn.kv_up"], reasons["blocks.*.attn.kv_up"]
 
 
+@pytest.mark.parametrize("attention", [WholeGateAttention, EinsumGateAttention], ids=["mul", "einsum"])
 @pytest.mark.parametrize("sequence_parallel", [False, True], ids=["plain", "sp"])
 @pytest.mark.parametrize("tp_size", [2, 4])
-def test_gate_from_a_whole_linear_broadcast_over_heads_gets_its_gradient_reduced(tp_size, sequence_parallel):
+def test_gate_from_a_whole_linear_broadcast_over_heads_gets_its_gradient_reduced(tp_size, sequence_parallel, attention):
     """Would catch the silently wrong plan this rule replaced: heads sharded, the gate Linear's
-    gradients each rank's share only."""
-    model, plan, report = _verified(WholeGateAttention, tp_size, sequence_parallel)
+    gradients each rank's share only (the einsum form was still handed out so: 4.9e-4 off in float64)."""
+    model, plan, report = _verified(attention, tp_size, sequence_parallel)
     for name in ("q", "k", "v", "out"):
         assert f"blocks.*.attn.{name}" in plan
     assert plan["blocks.*.attn.gate"].reduce_grad_features == ((0, SPEC.dim),)

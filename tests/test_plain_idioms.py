@@ -207,6 +207,19 @@ class StackedBmmMLP(nn.Module):
         return y.mean(0).view(b, t, d)
 
 
+class ChannelsFirstMLP(nn.Module):
+    """An MLP on a channels-first (b, d, t) layout: ``W @ x`` by the weights of child Linears whose
+    forward is never called (their parent's code reads ``self.up.weight``), bias added per channel."""
+
+    def __init__(self):
+        super().__init__()
+        self.up, self.down = nn.Linear(DIM, FFN), nn.Linear(FFN, DIM)
+
+    def forward(self, x):
+        h = F.gelu(self.up.weight @ x.transpose(1, 2) + self.up.bias[:, None])
+        return (self.down.weight @ h).transpose(1, 2) + self.down.bias
+
+
 class LoRALinear(nn.Module):
     """A base Linear plus low-rank adapters: ``base(x) + lora_B(lora_A(x)) * scale``."""
 
@@ -299,6 +312,7 @@ IDIOMS = {
     "raw_qkv_linear_out": dict(attention=RawQKVLinearOut),
     "raw_param_einsum_mlp": dict(mlp=RawParamEinsumMLP),
     "stacked_bmm_mlp": dict(mlp=StackedBmmMLP),
+    "channels_first_mlp": dict(mlp=ChannelsFirstMLP),
     "lora_adapters": dict(attention=LoRAAttention, mlp=LoRAMLP),
     "raw_lora_adapters": dict(mlp=RawLoRAMLP),
 }

@@ -84,6 +84,16 @@ class _Products(TorchFunctionMode):
                         "same LinearParams module; shard at most one of them")
 
 
+def _owner(module: nn.Module, name: str) -> nn.Module | None:
+    """The module holding parameter ``name`` of ``module`` (dotted: a child's), or None."""
+    path, _, leaf = name.rpartition(".")
+    try:
+        owner = module.get_submodule(path) if path else module
+    except AttributeError:
+        return None
+    return owner if leaf in owner._parameters else None
+
+
 class LinearParams(HeadParams):
     """Shard raw parameters a module uses as Linear weights; reduce around their products.
 
@@ -100,6 +110,9 @@ class LinearParams(HeadParams):
             rank keeps its ``Shard(1)`` slice. A sequence-sharded input is gathered whole in any case,
             and Linears inside the module then read it whole and all-reduce (the synthesizer gives
             them no sequence layouts).
+
+    A dotted name (``"up.weight"``) is a child's parameter this module's own code multiplies by
+    (``self.up.weight @ x``, the child's forward never called), handed over as for HeadParams.
 
     Example::
         >>> plan = {"layers.*.attn": LinearParams(shard_dims={"wq": 0, "wo": 1}, columns=("wq",), rows=("wo",))}
@@ -123,7 +136,7 @@ class LinearParams(HeadParams):
             placements=[Shard(1)])
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
-        missing = (set(self.shard_dims) | set(self.columns) | set(self.rows)) - set(module._parameters)
+        missing = {n for n in set(self.shard_dims) | set(self.columns) | set(self.rows) if _owner(module, n) is None}
         if missing:
             from autotp.errors import PlanError
 
@@ -133,9 +146,10 @@ class LinearParams(HeadParams):
         modes = []
 
         def pre_hook(mod, args, kwargs):
-            kinds = {id(mod._parameters[n]): "column" for n in self.columns}
-            kinds.update({id(mod._parameters[n]): "row" for n in self.rows})
-            own = {id(p) for p in mod._parameters.values() if p is not None}
+            local = lambda name: _owner(mod, name)._parameters[name.rpartition(".")[2]]  # noqa: E731
+            kinds = {id(local(n)): "column" for n in self.columns}
+            kinds.update({id(local(n)): "row" for n in self.rows})
+            own = {id(p) for p in mod._parameters.values() if p is not None} | {id(local(n)) for n in self.shard_dims}
             modes.append(_Products(kinds, own, device_mesh))
             modes[-1].__enter__()
 

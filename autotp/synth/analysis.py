@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 import networkx as nx
 
 from autotp.synth.graph import Ref, param_modules, refs
+from autotp.synth.params import reading_module
 from autotp.synth.ops import ATTENTION, ELEMENTWISE, MATMULS, PASSTHROUGH, SINKS, VIEW_LIKE, Break, Out, Parts, Split, apply_rule
 
 log = logging.getLogger(__name__)
@@ -282,8 +283,9 @@ def raw_like(g: nx.DiGraph, name: str) -> bool:
     stacked = g.nodes[name]["op"] in STACKED_MATMULS
     if weight is None or len(g.nodes[weight]["shape"]) != (3 if stacked else 2):
         return False
-    owner, _, leaf = g.nodes[weight]["param"].rpartition(".")
-    return owner == g.nodes[name]["module"] and (leaf != "weight" or stacked or bool(g.nodes[name].get("raw_weight")))
+    leaf = g.nodes[weight]["param"].rpartition(".")[2]
+    return reading_module(g, weight)[0] == g.nodes[name]["module"] \
+        and (leaf != "weight" or stacked or bool(g.nodes[name].get("raw_weight")))
 
 
 def _only_reader(g: nx.DiGraph, weight: str, name: str) -> bool:

@@ -12,7 +12,7 @@ from autotp.synth.analysis import (Flow, Shard, is_linear, linear_weight, module
                                    raw_weight, weight_of, weight_uses)
 from autotp.synth.graph import Ref, param_modules, refs
 from autotp.synth.ops import PASSTHROUGH, VIEW_LIKE
-from autotp.synth.params import broadcast_roles, param_roles
+from autotp.synth.params import broadcast_roles, param_roles, reading_module
 from autotp.synth.roles import Role
 
 
@@ -92,13 +92,13 @@ def raw_linear_roles(g: nx.DiGraph, flow: Flow) -> dict[str, Role]:
         if not raw_weight(g, name):
             continue
         weight, args = weight_of(g, name), g.nodes[name]["args"]
-        module, _, pname = g.nodes[weight.node]["param"].rpartition(".")
+        module, pname = reading_module(g, weight.node)
         row = name in flow.rows
         dims.setdefault(module, {})[pname] = weight.in_dim if row else weight.out_dim
         kinds.setdefault(module, {"columns": [], "rows": []})["rows" if row else "columns"].append(pname)
         bias = param_source(g, args[2].name) if len(args) > 2 and isinstance(args[2], Ref) else None
         if bias is not None and not row:
-            dims[module][g.nodes[bias]["param"].rpartition(".")[2]] = 0
+            dims[module][reading_module(g, bias)[1]] = 0
     return {module: Role("linear_params", f"its raw parameters {', '.join(by_param)} are Linear weights "
                          f"(columns {kinds[module]['columns']}, rows {kinds[module]['rows']}), sharded like them",
                          (module,), param_dims=tuple(sorted(by_param.items())),
@@ -130,7 +130,7 @@ def expert_roles(g: nx.DiGraph, flow: Flow, dropped: dict[str, str], roles: dict
         weight = weight_of(g, name)
         if weight is None or len(g.nodes[weight.node]["shape"]) != 3 or raw_weight(g, name):
             continue  # raw stacked weights (a bmm in the module's own code): raw_linear_roles
-        module, _, pname = g.nodes[weight.node]["param"].rpartition(".")
+        module, pname = reading_module(g, weight.node)
         dims.setdefault(module, {})
         if name in flow.rows:
             dims[module][pname] = weight.in_dim

@@ -252,6 +252,9 @@ def _products_as_linear(g: nx.DiGraph) -> None:
             _read_as_linear(g, name, args[0], _transposed_param(g, args[1]), in_out=False)
         elif data["op"] == "einsum" and (found := _einsum_product(g, data)) is not None:
             _read_as_linear(g, name, found[0], found[1], in_out=found[2])
+        elif data["op"] in ("mm", "matmul") and len(args) == 2 and _matrix_param(g, args[0]) \
+                and not _matrix_param(g, args[1]) and len(g.nodes[args[1].name]["shape"] or ()) >= 2:
+            _left_product_as_linear(g, name)
 
 
 _TRANSPOSES = frozenset({"t", "numpy_T", "transpose", "permute"})
@@ -303,6 +306,35 @@ def _read_as_linear(g: nx.DiGraph, name: str, x: Ref, weight: Ref, *, in_out: bo
         if source in g and g.out_degree(source) == 0 and g.nodes[source]["op"] in _TRANSPOSES | _WEIGHT_CASTS:
             old.extend(r.name for r in refs(g.nodes[source]["args"], g.nodes[source]["kwargs"]))
             g.remove_node(source)
+
+
+def _left_product_as_linear(g: nx.DiGraph, name: str) -> None:
+    """``W @ x`` with ``x`` of shape ``(..., in, n)``: features along dim -2, as in a channels-first
+    layout. Rewritten as ``linear(x.mT, W).mT``: two transpose nodes around a Linear node, so that
+    every analysis step reads the Linear with its features last. The node keeps its name (its
+    readers are unchanged); the new nodes come just before it in program order.
+
+    >>> g = nx.DiGraph()
+    >>> _ = add_node(g, "w", "placeholder", kind="param", param="c.w", shape=(8, 4))
+    >>> _ = add_node(g, "x", "placeholder", kind="input", shape=(2, 4, 6))
+    >>> _ = add_node(g, "y", "matmul", (Ref("w"), Ref("x")), shape=(2, 8, 6))
+    >>> _products_as_linear(g)
+    >>> [(n, g.nodes[n]["op"], g.nodes[n]["shape"]) for n in sorted(g, key=lambda n: g.nodes[n]["order"])][2:]
+    [('y.input_t', 'transpose', (2, 6, 4)), ('y.linear', 'linear', (2, 6, 8)), ('y', 'transpose', (2, 8, 6))]
+    """
+    data = g.nodes[name]
+    weight, x = data["args"]
+    shape = g.nodes[x.name]["shape"]
+    where = {"module": data["module"], "stack": data["stack"]}
+    t_in = add_node(g, f"{name}.input_t", "transpose", (x, -2, -1), shape=(*shape[:-2], shape[-1], shape[-2]), **where)
+    linear = add_node(g, f"{name}.linear", "linear", (Ref(t_in), weight),
+                      shape=(*shape[:-2], shape[-1], data["shape"][-2]), **where)
+    g.nodes[t_in]["order"], g.nodes[linear]["order"] = data["order"] - 0.5, data["order"] - 0.25
+    g.remove_edge(x.name, name)
+    g.remove_edge(weight.name, name)
+    data.update(op="transpose", args=(Ref(linear), -2, -1), kwargs={})
+    g.add_edge(linear, name)
+    _read_as_linear(g, linear, Ref(t_in), weight, in_out=False)
 
 
 def param_modules(g: nx.DiGraph, kind: str = "param") -> set[str]:

@@ -22,7 +22,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from autotp.synth.analysis import Shard, is_linear, module_of, propagate
 from autotp.synth.graph import build_graph
 from autotp.synth.ops import PASSTHROUGH
-from autotp.synth.params import chain_dims
+from autotp.synth.params import chain_dims, reading_module
 from autotp.synth.roles import Role, kind_of
 from autotp.synth.trace import LayerGroups, collapsed, example_args
 
@@ -296,4 +296,4 @@ def _raw_column(g: nx.DiGraph, name: str, roles: dict[str, Role]) -> bool:
 
     role = roles.get(g.nodes[name]["module"])
     return role is not None and role.kind == "linear_params" and raw_weight(g, name) \
-        and g.nodes[linear_weight(g, name)]["param"].rpartition(".")[2] in role.columns
+        and reading_module(g, linear_weight(g, name))[1] in role.columns

@@ -494,6 +494,9 @@ def _attention(g, name, dims, ctx):
         if at >= 0 and shape[at] != 1:
             return Break(f"attention mask holds all {shape[at]} heads of the sharded dim {dim} (a per-head bias "
                          "made outside the sharded region)")
+        if not ctx.broadcast_grad_ok(mask.name):
+            return Break("attention mask, the same for every head, is computed by a Linear: its gradient would "
+                         "stay a per-rank partial sum")
     return Out(dim)
 
 
@@ -531,10 +534,16 @@ def _einsum(g, name, dims, ctx):
     if letter not in output:
         return Break(f"einsum {equation!r} contracts over the sharded index {letter!r}")
     for i, ref in enumerate(operands):
-        if letter in subscripts[i] and isinstance(ref, Ref) and ref.name not in dims:
-            at = subscripts[i].index(letter)
-            if g.nodes[ref.name]["shape"][at] != 1 and not ctx.shard_param(ref.name, at):
+        if not isinstance(ref, Ref) or ref.name in dims:
+            continue
+        at = subscripts[i].index(letter) if letter in subscripts[i] else None
+        if at is not None and g.nodes[ref.name]["shape"][at] != 1:
+            if not ctx.shard_param(ref.name, at):
                 return Break(f"einsum {equation!r} meets the sharded index {letter!r} with a replicated operand")
+        elif not ctx.broadcast_grad_ok(ref.name):
+            # The same values for every index of the sharded letter: each rank's gradient is its share.
+            return Break(f"einsum {equation!r} broadcasts {ref.name} along the sharded index {letter!r}, and "
+                         "its gradient would stay a per-rank partial sum")
     return Out(output.index(letter))
 
 

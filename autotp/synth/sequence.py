@@ -17,6 +17,7 @@ import networkx as nx
 from autotp.synth.analysis import Flow, Shard, is_linear, module_of, param_source
 from autotp.synth.assign import reads_model_input
 from autotp.synth.graph import common_module, param_modules, refs
+from autotp.synth.params import reading_module
 from autotp.synth.ops import ATTENTION, ELEMENTWISE, MATMULS, PASSTHROUGH
 from autotp.synth.roles import Role, kind_of
 
@@ -119,7 +120,7 @@ def is_raw_row(g: nx.DiGraph, name: str, role: Role) -> bool:
     """Whether Linear node ``name`` multiplies by a raw parameter its module's role shards as a row."""
     from autotp.synth.analysis import linear_weight
 
-    return g.nodes[linear_weight(g, name)]["param"].rpartition(".")[2] in role.rows
+    return reading_module(g, linear_weight(g, name))[1] in role.rows
 
 
 
