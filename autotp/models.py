@@ -293,6 +293,11 @@ def _shrink_heads(options: dict, tp: int) -> None:
     hidden -> hidden), so that stays true while hidden stays small. Attention-free families (RWKV,
     Mamba, xLSTM) just get the tiny hidden size.
     """
+    # Head counts of a family's linear-attention layers: tp for the fewest, the others in ratio.
+    linear = {k: v for k, v in options.items() if k.startswith("linear_num_") and k.endswith("_heads")
+              and isinstance(v, int) and v > 0}
+    for key, value in linear.items():
+        options[key] = tp * max(1, value // min(linear.values()))
     heads = options.get("num_attention_heads")
     if not heads:
         if isinstance(options.get("hidden_size"), int):

@@ -12,6 +12,7 @@ not tile, mixed parts, endless shards, a side giving way) share the Flow state t
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 from dataclasses import dataclass, field
@@ -20,7 +21,8 @@ import networkx as nx
 
 from autotp.synth.graph import Ref, param_modules, refs
 from autotp.synth.params import reading_module
-from autotp.synth.ops import ATTENTION, ELEMENTWISE, MATMULS, PASSTHROUGH, SINKS, VIEW_LIKE, Break, Out, Parts, Split, apply_rule
+from autotp.synth.ops import (ATTENTION, ELEMENTWISE, MATMULS, PASSTHROUGH, SINKS, VIEW_LIKE, Break, Given, Out, Parts,
+                              Split, apply_rule)
 
 log = logging.getLogger(__name__)
 
@@ -33,6 +35,16 @@ class Shard:
     in order, when it is such a range (the whole output, or a part cut from it): a part may be cut
     again (a packed projection whose part is itself packed), and its cuts are then placed in the
     origin's output.
+
+    ``pieces``: for a ``cat`` of shards along their sharded dim, ``(shard, width)`` per joined
+    tensor in order. Each rank then holds its share of every piece, one after another, so only ops
+    that keep the dim's features in place (elementwise, a depthwise convolution with its weight
+    packed alike) or cut it back at the pieces may follow.
+
+    ``fold``: ``(sizes, k)`` when ``dim`` is several dims of these global sizes merged by a view,
+    the sharded one at position ``k`` not the outermost (``(b, t, heads, hd) -> (b * t * heads,
+    hd)``, a per-head norm over rows): each rank holds rows of every ``(b, t)``, not one block.
+    Only ops that keep the rows in place, or a view that splits them back, may follow.
     """
 
     dim: int
@@ -40,6 +52,8 @@ class Shard:
     intact: bool = False
     prev: str | None = None
     span: tuple[int, int] | None = None
+    pieces: tuple[tuple[Shard, int], ...] | None = None
+    fold: tuple[tuple[int, ...], int] | None = None
 
 
 @dataclass
@@ -59,7 +73,10 @@ class Flow:
     unit_heads: frozenset = frozenset()  # candidates whose views may split off one head (one-kv-head k/v)
     whole: dict = field(default_factory=dict)  # Linear node -> why its weight stays whole (no column, no row)
     param_shards: dict = field(default_factory=dict)  # parameter placeholder -> dim sharded with the heads
-    param_spans: dict = field(default_factory=dict)  # parameter placeholder -> {(origins, span)} it met
+    param_spans: dict = field(default_factory=dict)  # parameter placeholder -> {(origins, span, pieces)} it met
+    piece_cuts: set = field(default_factory=set)  # nodes that cut a joined shard back into pieces, or unfold one
+    factory_shards: dict = field(default_factory=dict)  # constant factory node -> (dim, origins it met)
+    writes: dict = field(default_factory=dict)  # in-place write node -> the tensor it wrote a shard into
     meeting: tuple = ()  # the sharded inputs of the node a rule is deciding (for shard_param)
     yielded: dict = field(default_factory=dict)  # root that gave way -> the candidates it gave way to
     broadcasts: dict = field(default_factory=dict)  # whole Linear -> output spans expanded across the heads
@@ -79,7 +96,21 @@ class Flow:
             return False
         self.param_shards[found[0]] = found[1]
         for shard in self.meeting:  # a part cut from a packed output: the parameter is packed alike
-            self.param_spans.setdefault(found[0], set()).add((shard.origins, shard.span))
+            self.param_spans.setdefault(found[0], set()).add((shard.origins, shard.span, shard.pieces))
+        return True
+
+    def sized_with(self, other: str, dim: int) -> bool:
+        """Whether replicated operand ``other`` is a constant tensor made from sizes alone (a scan's
+        zero initial state) whose ``dim`` meets the shard: it is made at the per-rank size on each
+        rank, which the shape proof then requires. Recorded in ``factory_shards``."""
+        from autotp.synth.params import factory_dim
+
+        found = factory_dim(self.g, other, dim)
+        if found is None or self.factory_shards.get(found[0], (found[1],))[0] != found[1]:
+            return False
+        origins = frozenset().union(*(shard.origins for shard in self.meeting))
+        previous = self.factory_shards.get(found[0], (found[1], frozenset()))[1]
+        self.factory_shards[found[0]] = (found[1], previous | origins)
         return True
 
     def broadcast_from(self, other: str) -> bool:
@@ -114,8 +145,10 @@ class Flow:
         yields to the shard it meets: one side must stay whole, and the row's shard covers fewer
         weights (LoRA: ``lora_B(lora_A(x)) * scale`` added to a column base Linear's output).
         The row's columns are then dropped; the next round decides again without them, and in the
-        round that converges no operand gave way, so what is kept is sound as before."""
-        rows = _row_sources(self.g, self, other)
+        round that converges no operand gave way, so what is kept is sound as before. The row may
+        also be further up, through the module's own ops (a low-rank gate ``f_b(f_a(x))`` turned
+        into a per-head decay)."""
+        rows = _row_sources(self.g, self, other) or _rows_within(self.g, self, other, name)
         rivals = frozenset().union(*(self.rows[r] for r in rows))
         mine = frozenset().union(*(s.origins for s in self.meeting))
         if not rivals or rivals & mine or _weight_numel(self.g, rivals) >= _weight_numel(self.g, mine):
@@ -166,6 +199,61 @@ class Flow:
         value = self.state.get(name)
         return value[index] if isinstance(value, tuple) else None
 
+    def join(self, name: str, tensors: list, dim: int) -> Shard | None:
+        """The state of ``cat(tensors, dim)`` along the sharded ``dim`` of every one of them: their
+        pieces, side by side (each rank holds its share of each); None if one is not so sharded."""
+        pieces = []
+        for ref in tensors:
+            value = self.state.get(ref.name) if isinstance(ref, Ref) else None
+            if not isinstance(value, Shard) or value.dim != dim:
+                return None
+            pieces.extend(value.pieces or ((value, self.g.nodes[ref.name]["shape"][dim]),))
+        origins = frozenset().union(*(shard.origins for shard, _ in pieces))
+        return Shard(dim, origins, False, tensors[0].name, None, tuple(pieces))
+
+    def cut_pieces(self, name: str, src: str, ranges) -> tuple[Shard, ...] | None:
+        """The states of ``src``'s joined shard cut into ``ranges`` of its sharded dim, if every cut
+        falls between its pieces (each range then holds whole pieces); else None."""
+        value = self.state[src]
+        ends = [0]
+        for _, width in value.pieces:
+            ends.append(ends[-1] + width)
+        cut = []
+        for start, end in ranges:
+            if start not in ends or end not in ends or end <= start:
+                return None
+            inside = value.pieces[ends.index(start):ends.index(end)]
+            if len(inside) == 1:
+                piece = inside[0][0]
+                cut.append(Shard(value.dim, piece.origins, piece.intact, src, piece.span, piece.pieces))
+            else:
+                origins = frozenset().union(*(shard.origins for shard, _ in inside))
+                cut.append(Shard(value.dim, origins, False, src, None, inside))
+        self.piece_cuts.add(name)
+        return tuple(cut)
+
+    def pieces(self, name: str):
+        value = self.state.get(name)
+        return value.pieces if isinstance(value, Shard) else None
+
+    def unfolded(self, name: str, shape: tuple, dim: int) -> tuple[tuple, int]:
+        """``name``'s shape and sharded dim with a folded dim (``fold``) split back into its dims."""
+        value = self.state.get(name)
+        if not isinstance(value, Shard) or value.fold is None:
+            return shape, dim
+        sizes, k = value.fold
+        return tuple(shape[:dim]) + sizes + tuple(shape[dim + 1:]), dim + k
+
+    def folded(self, name: str, src: str, dim: int, sizes: tuple, k: int) -> Shard:
+        """The state of view ``name`` of ``src`` that merges dims of ``sizes`` into ``dim``, the
+        sharded one at position ``k`` among them (see :class:`Shard`)."""
+        value = self.state[src]
+        return Shard(dim, value.origins, False, src, None, None, (tuple(sizes), k))
+
+    def unfold(self, name: str) -> None:
+        """Record that view ``name`` splits a folded dim back (its output is an ordinary shard)."""
+        self.piece_cuts.add(name)
+
     def weight_of(self, origins) -> int:
         """How many weight elements the candidates ``origins`` hold (which side of a conflict goes on)."""
         return _weight_numel(self.g, origins)
@@ -212,6 +300,32 @@ def upstream_linears(g: nx.DiGraph, name: str) -> tuple[set[str], set[str]] | No
                 seen.add(pred)
                 todo.append(pred)
     return linears, seen
+
+
+def _rows_within(g: nx.DiGraph, flow: Flow, other: str, name: str) -> list[str]:
+    """The row Linears that replicated ``other`` is computed from, walking back through the ops
+    of the module that runs the Linears of the shard met at ``name`` (its parameters and buffers
+    may enter); empty if the walk meets a sharded value, a Linear that is not a row, or leaves it."""
+    scopes = {g.nodes[o]["module"].rpartition(".")[0] for s in flow.meeting for o in s.origins}
+    module = scopes.pop() if len(scopes) == 1 else ""
+    if not module or not (g.nodes[name]["module"] + ".").startswith(module + "."):
+        return []
+    seen, todo, rows = {other}, [other], set()
+    while todo:
+        node = todo.pop()
+        data = g.nodes[node]
+        if flow.sharded(node) or not (data["module"] == module or data["module"].startswith(module + ".")):
+            return []
+        if is_linear(g, node):
+            if node not in flow.rows:
+                return []
+            rows.add(node)
+            continue
+        for pred in g.predecessors(node):
+            if pred not in seen and g.nodes[pred]["kind"] == "call" and g.nodes[pred]["op"] not in SINKS:
+                seen.add(pred)
+                todo.append(pred)
+    return sorted(rows)
 
 
 def _weight_numel(g: nx.DiGraph, linears) -> int:
@@ -364,11 +478,39 @@ def _kept_span(flow: Flow, name: str, dims: dict, dim: int):
     return span if flow.g.nodes[name]["shape"][dim] == span[1] - span[0] else None
 
 
+def _kept_pieces(flow: Flow, name: str, dims: dict, dim: int):
+    """The pieces a rule's output keeps: its sharded inputs' common pieces, if the sharded dim
+    keeps its total width (the features stay in place, as for :func:`_kept_span`)."""
+    pieces = {flow.pieces(src) for src in dims}
+    if len(pieces) != 1 or None in pieces:
+        return None
+    pieces = pieces.pop()
+    return pieces if flow.g.nodes[name]["shape"][dim] == sum(width for _, width in pieces) else None
+
+
+def _kept_fold(flow: Flow, name: str, dims: dict, dim: int):
+    """The fold a rule's output keeps: its sharded inputs' common fold, if the sharded dim keeps
+    its size and the op is not a view (a view decides its fold itself)."""
+    folds = {flow.state[src].fold for src in dims if isinstance(flow.state.get(src), Shard)}
+    if len(folds) != 1 or None in folds or flow.g.nodes[name]["op"] in VIEW_LIKE:
+        return None
+    fold = folds.pop()
+    return fold if flow.g.nodes[name]["shape"][dim] == math.prod(fold[0]) else None
+
+
 def _record(flow: Flow, name: str, result, origins: frozenset, prev: str, dims: dict | None = None):
     """Store a rule's result as the node's state."""
-    if isinstance(result, Out):
+    if isinstance(result, Given):
+        flow.state[name] = result.value
+        if isinstance(result.value, Shard) and result.value.fold:  # the heads folded in must divide
+            sizes, k = result.value.fold
+            for o in origins:
+                flow.extent[o] = math.gcd(flow.extent.get(o, 0), sizes[k])
+    elif isinstance(result, Out):
         span = _kept_span(flow, name, dims or {}, result.dim)
-        flow.state[name] = Shard(result.dim, origins, result.intact, prev, span)
+        pieces = _kept_pieces(flow, name, dims or {}, result.dim)
+        fold = _kept_fold(flow, name, dims or {}, result.dim)
+        flow.state[name] = Shard(result.dim, origins, result.intact, prev, span, pieces, fold)
         size = flow.g.nodes[name]["shape"][result.dim]
         for o in origins:
             flow.extent[o] = math.gcd(flow.extent.get(o, 0), size)
@@ -410,7 +552,8 @@ def _getitem_step(flow: Flow, name: str, data) -> None:
     value = flow.state.get(source.name) if isinstance(source, Ref) else None
     if isinstance(value, tuple) and isinstance(index, int) and value[index] is not None:
         part = value[index]
-        flow.state[name] = Shard(part.dim, part.origins, part.intact, source.name, part.span)
+        flow.state[name] = Shard(part.dim, part.origins, part.intact, source.name, part.span, part.pieces,
+                                 part.fold)
 
 
 def _reduction_in_norm(flow: Flow, data, origins, owners: set[str]) -> bool:
@@ -421,6 +564,31 @@ def _reduction_in_norm(flow: Flow, data, origins, owners: set[str]) -> bool:
         flow.width_norms.setdefault(module, data)
         return True
     return False
+
+
+# In-place writes: ``out[:, :, i] = x`` writes x's values into ``out``, read later through ``out``.
+_WRITES = frozenset({"copy_", "add_", "sub_", "mul_", "div_", "masked_fill_", "clamp_", "neg_"})
+
+# Views a write may go through to the tensor it changes.
+_WRITE_VIEWS = VIEW_LIKE | {"slice", "select", "unsqueeze", "squeeze", "transpose", "permute", "narrow",
+                            "expand", "alias", "t"}
+
+
+def _written(flow: Flow, name: str, data) -> None:
+    """An in-place write: the tensor it changes (through the views of its first argument) now
+    also holds the written shard, so its later readers carry that shard's candidates too (a
+    recurrence that fills ``out`` chunk by chunk: the query's candidate reaches the output
+    projection through ``out``)."""
+    written = flow.state.get(name)
+    base = data["args"][0] if data["args"] else None
+    while isinstance(base, Ref) and flow.g.nodes[base.name]["op"] in _WRITE_VIEWS and flow.g.nodes[base.name]["args"]:
+        base = flow.g.nodes[base.name]["args"][0]
+    if not isinstance(written, Shard) or not isinstance(base, Ref):
+        return
+    target = flow.state.get(base.name)
+    if isinstance(target, Shard) and not written.origins <= target.origins:
+        flow.state[base.name] = dataclasses.replace(target, origins=target.origins | written.origins)
+        flow.writes[name] = base.name
 
 
 def propagate(g: nx.DiGraph, active: set[str], unit_heads: frozenset = frozenset(),
@@ -468,6 +636,8 @@ def propagate(g: nx.DiGraph, active: set[str], unit_heads: frozenset = frozenset
                 _record(flow, name, result.then, origins - result.only, next(iter(kept)), kept)
             continue
         _record(flow, name, result, origins, next(iter(dims)), dims)
+        if data["op"] in _WRITES:
+            _written(flow, name, data)
     return flow
 
 
@@ -519,13 +689,33 @@ def inner_parts(flow: Flow, origins, span) -> tuple[int, ...] | None:
     return found.pop() if len(found) == 1 else None
 
 
+def packing(flow: Flow, origins, span, pieces) -> tuple[int, ...] | None:
+    """The widths of the parts each rank holds a share of, in order, for a shard of ``origins``
+    over ``span`` (:func:`inner_parts`), or joined from ``pieces`` (each piece's own parts, or its
+    width when it is one contiguous shard); None if they cannot be told."""
+    if not pieces:
+        return inner_parts(flow, origins, span)
+    parts = []
+    for shard, width in pieces:
+        if shard.pieces or shard.span is not None:
+            inner = packing(flow, shard.origins, shard.span, shard.pieces)
+            if inner is None:
+                return None
+            parts.extend(inner)
+        else:
+            parts.append(width)  # a shard that kept no span: one contiguous block per rank
+    return tuple(parts)
+
+
 def packed_params(flow: Flow) -> dict[str, tuple[int, ...]]:
     """Co-sharded parameters that met a shard holding several parts of a packed output (a
-    depthwise conv over ``[x | B | C]``): parameter placeholder -> those parts' widths. Each rank
-    holds its share of every part, so the parameter is permuted like the packed Linear's rows."""
+    depthwise conv over ``[x | B | C]``, or over a ``cat`` of q, k and v): parameter placeholder ->
+    those parts' widths. Each rank holds its share of every part, so the parameter is permuted
+    like the packed Linear's rows."""
     found = {}
     for param, meetings in flow.param_spans.items():
-        parts = {inner_parts(flow, origins, span) for origins, span in meetings if span is not None}
+        parts = {packing(flow, origins, span, pieces) for origins, span, pieces in meetings
+                 if span is not None or pieces}
         parts = {p for p in parts if p is not None and len(p) > 1}
         if parts:
             found[param] = parts.pop()
@@ -553,12 +743,37 @@ def mixed_parts(flow: Flow) -> dict[str, str]:
                     for root in shard.origins:
                         bad.setdefault(root, f"its packed parts {parts} meet {g.nodes[succ]['op']} in "
                                              f"{g.nodes[succ]['module'] or 'the root'}, which does not keep them apart")
+    bad.update({r: reason for r, reason in _mixed_pieces(flow).items() if r not in bad})
     for param, meetings in flow.param_spans.items():
-        packings = {inner_parts(flow, o, s) for o, s in meetings}
-        if len({p if p and len(p) > 1 else None for p in packings}) > 1:  # one part: contiguous, as None
-            for origins, _ in meetings:
+        packings = {packing(flow, o, s, p) for o, s, p in meetings}
+        unknown = any(p is not None and packing(flow, o, s, p) is None for o, s, p in meetings)
+        if unknown or len({p if p and len(p) > 1 else None for p in packings}) > 1:  # one part: contiguous
+            for origins, _, _ in meetings:
                 for root in origins:
                     bad.setdefault(root, f"parameter {g.nodes[param]['param']} meets shards of different packings")
+    return bad
+
+
+def _mixed_pieces(flow: Flow) -> dict[str, str]:
+    """Candidates whose shard was joined with others by a ``cat`` along the sharded dim, or folded
+    into a merged dim, and then reaches an op that neither keeps that layout nor undoes it (a view
+    into heads, a row Linear, a tensor sharded contiguously): each rank's block is not what it reads."""
+    g, bad = flow.g, {}
+    for name, state in flow.state.items():
+        for index, shard in enumerate(state if isinstance(state, tuple) else (state,)):
+            if not isinstance(shard, Shard) or not (shard.pieces or shard.fold):
+                continue
+            for succ in g.successors(name):
+                data = g.nodes[succ]
+                if data["op"] in SINKS or (isinstance(state, tuple) and data["args"][1:2] != (index,)):
+                    continue
+                out = flow.state.get(succ)
+                if succ in flow.piece_cuts or (isinstance(out, Shard) and (out.pieces, out.fold) == (shard.pieces, shard.fold)):
+                    continue
+                what = "joined with others along the sharded dim" if shard.pieces else "folded into a merged dim"
+                for root in shard.origins:
+                    bad.setdefault(root, f"its shard, {what}, meets {data['op']} in {data['module'] or 'the root'}, "
+                                         "which does not keep that layout")
     return bad
 
 

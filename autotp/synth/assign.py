@@ -37,7 +37,9 @@ def root_path(g: nx.DiGraph, flow: Flow, root: str, ends: set[str]) -> list[str]
         return any(isinstance(v, Shard) and root in v.origins for v in values)
 
     allowed = {n for n in g.nodes if carries(n)} | set(ends)
-    paths = nx.single_source_shortest_path(g.subgraph(allowed), root)
+    carrying = nx.DiGraph(g.subgraph(allowed))
+    carrying.add_edges_from((w, b) for w, b in flow.writes.items() if w in allowed and b in allowed)  # in place
+    paths = nx.single_source_shortest_path(carrying, root)
     reached = [paths[e] for e in ends if e in paths]
     return min(reached, key=len) if reached else [root]
 

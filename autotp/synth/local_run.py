@@ -257,7 +257,9 @@ def shapes_are_local(g: nx.DiGraph, local: nx.DiGraph, roles: dict[str, Role], t
     local_nodes = [n for n in order(local) if local.nodes[n]["op"] not in PASSTHROUGH]
     if [g.nodes[n]["op"] for n in nodes] != [local.nodes[n]["op"] for n in local_nodes]:
         return False
-    params = chain_dims(g, flow.param_shards)  # per-head parameters, viewed to meet the heads
+    # Per-head parameters, viewed to meet the heads, and constant tensors sized to meet them.
+    factories = {node: dim for node, (dim, _) in flow.factory_shards.items()}
+    params = {**factories, **chain_dims(g, {**flow.param_shards, **factories})}
     for name, local_name in zip(nodes, local_nodes):
         shape, local_shape = g.nodes[name]["shape"], local.nodes[local_name]["shape"]
         state = flow.state.get(name)

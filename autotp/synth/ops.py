@@ -114,6 +114,14 @@ class Split:
 
 
 @dataclass(frozen=True)
+class Given:
+    """The output's state, built by the context from its inputs' states: a ``cat`` of shards along
+    their sharded dim (pieces side by side), a cut of such a join back at its pieces."""
+
+    value: object
+
+
+@dataclass(frozen=True)
 class Break:
     """The op needs the whole sharded dimension; ``reason`` says why, for ``explain``."""
 
@@ -175,16 +183,61 @@ def view_dim(in_shape: tuple, out_shape: tuple, dim: int, *, unit_heads: bool = 
     return None
 
 
+def fold_group(in_shape: tuple, out_shape: tuple, dim: int) -> tuple[int, tuple, int] | None:
+    """``(output dim, merged sizes, position of dim among them)`` when a view merges a run of
+    input dims holding sharded ``dim`` into one output dim (the others kept around it); else None.
+
+    >>> fold_group((2, 11, 4, 16), (88, 16), 2)
+    (0, (2, 11, 4), 2)
+    >>> fold_group((2, 11, 4, 16), (2, 22, 32), 2) is None
+    True
+    """
+    for start in range(dim, -1, -1):
+        for stop in range(dim + 1, len(in_shape) + 1):
+            size, before = math.prod(in_shape[start:stop]), math.prod(in_shape[:start])
+            for e, out in enumerate(out_shape):
+                if out == size and math.prod(out_shape[:e]) == before and \
+                        tuple(out_shape[e + 1:]) == tuple(in_shape[stop:]):
+                    return e, tuple(in_shape[start:stop]), dim - start
+    return None
+
+
+def split_fold_group(in_shape: tuple, out_shape: tuple, dim: int) -> tuple[int, tuple, int] | None:
+    """:func:`fold_group` for a view that also splits sharded ``dim`` into (heads, head size) and
+    merges the heads with the dims before it: ``(b, t, heads * hd) -> (b * t * heads, hd)``. The
+    shard of a width is a block of whole heads (the divisibility check asks that tp divide them).
+
+    >>> split_fold_group((2, 11, 64), (88, 16), 2)
+    (0, (2, 11, 4), 2)
+    """
+    after = math.prod(in_shape[dim + 1:])
+    for e in range(len(out_shape)):
+        inner = math.prod(out_shape[e + 1:])
+        if inner % after or in_shape[dim] % (inner // after) or inner // after in (1, in_shape[dim]):
+            continue
+        heads = in_shape[dim] // (inner // after)
+        finer = tuple(in_shape[:dim]) + (heads, inner // after) + tuple(in_shape[dim + 1:])
+        found = fold_group(finer, out_shape, dim)
+        if found is not None and found[0] == e:
+            return found
+    return None
+
+
 def _view(g, name, dims, ctx):
     args = g.nodes[name]["args"]
     like = args[1] if g.nodes[name]["op"] in ("view_as", "reshape_as") and len(args) > 1 else None
     src = args[0].name if isinstance(args[0], Ref) else None
     if src not in dims:  # ``x.view_as(y)`` with only y sharded: the whole x cannot take y's local shape
         return Break(f"{g.nodes[name]['op']} shapes a replicated tensor like a sharded one")
-    dim = dims[src]
-    in_shape, out_shape = g.nodes[src]["shape"], g.nodes[name]["shape"]
+    out_shape = g.nodes[name]["shape"]
+    in_shape, dim = ctx.unfolded(src, g.nodes[src]["shape"], dims[src])
+    if in_shape != g.nodes[src]["shape"]:
+        ctx.unfold(name)
     e = view_dim(in_shape, out_shape, dim, unit_heads=ctx.unit_heads_of(src))
     if e is None:
+        group = fold_group(in_shape, out_shape, dim) or split_fold_group(in_shape, out_shape, dim)
+        if group is not None and like is None:
+            return Given(ctx.folded(name, src, *group))
         return Break(f"{g.nodes[name]['op']} {in_shape} -> {out_shape} interleaves sharded dim {dim}")
     if isinstance(like, Ref) and dims.get(like.name, e) != e:
         # The per-rank shape is the local shape of ``like``: it must be cut where x's shard lands.
@@ -213,7 +266,8 @@ def _broadcast_ok(g, name, other, out_dim, out_ndim, ctx) -> bool:
     offset = out_ndim - len(shape)
     if out_dim < offset or shape[out_dim - offset] == 1 or _broadcast_of(g, other, out_dim - offset):
         return ctx.broadcast_grad_ok(other)
-    return ctx.shards_along(other, name) or ctx.shard_param(other, out_dim - offset)
+    return ctx.shards_along(other, name) or ctx.shard_param(other, out_dim - offset) \
+        or ctx.sized_with(other, out_dim - offset)
 
 
 def _broadcast_of(g, name, dim) -> bool:
@@ -332,6 +386,22 @@ def _expand(g, name, dims, ctx):
     return Out(dim + _ndim(g, name) - _ndim(g, src), intact=ctx.intact(src))
 
 
+def _expand_as(g, name, dims, ctx):
+    """``x.expand_as(y)`` (``F.normalize``'s denominator): x's shard must be y's; a replicated x
+    expanded along y's sharded dim must have size 1 there (the same values for every index)."""
+    src, like = g.nodes[name]["args"][:2]
+    if not isinstance(src, Ref) or not isinstance(like, Ref) or like.name not in dims:
+        return Break("expand_as of a sharded tensor to a replicated shape")
+    dim, offset = dims[like.name], _ndim(g, name) - _ndim(g, src.name)
+    if src.name in dims:
+        return Out(dim) if dims[src.name] + offset == dim else Break("expand_as moves the sharded dim")
+    if dim >= offset and g.nodes[src.name]["shape"][dim - offset] != 1:
+        return Break(f"expand_as takes the full size of a replicated tensor along the sharded dim {dim}")
+    if not ctx.broadcast_grad_ok(src.name):
+        return Break("expand_as broadcasts a tensor whose gradient would stay a per-rank partial sum")
+    return Out(dim)
+
+
 def _repeat(g, name, dims, ctx):
     (src, dim), = dims.items()
     counts = g.nodes[name]["args"][1]
@@ -361,6 +431,9 @@ def _slice(g, name, dims, ctx):
     step = args[4] if len(args) > 4 else 1
     if step != 1:
         return _strided_slice(g, name, src, dim, start, end, step, ctx)
+    if ctx.pieces(src):
+        cut = ctx.cut_pieces(name, src, [(_norm(start, size) if start < 0 else start, end)])
+        return Given(cut[0]) if cut else Break(f"slice [{start}:{end}] of joined pieces cuts one of them")
     if ctx.span(src) is None:  # cut points are features of the Linear's output (or a part of it)
         return Break(f"slice of the sharded dim {dim} [{start}:{end}:{step}]")
     return Split(dim, ((_norm(start, size) if start < 0 else start, end),), tuple_output=False)
@@ -384,9 +457,12 @@ def _split_parts(g, name, dims, ctx, sizes, at):
     at = _norm(at, _ndim(g, src))
     if at != dim:
         return Parts(tuple(Out(dim) for _ in sizes))
+    starts = [sum(sizes[:i]) for i in range(len(sizes))]
+    if ctx.pieces(src):
+        cut = ctx.cut_pieces(name, src, [(s, s + n) for s, n in zip(starts, sizes)])
+        return Given(cut) if cut else Break(f"split into {list(sizes)} cuts joined pieces inside one")
     if ctx.span(src) is None:  # a part cut again: its cuts are placed in the Linear's output
         return Break(f"split of the sharded dim {dim} into {list(sizes)}")
-    starts = [sum(sizes[:i]) for i in range(len(sizes))]
     return Split(dim, tuple((s, s + n) for s, n in zip(starts, sizes)), tuple_output=True)
 
 
@@ -428,7 +504,10 @@ def _cat(g, name, dims, ctx):
         return _cat_conflict(dims, ctx)
     dim = next(iter(dims.values()))
     if at == dim:
-        return Break(f"cat along the sharded dim {dim}")
+        joined = ctx.join(name, tensors, dim)
+        if joined is None:
+            return Break(f"cat along the sharded dim {dim} of sharded and replicated tensors")
+        return Given(joined)
     for ref in tensors:
         # A replicated piece joins only if it can be sharded the same way (a per-head sink logit)
         # or is the same for every index of the dim (a rope part shared by all heads, expanded).
@@ -538,7 +617,7 @@ def _einsum(g, name, dims, ctx):
             continue
         at = subscripts[i].index(letter) if letter in subscripts[i] else None
         if at is not None and g.nodes[ref.name]["shape"][at] != 1:
-            if not ctx.shard_param(ref.name, at):
+            if not ctx.shard_param(ref.name, at) and not ctx.sized_with(ref.name, at):
                 return Break(f"einsum {equation!r} meets the sharded index {letter!r} with a replicated operand")
         elif not ctx.broadcast_grad_ok(ref.name):
             # The same values for every index of the sharded letter: each rank's gradient is its share.
@@ -609,7 +688,7 @@ RULES = {
     **{op: _triangular for op in TRIANGULAR},
     "repeat_interleave": _repeat_interleave,
     "transpose": _transpose, "t": _transpose, "permute": _permute, "unsqueeze": _unsqueeze,
-    "squeeze": _squeeze, "expand": _expand, "repeat": _repeat, "select": _select, "slice": _slice,
+    "squeeze": _squeeze, "expand": _expand, "expand_as": _expand_as, "repeat": _repeat, "select": _select, "slice": _slice,
     "split": _split, "split_with_sizes": _split, "chunk": _chunk, "unbind": _unbind,
     "cat": _cat, "stack": _stack, "einsum": _einsum,
 }

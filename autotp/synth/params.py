@@ -50,6 +50,13 @@ def _source_dim(g: nx.DiGraph, name: str, dim: int) -> int | None:
     >>> _ = add_node(g, "v", "view", (Ref("p"), [1, -1, 1, 1]), shape=(1, 4, 1, 1))
     >>> _source_dim(g, "v", 1)
     0
+
+    A dim split into (heads, head size), or merged with the dims inside it, is that dim too: a
+    block of whole heads is a block of the source dim.
+
+    >>> _ = add_node(g, "h", "view", (Ref("p"), [1, 2, 2]), shape=(1, 2, 2))
+    >>> _source_dim(g, "h", 1), _source_dim(g, "h", 2)
+    (0, None)
     """
     data = g.nodes[name]
     op, source = data["op"], data["args"][0]
@@ -61,6 +68,10 @@ def _source_dim(g: nx.DiGraph, name: str, dim: int) -> int | None:
         before = math.prod(out_shape[:dim])
         matches = [e for e in range(len(in_shape)) if math.prod(in_shape[:e]) == before
                    and in_shape[e] == out_shape[dim]]
+        if not matches and out_shape[dim] > 1:
+            size = out_shape[dim]
+            matches = [e for e in range(len(in_shape)) if math.prod(in_shape[:e]) == before and in_shape[e] > 1
+                       and (in_shape[e] % size == 0 or size % in_shape[e] == 0)]
         return matches[0] if matches else None
     if op == "unsqueeze":
         at = data["args"][1] % len(out_shape)
@@ -98,19 +109,55 @@ def param_dim(g: nx.DiGraph, name: str, dim: int) -> tuple[str, int] | None:
     Used nowhere else, because sharding the parameter changes every reader: one that reads it
     whole (outside the sharded region) would then see a slice.
     """
+    found = _chain_source(g, name, dim)
+    if found is None or g.nodes[found[0]]["kind"] not in ("param", "buffer"):
+        return None
+    return found
+
+
+# Factories of constant tensors: every element the same, so a rank's block of any dim is the
+# block of the whole one, as long as the code sizes it from the per-rank tensors it meets.
+CONSTANT_FACTORIES = frozenset({"zeros", "ones", "full", "empty"})
+
+
+def factory_dim(g: nx.DiGraph, name: str, dim: int) -> tuple[str, int] | None:
+    """``(factory node, its dim)`` that dim ``dim`` of node ``name`` is, if ``name`` is a chain of
+    one-tensor ops on a constant tensor made from sizes alone (``torch.zeros(b, heads, dk, dv)``,
+    a scan's initial state); else None.
+
+    Such a tensor meets the heads' shard at its per-rank size only if the code sizes it from the
+    per-rank shapes (``key.shape[1]``) or from attributes divided by tp: the shape proof
+    (:mod:`autotp.synth.shape_proof`) runs the module at per-rank widths and requires exactly that,
+    of it and of every other reader (one that needs it whole would get the wrong shape there).
+    It has no gradient and the same values everywhere, so it may have several readers.
+    """
+    found = _chain_source(g, name, dim, single_reader=False)
+    if found is None:
+        return None
+    data = g.nodes[found[0]]
+    if data["kind"] != "call" or data["op"] not in CONSTANT_FACTORIES or _value_refs(data):
+        return None
+    return found
+
+
+def _chain_source(g: nx.DiGraph, name: str, dim: int, single_reader: bool = True) -> tuple[str, int] | None:
+    """The node a chain of one-tensor ops ending at ``name`` starts from (each link read only by
+    the next, if ``single_reader``), with the dim ``dim`` becomes there; None if the chain is not such."""
     while g.nodes[name]["kind"] == "call":
         data = g.nodes[name]
         inputs = _value_refs(data)
+        if not inputs and data["op"] in CONSTANT_FACTORIES:
+            break
         if data["op"] not in _SINGLE_INPUT or len(inputs) != 1 or not isinstance(data["args"][0], Ref):
             return None
         source = inputs[0].name
-        if readers(g, source) != 1:
+        if single_reader and readers(g, source) != 1:
             return None
         dim = _source_dim(g, name, dim)
         if dim is None:
             return None
         name = source
-    if g.nodes[name]["kind"] not in ("param", "buffer") or readers(g, name) != 1:
+    if single_reader and readers(g, name) != 1:
         return None
     return name, dim
 

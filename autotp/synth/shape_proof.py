@@ -53,6 +53,7 @@ def shaped_roots(g: nx.DiGraph, flow: Flow, roles: dict[str, Role]) -> dict[str,
         if kind_of(roles, module_of(g, root)) not in _SHAPED_ROOTS:
             continue
         nodes = [n for n in _carriers(g, flow, root) if g.nodes[n]["op"] in SHAPING]
+        nodes += [n for n, (_, origins) in flow.factory_shards.items() if root in origins]
         if nodes:
             found.setdefault(cutting_module(g, root, nodes), []).append(root)
     return found
@@ -77,7 +78,10 @@ def shaped_sizes(g: nx.DiGraph, flow: Flow, roots: list[str]) -> set[int]:
             state, shape = flow.state.get(node), g.nodes[node]["shape"]
             if g.nodes[node]["op"] in VIEW_LIKE and isinstance(state, Shard) and shape:
                 values.add(shape[state.dim])
+            if isinstance(state, Shard) and state.pieces:  # a cat's pieces, cut back at fixed widths
+                values.update(width for _, width in state.pieces)
         values.update(end - start for start, end in set(flow.splits.get(root, ())))
+        values.update(g.nodes[n]["shape"][dim] for n, (dim, origins) in flow.factory_shards.items() if root in origins)
     return {v for v in values if v > 0}  # 1: a single kv head, which tp cannot divide (kvheads.py)
 
 
@@ -113,6 +117,13 @@ def localize_shapes(model: nn.Module, example_inputs, g: nx.DiGraph, flow: Flow,
             module = model.get_submodule(fqn)
             traces: dict = {}
             verdict = shape_proof(module, captured[fqn], inner, tp, known, traces)
+            if verdict is None and traces.get("unjudged") and any(
+                    root in origins for root in roots for _, origins in flow.factory_shards.values()):
+                # A constant tensor taken at its per-rank size is sound only once the proof has run.
+                for root in roots:
+                    result.unlocal[root] = (f"{fqn} makes a constant tensor that meets the shard, and it cannot "
+                                            "be run alone to prove that tensor's per-rank size; kept whole")
+                continue
             if verdict is None:
                 continue  # already per-rank (or cannot run alone: the verifier judges the numbers)
             candidates = candidate_names(module, {v for v in values if v > 1})
@@ -141,6 +152,8 @@ def shape_proof(module: nn.Module, inputs, roles: dict[str, Role], tp: int, name
     reference = run_local(module, inputs, roles, [], (), 1)
     if reference is None:
         log.debug("shape proof of %s: it does not run alone on meta; not judged", type(module).__name__)
+        if traces is not None:
+            traces["unjudged"] = True
         return None
     local = run_local(module, inputs, roles, [], names, tp)
     if local is not None and local[0] == reference[0]:
