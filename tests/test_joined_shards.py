@@ -21,7 +21,8 @@ from torch import nn
 from autotp.synth import explain, synthesize
 from autotp.synth.ops import fold_group, split_fold_group
 from autotp.verifier import verify
-from synth_toy import DIM, VOCAB, example_tokens
+from synth_toy import DIM, example_tokens
+from test_ssm_mixer import SSMStack
 
 KERNEL, CHUNK = 3, 4
 
@@ -69,30 +70,6 @@ class JoinedDeltaMixer(nn.Module):
         return self.out(rows.reshape(b, t, -1))
 
 
-class Block(nn.Module):
-    def __init__(self, mixer):
-        super().__init__()
-        self.norm, self.mixer = nn.RMSNorm(DIM), mixer()
-
-    def forward(self, x):
-        return x + self.mixer(self.norm(x))
-
-
-class Stack(nn.Module):
-    def __init__(self, mixer=JoinedDeltaMixer, layers: int = 2):
-        super().__init__()
-        self.embed = nn.Embedding(VOCAB, DIM)
-        self.layers = nn.ModuleList(Block(mixer) for _ in range(layers))
-        self.norm = nn.RMSNorm(DIM)
-        self.head = nn.Linear(DIM, VOCAB, bias=False)
-
-    def forward(self, tokens):
-        h = self.embed(tokens)
-        for layer in self.layers:
-            h = layer(h)
-        return self.head(self.norm(h))
-
-
 def _plan_and_report(model, tp, sequence_parallel=False):
     plan = synthesize(model, example_inputs=(example_tokens(),), tp_size=tp, sequence_parallel=sequence_parallel)
     with warnings.catch_warnings():
@@ -104,7 +81,7 @@ def _plan_and_report(model, tp, sequence_parallel=False):
 @pytest.fixture(scope="module")
 def model():
     torch.manual_seed(0)
-    return Stack()
+    return SSMStack(mixer=JoinedDeltaMixer)
 
 
 @pytest.mark.parametrize("sequence_parallel", [False, True], ids=["plain", "sp"])
@@ -207,7 +184,7 @@ def test_layouts_it_cannot_realise_keep_their_projections_whole(mixer):
     not what the code reads: the plan would run and give other numbers (the verifier compares
     logits and every gradient); keeping the projections whole with a reason is the right answer."""
     torch.manual_seed(0)
-    model = Stack(mixer)
+    model = SSMStack(mixer=mixer)
     plan, report = _plan_and_report(model, 2)
     assert report.ok, str(report)
     assert not any(key.startswith("layers.*.mixer.") for key in plan), sorted(plan)
