@@ -5,8 +5,8 @@ A, B, A, B, ...; each child times ``synthesize`` on meta-device configs of
 :mod:`bench_synthesis` (the median of ``--repeats`` calls after one warm-up). Reports the median
 over rounds per case and the ratio new / base. Writes ``results/synthesis_ab.json``.
 
-    git worktree add /tmp/base <commit>
-    python benchmarks/bench_synthesis_ab.py --base /tmp/base [--rounds 3 --repeats 3]
+    git worktree add ../autotp-base <commit>
+    python benchmarks/bench_synthesis_ab.py --base ../autotp-base [--rounds 3 --repeats 3]
 """
 
 from __future__ import annotations
