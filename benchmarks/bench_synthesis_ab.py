@@ -5,8 +5,12 @@ A, B, A, B, ...; each child times ``synthesize`` on meta-device configs of
 :mod:`bench_synthesis` (the median of ``--repeats`` calls after one warm-up). Reports the median
 over rounds per case and the ratio new / base. Writes ``results/synthesis_ab.json``.
 
+Each child runs in its side's tree and checks that ``autotp`` was imported from there: ``python -c``
+puts the working directory first on ``sys.path``, so a child started from this checkout would
+otherwise time this checkout's code on both sides (and the editable install points here too).
+
     git worktree add ../autotp-base <commit>
-    python benchmarks/bench_synthesis_ab.py --base ../autotp-base [--rounds 3 --repeats 3]
+    python benchmarks/bench_synthesis_ab.py --base ../autotp-base [--new ../autotp-head] [--rounds 3 --repeats 3]
 """
 
 from __future__ import annotations
@@ -31,8 +35,9 @@ import json, statistics, sys, time, warnings
 warnings.simplefilter("ignore")
 sys.path.insert(0, {bench!r})
 from bench_synthesis import SHAPES, build
+import autotp
 from autotp.synth import synthesize
-out = {{}}
+out = {{"autotp": autotp.__file__}}
 for name, layers, sp in {cases!r}:
     model = build(name, layers)
     tp = SHAPES[name][3]
@@ -50,17 +55,27 @@ print(json.dumps(out))
 def run_side(tree: Path, repeats: int) -> dict[str, float]:
     code = CHILD.format(bench=str(HERE), cases=CASES, repeats=repeats)
     env = {**os.environ, "PYTHONPATH": str(tree)}
-    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
-    return json.loads(done.stdout.strip().splitlines()[-1])
+    done = subprocess.run([sys.executable, "-c", code], env=env, cwd=tree, capture_output=True, text=True,
+                          check=True)
+    out = json.loads(done.stdout.strip().splitlines()[-1])
+    imported = Path(out.pop("autotp")).resolve()
+    if not imported.is_relative_to(tree):
+        raise SystemExit(f"the child for {tree} imported autotp from {imported}, not from that tree")
+    return out
+
+
+def _git(tree: Path, *args: str) -> str:
+    return subprocess.run(["git", "-C", str(tree), *args], capture_output=True, text=True, check=True).stdout.strip()
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--base", required=True, help="the other commit's tree (a git worktree)")
+    parser.add_argument("--new", default=str(HERE.parent), help="the tree to time as new (default: this checkout)")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--repeats", type=int, default=3)
     args = parser.parse_args()
-    new_tree, base_tree = HERE.parent, Path(args.base).resolve()
+    new_tree, base_tree = Path(args.new).resolve(), Path(args.base).resolve()
     started = time.time()
     samples: dict[str, dict[str, list[float]]] = {"new": {}, "base": {}}
     for round_ in range(args.rounds):
@@ -73,12 +88,12 @@ def main() -> None:
         new, base = statistics.median(samples["new"][case]), statistics.median(samples["base"][case])
         rows[case] = {"new_s": round(new, 4), "base_s": round(base, 4), "ratio": round(new / base, 3)}
         print(f"{case:28s} new {new:.3f} s  base {base:.3f} s  ratio {new / base:.3f}")
-    base_commit = subprocess.run(["git", "-C", str(base_tree), "rev-parse", "--short", "HEAD"],
-                                 capture_output=True, text=True).stdout.strip()
     RESULTS.write_text(json.dumps({
         "command": "python benchmarks/bench_synthesis_ab.py " + " ".join(sys.argv[1:]),
         "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "wall_s": round(time.time() - started, 1),
-        "machine": f"{platform.machine()}, {os.cpu_count()} cores", "base_commit": base_commit,
+        "machine": f"{platform.machine()}, {os.cpu_count()} cores", "base_commit": _git(base_tree, "rev-parse", "--short", "HEAD"),
+        "new_commit": _git(new_tree, "rev-parse", "--short", "HEAD"),
+        "new_tree_dirty": bool(_git(new_tree, "status", "--porcelain", "--untracked-files=no")),
         "rounds": args.rounds, "repeats": args.repeats, "cases": rows, "samples": samples}, indent=1) + "\n")
 
 
