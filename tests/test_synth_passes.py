@@ -2,17 +2,33 @@
 
 The graphs are the smallest that hold a pattern: one decoder layer with a norm read by two column
 projections, a parallel block whose branch outputs are summed, a tied embedding and head, a
-weight read outside its module. Each test names the failure it would catch.
+weight read outside its module, one square weight read by a column and a row, grouped-query
+attention. Every step of :func:`~autotp.synth.pipeline.constraint_fixpoint` (foreign reads, tie
+conflicts, fused outputs cut with global sizes) and every pass of
+:data:`~autotp.synth.pipeline.POST_PASSES` has a test here. Each test names the failure it would catch.
 """
+
+from dataclasses import replace
 
 import networkx as nx
 import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
 
 from autotp.errors import MeshError
+from autotp.synth import pipeline as pipeline_module
 from autotp.synth.analysis import Flow, analyse
-from autotp.synth.assign import assign_roles, foreign_reads, tie_conflicts
+from autotp.synth.assign import (
+    assign_roles,
+    foreign_reads,
+    tie_conflicts,
+    tied_embedding_modules,
+)
 from autotp.synth.build import build_plan, style_for
 from autotp.synth.graph import Ref, add_node
+from autotp.synth.kvheads import kv_roots
+from autotp.synth.localize import Localization
 from autotp.synth.pipeline import (
     POST_PASSES,
     Analysis,
@@ -20,7 +36,9 @@ from autotp.synth.pipeline import (
     divisibility,
     kv_replication,
     owned_outputs,
+    sequence_parallel,
     shard_counts,
+    shared_inputs,
 )
 from autotp.synth.roles import ROLE_KINDS, Kind, Role
 from autotp.synth.sequence import sequence_parallel_roles
@@ -248,7 +266,7 @@ def test_a_pair_that_gave_way_to_a_shard_dropped_later_is_tried_again():
     _call(g, "sum", "add", (Ref("o"), Ref("big")), (2, 3, 8), LAYER)
     _call(g, "sm", "_softmax", (Ref("sum"), -1, False), (2, 3, 8), LAYER)
     add_node(g, "out", "output", ((Ref("sm"),),), kind="output")
-    flow, roles = _analysed(g)
+    _, roles = _analysed(g)
     assert roles[f"{LAYER}.big"].kind == "replicate"
     assert roles[f"{LAYER}.attn.q"].kind == "column" and roles[f"{LAYER}.attn.o"].kind == "row"
 
@@ -271,3 +289,197 @@ def test_attention_with_a_per_head_mask_made_outside_breaks_the_shard():
         assert isinstance(result, expected), result
         if expected is Break:
             assert "holds all 4 heads" in result.reason
+
+
+def test_shard_counts_pass_extends_a_params_role_rather_than_replacing_it():
+    """A module that both holds per-head parameters and sizes a fused cut gets one role with both:
+    replacing its ``head_params`` role by ``shard_counts`` would leave its parameters whole."""
+    a = _fixpoint(block_graph())
+    params = Role("head_params", "its scale meets the heads", (f"{LAYER}.attn",), param_dims=(("scale", 0),))
+    a.roles = {**a.roles, f"{LAYER}.attn": params}
+    a.counts = {f"{LAYER}.attn": ("n_heads",)}
+    role = shard_counts(a).roles[f"{LAYER}.attn"]
+    assert role.kind == "head_params" and role.param_dims == (("scale", 0),) and role.names == ("n_heads",)
+    assert role.reason.startswith("its scale meets the heads; its attributes n_heads size its reshapes")
+
+
+def square_tie_graph() -> nx.DiGraph:
+    """x -> a (column) -> gelu -> b (row), both Linears reading one square weight ``w``: a shards its
+    rows, b its columns."""
+    g = nx.DiGraph()
+    add_node(g, "x", "placeholder", kind="input", shape=(2, 3, 8))
+    _param(g, "w", f"{LAYER}.a.weight", (8, 8))
+    _call(g, "a", "linear", (Ref("x"), Ref("w")), (2, 3, 8), f"{LAYER}.a")
+    _call(g, "act", "gelu", (Ref("a"),), (2, 3, 8), LAYER)
+    _call(g, "b", "linear", (Ref("act"), Ref("w")), (2, 3, 8), f"{LAYER}.b")
+    _call(g, "r", "add", (Ref("x"), Ref("b")), (2, 3, 8), LAYER)
+    add_node(g, "out", "output", ((Ref("r"),),), kind="output")
+    return g
+
+
+def test_tie_conflicts_names_each_user_of_a_weight_sharded_two_ways():
+    """Would catch a tied weight sharded on its rows by one user and its columns by the other (each
+    copy would then hold a different half of one tensor)."""
+    g = square_tie_graph()
+    flow, roles = _analysed(g)
+    assert roles[f"{LAYER}.a"].kind == "column" and roles[f"{LAYER}.b"].kind == "row"
+    conflicts = tie_conflicts(g, roles, flow)
+    assert set(conflicts) == {"a", "b"}
+    assert "its weight layers.0.a.weight is tied (layers.0.a, layers.0.b)" in conflicts["b"]
+
+
+def test_constraint_fixpoint_keeps_conflicting_tied_weights_whole_in_a_second_round(caplog):
+    """Would catch the fixpoint returning the first round's roles (a column and a row on one
+    weight) instead of analysing again with the tie kept whole, or not saying so in its log."""
+    with caplog.at_level("INFO", logger="autotp.synth.pipeline"):
+        a = _fixpoint(square_tie_graph())
+    assert a.roles[f"{LAYER}.a"].kind == "replicate" and a.roles[f"{LAYER}.b"].kind == "replicate"
+    assert "is tied" in a.roles[f"{LAYER}.a"].reason
+    assert "round 1: tied weights kept whole at ['a', 'b']" in caplog.text
+
+
+def test_tied_embedding_modules_keep_the_lookup_of_a_conflicting_weight_whole():
+    """Would catch a head kept whole for a tie conflict while the embedding that shares its table
+    stays vocab-parallel (the two copies of the table would differ)."""
+    g = block_graph(tied=True)
+    assert tied_embedding_modules(g, {"logits": "tied, sharded two ways"}) == {"embed": "tied, sharded two ways"}
+    assert tied_embedding_modules(g, {"o": "not the table"}) == {}
+
+
+def test_constraint_fixpoint_keeps_a_fused_output_cut_with_global_sizes_whole(monkeypatch, caplog):
+    """Would catch the fixpoint ignoring what localization found (a fused output cut with global
+    sizes left column-parallel: every rank would cut its shard at the global offsets), or looping
+    on a constraint it already has. Localization itself needs a module to run (see
+    ``test_synth_localize.py``); here it reports q once."""
+    calls = []
+
+    def fake_localize(model, example_inputs, g, flow, roles, tp, groups):
+        calls.append(tp)
+        found = Localization()
+        if roles[f"{LAYER}.attn.q"].kind == "column":
+            found.unlocal["q"] = "its output is cut with fixed sizes; kept whole"
+        return found
+
+    monkeypatch.setattr(pipeline_module, "localize", fake_localize)
+    with caplog.at_level("INFO", logger="autotp.synth.pipeline"):
+        a = _fixpoint(block_graph())
+    assert a.roles[f"{LAYER}.attn.q"].kind == "replicate" and "fixed sizes" in a.roles[f"{LAYER}.attn.q"].reason
+    assert a.roles[f"{LAYER}.attn.k"].kind == "replicate"  # it meets q's output, now whole
+    assert "round 1: fused outputs cut with global sizes at ['q']" in caplog.text
+    assert calls == [2, 2]  # without a tp size the cuts are checked at 2; the second round adds nothing
+
+
+def test_sequence_parallel_pass_runs_only_when_the_analysis_asks_for_it():
+    """Would catch sequence-parallel roles leaking into a plain plan, or the pass not running under SP."""
+    a = _fixpoint(block_graph())
+    assert sequence_parallel(a) is a
+    sp = sequence_parallel(replace(a, sequence_parallel=True))
+    assert sp.roles[f"{LAYER}.norm"].kind == "seq_norm_gather" and sp.roles[f"{LAYER}.attn.o"].seq_output
+    assert f"{LAYER}.norm" not in a.roles
+
+
+def test_shared_inputs_pass_reads_sequence_parallel_from_the_analysis():
+    """Plain: the norm returns one Replicate() DTensor for q and k. Under SP the norm's gather keeps
+    its output a DTensor instead; would catch the pass applying the plain rule under SP."""
+    a = _fixpoint(block_graph())
+    assert shared_inputs(a).roles[f"{LAYER}.norm"].kind == "shared_input"
+    sp = shared_inputs(sequence_parallel(replace(a, sequence_parallel=True)))
+    assert sp.roles[f"{LAYER}.norm"].kind == "seq_norm_gather" and sp.roles[f"{LAYER}.norm"].dtensor_output
+
+
+def test_divisibility_pass_keeps_a_vocab_table_tp_does_not_divide_whole():
+    """30 embedding rows at tp=4 (everything else divides): the table stays whole with the tp sizes
+    that would split it; would catch a plan that cannot be applied (30 rows over 4 ranks)."""
+    g = block_graph()
+    g.nodes["w_emb"]["shape"] = (30, 8)
+    a = _fixpoint(g, tp_size=4)
+    assert a.roles["embed"].kind == "vocab_embedding"
+    role = divisibility(a).roles["embed"]
+    assert role.kind == "replicate" and "its 30 rows do not split over tp=4 (tp in (1, 2, 3, 5, 6, 10, 15, 30) would)" in role.reason
+
+
+def gqa_graph() -> nx.DiGraph:
+    """x -> q (4 heads of 8), k and v (2 heads of 8) -> grouped-query attention -> o."""
+    g = nx.DiGraph()
+    add_node(g, "x", "placeholder", kind="input", shape=(2, 3, 32))
+    for p, heads in (("q", 4), ("k", 2), ("v", 2)):
+        _param(g, f"w_{p}", f"{LAYER}.attn.{p}.weight", (heads * 8, 32))
+        _call(g, p, "linear", (Ref("x"), Ref(f"w_{p}")), (2, 3, heads * 8), f"{LAYER}.attn.{p}")
+        _call(g, f"{p}_heads", "view", (Ref(p), [2, 3, heads, 8]), (2, 3, heads, 8), f"{LAYER}.attn")
+        _call(g, f"{p}_t", "transpose", (Ref(f"{p}_heads"), 1, 2), (2, heads, 3, 8), f"{LAYER}.attn")
+    add_node(g, "att", "scaled_dot_product_attention", (Ref("q_t"), Ref("k_t"), Ref("v_t")),
+             kwargs={"enable_gqa": True}, shape=(2, 4, 3, 8), module=f"{LAYER}.attn", stack=(LAYER, f"{LAYER}.attn"))
+    _call(g, "att_t", "transpose", (Ref("att"), 1, 2), (2, 3, 4, 8), f"{LAYER}.attn")
+    _call(g, "merged", "reshape", (Ref("att_t"), [2, 3, 32]), (2, 3, 32), f"{LAYER}.attn")
+    _param(g, "w_o", f"{LAYER}.attn.o.weight", (32, 32))
+    _call(g, "o", "linear", (Ref("merged"), Ref("w_o")), (2, 3, 32), f"{LAYER}.attn.o")
+    add_node(g, "out", "output", ((Ref("o"),),), kind="output")
+    return g
+
+
+class _Attention(nn.Module):
+    """The module behind :func:`gqa_graph`: k/v repeated to the query heads by ``groups``
+    (``num_key_value_groups``) or from the shapes (``enable_gqa``)."""
+
+    def __init__(self, by_attribute: bool):
+        super().__init__()
+        self.q, self.k, self.v, self.o = nn.Linear(32, 32), nn.Linear(32, 16), nn.Linear(32, 16), nn.Linear(32, 32)
+        self.num_key_value_groups = 2 if by_attribute else None
+
+    def forward(self, x):
+        b, t, _ = x.shape
+        q, k, v = (p(x).view(b, t, -1, 8).transpose(1, 2) for p in (self.q, self.k, self.v))
+        if self.num_key_value_groups:
+            k, v = (z.repeat_interleave(self.num_key_value_groups, dim=1) for z in (k, v))
+        y = F.scaled_dot_product_attention(q, k, v, enable_gqa=not self.num_key_value_groups)
+        return self.o(y.transpose(1, 2).reshape(b, t, -1))
+
+
+class _Stack(nn.Module):
+    def __init__(self, by_attribute: bool):
+        super().__init__()
+        self.layers = nn.ModuleList([nn.Module()])
+        self.layers[0].attn = _Attention(by_attribute)
+
+    def forward(self, x):
+        return self.layers[0].attn(x)
+
+
+def _gqa_analysis(tp_size: int, *, by_attribute: bool = True) -> Analysis:
+    """The fixpoint on :func:`gqa_graph` with its module (localization runs it to check the head
+    views at per-rank shapes)."""
+    return constraint_fixpoint(gqa_graph(), LayerGroups(), _Stack(by_attribute), (torch.randn(2, 3, 32),), tp_size)
+
+
+def test_kv_roots_are_the_projections_with_fewer_heads_than_tp():
+    """At tp=4 the 2-head k and v cannot be split by heads; q (4 heads) can. At tp=2 none is a kv root."""
+    g = gqa_graph()
+    flow, roles = _analysed(g)
+    assert kv_roots(g, flow, roles, 4) == {"k": (2, "att"), "v": (2, "att")}
+    assert kv_roots(g, flow, roles, 2) == {}
+
+
+@pytest.mark.parametrize("by_attribute", [True, False], ids=["ratio-attribute", "enable-gqa"])
+def test_kv_replication_pass_repeats_kv_heads_and_sets_the_per_rank_ratio(by_attribute):
+    """tp=4 over 2 kv heads: k and v hold one kv head per rank (``kv_column``) and, where the module
+    repeats kv heads by an attribute, it becomes the per-rank ratio (1). Would catch k/v left
+    column-parallel (each rank a half head) or the ratio left at 2 (shapes that do not match)."""
+    out = kv_replication(_gqa_analysis(4, by_attribute=by_attribute))
+    assert out.kv_handled == {"k", "v"}
+    for p in "kv":
+        role = out.roles[f"{LAYER}.attn.{p}"]
+        assert (role.kind, role.kv_heads, role.head_dim) == ("kv_column", 2, 8)
+    counts = out.roles.get(f"{LAYER}.attn")
+    if by_attribute:
+        assert counts.kind == "kv_head_counts" and counts.names == ("num_key_value_groups",) and counts.heads == 4
+    else:
+        assert counts is None  # the module repeats from the shapes: nothing to set
+    divisibility(out)  # the kv roots, replicated per head, are not checked for divisibility
+
+
+def test_kv_replication_pass_refuses_a_tp_that_is_not_a_multiple_of_the_kv_heads():
+    """tp=3 over 2 kv heads: no even repetition; the error names k's module and the fix."""
+    a = replace(_gqa_analysis(4), tp_size=3)  # the same analysis; q's 4 heads do not split over 3 either
+    with pytest.raises(MeshError, match=r"layers\.0\.attn\.k: 2 kv heads cannot be shared evenly by tp=3") as error:
+        kv_replication(a)
+    assert error.value.module == f"{LAYER}.attn.k" and error.value.fix == "use tp a divisor or a multiple of 2"
