@@ -96,10 +96,11 @@ def _raw_kind(g, node: str, style: ParallelStyle | None) -> str | None:
     """``"column"`` / ``"row"`` when ``style`` (a :class:`LinearParams`) shards the raw weight of
     Linear-like node ``node`` so; None otherwise."""
     from autotp.synth.analysis import linear_weight, raw_weight
+    from autotp.synth.params import reading_module
 
     if not isinstance(style, LinearParams) or not raw_weight(g, node):
         return None
-    leaf = g.nodes[linear_weight(g, node)]["param"].rpartition(".")[2]
+    leaf = reading_module(g, linear_weight(g, node))[1]  # a child's weight read here is dotted
     return "column" if leaf in style.columns else "row" if leaf in style.rows else None
 
 

@@ -2,36 +2,62 @@
 
 Full-attention layers and every MLP are sharded as in Qwen3 (q_proj holds ``[query | gate]`` per
 head, so a column split by heads keeps each head's gate with its query). The linear-attention
-mixer (``linear_attn``: fused qkv in-projection, causal conv over the channels, the delta-rule scan)
-stays replicated, as NeMo and transformers' plan leave it: there is no stock kernel for a sharded
-scan. Plan keys name ``self_attn`` / ``linear_attn`` with a wildcard layer index, so each matches
-only the layers of its kind.
+mixer (``linear_attn``) is sharded by heads, as autotp's synthesizer derives it from the graph:
+the fused ``in_proj_qkv`` part by part (``[q | k | v]``), ``in_proj_z`` / ``in_proj_b`` /
+``in_proj_a`` as columns, the depthwise causal conv over the joined q|k|v channels with its
+weight packed like the parts, the per-head ``A_log`` / ``dt_bias`` with the heads, the gated norm
+per head, and ``out_proj`` as the row. The delta-rule scan runs per head, so each rank runs it on
+its own heads with no collective; ``key_dim`` / ``value_dim`` (the split sizes) are per rank. The
+linear key and value head counts must be divisible by tp. NeMo and transformers' own plans keep
+this mixer whole on every rank (0.95 of the parameters per rank at tp=2 on the tiny test config,
+against 0.50 here).
 
-Under SP the residual stays sequence-sharded: each pre-norm all-gathers once, the replicated
-``linear_attn`` runs on the whole sequence, and its replicated output is sliced back to this rank's
-positions (no collective forward; an all-gather of its gradient backward). The pre-norms hand
-their output on as one replicated DTensor (:func:`handwritten_plans._blocks.shared_input`), which
-the whole mixer takes as a plain tensor (:class:`~autotp.styles.ReplicatedModule`).
+Plan keys name ``self_attn`` / ``linear_attn`` with a wildcard layer index, so each matches only
+the layers of its kind. The mixer multiplies its input by the padding mask before its projections,
+so the pre-norm cannot hand them one shared DTensor (it would meet the plain mask): its output stays
+a plain tensor (under SP, all-gathered once to the whole sequence) and each column wraps it. Under
+SP ``out_proj`` reduce-scatters back onto the sequence-sharded stream.
 """
 
 from __future__ import annotations
 
 from torch import nn
-from torch.distributed.tensor import Shard
-from torch.distributed.tensor.parallel import ParallelStyle
+from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle
 
-from autotp.styles import HeadShardedNorm, ReplicatedModule
-from handwritten_plans._blocks import shared_input, vocab_head
+from autotp.styles import HeadParams, HeadShardedNorm, PackedColwiseParallel, SequenceParallelAllGather
+from handwritten_plans._blocks import row_output, shared_input, vocab_head
 from handwritten_plans.gemma3 import text_prefix
 from handwritten_plans.llama import decoder_plan
+
+
+def linear_attention(layer: str, model: nn.Module, *, sequence_parallel: bool) -> dict[str, ParallelStyle]:
+    """The Gated DeltaNet mixer of ``layer`` sharded by heads (see the module docstring)."""
+    text = model.config.get_text_config()
+    key_dim = text.linear_num_key_heads * text.linear_key_head_dim
+    value_dim = text.linear_num_value_heads * text.linear_value_head_dim
+    parts = (key_dim, key_dim, value_dim)
+    mixer = f"{layer}.linear_attn"
+    # The mixer zeroes its input's padded positions (a plain mask) before the projections: it gets
+    # the norm's output as a plain tensor (whole sequence under SP), and each column wraps it.
+    return {
+        f"{mixer}.in_proj_qkv": PackedColwiseParallel(sizes=parts),
+        **{f"{mixer}.in_proj_{p}": ColwiseParallel() for p in "zba"},
+        f"{mixer}.norm": HeadShardedNorm(),
+        f"{mixer}.out_proj": row_output(sequence_parallel=sequence_parallel),
+        mixer: HeadParams(shard_dims={"A_log": 0, "conv1d.weight": 0, "dt_bias": 0}, counts=("key_dim", "value_dim"),
+                          packed={"conv1d.weight": parts}),
+    }
 
 
 def parallelize_qwen3_5(model: nn.Module, sequence_parallel: bool = False) -> dict[str, ParallelStyle]:
     """Plan for ``Qwen3_5ForCausalLM`` and ``Qwen3_5ForConditionalGeneration`` (vision replicated).
 
-    Plain TP: 2 all-reduces per full-attention layer, 1 per linear-attention layer (its MLP), + 1
-    at the embedding. SP: per layer 2 all-gathers and 2 reduce-scatters (1 reduce-scatter on a
-    linear-attention layer), + 1 of each at the embedding and head.
+    Plain TP: 2 all-reduces per layer of either kind (the linear-attention mixer's ``out_proj`` and
+    the MLP's; the full attention's ``o_proj`` and the MLP's), + 1 at the embedding; backward, 3
+    more per linear-attention layer (its 4 columns reduce their input gradients apart). SP: per
+    layer 2 all-gathers (the pre-norms) and 2 reduce-scatters, + 1 of each at the head and the
+    embedding; backward, a linear-attention layer all-reduces its columns' 4 input gradients where
+    a full-attention layer reduce-scatters once.
     """
     prefix = text_prefix(model)
     layer = f"{prefix}.layers.*"
@@ -39,16 +65,14 @@ def parallelize_qwen3_5(model: nn.Module, sequence_parallel: bool = False) -> di
         f"{layer}.self_attn.q_norm": HeadShardedNorm(),
         f"{layer}.self_attn.k_norm": HeadShardedNorm(),
         "lm_head": vocab_head(sequence_parallel=sequence_parallel),
-    }
-    if sequence_parallel:
-        # Every pre-norm all-gathers; the whole mixer takes the gathered DTensor as a plain tensor
-        # and its replicated output is sliced back to this rank's positions.
-        plan[f"{layer}.linear_attn"] = ReplicatedModule(output_layouts=Shard(1))
-        return plan
-    # Plain TP: only the full-attention layers' pre-norms feed column projections (q/k/v); the
-    # linear-attention layers' pre-norm feeds the whole mixer and stays a plain tensor.
+    } | linear_attention(layer, model, sequence_parallel=sequence_parallel)
+    # Only the full-attention layers' pre-norm hands its readers (q/k/v) one shared DTensor; the
+    # linear-attention layers' output stays plain (under SP, all-gathered to the whole sequence).
     del plan[f"{layer}.input_layernorm"]
     types = model.config.get_text_config().layer_types
-    plan |= {f"{prefix}.layers.{i}.input_layernorm": shared_input(sequence_parallel=False)
-             for i, kind in enumerate(types) if kind == "full_attention"}
+    for i, kind in enumerate(types):
+        if kind == "full_attention":
+            plan[f"{prefix}.layers.{i}.input_layernorm"] = shared_input(sequence_parallel=sequence_parallel)
+        elif sequence_parallel:
+            plan[f"{prefix}.layers.{i}.input_layernorm"] = SequenceParallelAllGather(use_local_output=True)
     return plan

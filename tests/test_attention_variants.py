@@ -61,8 +61,8 @@ class SharedRopeQueryAttention(nn.Module):
 
 
 class LearnedSharedRopeAttention(SharedRopeQueryAttention):
-    """The shared rope part comes from a Linear: expanded into each rank's heads, its gradient
-    would be a per-rank partial sum, so the heads it joins stay whole (default-deny)."""
+    """The shared rope part comes from a Linear: expanded into each rank's heads of q and of k, its
+    gradient on each rank is that rank's share, which the Linear (kept whole) must all-reduce."""
 
     def __init__(self):
         super().__init__()
@@ -153,11 +153,21 @@ def test_variant_is_sharded_and_verified(case, tp_size, sequence_parallel):
     assert all(f < 1 / tp_size + 0.06 for f in report.param_fraction), (report.param_fraction, plan)
 
 
-def test_learned_shared_rope_part_keeps_its_heads_whole():
+@pytest.mark.parametrize("sequence_parallel", [False, True], ids=["plain", "sp"])
+@pytest.mark.parametrize("tp_size", [2, 4])
+def test_learned_shared_rope_part_stays_whole_with_its_gradient_reduced(tp_size, sequence_parallel):
+    """The rope part from a Linear is expanded into every head of q and of k (two places it meets
+    the shard, each giving a per-rank share of its gradient): the heads are sharded and the rope
+    Linear kept whole with its output gradient all-reduced once. Would catch the gradient left
+    partial (rope's weight off) or the heads left whole."""
+    from autotp import styles
+
     torch.manual_seed(0)
     model = Model(LearnedSharedRopeAttention).eval()
     tokens = example_tokens()
-    plan = autotp.synthesize(model, example_inputs=(tokens,), tp_size=2)
-    assert not any(key.startswith("layers.0.mixer.") or ".mixer.q" in key for key in plan), plan
-    report = verify(model, plan, tp_size=2, inputs=(tokens,))
+    plan = autotp.synthesize(model, example_inputs=(tokens,), tp_size=tp_size, sequence_parallel=sequence_parallel)
+    assert all(f"layers.*.mixer.{name}" in plan for name in ("q", "k", "v", "o")), sorted(plan)
+    rope = plan["layers.*.mixer.rope"]
+    assert isinstance(rope, styles.ReplicatedModule) and rope.reduce_grad_features == ((0, ROPE),), rope
+    report = verify(model, plan, tp_size=tp_size, inputs=(tokens,))
     assert report.ok, str(report)

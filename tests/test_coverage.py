@@ -23,9 +23,10 @@ AT_BOUND = {"llama": "dense GQA", "qwen3": "per-head QK norm", "olmo2": "width Q
             "qwen3_moe": "MoE, grouped experts", "mixtral": "MoE, top-2", "cohere": "parallel block",
             "phi3": "fused qkv and gate_up (packed)", "gpt_neox": "fused qkv, interleaved heads",
             "stablelm": "head count from an attribute (localized)", "gemma2": "soft-capped sliding attention",
-            "gemma3": "multimodal family (text model)", "ctrl": "embedding rows scaled in place (copied output)"}
+            "gemma3": "multimodal family (text model)", "ctrl": "embedding rows scaled in place (copied output)",
+            "jamba": "hybrid Mamba + attention + MoE: a scan's state projections broadcast over sharded channels"}
 # Verified, with parts kept whole for a recorded reason.
-PARTLY_REPLICATED = {"deepseek_v3": "MLA: kv_a_proj_with_mqa is sliced", "jamba": "hybrid Mamba + attention + MoE",
+PARTLY_REPLICATED = {"deepseek_v3": "MLA: kv_a_proj_with_mqa is sliced",
                      "opt": "positions looked up by ids computed from the mask; projections around a tied table",
                      "codegen": "heads split into 4 fixed groups: rebuilt with heads for 2x the ranks",
                      "zamba": "a block tied across two hybrid layers: layer pattern repeated"}

@@ -11,6 +11,8 @@ options, static ``_prepare_input_fn`` / ``_prepare_output_fn``, and a comment on
   gradients are partial (a per-head norm such as Qwen3's QK-norm on head-sharded tensors).
 - :class:`WidthShardedNorm`: a norm over a width that is sharded (OLMo2 QK-norm), kept exact by
   reducing its statistic across ranks.
+- :class:`BroadcastRowwiseParallel`: a row-parallel Linear whose output spans are broadcast along a
+  sharded dim downstream (a scan's state projections), their gradient all-reduced.
 - :class:`PackedColwiseParallel`: a column-parallel Linear whose output is split into parts
   (fused ``qkv_proj`` / ``gate_up_proj``), sharded part by part.
 - :class:`ShardCounts`: divide a module's head counts by tp, for code that sizes slices from them.
@@ -54,6 +56,7 @@ from autotp.styles.boundaries import (
 from autotp.styles.embedding import VocabParallelEmbedding
 from autotp.styles.experts import ExpertsParallel, PartialExpertsParallel, PartialGradRouter, SequenceParallelMoEBlock
 from autotp.styles.linear import (
+    BroadcastRowwiseParallel,
     ColwiseParallelInOut,
     PackedColwiseParallel,
     PartialRowwiseParallel,
@@ -64,6 +67,7 @@ from autotp.styles.raw_linear import LinearParams
 from autotp.styles.norms import HeadShardedNorm, ReplicatedWithGradAllReduce, WidthShardedNorm
 
 __all__ = [
+    "BroadcastRowwiseParallel",
     "GatherSequenceInput",
     "PartialExpertsParallel",
     "SequenceParallelMoEBlock",

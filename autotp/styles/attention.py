@@ -56,7 +56,8 @@ class ShardCounts(ParallelStyle):
     (``qkv[..., : num_heads * head_dim]``) reads global counts while holding a local shard. After
     this style, the module sees per-rank counts, as gpt-fast's ``tp.py`` does by hand. A dotted name
     (``"config.num_attention_heads"``) changes a private shallow copy of the sub-object, so the
-    model's shared config keeps the global numbers.
+    model's shared config keeps the global numbers; a child module's (``"conv1d.groups"`` of a
+    depthwise convolution over sharded channels) is set on the child.
 
     Keyword Args:
         names (tuple[str, ...]): attribute paths relative to the module.
@@ -77,7 +78,9 @@ class ShardCounts(ParallelStyle):
             owner = module
             for i, part in enumerate(path):
                 child_path = ".".join(path[: i + 1])
-                if child_path not in copied:
+                # A child module is this module's own (its count is set on it); a plain object such
+                # as a config may be shared with other modules, and is copied first.
+                if child_path not in copied and not isinstance(getattr(owner, part), nn.Module):
                     setattr(owner, part, copy.copy(getattr(owner, part)))
                     copied.add(child_path)
                 owner = getattr(owner, part)

@@ -86,6 +86,25 @@ def all_reduce_backward(x: torch.Tensor, device_mesh: DeviceMesh) -> torch.Tenso
     return DTensor.from_local(x, device_mesh, [Replicate()], run_check=False).to_local(grad_placements=[Partial()])
 
 
+def reduce_feature_grads(value, spans: tuple[tuple[int, int], ...], device_mesh: DeviceMesh):
+    """``value`` unchanged, with the gradient of each ``(start, stop)`` span of its last dim all-reduced
+    (spans that touch are reduced together: one collective)."""
+    if not isinstance(value, torch.Tensor) or isinstance(value, DTensor) or not value.is_floating_point():
+        return value
+    merged: list[list[int]] = []
+    for start, stop in sorted(spans):
+        if merged and start <= merged[-1][1]:
+            merged[-1][1] = max(merged[-1][1], stop)
+        else:
+            merged.append([start, stop])
+    pieces, at = [], 0
+    for start, stop in merged:
+        pieces += [value[..., at:start], all_reduce_backward(value[..., start:stop], device_mesh)]
+        at = stop
+    pieces.append(value[..., at:])
+    return torch.cat([p for p in pieces if p.shape[-1]], dim=-1)
+
+
 def all_reduce_forward(x: torch.Tensor, device_mesh: DeviceMesh) -> torch.Tensor:
     """Sum a per-rank partial result over ranks (gradient passes through unchanged)."""
     if isinstance(x, DTensor):

@@ -18,7 +18,7 @@ from torch.distributed.tensor.parallel.style import ParallelStyle
 from torch.distributed.tensor.placement_types import Placement
 
 from autotp.styles.embedding import VocabParallelEmbedding  # noqa: F401 (doctest)
-from autotp.styles.base import all_reduce_backward, all_reduce_forward, to_local
+from autotp.styles.base import all_reduce_backward, all_reduce_forward, reduce_feature_grads, to_local
 
 class SequenceParallelAllGather(SequenceParallel):
     """A sequence-parallel norm whose output is all-gathered once, for column-parallel consumers.
@@ -184,7 +184,7 @@ class ReplicatedModule(ParallelStyle):
 
             def reduce_hook(mod, args, out):
                 first = out[0] if type(out) in (tuple, list) else out
-                reduced = _reduce_feature_grads(first, spans, device_mesh)
+                reduced = reduce_feature_grads(first, spans, device_mesh)
                 return type(out)([reduced, *out[1:]]) if type(out) in (tuple, list) else reduced
 
             module.register_forward_hook(reduce_hook)
@@ -208,18 +208,6 @@ class ReplicatedModule(ParallelStyle):
         if self.reduce_grad_features:
             extra.append(f"reduce_grad_features={self.reduce_grad_features}")
         return f"{self.__class__.__name__}({', '.join(extra)})"
-
-
-def _reduce_feature_grads(value, spans: tuple[tuple[int, int], ...], device_mesh: DeviceMesh):
-    """``value`` unchanged, with the gradient of each ``(start, stop)`` span of its last dim all-reduced."""
-    if not isinstance(value, torch.Tensor) or isinstance(value, DTensor) or not value.is_floating_point():
-        return value
-    pieces, at = [], 0
-    for start, stop in spans:
-        pieces += [value[..., at:start], all_reduce_backward(value[..., start:stop], device_mesh)]
-        at = stop
-    pieces.append(value[..., at:])
-    return torch.cat([p for p in pieces if p.shape[-1]], dim=-1)
 
 
 class ReplicatedStream(ParallelStyle):

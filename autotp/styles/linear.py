@@ -12,7 +12,44 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_module, distribute_tensor
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
-from autotp.styles.base import packed_row_order, permute_rows
+from autotp.styles.base import packed_row_order, permute_rows, reduce_feature_grads
+
+
+class _GradSpans:
+    """``reduce_grad_features``: ``(start, stop)`` spans of the row's (whole, reduced) output whose
+    gradient is all-reduced on the way back: they are broadcast along a sharded dim downstream
+    (the same state projection for every channel of a channel-sharded scan), so each rank's
+    gradient of them is its own channels' share. The other features' gradients come back whole."""
+
+    reduce_grad_features: tuple[tuple[int, int], ...] = ()
+
+    def _with_grad_spans(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        if self.reduce_grad_features:
+            spans = self.reduce_grad_features
+            module.register_forward_hook(lambda mod, args, out: reduce_feature_grads(out, spans, device_mesh))
+        return module
+
+    def __repr__(self) -> str:
+        text = super().__repr__()
+        if not self.reduce_grad_features:
+            return text
+        return text[:-1] + ("" if text.endswith("()") else ", ") + f"reduce_grad_features={self.reduce_grad_features})"
+
+
+class BroadcastRowwiseParallel(_GradSpans, RowwiseParallel):
+    """:class:`RowwiseParallel` (output reduced, whole on every rank) whose output spans
+    ``reduce_grad_features`` have their gradient all-reduced (see :class:`_GradSpans`).
+
+    Example::
+        >>> plan = {"backbone.layers.*.mixer.x_proj": BroadcastRowwiseParallel(reduce_grad_features=((8, 24),))}
+    """
+
+    def __init__(self, *, reduce_grad_features: tuple[tuple[int, int], ...] = ()):
+        super().__init__()
+        self.reduce_grad_features = tuple((int(a), int(b)) for a, b in reduce_grad_features)
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        return self._with_grad_spans(super()._apply(module, device_mesh), device_mesh)
 
 class PartialRowwiseParallel(RowwiseParallel):
     """A row-parallel Linear whose output stays a ``Partial()`` DTensor (one branch of a parallel
@@ -154,13 +191,18 @@ class ColwiseParallelInOut(ColwiseParallel):
         return super().__repr__()[:-1] + (f", sizes={self.sizes})" if self.sizes else ")")
 
 
-class RowwiseParallelInOut(RowwiseParallel):
+class RowwiseParallelInOut(_GradSpans, RowwiseParallel):
     """:class:`RowwiseParallel` for a Linear-like module whose weight is stored ``(in, out)``: the
-    weight is sharded on dim 0 (the contracted input features), the bias kept whole.
+    weight is sharded on dim 0 (the contracted input features), the bias kept whole. With
+    ``reduce_grad_features``, as :class:`BroadcastRowwiseParallel`.
 
     Example::
         >>> plan = {"transformer.h.*.mlp.c_proj": RowwiseParallelInOut()}
     """
+
+    def __init__(self, *, reduce_grad_features: tuple[tuple[int, int], ...] = (), **kwargs):
+        super().__init__(**kwargs)
+        self.reduce_grad_features = tuple((int(a), int(b)) for a, b in reduce_grad_features)
 
     def _partition_in_out_fn(self, name, module, device_mesh):
         for pname, param in list(module.named_parameters(recurse=False)):
@@ -173,8 +215,9 @@ class RowwiseParallelInOut(RowwiseParallel):
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         self.desired_input_layouts = (Shard(-1),)
-        return distribute_module(
+        module = distribute_module(
             module, device_mesh, self._partition_in_out_fn,
             partial(self._prepare_input_fn, self.input_layouts, self.desired_input_layouts),
             partial(self._prepare_output_fn, self.output_layouts, self.use_local_output),
         )
+        return self._with_grad_spans(module, device_mesh)

@@ -21,7 +21,7 @@ import networkx as nx
 
 from autotp.synth.graph import Ref, param_modules, refs
 from autotp.synth.params import reading_module
-from autotp.synth.ops import (ATTENTION, ELEMENTWISE, MATMULS, PASSTHROUGH, SINKS, VIEW_LIKE, Break, Given, Out, Parts,
+from autotp.synth.ops import (ATTENTION, ELEMENTWISE, MATMULS, NEW_LIKE, PASSTHROUGH, SINKS, VIEW_LIKE, Break, Given, Out, Parts,
                               Split, apply_rule)
 
 log = logging.getLogger(__name__)
@@ -79,7 +79,9 @@ class Flow:
     writes: dict = field(default_factory=dict)  # in-place write node -> the tensor it wrote a shard into
     meeting: tuple = ()  # the sharded inputs of the node a rule is deciding (for shard_param)
     yielded: dict = field(default_factory=dict)  # root that gave way -> the candidates it gave way to
-    broadcasts: dict = field(default_factory=dict)  # whole Linear -> output spans expanded across the heads
+    broadcasts: dict = field(default_factory=dict)  # whole or row Linear -> output spans broadcast to the shard
+    broadcast_starts: dict = field(default_factory=dict)  # (Linear, span) -> the node where the span begins
+    broadcast_modules: dict = field(default_factory=dict)  # broadcast source node -> its module, when not a Linear
 
     def sharded(self, name: str) -> bool:
         """Whether ``name``'s output (or an element of it) is sharded."""
@@ -115,16 +117,17 @@ class Flow:
 
     def broadcast_from(self, other: str) -> bool:
         """Whether replicated operand ``other``, expanded along the sharded heads and computed from
-        parameters, comes from one span of a Linear kept whole whose gradient can be all-reduced
-        there (:func:`~autotp.synth.params.broadcast_source`). Recorded in ``broadcasts``."""
+        parameters, comes from one span of a Linear kept whole (or a row, whole after its
+        reduction) whose gradient can be all-reduced there (:func:`~autotp.synth.params.broadcast_source`). Recorded in ``broadcasts``."""
         from autotp.synth.params import broadcast_source
 
         found = broadcast_source(self.g, other)
         # A candidate root there would have sharded ``other``; one whose shard broke this round is
-        # dropped before the round that converges, so only a row must be ruled out here.
-        if found is None or found[0] in self.rows:
+        # dropped before the round that converges. A row's output is whole after its reduction.
+        if found is None:
             return False
         self.broadcasts.setdefault(found[0], set()).add(found[1])
+        self.broadcast_starts[found[0], found[1]] = found[2]
         return True
 
     def broadcast_grad_ok(self, other: str) -> bool:
@@ -136,9 +139,28 @@ class Flow:
         Linear kept whole (:meth:`broadcast_from`). A gate from a whole Linear broadcast over the
         heads is otherwise refused: its gradient would stay a per-rank partial sum."""
         found = upstream_linears(self.g, other)
-        if found is None or not found[0] or any(self.sharded(n) for n in found[1] | found[0]):
+        if found is None:  # a parameter enters on the way: reduce at a whole module's output, or none is behind it
+            return self.broadcast_from_module(other) or _only_params_behind(self.g, other)
+        if not found[0] or any(self.sharded(n) for n in found[1] | found[0]):
             return True  # no Linear behind it, or a statistic of the shard (a width norm's, reduced by its style)
         return self.broadcast_from(other)
+
+    def broadcast_from_module(self, other: str) -> bool:
+        """Whether replicated operand ``other`` is the output of a small whole module (no Linear, nothing
+        sharded: a norm over a row's output) whose output gradient can be all-reduced there
+        (:func:`~autotp.synth.params.module_output_source`). Recorded in ``broadcasts``."""
+        from autotp.synth.params import module_output_source
+
+        found = module_output_source(self.g, other)
+        if found is None:
+            return False
+        inside = [n for n, d in self.g.nodes(data=True) if found[3] in d["stack"]]
+        if not inside or any(is_linear(self.g, n) or self.sharded(n) for n in inside):
+            return False
+        self.broadcasts.setdefault(found[0], set()).add(found[1])
+        self.broadcast_starts[found[0], found[1]] = found[2]
+        self.broadcast_modules[found[0]] = found[3]
+        return True
 
     def gives_way(self, other: str, name: str) -> bool:
         """Whether replicated operand ``other`` of ``name``, the reduced output of a row Linear,
@@ -271,6 +293,41 @@ class Flow:
 _SCALINGS = PASSTHROUGH | VIEW_LIKE | {"mul", "div"}
 
 
+def _only_params_behind(g: nx.DiGraph, name: str) -> bool:
+    """Whether ``name`` is computed from parameters, buffers and constants alone (no Linear, no
+    model input behind it): their gradients are their modules' to reduce (``param_roles``)."""
+    seen, todo = {name}, [name]
+    while todo:
+        for pred in _value_inputs(g, todo.pop()):
+            data = g.nodes[pred]
+            if pred in seen or data["op"] in SINKS:
+                continue
+            if data["kind"] == "input" or (data["kind"] == "call" and is_linear(g, pred)):
+                return False
+            seen.add(pred)
+            todo.append(pred)
+    return True
+
+
+# Ops whose tensor arguments after the first lend only a dtype or a shape, and ops that read none of
+# their input's values.
+_FIRST_VALUE_ONLY = frozenset({"type_as", "view_as", "expand_as", "reshape_as"})
+_NO_VALUES = NEW_LIKE | {"zeros_like", "ones_like", "empty_like", "full_like"}
+
+
+def _value_inputs(g: nx.DiGraph, name: str) -> list[str]:
+    """The nodes whose values ``name`` is computed from (not those lending a dtype or shape)."""
+    data = g.nodes[name]
+    if data["kind"] != "call":
+        return list(g.predecessors(name))
+    if data["op"] in _NO_VALUES:
+        return []
+    inputs = refs(data["args"], data["kwargs"])
+    if data["op"] in _FIRST_VALUE_ONLY:
+        inputs = inputs[:1]
+    return [r.name for r in inputs]
+
+
 def _row_sources(g: nx.DiGraph, flow: Flow, name: str) -> list[str]:
     """The row Linear that ``name`` is a one-tensor chain of casts, views and scalings of, if any."""
     while name not in flow.rows:
@@ -288,7 +345,7 @@ def upstream_linears(g: nx.DiGraph, name: str) -> tuple[set[str], set[str]] | No
     would have to be reduced too). Buffers and inputs may enter (rope's cos and sin)."""
     seen, todo, linears = {name}, [name], set()
     while todo:
-        for pred in g.predecessors(todo.pop()):
+        for pred in _value_inputs(g, todo.pop()):
             if pred in seen or pred in linears or g.nodes[pred]["op"] in SINKS:
                 continue
             kind = g.nodes[pred]["kind"]
@@ -795,6 +852,42 @@ def _raw_limits(flow: Flow) -> dict[str, str]:
     return bad
 
 
+def broadcast_leaks(flow: Flow) -> dict[str, str]:
+    """Candidates whose shard met a broadcast span (:meth:`Flow.broadcast_from`) whose gradient
+    would not be only per-rank shares: the values computed from the span, followed until they
+    meet a shard, must reach no Linear, no output and no parameter. Each rank's gradient of the
+    span is then the sum of its shares at the meetings, and their all-reduce is the whole one; a
+    reader outside (``b.mean()`` added to the result) would be counted tp times."""
+    g, bad = flow.g, {}
+    for (linear, span), start in sorted(flow.broadcast_starts.items()):
+        seen, todo, meets, leaks = {start}, [start], set(), []
+        while todo:
+            for succ in g.successors(todo.pop()):
+                data = g.nodes[succ]
+                if succ in seen or data["op"] in SINKS:
+                    continue
+                seen.add(succ)
+                if data["kind"] != "call" or is_linear(g, succ):
+                    leaks.append(succ)
+                elif flow.sharded(succ):  # parameters met there are their module's (param_roles)
+                    meets.add(succ)
+                elif any(g.nodes[p]["kind"] == "param" for p in g.predecessors(succ)):
+                    leaks.append(succ)
+                else:
+                    todo.append(succ)
+        if not leaks:
+            continue
+        leak = min(leaks, key=lambda n: g.nodes[n]["order"])
+        at = g.nodes[leak]["module"] or "the root"
+        reason = (f"its shard meets output features {span[0]}:{span[1]} of {g.nodes[linear]['module']}, broadcast "
+                  f"along the sharded dim, which {g.nodes[leak]['op']} in {at} also reads: their gradient would be "
+                  "partly whole, partly a per-rank partial sum")
+        for meet in meets:
+            for origin in flow.state[meet].origins if isinstance(flow.state[meet], Shard) else ():
+                bad.setdefault(origin, reason)
+    return bad
+
+
 def endless_shards(flow: Flow) -> dict[str, str]:
     """Candidates whose shard never reaches a row-parallel Linear or the output."""
     reached = set(flow.heads)
@@ -853,6 +946,7 @@ def _fixpoint(g: nx.DiGraph, dropped: dict[str, str], unit_heads: frozenset,
         bad.update({r: reason for r, reason in mixed_parts(flow).items() if r not in bad})
         bad.update(endless_shards(flow))
         bad.update({r: reason for r, reason in _raw_limits(flow).items() if r not in bad})
+        bad.update({r: reason for r, reason in broadcast_leaks(flow).items() if r not in bad})
         yielded.update({r: mine for r, mine in flow.yielded.items() if r in bad})
         if not bad:
             # A candidate that gave way to shards which were all dropped later gave way for nothing:

@@ -49,6 +49,8 @@ def _row(role: Role, loss_parallel: bool) -> ParallelStyle:
         return styles.PartialRowwiseParallel()
     if role.seq_output:
         return RowwiseParallel(output_layouts=Shard(1), use_local_output=False)
+    if role.grad_spans:  # output spans broadcast along a sharded dim downstream
+        return styles.BroadcastRowwiseParallel(reduce_grad_features=role.grad_spans)
     return RowwiseParallel()
 
 
@@ -120,7 +122,7 @@ def _in_out_style(role: Role, loss_parallel: bool) -> ParallelStyle:
     if role.kind == "row":
         if role.seq_output:
             return styles.RowwiseParallelInOut(output_layouts=Shard(1), use_local_output=False)
-        return styles.RowwiseParallelInOut()
+        return styles.RowwiseParallelInOut(reduce_grad_features=role.grad_spans)
     sizes = role.sizes if role.kind == "packed_column" else None
     if role.kind == "head":
         layout = dict(output_layouts=Shard(-1), use_local_output=False) if loss_parallel else dict(

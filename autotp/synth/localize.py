@@ -99,18 +99,25 @@ def head_splits(g: nx.DiGraph, flow: Flow, root: str, start: str, depth: int = 4
 
 
 def candidate_names(module: nn.Module, values: set[int]) -> list[str]:
-    """Integer attributes of ``module`` and of the plain objects it holds (one level) in ``values``.
+    """Integer attributes in ``values`` of ``module``, of the plain objects it holds and of its child
+    modules, one level down.
 
-    Sorted module attributes first, then dotted ones, so the result is stable and readable.
+    A child's count is what its own forward reads (``nn.Conv1d.groups`` of a depthwise convolution
+    over the sharded channels, a gate module's head count); a Linear child's sizes are not read
+    by its forward and are skipped. Sorted module attributes first, then dotted ones, so the result
+    is stable and readable.
     """
     names = []
     for name, value in vars(module).items():
         if is_count(value) and value in values:
             names.append(name)
         elif _plain_object(value):
-            for sub, inner in vars(value).items():
-                if is_count(inner) and inner in values:
-                    names.append(f"{name}.{sub}")
+            names += [f"{name}.{sub}" for sub, inner in vars(value).items() if is_count(inner) and inner in values]
+    for name, child in module.named_children():
+        if isinstance(child, (nn.Linear, nn.Embedding)):
+            continue
+        names += [f"{name}.{sub}" for sub, inner in vars(child).items()
+                  if not sub.startswith("_") and is_count(inner) and inner in values]
     return sorted(names, key=lambda n: (n.count("."), n))
 
 

@@ -580,19 +580,35 @@ def _attention(g, name, dims, ctx):
 
 
 def _matmul(g, name, dims, ctx):
+    """A batch dim sharded on both sides (or broadcast on the replicated one) stays sharded; so do
+    the rows of the first matrix and the columns of the second (``state @ c`` with the state's
+    channels sharded), the other operand then read whole by every rank: its gradient is each
+    rank's share, which :meth:`~autotp.synth.analysis.Flow.broadcast_grad_ok` must accept."""
     a, b = g.nodes[name]["args"][:2]
     out_ndim = _ndim(g, name)
+    if out_ndim < 2 or min(_ndim(g, a.name), _ndim(g, b.name)) < 2:
+        return Break("matmul of a sharded vector")
     aligned = {}
-    for ref in (a, b):
+    for ref, kept in ((a, -2), (b, -1)):  # the matrix dim of each operand that reaches the output
         if ref.name in dims:
-            aligned[ref.name] = out_ndim - _ndim(g, ref.name) + dims[ref.name]
-            if dims[ref.name] >= _ndim(g, ref.name) - 2:
-                return Break(f"matmul over the sharded dim {dims[ref.name]}")
+            ndim, dim = _ndim(g, ref.name), dims[ref.name]
+            if dim == ndim + kept:
+                aligned[ref.name] = out_ndim + kept
+            elif dim >= ndim - 2:
+                return Break(f"matmul over the sharded dim {dim}")
+            else:
+                aligned[ref.name] = out_ndim - ndim + dim
     if len(set(aligned.values())) > 1:
         return Break("matmul of tensors sharded on different dims")
     out_dim = next(iter(aligned.values()))
     for ref in (a, b):
-        if ref.name not in dims and not _broadcast_ok(g, name, ref.name, out_dim, out_ndim, ctx):
+        if ref.name in dims:
+            continue
+        if out_dim >= out_ndim - 2:  # a matrix dim: the other operand has no such index
+            if not ctx.broadcast_grad_ok(ref.name):
+                return Break(f"matmul reads {ref.name} whole against sharded {'rows' if out_dim == out_ndim - 2 else 'columns'}, "
+                             "and its gradient would stay a per-rank partial sum")
+        elif not _broadcast_ok(g, name, ref.name, out_dim, out_ndim, ctx):
             return Break("matmul of a sharded batch dim with a replicated one")
     return Out(out_dim)
 

@@ -25,6 +25,7 @@ of ``tokens x rope width`` per layer.
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 import networkx as nx
 
@@ -272,16 +273,17 @@ def param_roles(g: nx.DiGraph, flow, roles: dict[str, Role]) -> dict[str, Role]:
 _SPLITS = frozenset({"split", "split_with_sizes"})
 
 
-def broadcast_source(g: nx.DiGraph, name: str) -> tuple[str, tuple[int, int]] | None:
-    """``(Linear node, (start, stop))``: the output features of the one Linear that replicated
-    tensor ``name`` (an ``expand`` along the sharded heads) is computed from, if its gradient can be
-    made whole by all-reducing that span of the Linear's output gradient; else None.
+def broadcast_source(g: nx.DiGraph, name: str) -> tuple[str, tuple[int, int], str] | None:
+    """``(Linear node, (start, stop), first node of the span)``: the output features of the one
+    Linear that replicated tensor ``name`` (broadcast along the sharded dim where it meets the
+    shard) is computed from, if its gradient can be made whole by all-reducing that span of the
+    Linear's output gradient; else None.
 
-    Sound only when every gradient reaching the span comes through ``name`` (each rank's then
-    covers its own heads, and the sum over ranks is the whole one): the span is the Linear's whole
-    output or one part of a ``split`` along its features, nothing outside the path to ``name``
-    reads it, and no other parameter enters on the way (its gradient would be partial too). The
-    way back may read buffers and inputs (rope's cos and sin).
+    Here: the span is the Linear's whole output or one part of its only reader, a ``split`` along
+    its features, and no parameter enters on the way to ``name`` (its gradient would be partial
+    too); buffers and inputs may (rope's cos and sin). That every gradient reaching the span is a
+    per-rank share, as ``name``'s is, is checked once the propagation is done, over all the
+    places the span meets the shard (:func:`~autotp.synth.analysis.broadcast_leaks`).
 
     >>> from autotp.synth.graph import add_node
     >>> g = nx.DiGraph()
@@ -293,11 +295,9 @@ def broadcast_source(g: nx.DiGraph, name: str) -> tuple[str, tuple[int, int]] | 
     >>> _ = add_node(g, "r", "getitem", (Ref("s"), 1), shape=(2, 4))
     >>> _ = add_node(g, "u", "unsqueeze", (Ref("r"), 1), shape=(2, 1, 4))
     >>> _ = add_node(g, "e", "expand", (Ref("u"), [-1, 4, -1]), shape=(2, 4, 4))
-    >>> _ = add_node(g, "q", "placeholder", kind="input", shape=(2, 4, 4))
-    >>> _ = add_node(g, "c", "cat", ([Ref("q"), Ref("e")], -1), shape=(2, 4, 8))  # its one reader
     >>> broadcast_source(g, "e")
-    ('kv', (8, 12))
-    >>> _ = add_node(g, "o", "add", (Ref("r"), 1.0), shape=(2, 4))  # the span read elsewhere too
+    ('kv', (8, 12), 'r')
+    >>> _ = add_node(g, "o", "add", (Ref("kv"), 1.0), shape=(2, 12))  # the whole output read too
     >>> broadcast_source(g, "e") is None
     True
     """
@@ -314,7 +314,7 @@ def broadcast_source(g: nx.DiGraph, name: str) -> tuple[str, tuple[int, int]] | 
     taken = [s for s in g.successors(linear) if s in above]
     span, start = (0, width), linear
     if any(g.nodes[s]["op"] in _SPLITS for s in taken):
-        if len(taken) != 1:
+        if len(taken) != 1 or readers(g, linear) != 1:
             return None
         split = g.nodes[taken[0]]
         args = split["args"]
@@ -328,13 +328,43 @@ def broadcast_source(g: nx.DiGraph, name: str) -> tuple[str, tuple[int, int]] | 
         index = g.nodes[picked[0]]["args"][1]
         begin = sum(sizes[:index])
         span, start = (begin, min(begin + sizes[index], width)), picked[0]
-    # Every gradient reaching the span must come through ``name``'s one reader (the op that meets
-    # the shard): nothing else may read the span or any value on the way from it to ``name``.
-    between = ({start} | nx.descendants(g, start)) & above - {name}
-    if readers(g, name) != 1 or any(s not in above for n in between for s in g.successors(n)
-                                    if g.nodes[s]["op"] not in SINKS):
-        return None
-    return linear, span
+    return linear, span, start
+
+
+def module_output_source(g: nx.DiGraph, name: str) -> tuple[str, tuple[int, int], str, str] | None:
+    """``(node, (0, width), node, module)``: the output of the module that replicated tensor
+    ``name`` (broadcast along the sharded dim where it meets the shard) is a one-tensor chain of
+    ops of, with no parameter entering on the way; else None.
+
+    For a broadcast operand with parameters behind it (a norm's weight over a row's output): all-
+    reducing the gradient of that module's whole output makes every gradient behind it whole, the
+    parameters' included. The module must be small and whole: no Linear and nothing sharded in it
+    (checked by the caller, which knows the shards).
+
+    >>> from autotp.synth.graph import add_node
+    >>> g = nx.DiGraph()
+    >>> _ = add_node(g, "w", "placeholder", kind="param", param="m.norm.weight", shape=(4,))
+    >>> _ = add_node(g, "x", "placeholder", kind="input", shape=(2, 4))
+    >>> _ = add_node(g, "n", "mul", (Ref("x"), Ref("w")), shape=(2, 4), module="m.norm", stack=("m", "m.norm"))
+    >>> _ = add_node(g, "u", "unsqueeze", (Ref("n"), 1), shape=(2, 1, 4), module="m", stack=("m",))
+    >>> module_output_source(g, "u")
+    ('n', (0, 4), 'n', 'm.norm')
+    """
+    node = name
+    while True:
+        data = g.nodes[node]
+        inputs = [r.name for r in refs(data["args"], data["kwargs"])]
+        if data["kind"] != "call" or any(g.nodes[i]["kind"] == "param" for i in inputs):
+            return None
+        tensors = [i for i in inputs if g.nodes[i]["kind"] == "call" and g.nodes[i]["op"] not in SINKS]
+        if len(tensors) != 1:
+            return None
+        prev = tensors[0]
+        left = [m for m in g.nodes[prev]["stack"] if m not in data["stack"]]
+        if left:
+            shape = g.nodes[prev]["shape"]
+            return (prev, (0, shape[-1]), prev, left[0]) if shape else None
+        node = prev
 
 
 def broadcast_roles(g: nx.DiGraph, flow, roles: dict[str, Role]) -> dict[str, Role]:
@@ -351,13 +381,21 @@ def broadcast_roles(g: nx.DiGraph, flow, roles: dict[str, Role]) -> dict[str, Ro
 
     out = {}
     for linear, spans in sorted(flow.broadcasts.items()):
-        module = module_of(g, linear)
+        module = flow.broadcast_modules.get(linear) or module_of(g, linear)
         current = roles.get(module)
+        spans = tuple(sorted(spans))
+        if current is not None and current.kind == "row" and not current.partial_output:
+            # A row's output is whole after its all-reduce; the broadcast spans' gradient is reduced
+            # on the way back, like a whole Linear's.
+            features = ", ".join(f"{a}:{b}" for a, b in spans)
+            out[module] = replace(current, grad_spans=spans, reason=f"{current.reason}; its output features "
+                                  f"[{features}] are broadcast along the sharded dim, so their gradient is "
+                                  "all-reduced after it")
+            continue
         if current is not None and current.kind != "replicate":
             raise PlanError(f"{module}: its output features {sorted(spans)} are broadcast across sharded "
                                  f"heads, but it is also {current.kind} ({current.reason}); the broadcast "
                                  "part's gradient would not be reduced. Keep it out of the plan or report this.")
-        spans = tuple(sorted(spans))
         features = ", ".join(f"{a}:{b}" for a, b in spans)
         out[module] = Role("broadcast_source", f"kept whole; its output features [{features}] are broadcast along "
                            "the sharded dim (the same for every head), so their gradient is all-reduced after it",

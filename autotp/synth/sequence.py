@@ -28,9 +28,10 @@ _ROTARY_HOPS = 4
 
 
 def inner_rows(g: nx.DiGraph, flow: Flow) -> set[str]:
-    """Row Linears whose reduced output meets another activation in an attention or matmul before
-    any Linear: a projection inside attention (MLA's ``q_b_proj`` after a sharded ``q_a_proj``),
-    not a return to the residual stream. They all-reduce as under plain TP."""
+    """Row Linears whose reduced output meets another activation in an attention or matmul, or
+    meets a sharded value, before any Linear: a projection inside attention (MLA's ``q_b_proj``
+    after a sharded ``q_a_proj``), a scan's step and state projections, not a return to the
+    residual stream. They all-reduce as under plain TP."""
     found = set()
     for row in flow.rows:
         seen, todo = {row}, [row]
@@ -39,7 +40,7 @@ def inner_rows(g: nx.DiGraph, flow: Flow) -> set[str]:
                 data = g.nodes[succ]
                 if succ in seen or data["kind"] != "call" or is_linear(g, succ):
                     continue
-                if data["op"] in ATTENTION | MATMULS and not any(
+                if flow.sharded(succ) or data["op"] in ATTENTION | MATMULS and not any(
                         param_source(g, r.name) for r in refs(data["args"], data["kwargs"])):
                     found.add(row)
                     break
@@ -176,21 +177,112 @@ def dispatch_blocks(g: nx.DiGraph, roles: dict[str, Role]) -> set[str]:
     return found
 
 
-def partial_blocks(g: nx.DiGraph, roles: dict[str, Role], blocks: set[str]) -> set[str]:
-    """MoE blocks whose experts' partial sums may leave the block unreduced: nothing inside holds
-    parameters but the experts and replicated Linears (the router). A shared expert's output or a
-    norm after the combine would meet a partial sum (wrong values, or a gate weight's gradient
-    left partial), so such blocks reduce inside instead.
+def partial_blocks(g: nx.DiGraph, roles: dict[str, Role], blocks: set[str],
+                   inner: set[str] = frozenset()) -> dict[str, set[str]]:
+    """MoE blocks whose experts' partial sums may leave the block unreduced, with the rows of
+    their shared experts (:func:`shared_expert_rows`) whose partial sums join them.
+
+    Nothing inside may hold parameters but the experts, replicated Linears (the router) and a
+    shared expert's column and row Linears whose partial sum is added to the experts' as the
+    block's output. A norm after the combine, or a shared expert scaled by a learned gate, would
+    meet a partial sum (wrong values, or a gate weight's gradient left partial), so such blocks
+    reduce inside instead.
+
+    Returns:
+        block -> the shared-expert row Linear nodes (empty without a shared expert).
     """
     owners = param_modules(g)
     linear_owners = {module_of(g, n) for n in g.nodes if g.nodes[n]["kind"] == "call" and is_linear(g, n)}
-    simple = set()
+    simple = {}
     for block in blocks:
         inside = [m for m in owners if m.startswith(block + ".")]
         kinds = {m: roles.get(m, Role("replicate", "")).kind for m in inside}
-        if all(k == "experts" or (k == "replicate" and m in linear_owners) for m, k in kinds.items()):
-            simple.add(block)
+        if any(k in _GATHERING or k == "row" for k in kinds.values()):
+            rows = shared_expert_rows(g, roles, block, inner)
+            if rows is None or {module_of(g, r) for r in rows} != {m for m, k in kinds.items() if k == "row"}:
+                continue
+        else:
+            rows = set()
+        if all(k in ("experts", "row") or k in _GATHERING or (k == "replicate" and m in linear_owners)
+               for m, k in kinds.items()):
+            simple[block] = rows
     return simple
+
+
+# Single-tensor ops a partial sum may pass through and stay one: scalings by constants, casts,
+# reshapes (a shared expert's output on its way to the experts').
+_LINEAR_CARRY = PASSTHROUGH | frozenset({"view", "reshape", "_unsafe_view", "flatten", "unsqueeze", "squeeze",
+                                         "mul", "div", "neg", "clone", "contiguous", "dropout", "native_dropout"})
+
+
+def _tensor_inputs(g: nx.DiGraph, name: str) -> list[str]:
+    data = g.nodes[name]
+    return [r.name for r in refs(data["args"], data["kwargs"]) if g.nodes[r.name]["shape"]]
+
+
+def _carry_forward(g: nx.DiGraph, start: str, limit: int = 6) -> tuple[str, str | None]:
+    """From ``start`` along its only reader while that reader is a :data:`_LINEAR_CARRY` op of
+    this one tensor: ``(the last such node, the reader after it or None)``."""
+    name = start
+    for _ in range(limit):
+        succs = list(g.successors(name))
+        if len(succs) != 1:
+            return name, None
+        data = g.nodes[succs[0]]
+        if data["kind"] != "call":
+            return name, None
+        if data["op"] not in _LINEAR_CARRY or _tensor_inputs(g, succs[0]) != [name]:
+            return name, succs[0]
+        name = succs[0]
+    return name, None
+
+
+def _carried_back(g: nx.DiGraph, name: str, limit: int = 6) -> list[str]:
+    """``name`` and the nodes it comes from through :data:`_LINEAR_CARRY` ops of one tensor."""
+    chain = [name]
+    for _ in range(limit):
+        data = g.nodes[chain[-1]]
+        inputs = _tensor_inputs(g, chain[-1])
+        if data["kind"] != "call" or data["op"] not in _LINEAR_CARRY or len(inputs) != 1:
+            break
+        chain.append(inputs[0])
+    return chain
+
+
+def shared_expert_rows(g: nx.DiGraph, roles: dict[str, Role], block: str,
+                       inner: set[str] = frozenset()) -> set[str] | None:
+    """Row Linears of MoE ``block`` whose partial sums can be added to the experts' unreduced.
+
+    Each row's output must reach, through scalings by constants, casts and reshapes only (and
+    read by nothing else), an ``add`` in the block's own code whose other operand is the grouped
+    experts' output (so reshaped); that sum, so carried, must be the block's output. A sum of
+    partial sums is a partial sum: the block reduces it once (DeepSeek's and GLM-4.5's
+    ``experts(x).view(shape) + shared_experts(x)``). A shared expert scaled by a learned gate
+    (Qwen2-MoE's ``sigmoid(gate(x)) * shared``) multiplies by a second tensor and is refused: the
+    gate's gradient would read a partial sum.
+
+    Returns:
+        The row Linear nodes, or None where a row of the block does anything else.
+    """
+    experts = {m for m, r in roles.items() if r.kind == "experts" and m.startswith(block + ".")}
+    expert_outputs = {n for m in experts for n in module_outputs(g, m)[0]}
+    block_outputs = set(module_outputs(g, block)[0])
+    rows = {n for n, d in g.nodes(data=True) if d["kind"] == "call" and block in d["stack"] and is_linear(g, n)
+            and kind_of(roles, module_of(g, n)) == "row"}
+    if not rows or not expert_outputs or rows & inner:
+        return None
+    for row in rows:
+        last, add = _carry_forward(g, row)
+        if add is None or g.nodes[add]["op"] != "add" or g.nodes[add]["module"] != block:
+            return None
+        operands = _tensor_inputs(g, add)
+        if len(operands) != 2 or len(set(operands)) != 2 or last not in operands:
+            return None
+        if not expert_outputs & set(_carried_back(g, operands[1 - operands.index(last)])):
+            return None
+        if _carry_forward(g, add)[0] not in block_outputs:
+            return None
+    return rows
 
 
 def _in_block(g: nx.DiGraph, name: str, blocks: set[str]) -> bool:
@@ -392,7 +484,7 @@ def sequence_parallel_roles(g: nx.DiGraph, flow: Flow, roles: dict[str, Role], g
     """Roles under sequence parallel: add seq norms and rotary, and mark sequence-sharded ends.
     ``groups``: the trace's layer groups (a MoE block is recognised across the layers it stands for)."""
     blocks = expert_blocks(roles, groups) | dispatch_blocks(g, roles)
-    partial = partial_blocks(g, roles, blocks)
+    partial = partial_blocks(g, roles, blocks, inner_rows(g, flow))
     region = residual_region(g, flow, blocks)
     out = dict(roles)
     out.update(replicated_blocks(g, region, out))
@@ -400,8 +492,14 @@ def sequence_parallel_roles(g: nx.DiGraph, flow: Flow, roles: dict[str, Role], g
     out.update(rotary_modules(g, flow, out))
     for block in blocks:
         if block in partial:
+            shared = sorted({module_of(g, r) for r in partial[block]})
             out[block] = Role("moe_block", "holds grouped experts whose per-rank partial sums go back to the "
-                              "sequence-sharded stream: reduce-scattered once", (block,), seq_output=True)
+                              "sequence-sharded stream: reduce-scattered once"
+                              + (f" with the shared expert's ({', '.join(shared)})" if shared else ""),
+                              (block, *shared), seq_output=True)
+            for row in shared:
+                out[row] = replace(out[row], partial_output=True, reason=out[row].reason + "; its partial sum "
+                                   f"is added to the experts' and reduce-scattered once with them by {block}")
         else:
             # Gathered at entry too: its dispatch indexes every token of a stream still sharded there.
             out[block] = Role("seq_gather", "holds experts and other modules that combine with their "

@@ -215,9 +215,13 @@ def hf_example_inputs(model: nn.Module) -> tuple[tuple, dict] | None:
     if vocab is None:
         return None
     ids = torch.randint(0, vocab, (EXAMPLE_BATCH, EXAMPLE_SEQ), device=_device(model))
-    # An explicit all-ones mask: without one, transformers probes position ids for packed
-    # sequences with a data-dependent branch (sliding-window masks) that torch.export cannot trace.
-    return (), {"input_ids": ids, "attention_mask": torch.ones_like(ids), "use_cache": False}
+    # An explicit mask: without one, transformers probes position ids for packed sequences with a
+    # data-dependent branch (sliding-window masks) that torch.export cannot trace. One row is
+    # left-padded, so that the code a padded batch runs is traced too (a mixer that zeroes the
+    # padded positions of its input: a shared DTensor there would meet the plain mask).
+    mask = torch.ones_like(ids)
+    mask[0, 0] = 0
+    return (), {"input_ids": ids, "attention_mask": mask, "use_cache": False}
 
 
 def _split_inputs(example_inputs) -> tuple[tuple, dict]:
