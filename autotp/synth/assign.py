@@ -13,7 +13,7 @@ from autotp.synth.analysis import (Flow, Shard, is_linear, linear_weight, module
 from autotp.synth.graph import Ref, param_modules, refs
 from autotp.synth.ops import PASSTHROUGH, VIEW_LIKE
 from autotp.synth.params import broadcast_roles, param_roles, reading_module
-from autotp.synth.roles import Role
+from autotp.synth.roles import WEIGHT_DIMS, Role, kind_of
 
 
 def shard_path(g: nx.DiGraph, flow: Flow, name: str) -> list[str]:
@@ -154,10 +154,6 @@ def expert_roles(g: nx.DiGraph, flow: Flow, dropped: dict[str, str], roles: dict
     return out
 
 
-# Which weight dim each role shards (None: replicated); tied users must agree for the tie to hold.
-_WEIGHT_DIM = {"column": 0, "packed_column": 0, "head": 0, "vocab_embedding": 0, "row": 1}
-
-
 def tie_conflicts(g: nx.DiGraph, roles: dict[str, Role], flow: Flow | None = None) -> dict[str, str]:
     """Linear nodes whose tied weight another user shards differently: node -> reason.
 
@@ -171,7 +167,7 @@ def tie_conflicts(g: nx.DiGraph, roles: dict[str, Role], flow: Flow | None = Non
     for weight, nodes in users.items():
         if len(nodes) < 2:
             continue
-        dims = {_WEIGHT_DIM.get(roles.get(module, Role("replicate", "")).kind) for _, module in nodes}
+        dims = {WEIGHT_DIMS.get(kind_of(roles, module)) for _, module in nodes}  # None: kept whole
         if len(dims) > 1:
             names = ", ".join(m for _, m in nodes)
             for name, _ in nodes:

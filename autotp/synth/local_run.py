@@ -23,7 +23,7 @@ from autotp.synth.analysis import Shard, is_linear, module_of, propagate
 from autotp.synth.graph import build_graph
 from autotp.synth.ops import PASSTHROUGH
 from autotp.synth.params import chain_dims, reading_module
-from autotp.synth.roles import Role, kind_of
+from autotp.synth.roles import WEIGHT_DIMS, Role, kind_of
 from autotp.synth.trace import LayerGroups, collapsed, example_args
 
 log = logging.getLogger(__name__)
@@ -81,10 +81,6 @@ def _meta_copy(module: nn.Module) -> nn.Module:
     return copy.deepcopy(module, memo)
 
 
-# Role kind -> which dim of each parameter is per-rank (None: the role's own ``param_dims``).
-_LOCAL_DIMS = {"column": 0, "packed_column": 0, "head": 0, "row": 1, "width_norm": 0, "kv_column": 0}
-
-
 def _shrink(module: nn.Module, role: Role, tp: int) -> None:
     """Give ``module``'s parameters their per-rank shapes under ``role``."""
     dims = dict(role.param_dims) if role.kind in ("experts", "head_params", "linear_params") else None
@@ -95,7 +91,7 @@ def _shrink(module: nn.Module, role: Role, tp: int) -> None:
     owned = dict(module.named_parameters()) | dict(module.named_buffers())
     children = [n for n in (dims or {}) if ("." in n or n in module._buffers) and n in owned]
     for name, param in list(module.named_parameters(recurse=False)) + [(n, owned[n]) for n in children]:
-        dim = dims.get(name) if dims is not None else _LOCAL_DIMS.get(role.kind)
+        dim = dims.get(name) if dims is not None else WEIGHT_DIMS.get(role.kind)
         if dim is None or (role.kind == "row" and param.ndim < 2):
             continue
         shape = list(param.shape)
@@ -142,7 +138,7 @@ def _local_copy(module: nn.Module, roles: dict[str, Role], names: tuple[str, ...
 
 
 def _in_out(role: Role) -> bool:
-    return role.weight_in_out and role.kind in _LOCAL_DIMS
+    return role.weight_in_out and role.kind in WEIGHT_DIMS
 
 
 def _divide(module: nn.Module, names: tuple[str, ...], tp: int) -> None:

@@ -43,13 +43,19 @@ ROLE_KINDS = {
 # unknown kind fails where it is written rather than where a style is built for it.
 Kind = StrEnum("Kind", {kind.upper(): kind for kind in ROLE_KINDS})
 
+# Which dim of its weight a role shards (kinds not here keep their weight whole, or name their
+# parameters' dims themselves in ``param_dims``). Read by the tie check (tied users must agree)
+# and by the per-rank runs of localization (the weight's per-rank shape).
+WEIGHT_DIMS = {Kind.COLUMN: 0, Kind.PACKED_COLUMN: 0, Kind.KV_COLUMN: 0, Kind.HEAD: 0, Kind.VOCAB_EMBEDDING: 0,
+               Kind.WIDTH_NORM: 0, Kind.ROW: 1}
+
 
 @dataclass(frozen=True)
 class Role:
     """One module's role in the plan.
 
     Attributes:
-        kind: a key of :data:`ROLE_KINDS`.
+        kind: a :class:`Kind` (a key of :data:`ROLE_KINDS` is converted to one).
         reason: why, in words (what ``explain`` prints).
         evidence: the graph path that decided it (producer -> ops -> consumer).
         sizes: part widths of a ``packed_column``.
@@ -85,7 +91,7 @@ class Role:
             ``Conv1D``), so its sharded dims are swapped.
     """
 
-    kind: str
+    kind: Kind
     reason: str
     evidence: tuple[str, ...] = ()
     sizes: tuple[int, ...] | None = None
