@@ -421,34 +421,37 @@ class _Attention(nn.Module):
     """The module behind :func:`gqa_graph`: k/v repeated to the query heads by ``groups``
     (``num_key_value_groups``) or from the shapes (``enable_gqa``)."""
 
-    def __init__(self, by_attribute: bool):
+    def __init__(self, by_attribute: bool, repeat: int | None = None):
         super().__init__()
         self.q, self.k, self.v, self.o = nn.Linear(32, 32), nn.Linear(32, 16), nn.Linear(32, 16), nn.Linear(32, 32)
         self.num_key_value_groups = 2 if by_attribute else None
+        self.repeat = repeat  # a constant repeat (not an int attribute: nothing can be divided)
 
     def forward(self, x):
         b, t, _ = x.shape
         q, k, v = (p(x).view(b, t, -1, 8).transpose(1, 2) for p in (self.q, self.k, self.v))
-        if self.num_key_value_groups:
-            k, v = (z.repeat_interleave(self.num_key_value_groups, dim=1) for z in (k, v))
-        y = F.scaled_dot_product_attention(q, k, v, enable_gqa=not self.num_key_value_groups)
+        groups = self.num_key_value_groups or (self.repeat and self.repeat[0])
+        if groups:
+            k, v = (z.repeat_interleave(groups, dim=1) for z in (k, v))
+        y = F.scaled_dot_product_attention(q, k, v, enable_gqa=not groups)
         return self.o(y.transpose(1, 2).reshape(b, t, -1))
 
 
 class _Stack(nn.Module):
-    def __init__(self, by_attribute: bool):
+    def __init__(self, by_attribute: bool, repeat: tuple[int] | None = None):
         super().__init__()
         self.layers = nn.ModuleList([nn.Module()])
-        self.layers[0].attn = _Attention(by_attribute)
+        self.layers[0].attn = _Attention(by_attribute, repeat)
 
     def forward(self, x):
         return self.layers[0].attn(x)
 
 
-def _gqa_analysis(tp_size: int, *, by_attribute: bool = True) -> Analysis:
+def _gqa_analysis(tp_size: int, *, by_attribute: bool = True, repeat: tuple[int] | None = None) -> Analysis:
     """The fixpoint on :func:`gqa_graph` with its module (localization runs it to check the head
     views at per-rank shapes)."""
-    return constraint_fixpoint(gqa_graph(), LayerGroups(), _Stack(by_attribute), (torch.randn(2, 3, 32),), tp_size)
+    model = _Stack(by_attribute, repeat)
+    return constraint_fixpoint(gqa_graph(), LayerGroups(), model, (torch.randn(2, 3, 32),), tp_size)
 
 
 def test_kv_roots_are_the_projections_with_fewer_heads_than_tp():
@@ -483,3 +486,15 @@ def test_kv_replication_pass_refuses_a_tp_that_is_not_a_multiple_of_the_kv_heads
     with pytest.raises(MeshError, match=r"layers\.0\.attn\.k: 2 kv heads cannot be shared evenly by tp=3") as error:
         kv_replication(a)
     assert error.value.module == f"{LAYER}.attn.k" and error.value.fix == "use tp a divisor or a multiple of 2"
+
+
+def test_kv_replication_pass_refuses_an_attention_whose_ratio_no_attribute_holds():
+    """The attention repeats kv heads by a constant inside a tuple: at per-rank shapes it would still
+    repeat twice. Would catch a plan whose attention then fails (or repeats the wrong heads) on
+    every rank; the error carries its parts as fields, as ``check_plan`` reads them."""
+    a = _gqa_analysis(4, by_attribute=False, repeat=(2,))
+    with pytest.raises(MeshError, match=r"layers\.0\.attn: tp=4 exceeds its 2 kv heads .* grouped-query ratio; "
+                       "use tp <= 2") as error:
+        kv_replication(a)
+    assert error.value.module == f"{LAYER}.attn" and error.value.fix.startswith("use tp <= 2")
+    assert "heads / kv_heads = 2" in error.value.found

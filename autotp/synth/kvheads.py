@@ -96,9 +96,9 @@ def _ratio_roles(model, example_inputs, roles, kv_roles, attention, tp, groups) 
             if fqn in captured:
                 name = ratio_attribute(module, captured[fqn], inner, heads // kv, heads // tp, tp)
         if name is None:
-            raise MeshError(f"{fqn}: tp={tp} exceeds its {kv} kv heads and no integer attribute equal to "
-                            f"heads / kv_heads = {heads // kv} sets its grouped-query ratio; use tp <= {kv} "
-                            "or write the plan by hand with KVHeadCounts")
+            raise MeshError(module=fqn, found=f"tp={tp} exceeds its {kv} kv heads and no integer attribute "
+                            f"equal to heads / kv_heads = {heads // kv} sets its grouped-query ratio",
+                            fix=f"use tp <= {kv} or write the plan by hand with KVHeadCounts")
         if not name:
             continue
         out[fqn] = Role("kv_head_counts", f"tp={tp} > {kv} kv heads: {name} becomes the per-rank ratio "
