@@ -12,6 +12,10 @@ Node attributes (all plain data, so tests can build graphs by hand with :func:`a
 - ``args`` / ``kwargs``: the call arguments, with graph nodes replaced by :class:`Ref`.
 
 Edge ``u -> v`` means v reads u's output.
+
+Long because the graph is built in one place with its normalization: products written as
+``matmul`` / ``einsum`` / ``W @ x`` (and higher-order ops read through) become ``linear`` nodes here,
+so the shard rules see one op per Linear.
 """
 
 from __future__ import annotations
