@@ -3,7 +3,9 @@
 Each round runs one child process per side (``PYTHONPATH`` set to that side's tree), alternating
 A, B, A, B, ...; each child times ``synthesize`` on meta-device configs of
 :mod:`bench_synthesis` (the median of ``--repeats`` calls after one warm-up). Reports the median
-over rounds per case and the ratio new / base. Writes ``results/synthesis_ab.json``.
+over rounds per case and the ratio new / base, in wall time and in the child's CPU time
+(``time.process_time``: on a machine shared with other work, wall time also counts the waits for a
+core, CPU time much less). Writes ``results/synthesis_ab.json``.
 
 Each child runs in its side's tree and checks that ``autotp`` was imported from there: ``python -c``
 puts the working directory first on ``sys.path``, so a child started from this checkout would
@@ -42,12 +44,14 @@ for name, layers, sp in {cases!r}:
     model = build(name, layers)
     tp = SHAPES[name][3]
     synthesize(model, tp_size=tp, sequence_parallel=sp)  # warm-up
-    times = []
+    wall, cpu = [], []
     for _ in range({repeats}):
-        start = time.perf_counter()
+        start, start_cpu = time.perf_counter(), time.process_time()
         synthesize(model, tp_size=tp, sequence_parallel=sp)
-        times.append(time.perf_counter() - start)
-    out[f"{{name}}/{{layers}}L/{{'sp' if sp else 'plain'}}"] = statistics.median(times)
+        wall.append(time.perf_counter() - start)
+        cpu.append(time.process_time() - start_cpu)
+    case = f"{{name}}/{{layers}}L/{{'sp' if sp else 'plain'}}"
+    out[case], out[case + " cpu"] = statistics.median(wall), statistics.median(cpu)
 print(json.dumps(out))
 """
 
@@ -87,7 +91,7 @@ def main() -> None:
     for case in samples["new"]:
         new, base = statistics.median(samples["new"][case]), statistics.median(samples["base"][case])
         rows[case] = {"new_s": round(new, 4), "base_s": round(base, 4), "ratio": round(new / base, 3)}
-        print(f"{case:28s} new {new:.3f} s  base {base:.3f} s  ratio {new / base:.3f}")
+        print(f"{case:32s} new {new:.3f} s  base {base:.3f} s  ratio {new / base:.3f}")
     RESULTS.write_text(json.dumps({
         "command": "python benchmarks/bench_synthesis_ab.py " + " ".join(sys.argv[1:]),
         "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "wall_s": round(time.time() - started, 1),
