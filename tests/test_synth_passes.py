@@ -498,3 +498,19 @@ def test_kv_replication_pass_refuses_an_attention_whose_ratio_no_attribute_holds
         kv_replication(a)
     assert error.value.module == f"{LAYER}.attn" and error.value.fix.startswith("use tp <= 2")
     assert "heads / kv_heads = 2" in error.value.found
+
+
+def test_build_plan_folds_layers_into_a_star_only_where_every_layer_agrees():
+    """Two layer types, traced as layers 0 and 1, standing for the even and odd layers of 12. q has
+    one style everywhere: one ``layers.*`` key. ``up`` is a column in one type and a row in the
+    other, and ``mixer.in`` exists in the even layers only: one key per layer, in layer order
+    ("10" after "9"). Would catch a ``*`` key that gives the odd layers the even layers' style, or
+    a mixer style on layers that have no mixer."""
+    groups = LayerGroups({"layers": [[0, 2, 4, 6, 8, 10], [1, 3, 5, 7, 9, 11]]})
+    roles = {"layers.0.attn.q": Role("column", ""), "layers.1.attn.q": Role("column", ""),
+             "layers.0.mlp.up": Role("column", ""), "layers.1.mlp.up": Role("row", ""),
+             "layers.0.mixer.in": Role("column", "")}
+    plan = build_plan(roles, groups)
+    assert type(plan.pop("layers.*.attn.q")).__name__ == "ColwiseParallel"
+    assert list(plan) == [f"layers.{i}.mlp.up" for i in range(12)] + [f"layers.{i}.mixer.in" for i in range(0, 12, 2)]
+    assert {type(plan[f"layers.{i}.mlp.up"]).__name__ for i in (1, 11)} == {"RowwiseParallel"}
