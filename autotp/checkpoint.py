@@ -51,6 +51,7 @@ from torch.distributed.tensor import empty as dtensor_empty
 from autotp.errors import AutoTPError
 from autotp.styles.attention import expand_kv_rows
 from autotp.styles.base import permute_rows
+from autotp.styles.linear import copy_rows
 
 __all__ = [
     "CheckpointError",
@@ -92,11 +93,26 @@ def _collapse_kv_rows(tensor: torch.Tensor, *, kv_heads: int, head_dim: int, tp_
     return tensor.reshape(kv_heads, tp_size // kv_heads, head_dim, *rest)[:, 0].reshape(kv_heads * head_dim, *rest)
 
 
+def _uncopy_rows(tensor: torch.Tensor, *, index: torch.Tensor) -> torch.Tensor:
+    """Undo :func:`~autotp.styles.linear.copy_rows`: each original row from its first copy (the
+    copies stay identical in training, their gradients summed).
+
+    >>> _uncopy_rows(torch.tensor([0.0, 1.0, 1.0, 2.0]), index=torch.tensor([0, 1, 1, 2])).tolist()
+    [0.0, 1.0, 2.0]
+    """
+    index = index.to(tensor.device)
+    positions = torch.arange(len(index), device=tensor.device)
+    first = torch.full((int(index.max()) + 1,), len(index), device=tensor.device).scatter_reduce(
+        0, index, positions, reduce="amin")
+    return tensor.index_select(0, first)
+
+
 # The row maps styles store as ``_autotp_to_layout`` (a functools.partial of one of these keys),
 # and the map that undoes each. A style with a new row map must add its inverse here.
 _INVERSES: dict[Callable, Callable] = {
     permute_rows: _unpermute_rows,  # PackedColwiseParallel, ColwiseParallelInOut(sizes), ExpertsParallel
     expand_kv_rows: _collapse_kv_rows,  # ReplicatedKVColwise
+    copy_rows: _uncopy_rows,  # GroupCopies
 }
 
 

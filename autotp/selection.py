@@ -184,7 +184,7 @@ def _candidates(model: nn.Module, sources: tuple[str, ...], sequence_parallel: b
                 from autotp.synth import analyse_model, build_plan
 
                 analysis = analyse_model(model, sequence_parallel=sequence_parallel, tp_size=tp_size)
-                yield PlanChoice(build_plan(analysis.roles, analysis.groups), source, "graph analysis",
+                yield PlanChoice(build_plan(analysis.roles, analysis.groups, copies=analysis.copies), source, "graph analysis",
                                  analysis=analysis)
         except AutoTPError as error:
             if reraise:

@@ -58,6 +58,7 @@ from autotp.styles.experts import ExpertsParallel, PartialExpertsParallel, Parti
 from autotp.styles.linear import (
     BroadcastRowwiseParallel,
     ColwiseParallelInOut,
+    GroupCopies,
     PackedColwiseParallel,
     PartialRowwiseParallel,
     RowwiseParallelInOut,
@@ -81,6 +82,7 @@ __all__ = [
     "ReplicatedWithGradAllReduce",
     "HeadShardedNorm",
     "OwnedOutput",
+    "GroupCopies",
     "PackedColwiseParallel",
     "PartialRowwiseParallel",
     "PartialGradRouter",

@@ -11,6 +11,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_module, distribute_tensor
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+from torch.distributed.tensor.parallel.style import ParallelStyle
 
 from autotp.styles.base import packed_row_order, permute_rows, reduce_feature_grads
 
@@ -221,3 +222,88 @@ class RowwiseParallelInOut(_GradSpans, RowwiseParallel):
             partial(self._prepare_output_fn, self.output_layouts, self.use_local_output),
         )
         return self._with_grad_spans(module, device_mesh)
+
+
+def copy_rows(tensor: torch.Tensor, *, index: torch.Tensor) -> torch.Tensor:
+    """Rows ``index`` of ``tensor`` (dim 0): a layout where some rows are held several times."""
+    return tensor.index_select(0, index.to(tensor.device))
+
+
+def sum_row_copies(grad: torch.Tensor, *, index: torch.Tensor, rows: int, placements) -> torch.Tensor:
+    """Give every copy of a row the sum of all copies' gradients (``index``: the original row of each
+    row of the parameter's layout; ``rows``: how many original rows). A copy's gradient covers
+    only the heads of the ranks that hold it; the original row's gradient is their sum."""
+    if not isinstance(grad, DTensor):
+        full = grad
+    else:
+        full = grad.redistribute(placements=[Replicate()] * grad.device_mesh.ndim).to_local()
+    index = index.to(full.device)
+    summed = full.new_zeros(rows, *full.shape[1:]).index_add_(0, index, full).index_select(0, index)
+    if not isinstance(grad, DTensor):
+        return summed
+    whole = DTensor.from_local(summed, grad.device_mesh, [Replicate()] * grad.device_mesh.ndim, run_check=False)
+    return whole.redistribute(placements=list(placements))
+
+
+class GroupCopies(ParallelStyle):
+    """Hold a copy of one group per rank for parts with fewer groups than tp, then apply ``base``.
+
+    A part of a packed output split into ``G`` groups broadcast to the heads (B and C of a
+    state-space mixer with ``n_groups < tp``; one kv head in a fused qkv) cannot be cut over tp
+    ranks. It is expanded to ``tp`` groups, group j a copy of group ``j * G // tp``: the rows of
+    the named parameters and buffers (dim 0) and the integer attributes that size the part are
+    set to their expanded values, and ``base`` (the style of the expanded model, e.g.
+    :class:`PackedColwiseParallel` or :class:`~autotp.styles.HeadParams`) shards the result, so
+    rank r holds exactly the group its heads read. The copies' gradients are summed by a hook
+    (:func:`sum_row_copies`), so they stay identical after an optimizer step.
+
+    Keyword Args:
+        base (ParallelStyle | None): the style applied after the expansion (None: none).
+        rows (dict[str, tuple]): parameter / buffer path -> ``(width, ((start, end, groups), ...))``,
+            the grouped parts along its dim 0 (see :func:`autotp.synth.groups.copy_index`).
+        values (dict[str, int]): attribute path -> its value in the expanded module (before
+            ``base`` divides counts by tp).
+
+    Example::
+        >>> plan = {"layers.*.mixer.in_proj": GroupCopies(base=PackedColwiseParallel(sizes=(64, 64, 8, 8, 8)),
+        ...                                               rows={"weight": (140, ((132, 136, 1), (136, 140, 1)))})}
+    """
+
+    def __init__(self, *, base: ParallelStyle | None, rows: dict | None = None, values: dict | None = None):
+        super().__init__()
+        self.base = base
+        self.rows = {k: (int(w), tuple(tuple(int(x) for x in p) for p in parts)) for k, (w, parts) in (rows or {}).items()}
+        self.values = dict(values or {})
+
+    def sharded_param_dims(self, module: nn.Module) -> dict[str, int]:
+        found = getattr(self.base, "sharded_param_dims", None)
+        return found(module) if found is not None else {}
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        from autotp.synth.groups import Copies, copy_index, expand_module
+
+        tp = device_mesh.size()
+        expand_module(module, Copies(dict(self.rows), dict(self.values)), tp)
+        if self.base is not None:
+            module = self.base._apply(module, device_mesh)
+        for path, (width, parts) in self.rows.items():
+            owner_path, _, leaf = path.rpartition(".")
+            param = module.get_submodule(owner_path)._parameters.get(leaf)
+            if param is None:
+                continue  # a buffer: no gradient
+            index = copy_index(width, parts, tp)
+            inner = getattr(param, "_autotp_to_layout", None)
+            if inner is not None:  # the base's own row order, applied to the expanded rows
+                if inner.func is not permute_rows or inner.keywords.get("dim") != 0:
+                    from autotp.errors import PlanError
+
+                    raise PlanError(f"{type(module).__name__}.{path}: its style stores rows as {inner!r}, which "
+                                    "GroupCopies cannot compose with its copies; keep this module whole")
+                index = inner(index)
+            param._autotp_to_layout = partial(copy_rows, index=index)
+            placements = param.placements if isinstance(param, DTensor) else ()
+            param.register_hook(partial(sum_row_copies, index=index, rows=width, placements=placements))
+        return module
+
+    def __repr__(self) -> str:
+        return f"{self.__class__.__name__}(base={self.base!r}, rows={self.rows}, values={self.values})"

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from functools import partial
 
+import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_module, distribute_tensor
@@ -72,14 +73,27 @@ class WidthShardedNorm(ParallelStyle):
 
     @staticmethod
     def _prepare_input_fn(shard_dim, mod, inputs, device_mesh):
+        # A gated norm takes the gate as a second input, sharded like x (same local shape): it is
+        # made a DTensor alike, so ``x * silu(gate)`` runs on DTensors too.
         x = inputs[0]
-        if not isinstance(x, DTensor):
-            x = DTensor.from_local(x, device_mesh, [Shard(shard_dim % x.ndim)], run_check=False)
-        return (x, *inputs[1:])
+        local = x.to_local() if isinstance(x, DTensor) else x
+        out = []
+        for value in inputs:
+            if isinstance(value, DTensor) or not isinstance(value, torch.Tensor) or value.shape != local.shape:
+                out.append(value)
+            else:
+                out.append(DTensor.from_local(value, device_mesh, [Shard(shard_dim % value.ndim)], run_check=False))
+        return tuple(out)
 
     @staticmethod
-    def _prepare_output_fn(mod, outputs, device_mesh):
-        return outputs.to_local() if isinstance(outputs, DTensor) else outputs
+    def _prepare_output_fn(shard_dim, mod, outputs, device_mesh):
+        if not isinstance(outputs, DTensor):
+            return outputs
+        # The output is the input's layout (a grouped norm's views may have made DTensor gather it).
+        wanted = [Shard(shard_dim % outputs.ndim)]
+        if list(outputs.placements) != wanted:
+            outputs = outputs.redistribute(placements=wanted)
+        return outputs.to_local()
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         return distribute_module(
@@ -87,7 +101,7 @@ class WidthShardedNorm(ParallelStyle):
             device_mesh,
             self._partition_fn,
             partial(self._prepare_input_fn, self.shard_dim),
-            self._prepare_output_fn,
+            partial(self._prepare_output_fn, self.shard_dim),
         )
 
     def __repr__(self) -> str:

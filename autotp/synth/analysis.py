@@ -138,12 +138,37 @@ class Flow:
         itself (a width norm's statistic, whose style reduces it), or when it comes from one span of a
         Linear kept whole (:meth:`broadcast_from`). A gate from a whole Linear broadcast over the
         heads is otherwise refused: its gradient would stay a per-rank partial sum."""
+        if self.norm_statistic(other):
+            return True
         found = upstream_linears(self.g, other)
         if found is None:  # a parameter enters on the way: reduce at a whole module's output, or none is behind it
             return self.broadcast_from_module(other) or _only_params_behind(self.g, other)
         if not found[0] or any(self.sharded(n) for n in found[1] | found[0]):
             return True  # no Linear behind it, or a statistic of the shard (a width norm's, reduced by its style)
         return self.broadcast_from(other)
+
+    def norm_statistic(self, other: str) -> bool:
+        """Whether replicated operand ``other`` is a statistic a width-sharded norm computes from the
+        shard (``rsqrt(mean(x ** 2))`` over a sharded width): computed inside that norm from sharded
+        values and the norm's own constants only. Its style runs the norm on DTensors, which
+        all-reduce the statistic and its gradient, whatever is upstream of the shard."""
+        module = self.g.nodes[other]["module"]
+        if not module or module not in self.width_norms:
+            return False
+        seen, todo, reached = {other}, [other], False
+        while todo:
+            for pred in _value_inputs(self.g, todo.pop()):
+                data = self.g.nodes[pred]
+                if pred in seen or data["op"] in SINKS:
+                    continue
+                seen.add(pred)
+                if self.sharded(pred):
+                    reached = True
+                elif data["kind"] == "call" and module in data["stack"] and not is_linear(self.g, pred):
+                    todo.append(pred)
+                elif data["kind"] == "call" or data["kind"] == "input":
+                    return False  # a value from outside the norm, or a Linear inside it
+        return reached
 
     def broadcast_from_module(self, other: str) -> bool:
         """Whether replicated operand ``other`` is the output of a small whole module (no Linear, nothing
@@ -888,6 +913,14 @@ def broadcast_leaks(flow: Flow) -> dict[str, str]:
     return bad
 
 
+def same_weight(g: nx.DiGraph, bad: dict[str, str], active: set[str]) -> dict[str, str]:
+    """Candidates that multiply by the weight of a dropped one (a module called twice): one weight
+    has one style, so if one call needs it whole, every call keeps it whole."""
+    weights = {linear_weight(g, n) for n in bad if is_linear(g, n)} - {None}
+    return {n: f"another call of {module_of(g, n)} keeps its weight whole" for n in active
+            if n not in bad and linear_weight(g, n) in weights}
+
+
 def endless_shards(flow: Flow) -> dict[str, str]:
     """Candidates whose shard never reaches a row-parallel Linear or the output."""
     reached = set(flow.heads)
@@ -947,6 +980,7 @@ def _fixpoint(g: nx.DiGraph, dropped: dict[str, str], unit_heads: frozenset,
         bad.update(endless_shards(flow))
         bad.update({r: reason for r, reason in _raw_limits(flow).items() if r not in bad})
         bad.update({r: reason for r, reason in broadcast_leaks(flow).items() if r not in bad})
+        bad.update({r: reason for r, reason in same_weight(g, bad, active).items() if r not in bad})
         yielded.update({r: mine for r, mine in flow.yielded.items() if r in bad})
         if not bad:
             # A candidate that gave way to shards which were all dropped later gave way for nothing:

@@ -12,6 +12,7 @@ from torch.distributed.tensor.parallel.style import ParallelStyle
 
 from autotp.plan import key_matches
 from autotp.synth.build import build_plan
+from autotp.synth.groups import group_copies
 from autotp.synth.pipeline import Analysis, run
 from autotp.synth.trace import LayerGroups, restored_module_state
 
@@ -41,7 +42,8 @@ def analyse_model(model: nn.Module, *, example_inputs=None, sequence_parallel: b
     (:func:`~autotp.synth.trace.restored_module_state`).
     """
     with restored_module_state(model):
-        return run(model, example_inputs=example_inputs, sequence_parallel=sequence_parallel, tp_size=tp_size)
+        analysis = run(model, example_inputs=example_inputs, sequence_parallel=sequence_parallel, tp_size=tp_size)
+        return group_copies(analysis, run)
 
 
 def synthesize(model: nn.Module, *, example_inputs=None, sequence_parallel: bool = False,
@@ -75,7 +77,7 @@ def synthesize(model: nn.Module, *, example_inputs=None, sequence_parallel: bool
     """
     analysis = analyse_model(model, example_inputs=example_inputs, sequence_parallel=sequence_parallel,
                              tp_size=tp_size)
-    plan = build_plan(analysis.roles, analysis.groups, loss_parallel=loss_parallel)
+    plan = build_plan(analysis.roles, analysis.groups, loss_parallel=loss_parallel, copies=analysis.copies)
     if verify:
         from autotp.self_check import self_check
 
@@ -99,7 +101,7 @@ def explain(model: nn.Module | None = None, *, example_inputs=None, sequence_par
     if analysis is None:
         analysis = analyse_model(model, example_inputs=example_inputs, sequence_parallel=sequence_parallel,
                                  tp_size=tp_size)
-    plan = build_plan(analysis.roles, analysis.groups, loss_parallel=loss_parallel)
+    plan = build_plan(analysis.roles, analysis.groups, loss_parallel=loss_parallel, copies=analysis.copies)
     return describe(analysis, plan)
 
 

@@ -197,8 +197,14 @@ def _stack_order(entry: str) -> tuple:
     return (0, int(entry), "") if entry.isdigit() else (1, 0, entry)
 
 
-def build_plan(roles: dict[str, Role], groups: LayerGroups, *, loss_parallel: bool = True) -> dict[str, ParallelStyle]:
-    """The plan: a style for every role that needs one, with repeated layers folded into ``*``."""
+def build_plan(roles: dict[str, Role], groups: LayerGroups, *, loss_parallel: bool = True,
+               copies: dict | None = None) -> dict[str, ParallelStyle]:
+    """The plan: a style for every role that needs one, with repeated layers folded into ``*``.
+
+    ``copies``: modules whose grouped parts are held as copies per rank (:mod:`autotp.synth.groups`):
+    their style is wrapped in :class:`~autotp.styles.GroupCopies`, which expands them first."""
     traced = {fqn: style_for(role, loss_parallel=loss_parallel) for fqn, role in roles.items()}
+    for fqn, spec in (copies or {}).items():
+        traced[fqn] = styles.GroupCopies(base=traced.get(fqn), rows=spec.rows, values=spec.values)
     traced = {fqn: style for fqn, style in traced.items() if style is not None}
     return generalise(expand(traced, groups), groups)

@@ -132,9 +132,18 @@ def _local_copy(module: nn.Module, roles: dict[str, Role], names: tuple[str, ...
     for name, role in roles.items():
         if tp > 1 or _in_out(role):  # at tp=1 too, so that both runs have the same ops
             _shrink(local.get_submodule(name), role, tp)
+        if role.kind == "width_norm":  # at tp=1 too
+            _as_width_norm(local.get_submodule(name))
     if tp > 1:
         _divide(local, names, tp)
     return local
+
+
+def _as_width_norm(module: nn.Module) -> None:
+    """A width-sharded norm runs on DTensors with global sizes and returns its input's layout
+    (:class:`~autotp.styles.WidthShardedNorm`): at per-rank shapes, its output is shaped like its
+    input, whatever sizes its code reads (a gated norm's ``view(..., -1, self.group_size)``)."""
+    module.forward = lambda x, *args, **kwargs: x * 1
 
 
 def _in_out(role: Role) -> bool:

@@ -53,6 +53,8 @@ class Analysis:
             and nothing is checked for divisibility or replicated per kv head.
         counts: per module, the integer attributes that size the cuts of a fused output.
         kv_handled: k/v projection nodes replicated per kv head (not checked for divisibility).
+        copies: grouped parts held as one group's copy per rank, by traced module FQN
+            (:mod:`autotp.synth.groups`); the analysis is then that of the expanded model.
     """
 
     graph: nx.DiGraph
@@ -65,6 +67,7 @@ class Analysis:
     sequence_parallel: bool = False
     counts: dict[str, tuple[str, ...]] = field(default_factory=dict)
     kv_handled: frozenset = frozenset()
+    copies: dict = field(default_factory=dict)
 
 
 def run(model: nn.Module, *, example_inputs=None, sequence_parallel: bool = False,

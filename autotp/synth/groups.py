@@ -1,0 +1,320 @@
+"""Parts of a packed projection with fewer groups than tp: each rank holds a copy of its group.
+
+A packed column Linear's part may be split into ``G`` groups that are broadcast to the heads
+(Mamba2's B and C with ``n_groups`` groups, ``repeat_interleave(heads // G)``; the k / v part of a
+fused qkv with one kv head). With ``tp % G == 0`` and ``G < tp`` a contiguous split would cut a
+group in pieces: rank r instead holds group ``r * G // tp``, the one its ``heads / tp`` heads read,
+as :mod:`autotp.synth.kvheads` does for a separate k / v projection.
+
+That layout is the sharding of an equivalent model in which the part has ``tp`` groups, copies
+of the originals: expand the part's rows of the Linear (and of every parameter packed like it,
+a depthwise conv's weight) to ``tp / G`` copies of each group and set the integer attributes that
+size the part (``n_groups``, ``conv_dim``) to their expanded values. This pass finds the parts
+from the graph, builds that model, checks that it computes the same logits, and analyses it: its
+parts now divide over tp, and every rule of the uniform analysis (cuts, per-rank counts, shape
+proofs, sequence parallel) applies unchanged. The plan does the same expansion on the user's
+model (:class:`~autotp.styles.GroupCopies`) before each module's usual style, and sums the
+copies' gradients, so they stay identical: ``dL/dW = E^T dL/dE(W)`` for the expansion ``E``.
+
+Default-deny: a part whose expansion is not proven equivalent (no set of attributes found that
+gives the same logits), or whose expanded model does not shard the projection, leaves the
+analysis as it was (the projection whole).
+"""
+
+from __future__ import annotations
+
+import copy
+import itertools
+import logging
+from dataclasses import dataclass, field, replace
+
+import networkx as nx
+import torch
+from torch import nn
+
+from autotp.errors import AutoTPError
+from autotp.synth.analysis import Shard, is_linear, module_of, propagate
+from autotp.synth.graph import Ref
+from autotp.synth.localize import candidate_names, cutting_module
+from autotp.synth.ops import PASSTHROUGH, VIEW_LIKE
+from autotp.synth.params import reading_module
+from autotp.synth.trace import LayerGroups, example_args
+
+log = logging.getLogger(__name__)
+
+# How many attributes one expansion may set together (falcon-h1: n_groups, conv_dim and
+# groups_time_state_size).
+MAX_ATTRIBUTES = 4
+
+
+@dataclass(frozen=True)
+class GroupedPart:
+    """Features ``[start, end)`` of Linear node ``root``'s output, split into ``groups`` groups."""
+
+    root: str
+    start: int
+    end: int
+    groups: int
+
+
+@dataclass
+class Copies:
+    """What to expand in one module: rows of its parameters and buffers, and attribute values.
+
+    ``rows``: dotted path -> ``(width, ((start, end, groups), ...))``, the grouped parts along dim 0
+    of a tensor of ``width`` rows (:func:`copy_index`). ``values``: attribute path -> its value in
+    the expanded model.
+    """
+
+    rows: dict[str, tuple[int, tuple[tuple[int, int, int], ...]]] = field(default_factory=dict)
+    values: dict[str, int] = field(default_factory=dict)
+
+
+def copy_index(width: int, parts, tp: int) -> torch.Tensor:
+    """Rows of the expanded tensor, as rows of the original: each grouped part ``(start, end, G)``
+    becomes ``tp`` groups, group j a copy of original group ``j * G // tp``.
+
+    >>> copy_index(5, ((2, 4, 1),), 2).tolist()
+    [0, 1, 2, 3, 2, 3, 4]
+    >>> copy_index(4, ((0, 4, 2),), 4).tolist()
+    [0, 1, 0, 1, 2, 3, 2, 3]
+    """
+    order, at = [], 0
+    for start, end, groups in sorted(parts):
+        order.extend(range(at, start))
+        size = (end - start) // groups
+        for j in range(tp):
+            first = start + (j * groups // tp) * size
+            order.extend(range(first, first + size))
+        at = end
+    order.extend(range(at, width))
+    return torch.tensor(order, dtype=torch.long)
+
+
+def _group_dim(g: nx.DiGraph, view: str) -> tuple[int, int] | None:
+    """``(dim, groups)`` when view ``view`` splits its input's last dim ``W`` into ``(groups, W / groups)``
+    at ``dim``, keeping the dims before it."""
+    data = g.nodes[view]
+    source = data["args"][0]
+    in_shape, out_shape = g.nodes[source.name]["shape"], data["shape"]
+    if not in_shape or not out_shape or len(out_shape) != len(in_shape) + 1:
+        return None
+    dim = len(in_shape) - 1
+    if tuple(out_shape[:dim]) != tuple(in_shape[:dim]) or out_shape[dim] * out_shape[dim + 1] != in_shape[dim]:
+        return None
+    return dim, out_shape[dim]
+
+
+def _broadcast_to_heads(g: nx.DiGraph, name: str, dim: int) -> bool:
+    """Whether ``name``'s dim ``dim`` (its groups) reaches, through casts and transposes only, a
+    ``repeat_interleave`` of that dim by a fixed count (each group to its heads) and nothing else."""
+    readers = [s for s in g.successors(name) if g.nodes[s]["op"] not in ("_assert_tensor_metadata", "sym_size")]
+    if not readers:
+        return False
+    for succ in readers:
+        data = g.nodes[succ]
+        ndim = len(data["shape"] or ())
+        if data["op"] == "repeat_interleave":
+            at = data["args"][2] if len(data["args"]) > 2 else data["kwargs"].get("dim")
+            if not isinstance(data["args"][1], int) or at is None or at % ndim != dim:
+                return False
+        elif data["op"] in PASSTHROUGH:
+            if not _broadcast_to_heads(g, succ, dim):
+                return False
+        elif data["op"] == "transpose":
+            a, b = (x % ndim for x in data["args"][1:3])
+            if not _broadcast_to_heads(g, succ, b if dim == a else a if dim == b else dim):
+                return False
+        else:
+            return False
+    return True
+
+
+def grouped_parts(g: nx.DiGraph, tp: int, whole: set[str] = frozenset()) -> list[GroupedPart]:
+    """Parts of packed column candidates viewed into fewer groups than ``tp`` (a divisor of it)
+    that are broadcast to the heads by ``repeat_interleave`` and read nowhere else."""
+    flow = propagate(g, {n for n in g.nodes if is_linear(g, n)} - set(whole))
+    found = set()
+    for name, data in g.nodes(data=True):
+        if data["kind"] != "call" or data["op"] not in VIEW_LIKE or not isinstance(data["args"][0], Ref):
+            continue
+        state = flow.state.get(data["args"][0].name)
+        split = _group_dim(g, name)
+        if not isinstance(state, Shard) or state.span is None or len(state.origins) != 1 or split is None:
+            continue
+        (root,), (dim, groups) = state.origins, split
+        width = g.nodes[root]["shape"][-1]
+        if state.dim != dim or groups >= tp or tp % groups or state.span == (0, width):
+            continue
+        if _broadcast_to_heads(g, name, dim):
+            found.add(GroupedPart(root, *state.span, groups))
+    return sorted(found, key=lambda p: (g.nodes[p.root]["order"], p.start))
+
+
+def _param_rows(g: nx.DiGraph, flow, parts: list[GroupedPart]) -> dict[str, tuple[int, tuple]]:
+    """Parameter / buffer placeholder -> its rows' grouped parts, for the roots' own weight and
+    bias and for every parameter sharded on dim 0 with one of their parts (a depthwise conv)."""
+    by_root: dict[str, list[GroupedPart]] = {}
+    for part in parts:
+        by_root.setdefault(part.root, []).append(part)
+    found = {}
+    for root, mine in by_root.items():
+        width = g.nodes[root]["shape"][-1]
+        spec = (width, tuple((p.start, p.end, p.groups) for p in mine))
+        for ref in g.nodes[root]["args"][1:3]:
+            if isinstance(ref, Ref) and g.nodes[ref.name]["kind"] == "param":
+                found[ref.name] = spec
+    for param, meetings in flow.param_spans.items():
+        for origins, span, pieces in meetings:
+            if span is None or pieces or flow.param_shards.get(param) != 0 or not origins <= set(by_root):
+                continue
+            inside = tuple((p.start - span[0], p.end - span[0], p.groups) for p in parts
+                           if p.root in origins and span[0] <= p.start and p.end <= span[1])
+            if inside:
+                found[param] = (span[1] - span[0], inside)
+    return found
+
+
+def _local_path(g: nx.DiGraph, node: str, module: str) -> str | None:
+    fqn = g.nodes[node]["param"]
+    return fqn[len(module) + 1:] if module and fqn.startswith(module + ".") else (fqn if not module else None)
+
+
+def _attribute_values(g: nx.DiGraph, flow, parts: list[GroupedPart], tp: int) -> dict[int, int]:
+    """Global numbers the grouped parts change -> their expanded values: a group count becomes
+    ``tp``, and a width holding grouped parts (the part, a range cut around it) grows by their copies."""
+    values = {}
+    for part in parts:
+        values[part.groups] = tp
+    for root in {p.root for p in parts}:
+        for start, end in set(flow.splits.get(root, ())) | {(p.start, p.end) for p in parts}:
+            grown = sum((p.end - p.start) // p.groups * (tp - p.groups) for p in parts
+                        if p.root == root and start <= p.start and p.end <= end)
+            if grown:
+                values.setdefault(end - start, end - start + grown)
+    return values
+
+
+def plan_copies(model: nn.Module, example_inputs, g: nx.DiGraph, parts: list[GroupedPart], tp: int,
+                groups: LayerGroups, whole: set[str] = frozenset()) -> dict[str, Copies] | None:
+    """The expansion of every grouped part, by traced module FQN, proven on ``example_inputs``:
+    the smallest set of attributes for which the expanded model gives the same logits; None if
+    no set does."""
+    flow = propagate(g, {n for n in g.nodes if is_linear(g, n)} - set(whole))
+    copies: dict[str, Copies] = {}
+    for param, spec in _param_rows(g, flow, parts).items():
+        owner, leaf = reading_module(g, param)  # the module whose style shards it (a conv weight read by its parent)
+        copies.setdefault(owner, Copies()).rows[leaf] = spec
+    values = _attribute_values(g, flow, parts, tp)
+    modules = sorted({cutting_module(g, p.root, flow.split_nodes.get(p.root, [])) for p in parts})
+    candidates = []
+    for fqn in modules:
+        for name in candidate_names(model.get_submodule(_first(groups, fqn)), set(values)):
+            candidates.append((fqn, name))
+    args, kwargs = example_args(model, example_inputs)
+    with torch.no_grad():
+        reference = _logits(model(*args, **kwargs))
+    for count in range(min(MAX_ATTRIBUTES, len(candidates)) + 1):
+        for chosen in itertools.combinations(candidates, count):
+            trial = {fqn: Copies(dict(c.rows), {}) for fqn, c in copies.items()}
+            for fqn, name in chosen:
+                current = _get(model.get_submodule(_first(groups, fqn)), name)
+                trial.setdefault(fqn, Copies()).values[name] = values[current]
+            if _same_logits(model, trial, groups, tp, args, kwargs, reference):
+                log.info("group copies at tp=%d: attributes %s", tp, chosen)
+                return trial
+    return None
+
+
+def _first(groups: LayerGroups, fqn: str) -> str:
+    return groups.original(fqn)[0]
+
+
+def _get(module: nn.Module, path: str):
+    for part in path.split("."):
+        module = getattr(module, part)
+    return module
+
+
+def _logits(output) -> torch.Tensor:
+    if isinstance(output, torch.Tensor):
+        return output
+    if isinstance(output, dict) or hasattr(output, "logits"):
+        return output["logits"] if isinstance(output, dict) else output.logits
+    return output[0]
+
+
+def _same_logits(model, trial, groups, tp, args, kwargs, reference) -> bool:
+    try:
+        expanded = expanded_model(model, trial, groups, tp)
+        with torch.no_grad():
+            logits = _logits(expanded(*args, **kwargs))
+    except Exception as error:  # a shape the attributes left inconsistent: not this set
+        log.debug("group copies trial %s failed: %s", trial, error)
+        return False
+    return logits.shape == reference.shape and torch.allclose(logits, reference, atol=1e-5, rtol=1e-4)
+
+
+def expand_module(module: nn.Module, copies: Copies, tp: int) -> None:
+    """Expand ``module``'s grouped rows to ``tp`` copies and set its attributes to their expanded
+    values, in place (see :class:`Copies`)."""
+    for path, value in copies.values.items():
+        *owner_path, attr = path.split(".")
+        owner = module
+        for part in owner_path:
+            child = getattr(owner, part)
+            if not isinstance(child, nn.Module):  # a plain object (a config) may be shared: copy it
+                child = copy.copy(child)
+                setattr(owner, part, child)
+            owner = child
+        setattr(owner, attr, value)
+    for path, (width, parts) in copies.rows.items():
+        owner_path, _, leaf = path.rpartition(".")
+        owner = module.get_submodule(owner_path)
+        index = copy_index(width, parts, tp)
+        if leaf in owner._parameters:
+            param = owner._parameters[leaf]
+            owner.register_parameter(leaf, nn.Parameter(param.detach().index_select(0, index),
+                                                        requires_grad=param.requires_grad))
+        else:
+            owner._buffers[leaf] = owner._buffers[leaf].index_select(0, index)
+
+
+def expanded_model(model: nn.Module, copies: dict[str, Copies], groups: LayerGroups, tp: int) -> nn.Module:
+    """A copy of ``model`` with every grouped part expanded to ``tp`` groups (by traced FQN)."""
+    out = copy.deepcopy(model)
+    for fqn, spec in copies.items():
+        for original in groups.original(fqn):
+            expand_module(out.get_submodule(original), spec, tp)
+    return out
+
+
+def group_copies(analysis, run) -> object:
+    """The analysis of the model with grouped parts expanded (see the module docstring), or
+    ``analysis`` itself when there are none, the expansion is not proven, or it shards nothing more.
+
+    Args:
+        analysis: a :class:`~autotp.synth.pipeline.Analysis` made with a tp size.
+        run: the pipeline (:func:`~autotp.synth.pipeline.run`), to analyse the expanded model.
+    """
+    a, tp = analysis, analysis.tp_size
+    if not tp or tp < 2:
+        return a
+    parts = [p for p in grouped_parts(a.graph, tp) if a.roles.get(module_of(a.graph, p.root)) is None
+             or a.roles[module_of(a.graph, p.root)].kind == "replicate"]
+    if not parts:
+        return a
+    copies = plan_copies(a.model, a.example_inputs, a.graph, parts, tp, a.groups)
+    if copies is None:
+        log.info("group copies: no attributes make the expanded model equal; kept whole")
+        return a
+    expanded = expanded_model(a.model, copies, a.groups, tp)
+    try:
+        b = run(expanded, example_inputs=a.example_inputs, sequence_parallel=a.sequence_parallel, tp_size=tp)
+    except AutoTPError as error:
+        log.info("group copies: the expanded model cannot be sharded (%s); kept whole", error)
+        return a
+    roots = {module_of(a.graph, p.root) for p in parts}
+    if any(b.roles.get(m) is None or b.roles[m].kind not in ("column", "packed_column") for m in roots):
+        return a
+    return replace(b, model=a.model, copies=copies)

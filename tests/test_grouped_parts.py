@@ -1,0 +1,196 @@
+"""Parts with fewer groups than ranks are held as one group's copy per rank, the rest sharded.
+
+A packed projection whose part is split into ``G < tp`` groups broadcast to the heads (B and C of
+a state-space mixer with one or two state groups; the k / v of a fused qkv with one kv head)
+cannot be cut over tp ranks. Each rank instead holds the group its heads read, the copies'
+gradients summed. Each model is checked against the unsharded one on the logits and every
+gradient, at tp 2 and 4, plain and sequence parallel, and must hold about 1/tp of the parameters.
+"""
+
+import warnings
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from autotp.styles import GroupCopies
+from autotp.synth import explain, synthesize
+from autotp.synth.groups import copy_index
+from autotp.verifier import verify
+from synth_toy import DIM, VOCAB, example_tokens
+
+HEADS, HEAD_DIM, STATE, KERNEL = 8, 8, 4, 3
+
+
+class GatedNorm(nn.Module):
+    """RMSNorm over groups of ``group_size`` channels (all of them when it is the width), gated."""
+
+    def __init__(self, width: int, group_size: int):
+        super().__init__()
+        self.weight = nn.Parameter(1 + 0.1 * torch.randn(width))
+        self.group_size = group_size
+
+    def forward(self, x, gate):
+        x = x * F.silu(gate)
+        grouped = x.view(*x.shape[:-1], -1, self.group_size)
+        grouped = grouped * torch.rsqrt(grouped.pow(2).mean(-1, keepdim=True) + 1e-6)
+        return self.weight * grouped.view(x.shape)
+
+
+class GroupedScanMixer(nn.Module):
+    """in_proj ``[gate | x | B | C | dt]`` -> depthwise conv over ``[x | B | C]`` -> B, C in ``groups``
+    groups repeated to the heads -> a scan along time -> gated norm -> out_proj."""
+
+    def __init__(self, groups: int, norm_group: int):
+        super().__init__()
+        self.inner, self.heads, self.n_groups, self.state = HEADS * HEAD_DIM, HEADS, groups, STATE
+        self.conv_dim = self.inner + 2 * groups * STATE
+        self.in_proj = nn.Linear(DIM, self.inner + self.conv_dim + HEADS, bias=False)
+        self.conv1d = nn.Conv1d(self.conv_dim, self.conv_dim, KERNEL, groups=self.conv_dim, padding=KERNEL - 1)
+        self.dt_bias = nn.Parameter(torch.randn(HEADS))
+        self.A_log = nn.Parameter(0.1 * torch.randn(HEADS))
+        self.D = nn.Parameter(torch.randn(HEADS))
+        self.norm = GatedNorm(self.inner, norm_group)
+        self.out_proj = nn.Linear(self.inner, DIM, bias=False)
+
+    def forward(self, h):
+        b, t, _ = h.shape
+        gate, xbc, dt = self.in_proj(h).split([self.inner, self.conv_dim, self.heads], dim=-1)
+        xbc = F.conv1d(xbc.transpose(1, 2), self.conv1d.weight, self.conv1d.bias, padding=KERNEL - 1,
+                       groups=xbc.shape[-1])
+        xbc = F.silu(xbc[..., :t].transpose(1, 2))
+        x, B, C = xbc.split([self.inner, self.n_groups * self.state, self.n_groups * self.state], dim=-1)
+        x = x.reshape(b, t, -1, HEAD_DIM)
+        B = B.reshape(b, t, -1, self.state).repeat_interleave(self.heads // self.n_groups, dim=2)
+        C = C.reshape(b, t, -1, self.state).repeat_interleave(self.heads // self.n_groups, dim=2)
+        dt = F.softplus(dt + self.dt_bias)
+        decay = torch.cumsum(-torch.exp(self.A_log) * dt, dim=1)
+        state = torch.cumsum((B * torch.exp(-decay)[..., None]).unsqueeze(-1) * x.unsqueeze(-2), dim=1)
+        y = torch.einsum("bthn,bthnp->bthp", C, state) * torch.exp(decay)[..., None] + self.D[:, None] * x
+        return self.out_proj(self.norm(y.reshape(b, t, -1), gate))
+
+
+class FusedQKVAttention(nn.Module):
+    """One fused ``[q | k | v]`` Linear with ``kv_heads`` kv heads, repeated to the query heads."""
+
+    def __init__(self, kv_heads: int = 1):
+        super().__init__()
+        self.heads, self.kv_heads = HEADS, kv_heads
+        self.qkv = nn.Linear(DIM, (HEADS + 2 * kv_heads) * HEAD_DIM)
+        self.o_proj = nn.Linear(HEADS * HEAD_DIM, DIM, bias=False)
+
+    def forward(self, h):
+        b, t, _ = h.shape
+        q, k, v = self.qkv(h).split([self.heads * HEAD_DIM, self.kv_heads * HEAD_DIM, self.kv_heads * HEAD_DIM], -1)
+        q = q.view(b, t, -1, HEAD_DIM).transpose(1, 2)
+        k = k.view(b, t, self.kv_heads, HEAD_DIM).transpose(1, 2).repeat_interleave(self.heads // self.kv_heads, dim=1)
+        v = v.view(b, t, self.kv_heads, HEAD_DIM).transpose(1, 2).repeat_interleave(self.heads // self.kv_heads, dim=1)
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.o_proj(y.transpose(1, 2).reshape(b, t, -1))
+
+
+class Block(nn.Module):
+    def __init__(self, mixer):
+        super().__init__()
+        self.norm, self.mixer = nn.RMSNorm(DIM), mixer()
+
+    def forward(self, x):
+        return x + self.mixer(self.norm(x))
+
+
+class Stack(nn.Module):
+    def __init__(self, mixer, layers: int = 2):
+        super().__init__()
+        self.embed = nn.Embedding(VOCAB, DIM)
+        self.layers = nn.ModuleList(Block(mixer) for _ in range(layers))
+        self.norm = nn.RMSNorm(DIM)
+        self.head = nn.Linear(DIM, VOCAB, bias=False)
+
+    def forward(self, tokens):
+        h = self.embed(tokens)
+        for layer in self.layers:
+            h = layer(h)
+        return self.head(self.norm(h))
+
+
+def _model(mixer):
+    torch.manual_seed(0)
+    return Stack(mixer)
+
+
+def _verify_near(model, tp, sequence_parallel, fraction):
+    plan = synthesize(model, example_inputs=(example_tokens(),), tp_size=tp, sequence_parallel=sequence_parallel)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        report = verify(model, plan, tp_size=tp, inputs=(example_tokens(),))
+    assert report.ok, str(report)
+    assert all(abs(f - fraction) < 0.02 for f in report.param_fraction), (report.param_fraction, fraction)
+    return plan
+
+
+def _copied_fraction(model, tp, copied: int) -> float:
+    """1/tp of the parameters, plus the ``copied`` parameters each rank holds beyond its 1/tp
+    share of them (a group's copy: ``copied`` is the grouped rows' parameters, held 1/G each)."""
+    total = sum(p.numel() for p in model.parameters())
+    return (total / tp + copied) / total
+
+
+MODES = [pytest.param(False, id="plain"), pytest.param(True, id="sp")]
+
+
+@pytest.mark.parametrize("sequence_parallel", MODES)
+@pytest.mark.parametrize("tp", [2, 4])
+def test_one_state_group_is_copied_per_rank(tp, sequence_parallel):
+    """Would catch: B / C of one group cut over the state dim (the scan contracting over a sharded
+    index), a copy's gradient left as its ranks' share (copies drifting apart), the conv's B / C
+    channels not expanded like the projection's rows, the norm over the whole width left local,
+    or the mixer kept whole (parameter fraction far above 1/tp)."""
+    model = _model(lambda: GroupedScanMixer(groups=1, norm_group=HEADS * HEAD_DIM))
+    plan = _verify_near(model, tp, sequence_parallel, 1 / tp)  # B and C: 2 of 152 rows per layer
+    assert isinstance(plan["layers.*.mixer.in_proj"], GroupCopies)
+
+
+@pytest.mark.parametrize("sequence_parallel", MODES)
+def test_two_state_groups_at_tp4_are_copied_per_rank(sequence_parallel):
+    """Would catch: two groups over four ranks cut in halves, or each rank given the wrong group
+    (rank r must read group r * G // tp, the one its heads are repeated from)."""
+    model = _model(lambda: GroupedScanMixer(groups=2, norm_group=HEAD_DIM))
+    _verify_near(model, 4, sequence_parallel, 1 / 4)
+
+
+@pytest.mark.parametrize("sequence_parallel", MODES)
+@pytest.mark.parametrize("tp", [2, 4])
+def test_fused_qkv_with_one_kv_head_is_copied_per_rank(tp, sequence_parallel):
+    """Would catch: the one kv head's rows cut over ranks (a head in pieces), its copies' weight
+    and bias gradients not summed, or the fused projection kept whole."""
+    model = _model(FusedQKVAttention)
+    # Each rank holds the whole kv head (k and v rows with their biases), not 1/tp of it.
+    kv = 2 * HEAD_DIM * (DIM + 1) * len(model.layers)
+    plan = _verify_near(model, tp, sequence_parallel, _copied_fraction(model, tp, kv - kv / tp))
+    assert isinstance(plan["layers.*.mixer.qkv"], GroupCopies)
+
+
+def test_copy_index_gives_each_rank_its_group():
+    """Rank r's block of the expanded rows is group r * G // tp of the part; other rows untouched."""
+    assert copy_index(6, ((2, 6, 2),), 4).tolist() == [0, 1, 2, 3, 2, 3, 4, 5, 4, 5]
+
+
+class GroupsReadWhole(GroupedScanMixer):
+    """Also reads B whole (its mean scales the output): a rank holding one group's copy would
+    read only that group there, so the projection must stay whole."""
+
+    def forward(self, h):
+        _, xbc, _ = self.in_proj(h).split([self.inner, self.conv_dim, self.heads], dim=-1)
+        B = xbc[..., self.inner:self.inner + self.n_groups * self.state]
+        return super().forward(h) * B.mean(-1, keepdim=True)
+
+
+@pytest.mark.parametrize("groups", [1, 2])
+def test_group_read_other_than_by_its_heads_keeps_the_projection_whole(groups):
+    """Default-deny: a part read whole by a second call of the projection keeps the projection whole,
+    copied (one group) or cut (two groups, tp=2). Would catch the second call's shard being dropped
+    while the first call's kept the module sharded (was silently wrong: in_proj's gradient off)."""
+    model = _model(lambda: GroupsReadWhole(groups=groups, norm_group=HEAD_DIM))
+    records = {r.key: r for r in explain(model, example_inputs=(example_tokens(),), tp_size=2)}
+    assert records["layers.*.mixer.in_proj"].role == "replicate"
