@@ -126,15 +126,41 @@ class PartialGradRouter(LocalParamsStyle):
     def _grad_placement(self, name, param):
         return [Partial()]
 
+    def _distribute(self, module: nn.Module, device_mesh: DeviceMesh) -> None:
+        # Every parameter the router's code reads, its children's too (a ``gate`` Linear inside
+        # the router): each gets a Partial() gradient, or it would keep a per-rank partial sum
+        # that nothing reduces. A child another style already distributed is not the router's.
+        for prefix, sub in module.named_modules():
+            for name, param in list(sub.named_parameters(recurse=False)):
+                if isinstance(param, DTensor):
+                    raise PlanError(f"{type(module).__name__}: PartialGradRouter gives every parameter of the "
+                                    f"router a Partial() gradient, but {prefix + '.' if prefix else ''}{name} is "
+                                    "already distributed by another style; keep the router's children out of "
+                                    "the plan")
+                dist = distribute_tensor(param, device_mesh, [Replicate()])
+                sub.register_parameter(name, nn.Parameter(dist, requires_grad=param.requires_grad))
+
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
-        # Only the module's own parameters get Partial() gradients: a child's (a ``gate`` Linear
-        # inside the router) would keep a per-rank partial gradient that nothing reduces.
-        nested = [name for name, _ in module.named_parameters() if "." in name]
-        if nested:
-            raise PlanError(f"{type(module).__name__}: PartialGradRouter covers the module's own parameters, "
-                            f"but {nested[0]} belongs to a child module; put the style on the module that "
-                            "owns the router weight (the gate Linear), or keep the router out of the plan")
-        return super()._apply(module, device_mesh)
+        self._distribute(module, device_mesh)
+        saved: list[tuple[nn.Module, str, DTensor]] = []
+
+        def pre_hook(mod, args, kwargs):
+            for sub in mod.modules():
+                for name, param in list(sub._parameters.items()):
+                    if isinstance(param, DTensor):
+                        saved.append((sub, name, param))
+                        sub._parameters[name] = param.to_local(grad_placements=[Partial()])
+            return self._prepare_inputs(args, kwargs, device_mesh)
+
+        def post_hook(mod, args, kwargs, output):
+            for sub, name, param in saved:
+                sub._parameters[name] = param
+            saved.clear()
+            return self._prepare_output(output, device_mesh)
+
+        module.register_forward_pre_hook(pre_hook, with_kwargs=True)
+        module.register_forward_hook(post_hook, with_kwargs=True)
+        return module
 
     def _prepare_inputs(self, args, kwargs, device_mesh):
         take = partial(_partial_grad_input, scale=None, device_mesh=device_mesh)
@@ -215,6 +241,12 @@ class SequenceParallelMoEBlock(GatherSequenceInput):
     is a ``Partial()`` DTensor reduce-scattered to ``Shard(1)``: one collective out, as a row
     Linear's under sequence parallel.
 
+    A shared expert whose down projection is a :class:`~autotp.styles.PartialRowwiseParallel`
+    returns a ``Partial()`` DTensor; the block takes its children's ``Partial()`` outputs local
+    (their gradient, the all-gathered one of the block's output, is ``Replicate()``), so the
+    block's own ``experts(x).view(shape) + shared_experts(x)`` adds two partial sums and the one
+    reduce-scatter covers both.
+
     Keyword Args:
         sequence_dim (int): the sequence dimension of the stream. Default: 1.
 
@@ -243,7 +275,21 @@ class SequenceParallelMoEBlock(GatherSequenceInput):
             return reduce_scatter(out)
 
         module.register_forward_hook(hook)
+        for child in module.children():
+            child.register_forward_hook(_partial_outputs_local)
         return module
 
     def __repr__(self) -> str:
         return f"{self.__class__.__name__}(sequence_dim={self.sequence_dim})"
+
+
+def _partial_outputs_local(module, args, output):
+    """A child's ``Partial()`` DTensor outputs as local partial sums with ``Replicate()`` gradients."""
+    def local(value):
+        if isinstance(value, DTensor) and all(p.is_partial() for p in value.placements):
+            return value.to_local(grad_placements=[Replicate()])
+        return value
+
+    if type(output) in (tuple, list):
+        return type(output)(local(o) for o in output)
+    return local(output)

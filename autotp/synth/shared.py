@@ -221,8 +221,8 @@ def expert_inputs(g: nx.DiGraph, roles: dict[str, Role], *, sequence_parallel: b
                if g.nodes[p]["kind"] == "call" and not experts & set(g.nodes[p]["stack"])}
         if not all(p in chain or any(m in g.nodes[p]["stack"] for m in routers) for p in fed):
             continue  # the experts read something else from the block: its gradient would stay partial
-        if any(_reads_other_state(g, router) for router in routers):
-            continue  # the router style covers the module's own parameters only (not a child Linear's)
+        if any(_reads_other_state(g, roles, router) for router in routers):
+            continue  # the router style covers the parameters of the module and its children only
         how = "its all-gather kept a DTensor" if sequence_parallel else "a Replicate() DTensor"
         found[producer] = (replace(roles[producer], dtensor_output=True) if sequence_parallel else Role(
             "shared_input", f"its output is the MoE block {block}'s input: {how}, so the experts', router's "
@@ -244,19 +244,73 @@ def expert_inputs(g: nx.DiGraph, roles: dict[str, Role], *, sequence_parallel: b
     return found
 
 
-def _reads_other_state(g: nx.DiGraph, module: str) -> bool:
-    """Whether code inside ``module`` reads a parameter or buffer that is not ``module``'s own: a
-    child's (a router's ``gate`` Linear) or another module's (a routing bias of the block). The
-    router style gives only the module's own parameters their ``Partial()`` gradient; a child's
-    weight would keep a per-rank partial gradient no one reduces."""
+def _reads_other_state(g: nx.DiGraph, roles: dict[str, Role], module: str) -> bool:
+    """Whether code inside ``module`` reads a parameter or buffer that is neither ``module``'s own
+    nor a child's kept whole (a router's ``gate`` Linear): another module's (a routing bias of the
+    block), or a child with a role of its own. The router style gives the parameters of the module
+    and its children their ``Partial()`` gradient; another module's would keep a per-rank partial
+    gradient no one reduces."""
     for name, data in g.nodes(data=True):
         if module not in data["stack"]:
             continue
         for p in g.predecessors(name):
             source = g.nodes[p]
-            if source["kind"] in ("param", "buffer") and source["param"].rpartition(".")[0] != module:
+            if source["kind"] not in ("param", "buffer"):
+                continue
+            owner = source["param"].rpartition(".")[0]
+            if owner == module or owner.startswith(module + ".") and kind_of(roles, owner) in (None, "replicate"):
+                continue
+            if source["kind"] == "param" and not selects_only(g, p):
                 return True
     return False
+
+
+# Ops whose integer outputs pick experts; a value read only through these gets no gradient.
+_SELECTIONS = frozenset({"argmax", "argmin", "argsort"})
+# Ops returning (values, indices): only the indices (item 1) select.
+_SELECTIONS_WITH_VALUES = frozenset({"topk", "sort", "max", "min"})
+
+
+def selects_only(g: nx.DiGraph, name: str, depth: int = 6) -> bool:
+    """Whether ``name``'s value reaches the rest of the program only as selected indices (a routing
+    bias added to the scores before ``topk``, whose values are dropped): it gets no gradient.
+
+    >>> from autotp.synth.graph import Ref, add_node
+    >>> g = nx.DiGraph()
+    >>> for n, op, args in [("x", "placeholder", ()), ("b", "placeholder", ()), ("s", "add", (Ref("x"), Ref("b"))),
+    ...                     ("t", "topk", (Ref("s"), 2)), ("i", "getitem", (Ref("t"), 1))]:
+    ...     _ = add_node(g, n, op, args=args)
+    >>> selects_only(g, "b"), selects_only(g, "x")
+    (True, True)
+    >>> _ = add_node(g, "v", "getitem", args=(Ref("t"), 0))
+    >>> _ = add_node(g, "w", "mul", args=(Ref("v"), 2.0))
+    >>> selects_only(g, "b")
+    False
+    """
+    if depth == 0:
+        return False
+    readers = list(g.successors(name))
+    if not readers:
+        return False  # a module output (or unused): be safe
+    for reader in readers:
+        data = g.nodes[reader]
+        if data["op"] in _SELECTIONS:
+            continue
+        if data["op"] in _SELECTIONS_WITH_VALUES:
+            items = list(g.successors(reader))
+            if items and all(g.nodes[i]["op"] == "getitem" and (data_index(g, i) == 1 or not list(g.successors(i)))
+                             for i in items):  # the values unused (exported as a dead getitem)
+                continue
+            return False
+        if data["kind"] != "call" or data["op"] not in _CARRY or not selects_only(g, reader, depth - 1):
+            return False
+    return True
+
+
+def data_index(g: nx.DiGraph, name: str):
+    """The index a ``getitem`` node takes."""
+    args = g.nodes[name]["args"]
+    return args[1] if len(args) > 1 else None
 
 
 def _block_readers(g: nx.DiGraph, roles: dict[str, Role], block: str, entry: str,
