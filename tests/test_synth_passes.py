@@ -514,3 +514,39 @@ def test_build_plan_folds_layers_into_a_star_only_where_every_layer_agrees():
     assert type(plan.pop("layers.*.attn.q")).__name__ == "ColwiseParallel"
     assert list(plan) == [f"layers.{i}.mlp.up" for i in range(12)] + [f"layers.{i}.mixer.in" for i in range(0, 12, 2)]
     assert {type(plan[f"layers.{i}.mlp.up"]).__name__ for i in (1, 11)} == {"RowwiseParallel"}
+
+
+def moe_graph(*, scale: str) -> nx.DiGraph:
+    """x -> moe: router ``gate`` Linear -> softmax; grouped ``experts`` (3-D w1, w2 as bmm) whose
+    output the block's own code multiplies by ``scale``: the routing weights (``"router"``, as
+    torchtitan's combine does) or a constant buffer (``"buffer"``)."""
+    g = nx.DiGraph()
+    block = f"{LAYER}.moe"
+    add_node(g, "x", "placeholder", kind="input", shape=(6, 8))
+    _param(g, "w_gate", f"{block}.gate.weight", (4, 8))
+    _call(g, "logits", "linear", (Ref("x"), Ref("w_gate")), (6, 4), f"{block}.gate")
+    _call(g, "probs", "softmax", (Ref("logits"), -1), (6, 4), block)
+    _call(g, "top", "narrow", (Ref("probs"), -1, 0, 1), (6, 1), block)
+    _param(g, "w1", f"{block}.experts.w1", (4, 16, 8))
+    _param(g, "w2", f"{block}.experts.w2", (4, 8, 16))
+    _call(g, "h", "bmm", (Ref("w1"), Ref("x")), (6, 16), f"{block}.experts")
+    _call(g, "y", "bmm", (Ref("w2"), Ref("h")), (6, 8), f"{block}.experts")
+    if scale == "buffer":
+        add_node(g, "s", "placeholder", kind="buffer", param=f"{block}.scale", shape=(6, 1))
+    _call(g, "scaled", "mul", (Ref("y"), Ref("top" if scale == "router" else "s")), (6, 8), block)
+    add_node(g, "out", "output", ((Ref("scaled"),),), kind="output")
+    return g
+
+
+@pytest.mark.parametrize("scale", ["router", "buffer"])
+def test_moe_block_scaling_the_experts_output_by_routing_weights_reduces_inside(scale):
+    """The experts' per-rank partial sum may leave the block unreduced (one reduce-scatter under SP)
+    unless the block multiplies it by a value that carries a gradient: the routing weights'
+    gradient would then be a partial sum no style reduces (torchtitan's Qwen3-MoE under SP: the
+    router weight's gradient 65% off). A constant scale keeps the partial path."""
+    from autotp.synth.sequence import partial_blocks
+
+    g = moe_graph(scale=scale)
+    roles = {f"{LAYER}.moe.experts": Role("experts", "")}
+    expected = {} if scale == "router" else {f"{LAYER}.moe": set()}
+    assert partial_blocks(g, roles, {f"{LAYER}.moe"}) == expected
