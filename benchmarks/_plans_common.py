@@ -1,8 +1,10 @@
 """What the plan benchmarks share: the families, their plans by source, and the two meters.
 
-- :data:`FAMILIES`: every architecture with a handwritten plan, with the real-size config it is
-  measured at (a built-in checkpoint config where autotp has one, else transformers' default
-  config of that family, which is also a released size).
+- :data:`FAMILIES`: every architecture with a handwritten plan, and four without one (Qwen3-Next,
+  Nemotron-H, gpt-oss, Falcon: measured for the synthesized and transformers' plans only), with the
+  real-size config each is measured at (a built-in checkpoint config where autotp has one, else
+  transformers' default config of that family, which is also a released size, else a released
+  checkpoint's widths).
 - :func:`plan_from`: the handwritten, synthesized or transformers plan for a model at a tp size.
 - :class:`CollectiveRecorder`: every collective the sharded model issues, with the bytes of its
   input, split into forward and backward.
@@ -45,7 +47,11 @@ SOURCES = ("handwritten", "synthesized", "hf")
 
 @dataclass(frozen=True)
 class Family:
-    """An architecture with a handwritten plan, and the config it is benchmarked at."""
+    """An architecture and the config it is benchmarked at.
+
+    Whether it has a handwritten plan is not declared here but asked of ``handwritten_plans``
+    (:func:`plan_from`), so a family without one gets a ``"no plan"`` handwritten row, not a crash.
+    """
 
     config: Callable[[], PretrainedConfig]
     config_of: str  # which released model the numbers are
@@ -66,6 +72,19 @@ def _qwen3_classifier() -> PretrainedConfig:
     return config
 
 
+# nvidia/Nemotron-H-8B-Base-8K's config.json (the widths; 24 Mamba2, 4 attention, 24 MLP layers).
+# Bamba is the other Mamba2 hybrid issue 12 names; it is not measured: its synthesis on meta stops
+# at a ``Tensor.item()`` (transformers' ``_ignore_causal_mask_sdpa`` reads the padding mask's values,
+# which meta tensors do not have), and transformers' default BambaConfig has no attention layer
+# (``attn_layer_indices=None``). Nemotron-H synthesizes on meta, and its 8 B/C groups divide tp 2/4/8.
+NEMOTRON_H_8B = dict(
+    hybrid_override_pattern="M-M-M-M*-M-M-M-M-M*-M-M-M-M-M*-M-M-M-M-M*-M-M-M-M-M-",
+    hidden_size=4096, intermediate_size=21504, num_attention_heads=32, num_key_value_heads=8,
+    mamba_num_heads=128, mamba_head_dim=64, n_groups=8, ssm_state_size=128, conv_kernel=4, expand=2,
+    chunk_size=128, vocab_size=131072, mlp_hidden_act="relu2",
+)
+
+
 FAMILIES: dict[str, Family] = {
     "llama": Family(_builtin("llama"), "Llama-3.1-8B"),
     "mistral": Family(_builtin("mistral"), "Mistral-7B-v0.3"),
@@ -83,6 +102,13 @@ FAMILIES: dict[str, Family] = {
     "falcon_h1": Family(_default("falcon_h1"), "transformers' default FalconH1Config (Falcon-H1-7B widths)"),
     "qwen3_5": Family(_default("qwen3_5_text"), "transformers' default Qwen3_5TextConfig"),
     "gemma4": Family(_default("gemma4_text"), "transformers' default Gemma4TextConfig"),
+    # No handwritten plan (issue 12): the synthesized plan against transformers' own.
+    "qwen3_next": Family(_default("qwen3_next"), "transformers' default Qwen3NextConfig (Qwen3-Next-80B-A3B widths)"),
+    "nemotron_h": Family(_default("nemotron_h", **NEMOTRON_H_8B), "Nemotron-H-8B-Base-8K widths (transformers' "
+                         "default NemotronHConfig is a 4-layer mix of 8B and MoE widths, no released model)"),
+    "gpt_oss": Family(_default("gpt_oss"), "transformers' default GptOssConfig (gpt-oss-120b widths)"),
+    "falcon": Family(_default("falcon"), "transformers' default FalconConfig (Falcon-7B: multi-query attention, "
+                     "parallel block)"),
 }
 
 
@@ -101,19 +127,21 @@ def with_layers(config: PretrainedConfig, copies: int) -> PretrainedConfig:
     """``config`` with ``copies`` repeats of one layer of each kind, every width unchanged.
 
     Two depths of the same widths let a per-layer cost be read off as a difference, free of the
-    embedding, head and loss. Per-layer lists (``layer_types``) and overrides keyed by layer index
-    (Gemma4's ``per_layer_config``) follow the kept layers.
+    embedding, head and loss. Per-layer lists (``layer_types``, or the field a config maps it to:
+    Nemotron-H's ``layers_block_type``) and overrides keyed by layer index (Gemma4's
+    ``per_layer_config``) follow the kept layers.
     """
     options = config.to_dict()
     text_key = "text_config" if isinstance(options.get("text_config"), dict) else None
     text = dict(options[text_key]) if text_key else options
-    n = text["num_hidden_layers"]
-    types = text.get("layer_types")
+    n = config.get_text_config().num_hidden_layers  # a property of Nemotron-H's config, not in to_dict()
+    types_key = config.get_text_config().attribute_map.get("layer_types", "layer_types")
+    types = text.get(types_key)
     keep = [types.index(t) for t in dict.fromkeys(types)] if isinstance(types, list) and len(types) == n else [0]
     keep.sort()
     order = keep * copies
     if isinstance(types, list) and len(types) == n:
-        text["layer_types"] = [types[i] for i in order]
+        text[types_key] = [types[i] for i in order]
     overrides = text.get("per_layer_config")
     if isinstance(overrides, dict) and overrides:
         width = len(next(iter(overrides)))
@@ -141,10 +169,11 @@ def build(family: str, *, copies: int | None = None, dtype: torch.dtype = torch.
 
 
 def decoder_layers(model: nn.Module) -> nn.ModuleList:
-    """The text decoder's layer list (not a vision tower's)."""
+    """The text decoder's layer list (not a vision tower's): ``...layers``, or Falcon's ``transformer.h``."""
     n = model.config.get_text_config().num_hidden_layers
     for name, module in model.named_modules():
-        if isinstance(module, nn.ModuleList) and len(module) == n and name.endswith("layers") and "vision" not in name:
+        last = name.rsplit(".", 1)[-1]
+        if isinstance(module, nn.ModuleList) and len(module) == n and last in ("layers", "h") and "vision" not in name:
             return module
     raise AutoTPError(f"{type(model).__name__}: no ModuleList of {n} decoder layers")
 

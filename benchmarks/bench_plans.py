@@ -1,14 +1,16 @@
 """Compare handwritten, synthesized and transformers' tensor-parallel plans, family by family.
 
-For each architecture with a handwritten plan, at tp 2, 4 and 8 over simulated ranks, with the
-real-size config's widths on the meta device (shapes only: no memory, no weights), bf16:
+For each architecture with a handwritten plan, and four without one (Qwen3-Next, Nemotron-H,
+gpt-oss, Falcon: their handwritten rows say "no plan"), at tp 2, 4 and 8 over simulated ranks, with
+the real-size config's widths on the meta device (shapes only: no memory, no weights), bf16:
 
 - collectives and bytes communicated per decoder layer per token, forward and backward;
-- parameter bytes per rank, of the whole real-size model;
+- parameter bytes per rank, of the whole real-size model, and that over the model's bytes;
 - activation bytes per rank per decoder layer at ``--seq`` tokens (what autograd saves for backward);
 
 for the plain-TP plans of all three sources and the sequence-parallel (SP) plans of the first two
-(transformers' plans have none). Ratios synthesized/handwritten are printed and saved.
+(transformers' plans have none). Ratios synthesized/handwritten are printed and saved, and
+synthesized/transformers where both plans ran.
 
 How it is measured (nothing is computed from formulas; every figure comes from a run):
 
@@ -26,8 +28,9 @@ How it is measured (nothing is computed from formulas; every figure comes from a
 
     python benchmarks/bench_plans.py [--only llama,qwen3] [--tp 2 4 8] [--seq 2048] [--chart-only]
 
-Writes ``benchmarks/results/plans.json`` (rows of other families already there are kept, so
-``--only`` refreshes part of it) and the chart ``benchmarks/results/plans.png``, which also shows
+Writes ``benchmarks/results/plans.json``, merged by (family, tp, SP, source): the rows this run
+measured replace theirs, every other row already there is kept (``--only`` refreshes part of it;
+the file is re-read just before writing, so a run of other families in between is kept too), and the chart ``benchmarks/results/plans.png``, which also shows
 the measured tokens/s ratios from ``benchmarks/results/runtime.json`` when that file exists
 (``bench_runtime.py``).
 """
@@ -105,7 +108,7 @@ def measure_variant(models: dict, family: str, source: str, sp: bool, tp: int, *
     try:
         plan = plan_from(models["full"], source, tp=tp, sequence_parallel=sp)
         per_rank, total = param_bytes_per_rank(models["full"], plan, tp)
-        row.update(param_bytes_per_rank=per_rank, param_bytes_total=total)
+        row.update(param_bytes_per_rank=per_rank, param_bytes_total=total, param_fraction=round(per_rank / total, 4))
         if source != "handwritten":
             row["equal_to_handwritten"] = _equal_to_handwritten(models["full"], plan, tp, sp)
         runs = {}
@@ -163,18 +166,22 @@ def _find(rows, family, tp, source, sp):
     return None
 
 
+# (numerator, denominator) sources of the saved ratios; a pair is skipped where either did not run.
+RATIO_PAIRS = (("synthesized", "handwritten"), ("hf", "handwritten"), ("synthesized", "hf"))
+
+
 def ratios(rows: list[dict]) -> list[dict]:
-    """synthesized / handwritten (and transformers / handwritten) per family, tp and SP, per metric."""
+    """synthesized / handwritten, transformers / handwritten and synthesized / transformers per
+    family, tp and SP, per metric, for the pairs where both plans ran."""
     out = []
     for family, tp, sp in sorted({(r["family"], r["tp"], r["sequence_parallel"]) for r in rows}):
-        hand = _find(rows, family, tp, "handwritten", sp)
-        for source in ("synthesized", "hf"):
-            other = _find(rows, family, tp, source, sp)
-            if hand is None or other is None or hand["status"] != "ok" or other["status"] != "ok":
+        for top, bottom in RATIO_PAIRS:
+            a_row, b_row = _find(rows, family, tp, top, sp), _find(rows, family, tp, bottom, sp)
+            if a_row is None or b_row is None or a_row["status"] != "ok" or b_row["status"] != "ok":
                 continue
-            entry = {"family": family, "tp": tp, "sequence_parallel": sp, "ratio": f"{source}/handwritten"}
+            entry = {"family": family, "tp": tp, "sequence_parallel": sp, "ratio": f"{top}/{bottom}"}
             for metric, (key, _, _) in METRICS.items():
-                a, b = other.get(key), hand.get(key)
+                a, b = a_row.get(key), b_row.get(key)
                 entry[metric] = round(a / b, 4) if a is not None and b else None
             out.append(entry)
     return out
@@ -295,6 +302,18 @@ def _runtime_panel(ax) -> None:
 # --- main --------------------------------------------------------------------------------------
 
 
+def _row_key(row: dict) -> tuple:
+    return row["family"], row["tp"], row["sequence_parallel"], row["source"]
+
+
+def merged(saved: list[dict], rows: list[dict]) -> list[dict]:
+    """``rows`` over ``saved`` by (family, tp, SP, source): a saved row measured again is replaced in
+    place, every other saved row is kept, new rows go last."""
+    new = {_row_key(r): r for r in rows}
+    out = [new.pop(_row_key(r), r) for r in saved]
+    return out + [r for r in rows if _row_key(r) in new]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--only", default=None, help=f"comma-separated families (of {', '.join(FAMILIES)})")
@@ -323,10 +342,9 @@ def main() -> None:
         rows += family_rows
         timings[family] = round(time.perf_counter() - start, 1)
         print(f"measured {family} in {timings[family]} s", file=sys.stderr)
-    if PLANS_JSON.exists():  # keep what other families / tp sizes measured before
-        kept = [r for r in json.loads(PLANS_JSON.read_text())["results"]
-                if not (r["family"] in families and r["tp"] in args.tp)]
-        rows = kept + rows
+    saved = json.loads(PLANS_JSON.read_text()) if PLANS_JSON.exists() else {}
+    rows = merged(saved.get("results", []), rows)
+    timings = {**saved.get("seconds_per_family", {}), **timings}
     ratio_rows = ratios(rows)
     print_table(rows, ratio_rows)
     result = {

@@ -12,6 +12,11 @@ files, which come from runs.
     python benchmarks/comm_report.py          # prints the table and writes results/COMM.md
     python benchmarks/comm_report.py --counts # also counts collectives on 2-layer tiny models (~1 min)
 
+Families with no handwritten plan (``bench_plans.py`` marks their handwritten rows "no plan") have
+no branch count to set the limit by; they get their own table: parameters per rank over the model's,
+and the collectives per decoder layer, forward and backward, of the synthesized and transformers'
+plans (a plan that did not run is listed with its reason).
+
 ``--counts`` adds a measured table: collectives of one forward and of its ``loss.backward()`` on
 2-layer tiny models at tp=2 (``autotp.verify``, simulated ranks, numerics checked), for families
 the plan benchmark does not hold (MoE, no pre-norm) and a few it does, next to the counts before
@@ -90,9 +95,37 @@ ABOVE = (
 )
 
 
-def _short(counts: dict[str, int]) -> str:
-    return " ".join(f"{op.replace('_into_tensor', '').replace('_tensor', '')}={n}" for op, n in sorted(
+def _short(counts: dict[str, float]) -> str:
+    return " ".join(f"{op.replace('_into_tensor', '').replace('_tensor', '')}={n:g}" for op, n in sorted(
         counts.items(), key=lambda kv: kv[0].replace("_into_tensor", "").replace("_tensor", "")))
+
+
+def without_handwritten(rows: list[dict]) -> list[str]:
+    """Families whose every handwritten row is "no plan" (none at all is the same)."""
+    families = dict.fromkeys(r["family"] for r in rows)
+    return [f for f in families
+            if all(r["status"] == "no plan" for r in rows if r["family"] == f and r["source"] == "handwritten")]
+
+
+def synthesized_vs_hf(rows: list[dict], families: list[str]) -> str:
+    """The markdown table of :func:`without_handwritten`'s families: every synthesized and
+    transformers row, ok or not."""
+    lines = ["| family | tp | SP | source | params / rank | fwd collectives / layer | bwd collectives / layer | "
+             "fwd, bwd KiB / token / layer (ring) |", "|---|---|---|---|---|---|---|---|"]
+    order = {"synthesized": 0, "hf": 1}
+    picked = [r for r in rows if r["family"] in families and r["source"] in order]
+    for r in sorted(picked, key=lambda r: (families.index(r["family"]), r["tp"], r["sequence_parallel"],
+                                           order[r["source"]])):
+        head = f"| {r['family']} | {r['tp']} | {'SP' if r['sequence_parallel'] else 'plain'} | {r['source']} |"
+        if r["status"] != "ok":
+            lines.append(f"{head} {r['status']}: {r['reason']} | | | |")
+            continue
+        fwd, bwd = r["per_layer"]["forward"], r["per_layer"]["backward"]
+        fraction = r["param_bytes_per_rank"] / r["param_bytes_total"]
+        lines.append(f"{head} {fraction:.3f} | {_short(fwd['collectives']) or 'none'} | "
+                     f"{_short(bwd['collectives']) or 'none'} | {fwd['ring_bytes_per_token'] / 1024:.1f}, "
+                     f"{bwd['ring_bytes_per_token'] / 1024:.1f} |")
+    return "\n".join(lines)
 
 
 def tiny_counts() -> str:
@@ -123,13 +156,15 @@ def main() -> None:
     parser.add_argument("--counts", action="store_true", help="also count collectives on 2-layer tiny models")
     args = parser.parse_args()
     before = _index(json.loads((RESULTS / "plans_before_backward_fix.json").read_text())["results"])
-    after = _index(json.loads((RESULTS / "plans.json").read_text())["results"])
+    saved = json.loads((RESULTS / "plans.json").read_text())["results"]
+    after = _index(saved)
+    no_hand = without_handwritten(saved)
     lines = ["| family | tp | SP | source | fwd / limit | bwd / limit before | bwd / limit now | bwd / fwd now |",
              "|---|---|---|---|---|---|---|---|"]
     cache: dict = {}
     for key in sorted(after):
         family, tp, sp, source = key
-        if source == "hf":
+        if source == "hf" or family in no_hand:
             continue
         if (family, tp) not in cache:
             model = build(family, copies=1)
@@ -144,6 +179,14 @@ def main() -> None:
                      f"{bwd / bound:.2f} | {bwd / fwd if fwd else float('nan'):.2f} |")
     text = "\n".join(lines)
     print(text)
+    others = ""
+    if no_hand:
+        others = ("\n## Families without a handwritten plan: synthesized against transformers' plan\n\n"
+                  "No handwritten plan, so no branch count for the limit above: parameters per rank over the "
+                  "model's (largest rank, the whole real-size model) and the collectives per decoder layer, "
+                  "a mean over the layer kinds (a fraction where kinds differ), from `plans.json`. "
+                  "transformers' plans have no SP variant.\n\n" + synthesized_vs_hf(saved, no_hand) + "\n")
+        print(others)
     previous = (RESULTS / "COMM.md").read_text() if (RESULTS / "COMM.md").exists() else ""
     counts = previous[previous.find("\n## Collective counts"):] if "\n## Collective counts" in previous else ""
     if args.counts:  # else the last measured table is kept
@@ -158,7 +201,7 @@ def main() -> None:
         "Ring bytes per decoder layer per token (bf16, real-size widths, simulated ranks), from\n"
         "`plans_before_backward_fix.json` (before) and `plans.json` (now), divided by the Megatron limit\n"
         "(one all-reduce of the hidden state per branch and direction). `python benchmarks/comm_report.py`.\n\n"
-        + text + "\n\n" + ABOVE + "\n" + counts)
+        + text + "\n\n" + ABOVE + others + "\n" + counts)
 
 
 if __name__ == "__main__":

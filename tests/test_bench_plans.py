@@ -116,3 +116,37 @@ def test_a_failed_run_leaves_no_saved_tensor_hooks_behind(tiny_llama_models):
         layer.forward = original
     # A hook left behind reads 2 ranks off the tensors a 1-rank run holds, and raises KeyError.
     measure(model, plan, 1, batch=1, seq=SEQ, activations=False)
+
+
+def test_merge_replaces_measured_rows_and_keeps_every_other():
+    """--only must not drop rows of families (or variants) another run wrote to plans.json."""
+    def row(family, tp, sp, source, status):
+        return {"family": family, "tp": tp, "sequence_parallel": sp, "source": source, "status": status}
+
+    saved = [row("llama", 2, False, "handwritten", "ok"), row("falcon", 2, False, "hf", "failed"),
+             row("falcon", 4, False, "hf", "ok")]
+    fresh = [row("falcon", 2, False, "hf", "no plan"), row("falcon", 2, True, "synthesized", "ok")]
+    assert bench_plans.merged(saved, fresh) == [saved[0], fresh[0], saved[2], fresh[1]]
+
+
+@pytest.fixture(scope="module")
+def tiny_falcon_models():
+    """A family with no handwritten plan and no transformers plan, whose layers are ``transformer.h``."""
+    config = shrink_config(load_config("falcon"), tp=TP)
+    models = {"full": build_model(config, dtype=torch.bfloat16), "kinds": len(layer_kinds(config))}
+    for copies in bench_plans.DEPTHS:
+        models[copies] = build_model(with_layers(config, copies), dtype=torch.bfloat16)
+    return models
+
+
+def test_a_family_without_handwritten_plan_gets_no_plan_rows_and_a_measured_synthesized_one(tiny_falcon_models):
+    rows = {source: bench_plans.measure_variant(tiny_falcon_models, "falcon", source, False, TP, batch=1, seq=SEQ)
+            for source in ("handwritten", "synthesized", "hf")}
+    assert rows["handwritten"]["status"] == rows["hf"]["status"] == "no plan"
+    assert "handwritten" in rows["handwritten"]["reason"]
+    synthesized = rows["synthesized"]
+    assert synthesized["status"] == "ok", synthesized["reason"]
+    assert synthesized["equal_to_handwritten"] is None
+    assert synthesized["per_layer"]["forward"]["collectives"]  # a sharded layer communicates
+    assert synthesized["activation_bytes_per_rank_per_layer"] > 0  # transformer.h found as the layer list
+    assert bench_plans.ratios(list(rows.values())) == []  # nothing to divide by
