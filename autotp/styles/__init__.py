@@ -50,6 +50,7 @@ from autotp.styles.boundaries import (
     ReplicatedParams,
     ReplicatedStream,
     GatherSequenceInput,
+    SliceSequenceInput,
     SequenceParallelAllGather,
     SharedReplicatedInput,
 )
@@ -70,6 +71,7 @@ from autotp.styles.norms import HeadShardedNorm, ReplicatedWithGradAllReduce, Wi
 __all__ = [
     "BroadcastRowwiseParallel",
     "GatherSequenceInput",
+    "SliceSequenceInput",
     "PartialExpertsParallel",
     "SequenceParallelMoEBlock",
     "HeadParams",

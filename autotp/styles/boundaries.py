@@ -436,3 +436,54 @@ class GatherSequenceInput(ParallelStyle):
         extra = ", reshard_output=True" if self.reshard_output else ""
         extra += "" if self.use_local_output else ", use_local_output=False"
         return f"{self.__class__.__name__}(sequence_dim={self.sequence_dim}{extra})"
+
+
+class SliceSequenceInput(ParallelStyle):
+    """Start the sequence-sharded stream at a block's entry: its stream input, if it arrives as a
+    plain (replicated) tensor, becomes this rank's ``Shard(sequence_dim)`` slice; a DTensor passes.
+
+    For models that combine the embedding with plain tensors in their own code before the first
+    block (a position table indexed at the root, ``embeds + pos_table[ids]``): the stream cannot be
+    a DTensor there, so it is replicated up to the first block, which slices it locally (no
+    communication forward; its backward all-gathers the gradient). Later blocks receive the
+    stream already sharded and pass it on unchanged, so one style serves every layer.
+
+    The stream input is the block's first positional tensor argument, or, called with keywords
+    only, the keyword of ``forward``'s first parameter.
+
+    Keyword Args:
+        sequence_dim (int): the sequence dimension of the stream. Default: 1.
+
+    Example::
+        >>> plan = {"transformer.h.*": SliceSequenceInput()}
+    """
+
+    def __init__(self, *, sequence_dim: int = 1):
+        super().__init__()
+        self.sequence_dim = sequence_dim
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        import inspect
+
+        dim = self.sequence_dim
+        first = next(iter(inspect.signature(module.forward).parameters), None)
+
+        def shard(value):
+            if isinstance(value, torch.Tensor) and not isinstance(value, DTensor) and value.is_floating_point():
+                whole = DTensor.from_local(value, device_mesh, [Replicate()], run_check=False)
+                return whole.redistribute(placements=[Shard(dim)])
+            return value
+
+        def pre_hook(mod, args, kwargs):
+            for i, arg in enumerate(args):
+                if isinstance(arg, torch.Tensor):
+                    return (*args[:i], shard(arg), *args[i + 1:]), kwargs
+            if first in kwargs:
+                kwargs = {**kwargs, first: shard(kwargs[first])}
+            return args, kwargs
+
+        module.register_forward_pre_hook(pre_hook, with_kwargs=True)
+        return module
+
+    def __repr__(self) -> str:
+        return f"{self.__class__.__name__}(sequence_dim={self.sequence_dim})"

@@ -104,6 +104,7 @@ _STYLES: dict[str, Callable[[Role, bool], ParallelStyle | None]] = {
     "stream_params": lambda role, lp: styles.ReplicatedParams(),
     "experts": _experts,
     "seq_gather": _seq_gather,
+    "seq_slice": lambda role, lp: styles.SliceSequenceInput(),
     # Whole tokens in (the dispatch indexes them); the experts' partial sums reduce-scattered out.
     "moe_block": lambda role, lp: styles.SequenceParallelMoEBlock(),
     "rotary": lambda role, lp: styles.RotaryEmbedParallel(),

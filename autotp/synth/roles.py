@@ -20,6 +20,8 @@ ROLE_KINDS = {
     "seq_norm_gather": "sequence-parallel norm whose output is all-gathered once for column Linears",
     "experts": "grouped experts (3-D parameters) sharded on the FFN dim; output all-reduced after the module",
     "seq_gather": "module whose column Linears read the sequence-sharded stream directly: gathered once at entry",
+    "seq_slice": "block whose stream input arrives replicated (joined with plain tensors before it): sliced to "
+                 "the sequence shard at entry",
     "moe_block": "module around grouped experts; under sequence parallel it reduce-scatters their partial sum",
     "rotary": "parameter-free module producing position tables for the sharded region",
     "shard_counts": "module whose integer attributes size the cuts of a fused output; divided by tp",

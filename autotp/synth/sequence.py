@@ -117,6 +117,19 @@ def module_outputs(g: nx.DiGraph, module: str) -> tuple[list[str], list[str]]:
     return outputs, readers
 
 
+def module_inputs(g: nx.DiGraph, module: str) -> set[str]:
+    """Tensors computed outside ``module`` that its nodes read (parameters and constants aside)."""
+    found = set()
+    for name, data in g.nodes(data=True):
+        if module not in data["stack"]:
+            continue
+        for ref in refs(data["args"], data["kwargs"]):
+            outside = g.nodes[ref.name]
+            if module not in outside["stack"] and outside["kind"] in ("call", "input") and outside["shape"]:
+                found.add(ref.name)
+    return found
+
+
 def is_raw_row(g: nx.DiGraph, name: str, role: Role) -> bool:
     """Whether Linear node ``name`` multiplies by a raw parameter its module's role shards as a row."""
     from autotp.synth.analysis import linear_weight
@@ -338,7 +351,10 @@ def replicated_blocks(g: nx.DiGraph, region: set[str], roles: dict[str, Role]) -
     linear_modules: dict[str, list[str]] = {}
     for name in g.nodes:
         if g.nodes[name]["kind"] == "call" and _weight_matmul(g, name):
-            for module in g.nodes[name]["stack"][:-1]:
+            # A Linear's own module is the Linear; a raw-weight product (``einsum`` on a parameter)
+            # runs in the module that holds the weight, which counts too.
+            stack = g.nodes[name]["stack"]
+            for module in stack[:-1] if is_linear(g, name) else stack:
                 linear_modules.setdefault(module, []).append(module_of(g, name))
     found = {}
     # Modules the stream starts in (the body holding the token embedding) are not entered by it.
@@ -362,7 +378,7 @@ def replicated_blocks(g: nx.DiGraph, region: set[str], roles: dict[str, Role]) -
     return found
 
 
-_MATMUL_OPS = frozenset({"linear", "addmm", "mm", "bmm", "baddbmm", "matmul"})
+_MATMUL_OPS = frozenset({"linear", "addmm", "mm", "bmm", "baddbmm", "matmul", "einsum"})
 
 
 def _weight_matmul(g: nx.DiGraph, name: str) -> bool:
@@ -398,6 +414,13 @@ def sequence_norms(g: nx.DiGraph, region: set[str], roles: dict[str, Role], grou
                        for p in g.nodes if g.nodes[p]["kind"] == "param"):
                     found[module] = Role("seq_params", "applies parameters of its own to the sequence-sharded "
                                          "stream; they are replicated DTensors", ("residual", module))
+                continue
+            if len(module_inputs(g, module)) > 1:
+                # Several stream tensors in (a residual scaled and added inside): torch's
+                # SequenceParallel keeps only the first input; they arrive as sharded DTensors,
+                # so only its parameters need to become replicated DTensors.
+                found[module] = Role("seq_params", "applies its parameters to several sequence-sharded "
+                                     "stream inputs; they are replicated DTensors", ("residual", module))
                 continue
             _, readers = module_outputs(g, module)
             consumers = {"column" if _in_block(g, r, blocks) else
@@ -484,9 +507,10 @@ def joining_modules(g: nx.DiGraph, flow: Flow, region: set[str], roles: dict[str
 
 def _behind_pointwise(g: nx.DiGraph, name: str) -> str:
     """Follow ``name`` back through casts and pointwise ops of a single tensor input (a scale by a
-    number): the node whose value it carries."""
+    number, or by a parameter: a scale or bias vector): the node whose value it carries."""
     while g.nodes[name]["kind"] == "call" and g.nodes[name]["op"] in PASSTHROUGH | ELEMENTWISE:
-        tensors = [r.name for r in refs(g.nodes[name]["args"], g.nodes[name]["kwargs"]) if g.nodes[r.name]["shape"]]
+        tensors = [r.name for r in refs(g.nodes[name]["args"], g.nodes[name]["kwargs"])
+                   if g.nodes[r.name]["shape"] and g.nodes[r.name]["kind"] != "param"]
         if len(tensors) != 1:
             break
         name = tensors[0]
@@ -518,6 +542,54 @@ def shared_gathers(g: nx.DiGraph, region: set[str], roles: dict[str, Role]) -> d
     return found
 
 
+def layer_of(stack, groups) -> str | None:
+    """The entry of a collapsed layer stack that ``stack`` (a node's module stack) runs in, if any."""
+    prefixes = set(groups.groups) if groups is not None else set()
+    return next((m for m in stack if m.rpartition(".")[0] in prefixes), None)
+
+
+def root_joins(g: nx.DiGraph, flow: Flow, region: set[str], groups) -> list[str]:
+    """Stream nodes outside every layer that combine the stream with a plain tensor computed in
+    the same code (``embeds + pos_table[positions]`` with a table that is no module): a
+    ``Shard(1)`` DTensor cannot meet it, and no module boundary is there to wrap it."""
+    found = []
+    for name in sorted(region, key=lambda n: g.nodes[n]["order"]):
+        data = g.nodes[name]
+        if layer_of(data["stack"], groups) is not None:
+            continue
+        for ref in refs(data["args"], data["kwargs"]):
+            src = g.nodes[ref.name]
+            if ref.name in region or src["kind"] != "call" or not src["shape"] or flow.sharded(ref.name):
+                continue
+            behind = g.nodes[_behind_pointwise(g, ref.name)]
+            if behind["kind"] == "call" and not [m for m in behind["stack"] if m not in data["stack"]]:
+                found.append(name)
+                break
+    return found
+
+
+def start_at_layers(g: nx.DiGraph, region: set[str], groups) -> tuple[set[str], dict[str, Role]]:
+    """Move the stream's start from the embeddings to the first layers' entry (see
+    :func:`root_joins`): the region without the nodes before those layers, and a ``seq_slice``
+    role for each layer the stream enters from outside every layer."""
+    entries: dict[str, str] = {}
+    for name in region:
+        layer = layer_of(g.nodes[name]["stack"], groups)
+        if layer is None:
+            continue
+        for pred in g.predecessors(name):
+            if pred in region and layer_of(g.nodes[pred]["stack"], groups) is None:
+                entries.setdefault(layer, name)
+    if not entries:
+        return region, {}
+    first = min(g.nodes[n]["order"] for n in entries.values())
+    kept = {n for n in region if layer_of(g.nodes[n]["stack"], groups) is not None or g.nodes[n]["order"] > first}
+    roles = {layer: Role("seq_slice", "the stream reaches it replicated (combined with plain tensors in the "
+                         "model's own code before the first layer): sliced to this rank's positions at entry",
+                         (node, layer)) for layer, node in entries.items()}
+    return kept, roles
+
+
 def sequence_parallel_roles(g: nx.DiGraph, flow: Flow, roles: dict[str, Role], groups=None) -> dict[str, Role]:
     """Roles under sequence parallel: add seq norms and rotary, and mark sequence-sharded ends.
     ``groups``: the trace's layer groups (a MoE block is recognised across the layers it stands for)."""
@@ -525,6 +597,9 @@ def sequence_parallel_roles(g: nx.DiGraph, flow: Flow, roles: dict[str, Role], g
     partial = partial_blocks(g, roles, blocks, inner_rows(g, flow))
     region = residual_region(g, flow, blocks)
     out = dict(roles)
+    if root_joins(g, flow, region, groups):
+        region, slicing = start_at_layers(g, region, groups)
+        out.update(slicing)
     out.update(replicated_blocks(g, region, out))
     out.update(sequence_norms(g, region, out, groups))
     out.update(rotary_modules(g, flow, out))

@@ -1,0 +1,147 @@
+"""Sequence parallel on modules of the residual stream that are not plain norms.
+
+- A module that takes two stream tensors and combines them with parameters of its own (a scaled
+  residual: ``(h + b1) * s1 + (r + b2) * s2``). torch's ``SequenceParallel`` keeps only its first
+  input and drops the second, so the forward raised "missing 1 required positional argument".
+  Both inputs arrive as sequence-sharded DTensors: only its parameters need to become replicated
+  DTensors.
+- A mixer written on raw parameters (``einsum`` on ``nn.Parameter`` weights) that cannot be
+  sharded, with a child module of its own (a norm). It is a weight product, not a norm: it must be
+  gathered whole at entry and its output sliced back. Read as a norm it got ``SequenceParallel``,
+  which registers a child's parameter under a dotted name (``KeyError``).
+
+Each model is verified on logits and every gradient against the unsharded model at tp 2 and 4
+under sequence parallel (and plain, as a control), with its parameter fraction asserted.
+"""
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed.tensor.parallel import SequenceParallel
+
+from autotp import styles
+from autotp.synth import synthesize
+from synth_toy import DIM, MLP, VOCAB, CausalSelfAttention, example_tokens, verify_toy
+
+
+class ScaledResidual(nn.Module):
+    """Adds a branch's output to the residual, each with a learned scale and bias."""
+
+    def __init__(self):
+        super().__init__()
+        self.branch_scale, self.branch_bias = nn.Parameter(1 + 0.1 * torch.randn(DIM)), nn.Parameter(0.1 * torch.randn(DIM))
+        self.residual_scale, self.residual_bias = nn.Parameter(1 + 0.1 * torch.randn(DIM)), nn.Parameter(0.1 * torch.randn(DIM))
+
+    def forward(self, branch, residual):
+        return (branch + self.branch_bias) * self.branch_scale + (residual + self.residual_bias) * self.residual_scale
+
+
+class RawCumulativeMixer(nn.Module):
+    """``einsum`` on raw weights, a cumulative sum over the features (no shard survives it), and a
+    child norm: kept whole."""
+
+    def __init__(self):
+        super().__init__()
+        self.w_in = nn.Parameter(torch.randn(DIM, DIM) / DIM ** 0.5)
+        self.w_out = nn.Parameter(torch.randn(DIM, DIM) / DIM ** 0.5)
+        self.norm = nn.LayerNorm(DIM)
+
+    def forward(self, x):
+        y = torch.einsum("btd,de->bte", x, self.w_in)
+        y = self.norm(y.cumsum(-1) / DIM)
+        return torch.einsum("bte,ed->btd", F.gelu(y), self.w_out)
+
+
+class Block(nn.Module):
+    def __init__(self, mixer: str):
+        super().__init__()
+        self.ln_1, self.ln_2 = nn.LayerNorm(DIM), nn.LayerNorm(DIM)
+        self.mixer = CausalSelfAttention() if mixer == "attention" else RawCumulativeMixer()
+        self.mlp = MLP()
+        self.res_1, self.res_2 = ScaledResidual(), ScaledResidual()
+
+    def forward(self, x):
+        x = self.res_1(self.mixer(self.ln_1(x)), x)
+        return self.res_2(self.mlp(self.ln_2(x)), x)
+
+
+class Model(nn.Module):
+    def __init__(self, mixer: str):
+        super().__init__()
+        torch.manual_seed(0)
+        self.embed = nn.Embedding(VOCAB, DIM)
+        self.layers = nn.ModuleList(Block(mixer) for _ in range(2))
+        self.norm = nn.LayerNorm(DIM)
+        self.head = nn.Linear(DIM, VOCAB, bias=False)
+
+    def forward(self, ids):
+        x = self.embed(ids)
+        for layer in self.layers:
+            x = layer(x)
+        return self.head(self.norm(x))
+
+
+def _whole_fraction(model: Model, tp: int) -> float:
+    """The per-rank fraction with every Linear, the embedding and the head sharded and the rest
+    (norms, scales, the raw-weight mixer) whole."""
+    total = sum(p.numel() for p in model.parameters())
+    sharded = sum(m.weight.numel() for m in model.modules() if isinstance(m, (nn.Linear, nn.Embedding)))
+    return (total - sharded + sharded / tp) / total
+
+
+@pytest.mark.parametrize("sequence_parallel", [False, True], ids=["plain", "sp"])
+@pytest.mark.parametrize("tp", [2, 4])
+@pytest.mark.parametrize("mixer", ["attention", "raw_cumulative"])
+def test_stream_modules_are_exact_under_sequence_parallel(mixer, tp, sequence_parallel):
+    model = Model(mixer)
+    plan = synthesize(model, example_inputs=(example_tokens(),), tp_size=tp, sequence_parallel=sequence_parallel)
+    report = verify_toy(model, plan, tp)
+    bound = _whole_fraction(model, tp)
+    assert all(f <= bound + 0.01 for f in report.param_fraction), (report.param_fraction, bound, sorted(plan))
+    if sequence_parallel:
+        # The two-input residual module holds only parameters of its own: replicated DTensors, its
+        # inputs left as the sequence-sharded DTensors they arrive as.
+        assert isinstance(plan["layers.*.res_1"], styles.ReplicatedParams), plan["layers.*.res_1"]
+        if mixer == "raw_cumulative":
+            # A weight product, not a norm: gathered whole at entry, not run as SequenceParallel.
+            assert not isinstance(plan["layers.*.mixer"], SequenceParallel), plan["layers.*.mixer"]
+
+
+class RootPositionTable(nn.Module):
+    """Token embeddings plus a sinusoidal position table that is no module (a buffer indexed in the
+    model's own code, as CTRL does), scaled in place: the stream cannot be a sequence-sharded
+    DTensor before the first block, since the plain table meets it at the root."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.embed = nn.Embedding(VOCAB, DIM)
+        position = torch.arange(64.0)[:, None] / 10000 ** (torch.arange(0, DIM, 2.0) / DIM)
+        self.register_buffer("table", torch.cat([position.sin(), position.cos()], dim=-1), persistent=False)
+        self.layers = nn.ModuleList(Block("attention") for _ in range(2))
+        self.norm = nn.LayerNorm(DIM)
+        self.head = nn.Linear(DIM, VOCAB, bias=False)
+
+    def forward(self, ids):
+        x = self.embed(ids)
+        x *= DIM ** 0.5
+        x = x + self.table[torch.arange(ids.shape[1], device=ids.device)]
+        for layer in self.layers:
+            x = layer(x)
+        return self.head(self.norm(x))
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+def test_stream_starts_at_the_first_block_when_the_root_adds_a_plain_table(tp):
+    """Would catch the embedding handing out a sequence-sharded DTensor that the root's plain
+    position table then meets (the forward raised "got mixed torch.Tensor and DTensor"), or the
+    block slicing a stream that is already sharded (logits off)."""
+    model = RootPositionTable()
+    plan = synthesize(model, example_inputs=(example_tokens(),), tp_size=tp, sequence_parallel=True)
+    assert isinstance(plan["layers.*"], styles.SliceSequenceInput), plan.get("layers.*")
+    report = verify_toy(model, plan, tp)
+    assert all(f <= _whole_fraction(model, tp) + 0.01 for f in report.param_fraction), report.param_fraction
+    # Every block after the first receives the stream sharded: the blocks' norms still gather
+    # (one all-gather per branch) and the rows reduce-scatter.
+    assert report.collectives.get("reduce_scatter_tensor", 0) >= 4, report.collectives
