@@ -233,6 +233,8 @@ def sum_row_copies(grad: torch.Tensor, *, index: torch.Tensor, rows: int, placem
     """Give every copy of a row the sum of all copies' gradients (``index``: the original row of each
     row of the parameter's layout; ``rows``: how many original rows). A copy's gradient covers
     only the heads of the ranks that hold it; the original row's gradient is their sum."""
+    if isinstance(grad, DTensor) and tuple(grad.placements) == (Shard(0),) == tuple(placements):
+        return _sum_copy_shards(grad, index, rows)
     if not isinstance(grad, DTensor):
         full = grad
     else:
@@ -243,6 +245,27 @@ def sum_row_copies(grad: torch.Tensor, *, index: torch.Tensor, rows: int, placem
         return summed
     whole = DTensor.from_local(summed, grad.device_mesh, [Replicate()] * grad.device_mesh.ndim, run_check=False)
     return whole.redistribute(placements=list(placements))
+
+
+def _sum_copy_shards(grad: DTensor, index: torch.Tensor, rows: int) -> DTensor:
+    """:func:`sum_row_copies` of a ``Shard(0)`` gradient: each rank adds its rows that are copies
+    into a buffer with one slot per copied original row (and one slot for the rest), one
+    all-reduce sums the copies, and each rank takes its copies' sums back. Only the copied rows
+    travel (a few groups' rows), not the whole weight."""
+    from autotp._simulate import mesh_coordinate
+
+    mesh, local = grad.device_mesh, grad.to_local()
+    copied = (torch.bincount(index, minlength=rows) > 1).nonzero().flatten()
+    slot = torch.full((rows,), len(copied), dtype=torch.long)
+    slot[copied] = torch.arange(len(copied))
+    per_rank = slot[index].view(mesh.size(), -1).to(local.device)
+    mine = per_rank.index_select(0, mesh_coordinate(mesh).reshape(1).to(local.device)).squeeze(0)
+    buffer = local.new_zeros(len(copied) + 1, *local.shape[1:]).index_add_(0, mine, local)
+    summed = DTensor.from_local(buffer, mesh, [Partial()], run_check=False).redistribute(
+        placements=[Replicate()]).to_local()
+    own = (mine == len(copied)).view(-1, *[1] * (local.ndim - 1))
+    out = torch.where(own, local, summed.index_select(0, mine))
+    return DTensor.from_local(out, mesh, [Shard(0)], run_check=False)
 
 
 class GroupCopies(ParallelStyle):
