@@ -131,11 +131,11 @@ def test_torchtitan_model_as_shipped_is_synthesized_and_verified(name, tp_size, 
 
 
 @pytest.mark.parametrize("sequence_parallel", [False, True], ids=["tp", "sp"])
+@pytest.mark.parametrize("tp_size", [2, 4])
 @pytest.mark.parametrize("name", EQUAL)
-def test_synthesized_plan_equals_torchtitans_own_sharding(name, sequence_parallel, titan_cpu_mesh):
+def test_synthesized_plan_equals_torchtitans_own_sharding(name, tp_size, sequence_parallel, titan_cpu_mesh):
     """Every parameter's placement and local shape after the synthesized plan equals what
     torchtitan's own ``parallelize`` gives it: the regression anchor on code autotp did not write."""
-    tp_size = 2
     model = build(name, sequence_parallel=sequence_parallel)
     plan = synthesize(model, example_inputs=(tokens(),), sequence_parallel=sequence_parallel, tp_size=tp_size)
     with _simulate.simulated_mesh(tp_size) as mesh:
