@@ -18,6 +18,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.tensor import Replicate
 from torch.distributed.tensor.parallel import SequenceParallel
 
 from autotp import styles
@@ -145,3 +146,90 @@ def test_stream_starts_at_the_first_block_when_the_root_adds_a_plain_table(tp):
     # Every block after the first receives the stream sharded: the blocks' norms still gather
     # (one all-gather per branch) and the rows reduce-scatter.
     assert report.collectives.get("reduce_scatter_tensor", 0) >= 4, report.collectives
+
+
+class StackedExperts(nn.Module):
+    """Every expert on every routed copy of the tokens, by ``bmm`` on 3-D weights (kept whole)."""
+
+    def __init__(self, experts: int):
+        super().__init__()
+        self.up = nn.Parameter(torch.randn(experts, DIM, 2 * DIM) / DIM ** 0.5)
+        self.down = nn.Parameter(torch.randn(experts, 2 * DIM, DIM) / (2 * DIM) ** 0.5)
+
+    def forward(self, routed):
+        hidden = torch.bmm(routed.view(self.up.shape[0], -1, DIM), self.up)
+        return torch.bmm(F.gelu(hidden), self.down)
+
+
+class TopKRouter(nn.Linear):
+    """Sigmoid routing weights of the top-k experts, zero elsewhere: (tokens, experts)."""
+
+    def __init__(self, experts: int, top_k: int):
+        super().__init__(DIM, experts, bias=False)
+        self.top_k = top_k
+
+    def forward(self, x):
+        logits = super().forward(x)
+        top, index = logits.topk(self.top_k, dim=-1)
+        return torch.zeros_like(logits).scatter(1, index, torch.sigmoid(top))
+
+
+class RoutedBlock(nn.Module):
+    """A MoE block whose router is kept whole (top-k) and whose own code scales a repeat of its
+    input by the routing weights, with stacked experts run whole by ``bmm`` in a child module and a
+    shared expert whose Linears are sharded."""
+
+    def __init__(self, experts: int = 4, top_k: int = 2):
+        super().__init__()
+        self.router = TopKRouter(experts, top_k)
+        self.experts = StackedExperts(experts)
+        self.shared = MLP()
+
+    def forward(self, x):
+        b, t, d = x.shape
+        flat = x.reshape(-1, d)
+        scores = self.router(flat)  # (tokens, experts)
+        routed = flat.repeat(scores.shape[1], 1) * scores.transpose(0, 1).reshape(-1, 1)
+        out = self.experts(routed).sum(dim=0)
+        return (self.shared(flat) + out).view(b, t, d)
+
+
+class RoutedBlockModel(nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.embed = nn.Embedding(VOCAB, DIM)
+        self.layers = nn.ModuleList(RoutedLayer() for _ in range(2))
+        self.norm = nn.LayerNorm(DIM)
+        self.head = nn.Linear(DIM, VOCAB, bias=False)
+
+    def forward(self, ids):
+        x = self.embed(ids)
+        for layer in self.layers:
+            x = layer(x)
+        return self.head(self.norm(x))
+
+
+class RoutedLayer(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.ln_1, self.ln_2 = nn.LayerNorm(DIM), nn.LayerNorm(DIM)
+        self.attn, self.moe = CausalSelfAttention(), RoutedBlock()
+
+    def forward(self, x):
+        x = x + self.attn(self.ln_1(x))
+        return x + self.moe(self.ln_2(x))
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+def test_block_scaling_by_a_whole_router_is_gathered_under_sequence_parallel(tp):
+    """Would catch the block's own ``repeat(...) * scores`` meeting the router's plain output with
+    a sequence-sharded DTensor (the forward raised "got mixed torch.Tensor and DTensor"): the
+    block is gathered whole at entry and its output sliced back; its shared expert stays sharded."""
+    model = RoutedBlockModel()
+    plan = synthesize(model, example_inputs=(example_tokens(),), tp_size=tp, sequence_parallel=True)
+    gathered = plan.get("layers.*.moe")
+    assert isinstance(gathered, styles.GatherSequenceInput) or \
+        getattr(gathered, "desired_input_layouts", None) == (Replicate(),), gathered
+    assert "layers.*.moe.shared.c_fc" in plan, sorted(plan)
+    verify_toy(model, plan, tp)

@@ -190,6 +190,41 @@ def dispatch_blocks(g: nx.DiGraph, roles: dict[str, Role]) -> set[str]:
     return found
 
 
+def routed_blocks(g: nx.DiGraph, roles: dict[str, Role]) -> set[str]:
+    """Modules whose own code scales their input, or a copy of it, by the output of a child kept
+    whole that runs a Linear (routing weights from a router: ``x.repeat(k, 1) * scores``) and
+    that hold column Linears elsewhere (a shared expert): under sequence parallel the scaled
+    tensor would be a sequence-sharded DTensor meeting the router's plain output, so the block is
+    gathered whole at entry, like a block of grouped experts."""
+    found = set()
+    for name, data in g.nodes(data=True):
+        block = data["module"]
+        if data["kind"] != "call" or data["op"] not in ("mul", "div") or not block or block in found:
+            continue
+        children = []
+        for ref in refs(data["args"], data["kwargs"]):
+            source = ref.name
+            # Back through the block's own single-tensor ops (a transpose, a reshape, a cast).
+            while not any(m.startswith(block + ".") for m in g.nodes[source]["stack"]):
+                inputs = _tensor_inputs(g, source) if g.nodes[source]["kind"] == "call" else []
+                if len(inputs) != 1 or block not in g.nodes[inputs[0]]["stack"]:
+                    break
+                source = inputs[0]
+            inner = [m for m in g.nodes[source]["stack"] if m.startswith(block + ".")]
+            if inner:
+                children.append(inner[0])
+        for child in children:
+            child_linears = [n for n, d in g.nodes(data=True) if d["kind"] == "call" and child in d["stack"]
+                             and _weight_matmul(g, n)]
+            if not child_linears or any(kind_of(roles, module_of(g, n)) != "replicate" for n in child_linears):
+                continue
+            if any(kind_of(roles, m) in _GATHERING and m.startswith(block + ".") and not m.startswith(child + ".")
+                   for m in roles):
+                found.add(block)
+                break
+    return found
+
+
 def partial_blocks(g: nx.DiGraph, roles: dict[str, Role], blocks: set[str],
                    inner: set[str] = frozenset()) -> dict[str, set[str]]:
     """MoE blocks whose experts' partial sums may leave the block unreduced, with the rows of
@@ -593,7 +628,7 @@ def start_at_layers(g: nx.DiGraph, region: set[str], groups) -> tuple[set[str], 
 def sequence_parallel_roles(g: nx.DiGraph, flow: Flow, roles: dict[str, Role], groups=None) -> dict[str, Role]:
     """Roles under sequence parallel: add seq norms and rotary, and mark sequence-sharded ends.
     ``groups``: the trace's layer groups (a MoE block is recognised across the layers it stands for)."""
-    blocks = expert_blocks(roles, groups) | dispatch_blocks(g, roles)
+    blocks = expert_blocks(roles, groups) | dispatch_blocks(g, roles) | routed_blocks(g, roles)
     partial = partial_blocks(g, roles, blocks, inner_rows(g, flow))
     region = residual_region(g, flow, blocks)
     out = dict(roles)
