@@ -282,20 +282,21 @@ class GroupCopies(ParallelStyle):
 
     Keyword Args:
         base (ParallelStyle | None): the style applied after the expansion (None: none).
-        rows (dict[str, tuple]): parameter / buffer path -> ``(width, ((start, end, groups), ...))``,
-            the grouped parts along its dim 0 (see :func:`autotp.synth.groups.copy_index`).
+        rows (dict[str, tuple]): parameter / buffer path -> ``(dim, width, ((start, end, groups), ...))``,
+            the grouped parts along its ``dim`` (0 for a parameter; see :func:`autotp.synth.groups.copy_index`).
         values (dict[str, int]): attribute path -> its value in the expanded module (before
             ``base`` divides counts by tp).
 
     Example::
         >>> plan = {"layers.*.mixer.in_proj": GroupCopies(base=PackedColwiseParallel(sizes=(64, 64, 8, 8, 8)),
-        ...                                               rows={"weight": (140, ((132, 136, 1), (136, 140, 1)))})}
+        ...                                               rows={"weight": (0, 140, ((132, 136, 1), (136, 140, 1)))})}
     """
 
     def __init__(self, *, base: ParallelStyle | None, rows: dict | None = None, values: dict | None = None):
         super().__init__()
         self.base = base
-        self.rows = {k: (int(w), tuple(tuple(int(x) for x in p) for p in parts)) for k, (w, parts) in (rows or {}).items()}
+        self.rows = {k: (int(d), int(w), tuple(tuple(int(x) for x in p) for p in parts))
+                     for k, (d, w, parts) in (rows or {}).items()}
         self.values = dict(values or {})
 
     def sharded_param_dims(self, module: nn.Module) -> dict[str, int]:
@@ -309,11 +310,16 @@ class GroupCopies(ParallelStyle):
         expand_module(module, Copies(dict(self.rows), dict(self.values)), tp)
         if self.base is not None:
             module = self.base._apply(module, device_mesh)
-        for path, (width, parts) in self.rows.items():
+        for path, (dim, width, parts) in self.rows.items():
             owner_path, _, leaf = path.rpartition(".")
             param = module.get_submodule(owner_path)._parameters.get(leaf)
             if param is None:
                 continue  # a buffer: no gradient
+            if dim != 0:
+                from autotp.errors import PlanError
+
+                raise PlanError(f"{type(module).__name__}.{path}: GroupCopies sums the copies of a parameter's "
+                                f"rows (dim 0), not of its dim {dim}; keep this module whole")
             index = copy_index(width, parts, tp)
             inner = getattr(param, "_autotp_to_layout", None)
             if inner is not None:  # the base's own row order, applied to the expanded rows

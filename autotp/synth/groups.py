@@ -10,14 +10,15 @@ That layout is the sharding of an equivalent model in which the part has ``tp`` 
 of the originals: expand the part's rows of the Linear (and of every parameter packed like it,
 a depthwise conv's weight) to ``tp / G`` copies of each group and set the integer attributes that
 size the part (``n_groups``, ``conv_dim``) to their expanded values. This pass finds the parts
-from the graph, builds that model, checks that it computes the same logits, and analyses it: its
+from the graph, builds that model, checks that the module cutting the parts gives the same output on
+the inputs it gets in the model (the smallest set of attributes that does), and analyses it: its
 parts now divide over tp, and every rule of the uniform analysis (cuts, per-rank counts, shape
 proofs, sequence parallel) applies unchanged. The plan does the same expansion on the user's
 model (:class:`~autotp.styles.GroupCopies`) before each module's usual style, and sums the
 copies' gradients, so they stay identical: ``dL/dW = E^T dL/dE(W)`` for the expansion ``E``.
 
 Default-deny: a part whose expansion is not proven equivalent (no set of attributes found that
-gives the same logits), or whose expanded model does not shard the projection, leaves the
+gives the same output), or whose expanded model does not shard the projection, leaves the
 analysis as it was (the projection whole).
 """
 
@@ -61,12 +62,12 @@ class GroupedPart:
 class Copies:
     """What to expand in one module: rows of its parameters and buffers, and attribute values.
 
-    ``rows``: dotted path -> ``(width, ((start, end, groups), ...))``, the grouped parts along dim 0
-    of a tensor of ``width`` rows (:func:`copy_index`). ``values``: attribute path -> its value in
+    ``rows``: dotted path -> ``(dim, width, ((start, end, groups), ...))``, the grouped parts along
+    ``dim`` (of size ``width``) of that parameter or buffer (:func:`copy_index`); a parameter's is dim 0. ``values``: attribute path -> its value in
     the expanded model.
     """
 
-    rows: dict[str, tuple[int, tuple[tuple[int, int, int], ...]]] = field(default_factory=dict)
+    rows: dict[str, tuple[int, int, tuple[tuple[int, int, int], ...]]] = field(default_factory=dict)
     values: dict[str, int] = field(default_factory=dict)
 
 
@@ -160,18 +161,19 @@ def _param_rows(g: nx.DiGraph, flow, parts: list[GroupedPart]) -> dict[str, tupl
     found = {}
     for root, mine in by_root.items():
         width = g.nodes[root]["shape"][-1]
-        spec = (width, tuple((p.start, p.end, p.groups) for p in mine))
+        spec = (0, width, tuple((p.start, p.end, p.groups) for p in mine))
         for ref in g.nodes[root]["args"][1:3]:
             if isinstance(ref, Ref) and g.nodes[ref.name]["kind"] == "param":
                 found[ref.name] = spec
     for param, meetings in flow.param_spans.items():
+        dim = flow.param_shards.get(param)
         for origins, span, pieces in meetings:
-            if span is None or pieces or flow.param_shards.get(param) != 0 or not origins <= set(by_root):
+            if span is None or pieces or dim is None or not origins <= set(by_root):
                 continue
             inside = tuple((p.start - span[0], p.end - span[0], p.groups) for p in parts
                            if p.root in origins and span[0] <= p.start and p.end <= span[1])
             if inside:
-                found[param] = (span[1] - span[0], inside)
+                found[param] = (dim, span[1] - span[0], inside)
     return found
 
 
@@ -196,34 +198,95 @@ def _attribute_values(g: nx.DiGraph, flow, parts: list[GroupedPart], tp: int) ->
 
 
 def plan_copies(model: nn.Module, example_inputs, g: nx.DiGraph, parts: list[GroupedPart], tp: int,
-                groups: LayerGroups, whole: set[str] = frozenset()) -> dict[str, Copies] | None:
-    """The expansion of every grouped part, by traced module FQN, proven on ``example_inputs``:
-    the smallest set of attributes for which the expanded model gives the same logits; None if
-    no set does."""
+                groups: LayerGroups, whole: set[str] = frozenset()) -> dict[str, Copies]:
+    """The expansion of the grouped parts, by traced module FQN, each module that cuts parts
+    proven alone (:func:`_prove`); parts whose proof fails are left out (their projection whole)."""
     flow = propagate(g, {n for n in g.nodes if is_linear(g, n)} - set(whole))
+    by_module: dict[str, list[GroupedPart]] = {}
+    for part in parts:
+        by_module.setdefault(cutting_module(g, part.root, flow.split_nodes.get(part.root, [])), []).append(part)
+    out: dict[str, Copies] = {}
+    for fqn, mine in sorted(by_module.items()):
+        found = _prove(model, example_inputs, g, flow, fqn, mine, tp, groups)
+        if found is None:
+            log.info("group copies: %s not proven; its parts stay whole", fqn)
+            continue
+        for key, spec in found.items():
+            out.setdefault(key, Copies()).rows.update(spec.rows)
+            out[key].values.update(spec.values)
+    return out
+
+
+def _prove(model, example_inputs, g, flow, fqn: str, parts: list[GroupedPart], tp: int,
+           groups: LayerGroups) -> dict[str, Copies] | None:
+    """The smallest set of integer attributes of ``fqn`` (and its children) for which that module,
+    with its grouped parts expanded, gives the same output on the inputs it gets in the model; None
+    if no set does, if what it expands lies outside it, or if a parameter would be copied along a
+    dim other than 0 (:class:`~autotp.styles.GroupCopies` sums a parameter's copied rows only)."""
     copies: dict[str, Copies] = {}
     for param, spec in _param_rows(g, flow, parts).items():
+        if g.nodes[param]["kind"] == "param" and spec[0] != 0:
+            return None
         owner, leaf = reading_module(g, param)  # the module whose style shards it (a conv weight read by its parent)
         copies.setdefault(owner, Copies()).rows[leaf] = spec
+    if fqn and not all((c + ".").startswith(fqn + ".") for c in copies):
+        return None
     values = _attribute_values(g, flow, parts, tp)
-    modules = sorted({cutting_module(g, p.root, flow.split_nodes.get(p.root, [])) for p in parts})
-    candidates = []
-    for fqn in modules:
-        for name in candidate_names(model.get_submodule(_first(groups, fqn)), set(values)):
-            candidates.append((fqn, name))
-    args, kwargs = example_args(model, example_inputs)
+    target = model.get_submodule(_first(groups, fqn)) if fqn else model
+    candidates = candidate_names(target, set(values))
+    inputs = _captured(model, target, example_inputs)
+    if inputs is None:
+        return None
     with torch.no_grad():
-        reference = _logits(model(*args, **kwargs))
+        reference = _logits(target(*inputs[0], **inputs[1]))
+    prefix = fqn + "." if fqn else ""
+    trials = 0
     for count in range(min(MAX_ATTRIBUTES, len(candidates)) + 1):
         for chosen in itertools.combinations(candidates, count):
-            trial = {fqn: Copies(dict(c.rows), {}) for fqn, c in copies.items()}
-            for fqn, name in chosen:
-                current = _get(model.get_submodule(_first(groups, fqn)), name)
-                trial.setdefault(fqn, Copies()).values[name] = values[current]
-            if _same_logits(model, trial, groups, tp, args, kwargs, reference):
-                log.info("group copies at tp=%d: attributes %s", tp, chosen)
-                return trial
+            trials += 1
+            if trials > MAX_TRIALS:
+                log.info("group copies: no proof within %d trials", MAX_TRIALS)
+                return None
+            local = {key[len(prefix):] if key != fqn else "": Copies(dict(c.rows), {}) for key, c in copies.items()}
+            local.setdefault("", Copies()).values.update({name: values[_get(target, name)] for name in chosen})
+            if _same_output(target, local, tp, inputs, reference):
+                log.info("group copies at tp=%d in %s: attributes %s", tp, fqn, chosen)
+                return {(prefix + key if key else fqn): c for key, c in local.items() if c.rows or c.values}
     return None
+
+
+# How many attribute sets one proof may try (each runs the module once).
+MAX_TRIALS = 400
+
+
+def _captured(model: nn.Module, target: nn.Module, example_inputs):
+    """The real inputs ``target`` gets in one forward of ``model`` (its first call)."""
+    found = []
+    handle = target.register_forward_pre_hook(lambda m, a, k: found.append((a, k)) if not found else None,
+                                              with_kwargs=True)
+    args, kwargs = example_args(model, example_inputs)
+    try:
+        with torch.no_grad():
+            model(*args, **kwargs)
+    except Exception as error:  # noqa: BLE001 - cannot capture: cannot prove
+        log.debug("group copies: forward failed: %s", error)
+        return None
+    finally:
+        handle.remove()
+    return found[0] if found else None
+
+
+def _same_output(target: nn.Module, local: dict[str, Copies], tp: int, inputs, reference) -> bool:
+    try:
+        trial = copy.deepcopy(target)
+        for path, spec in local.items():
+            expand_module(trial.get_submodule(path), spec, tp)
+        with torch.no_grad():
+            output = _logits(trial(*inputs[0], **inputs[1]))
+    except Exception as error:  # noqa: BLE001 - a shape the attributes left inconsistent: not this set
+        log.debug("group copies trial %s failed: %s", local, error)
+        return False
+    return output.shape == reference.shape and torch.allclose(output, reference, atol=1e-5, rtol=1e-4)
 
 
 def _first(groups: LayerGroups, fqn: str) -> str:
@@ -244,17 +307,6 @@ def _logits(output) -> torch.Tensor:
     return output[0]
 
 
-def _same_logits(model, trial, groups, tp, args, kwargs, reference) -> bool:
-    try:
-        expanded = expanded_model(model, trial, groups, tp)
-        with torch.no_grad():
-            logits = _logits(expanded(*args, **kwargs))
-    except Exception as error:  # a shape the attributes left inconsistent: not this set
-        log.debug("group copies trial %s failed: %s", trial, error)
-        return False
-    return logits.shape == reference.shape and torch.allclose(logits, reference, atol=1e-5, rtol=1e-4)
-
-
 def expand_module(module: nn.Module, copies: Copies, tp: int) -> None:
     """Expand ``module``'s grouped rows to ``tp`` copies and set its attributes to their expanded
     values, in place (see :class:`Copies`)."""
@@ -268,16 +320,16 @@ def expand_module(module: nn.Module, copies: Copies, tp: int) -> None:
                 setattr(owner, part, child)
             owner = child
         setattr(owner, attr, value)
-    for path, (width, parts) in copies.rows.items():
+    for path, (dim, width, parts) in copies.rows.items():
         owner_path, _, leaf = path.rpartition(".")
         owner = module.get_submodule(owner_path)
         index = copy_index(width, parts, tp)
         if leaf in owner._parameters:
             param = owner._parameters[leaf]
-            owner.register_parameter(leaf, nn.Parameter(param.detach().index_select(0, index),
+            owner.register_parameter(leaf, nn.Parameter(param.detach().index_select(dim, index),
                                                         requires_grad=param.requires_grad))
         else:
-            owner._buffers[leaf] = owner._buffers[leaf].index_select(0, index)
+            owner._buffers[leaf] = owner._buffers[leaf].index_select(dim, index)
 
 
 def expanded_model(model: nn.Module, copies: dict[str, Copies], groups: LayerGroups, tp: int) -> nn.Module:
@@ -305,7 +357,8 @@ def group_copies(analysis, run) -> object:
     if not parts:
         return a
     copies = plan_copies(a.model, a.example_inputs, a.graph, parts, tp, a.groups)
-    if copies is None:
+    parts = [p for p in parts if module_of(a.graph, p.root) in copies]
+    if not copies or not parts:
         log.info("group copies: no attributes make the expanded model equal; kept whole")
         return a
     expanded = expanded_model(a.model, copies, a.groups, tp)
