@@ -194,3 +194,48 @@ def test_group_read_other_than_by_its_heads_keeps_the_projection_whole(groups):
     model = _model(lambda: GroupsReadWhole(groups=groups, norm_group=HEAD_DIM))
     records = {r.key: r for r in explain(model, example_inputs=(example_tokens(),), tp_size=2)}
     assert records["layers.*.mixer.in_proj"].role == "replicate"
+
+
+# Hand-built graphs: which parts the rule finds.
+
+def _grouped_graph(extra_reader: bool = False):
+    """x -> up (Linear 8 -> 12) -> split [8, 4] -> the 4-wide part viewed into (1 group, 4) ->
+    repeat_interleave(2) to the heads of the 8-wide part -> mul -> down."""
+    from autotp.synth.graph import Ref, add_node
+    import networkx as nx
+
+    g = nx.DiGraph()
+    add_node(g, "x", "placeholder", kind="input", shape=(2, 3, 8))
+    add_node(g, "w_up", "placeholder", kind="param", param="up.weight", shape=(12, 8))
+    add_node(g, "w_down", "placeholder", kind="param", param="down.weight", shape=(8, 8))
+    add_node(g, "up", "linear", (Ref("x"), Ref("w_up")), shape=(2, 3, 12), module="up")
+    add_node(g, "s", "split_with_sizes", (Ref("up"), [8, 4], -1))
+    add_node(g, "h", "getitem", (Ref("s"), 0), shape=(2, 3, 8))
+    add_node(g, "b", "getitem", (Ref("s"), 1), shape=(2, 3, 4))
+    add_node(g, "hv", "view", (Ref("h"), [2, 3, 2, 4]), shape=(2, 3, 2, 4))
+    add_node(g, "bv", "view", (Ref("b"), [2, 3, 1, 4]), shape=(2, 3, 1, 4))
+    add_node(g, "br", "repeat_interleave", (Ref("bv"), 2, 2), shape=(2, 3, 2, 4))
+    add_node(g, "m", "mul", (Ref("hv"), Ref("br")), shape=(2, 3, 2, 4))
+    add_node(g, "mv", "view", (Ref("m"), [2, 3, 8]), shape=(2, 3, 8))
+    add_node(g, "down", "linear", (Ref("mv"), Ref("w_down")), shape=(2, 3, 8), module="down")
+    outputs = [Ref("down")]
+    if extra_reader:
+        add_node(g, "bs", "sum", (Ref("bv"), [-1]), shape=(2, 3, 1))
+        outputs.append(Ref("bs"))
+    add_node(g, "out", "output", (tuple(outputs),), kind="output")
+    return g
+
+
+def test_part_viewed_into_fewer_groups_than_tp_is_found():
+    """The 4-wide part in one group, repeated to the heads, is a grouped part at tp 2 and 4."""
+    from autotp.synth.groups import GroupedPart, grouped_parts
+
+    assert grouped_parts(_grouped_graph(), 2) == [GroupedPart("up", 8, 12, 1)]
+    assert grouped_parts(_grouped_graph(), 4) == [GroupedPart("up", 8, 12, 1)]
+
+
+def test_group_read_by_more_than_its_broadcast_is_not_a_grouped_part():
+    """Default-deny: a group also reduced elsewhere is not copied (a copy read whole there)."""
+    from autotp.synth.groups import grouped_parts
+
+    assert grouped_parts(_grouped_graph(extra_reader=True), 2) == []
