@@ -30,22 +30,60 @@ class ExpertsParallel(LocalParamsStyle):
     the norm reduces the block input's gradient once, where the default reduces hidden states and
     routing weights separately (two all-reduces per layer in backward where the forward has one).
 
+    A per-expert bias added after the down projection (``down_bias[e]``) is added to each rank's
+    partial sum, so the reduction would count it tp times: the parameters named in ``once`` are
+    added by rank 0 only (zero elsewhere), their gradient ``Partial()``, as Megatron adds a row's
+    bias once after the reduction.
+
     Keyword Args:
         shard_dims (dict[str, int]): parameter name -> sharded dim.
         packed (dict[str, int]): parameter name -> number of equal parts fused along its sharded dim.
         partial_grad_inputs (bool): DTensor inputs are taken local with ``Partial()`` gradients, and
             plain floating inputs come from a :class:`PartialGradRouter`. Default: False.
+        once (tuple[str, ...]): replicated parameters added to the per-rank partial sum, added by
+            one rank only. Default: none.
 
     Example::
         >>> plan = {"model.layers.*.mlp.experts": ExpertsParallel()}
+        >>> loop = ExpertsParallel(shard_dims={"gate_up": 2, "gate_up_bias": 1, "down": 1}, packed={},
+        ...                        once=("down_bias",))
     """
 
     def __init__(self, *, shard_dims: dict[str, int] | None = None, packed: dict[str, int] | None = None,
-                 partial_grad_inputs: bool = False):
+                 partial_grad_inputs: bool = False, once: tuple[str, ...] = ()):
         super().__init__()
         self.shard_dims = dict(shard_dims or {"gate_up_proj": 1, "down_proj": 2})
         self.packed = dict(packed if packed is not None else {"gate_up_proj": 2})
         self.partial_grad_inputs = partial_grad_inputs
+        self.once = tuple(once)
+        if set(self.once) & set(self.shard_dims):
+            raise PlanError(f"ExpertsParallel: {sorted(set(self.once) & set(self.shard_dims))} are both sharded "
+                            "(shard_dims) and added once to the partial sum (once); a parameter added to the "
+                            "partial sum is replicated: drop it from one of them")
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        missing = [name for name in self.once if not isinstance(getattr(module, name, None), nn.Parameter)]
+        if missing:
+            raise PlanError(f"{type(module).__name__}: ExpertsParallel(once={self.once}) names {missing}, which "
+                            "are not parameters of the module; name its own per-expert biases added after the "
+                            "down projection")
+        super()._apply(module, device_mesh)
+        if self.once:
+            once = self.once
+
+            def added_once(mod, args, kwargs):
+                # Runs after the base pre-hook swapped in local values: rank 0 keeps them, the others
+                # add zeros (and get a zero gradient; the Partial() sum is rank 0's).
+                from autotp._simulate import mesh_coordinate
+
+                for name in once:
+                    value = mod._parameters[name]
+                    first = (mesh_coordinate(device_mesh) == 0).to(device=value.device, dtype=value.dtype)
+                    mod._parameters[name] = value * first
+                return args, kwargs
+
+            module.register_forward_pre_hook(added_once, with_kwargs=True)
+        return module
 
     def _placement(self, name, param):
         return Shard(self.shard_dims[name]) if name in self.shard_dims else Replicate()
@@ -94,6 +132,7 @@ class ExpertsParallel(LocalParamsStyle):
 
     def __repr__(self) -> str:
         extra = ", partial_grad_inputs=True" if self.partial_grad_inputs else ""
+        extra += f", once={self.once}" if self.once else ""
         return f"{self.__class__.__name__}(shard_dims={self.shard_dims}, packed={self.packed}{extra})"
 
 

@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 import networkx as nx
 
 from autotp.synth.graph import Ref, param_modules, refs
+from autotp.synth.experts import expert_bias, partial_sum_breaks, selected_weight
 from autotp.synth.params import reading_module
 from autotp.synth.ops import (ATTENTION, ELEMENTWISE, MATMULS, NEW_LIKE, PASSTHROUGH, SINKS, VIEW_LIKE, Break, Given, Out, Parts,
                               Split, apply_rule)
@@ -82,6 +83,8 @@ class Flow:
     broadcasts: dict = field(default_factory=dict)  # whole or row Linear -> output spans broadcast to the shard
     broadcast_starts: dict = field(default_factory=dict)  # (Linear, span) -> the node where the span begins
     broadcast_modules: dict = field(default_factory=dict)  # broadcast source node -> its module, when not a Linear
+    expert_biases: dict = field(default_factory=dict)  # per-expert bias parameter -> dim sharded with the experts
+    expert_bias_columns: dict = field(default_factory=dict)  # per-expert bias parameter -> the columns it met
 
     def sharded(self, name: str) -> bool:
         """Whether ``name``'s output (or an element of it) is sharded."""
@@ -113,6 +116,30 @@ class Flow:
         origins = frozenset().union(*(shard.origins for shard in self.meeting))
         previous = self.factory_shards.get(found[0], (found[1], frozenset()))[1]
         self.factory_shards[found[0]] = (found[1], previous | origins)
+        return True
+
+    def expert_bias(self, other: str, dim: int) -> bool:
+        """Whether replicated operand ``other`` is a per-expert bias (``B[e]``, ``B[ids]``:
+        :func:`~autotp.synth.experts.expert_bias`) added to the whole output of 3-D experts columns
+        of the module that owns ``B``, its features on ``dim``: ``B`` is sharded on them with the
+        experts. Recorded in ``expert_biases``."""
+        found = expert_bias(self.g, other, dim)
+        if found is None or self.expert_biases.get(found[0], found[1]) != found[1]:
+            return False
+        owner = self.g.nodes[found[0]]["param"].rpartition(".")[0]
+        width = self.g.nodes[found[0]]["shape"][found[1]]
+        for shard in self.meeting:
+            if not shard.intact or shard.span != (0, width):
+                return False
+            for origin in shard.origins:
+                weight = linear_weight(self.g, origin)
+                if weight is None or len(self.g.nodes[weight]["shape"]) != 3 \
+                        or self.g.nodes[weight]["param"].rpartition(".")[0] != owner:
+                    return False
+        self.expert_biases[found[0]] = found[1]
+        columns = self.expert_bias_columns.setdefault(found[0], set())
+        for shard in self.meeting:
+            columns |= shard.origins
         return True
 
     def broadcast_from(self, other: str) -> bool:
@@ -432,6 +459,9 @@ GROUPED_MATMULS = frozenset({"grouped_mm_fallback", "_grouped_mm", "grouped_mm"}
 # Batched matmuls read the same way when the weight is a 3-D parameter (stacked per-expert or
 # per-group weights: ``torch.bmm(x, self.w1)``); a raw parameter, so :func:`raw_weight`.
 STACKED_MATMULS = frozenset({"bmm", "matmul"})
+# Products that may read one expert's weight ``P[e]`` of a 3-D parameter (a per-expert loop,
+# :mod:`autotp.synth.experts`).
+_SELECTING = frozenset({"matmul", "linear"})
 
 
 @dataclass(frozen=True)
@@ -449,6 +479,11 @@ def weight_of(g: nx.DiGraph, name: str) -> Weight | None:
     args = data["args"]
     if len(args) < 2 or not isinstance(args[1], Ref):
         return None
+    if data["op"] in _SELECTING:  # one expert's weight ``P[e]`` in a per-expert loop
+        found = selected_weight(g, args[1].name)
+        if found is not None:  # P[e] is (in, out) for a matmul, (out, in) for F.linear
+            swapped = found[1] ^ (data["op"] == "linear")
+            return Weight(found[0], 1, 2) if swapped else Weight(found[0], 2, 1)
     if data["op"] == "linear":
         source = param_source(g, args[1].name)
         if not source or len(g.nodes[source]["shape"] or ()) != 2:
@@ -477,11 +512,19 @@ def raw_like(g: nx.DiGraph, name: str) -> bool:
     """:func:`raw_weight` but for the weight being read by this product alone."""
     weight = linear_weight(g, name)
     stacked = g.nodes[name]["op"] in STACKED_MATMULS
+    if weight is not None and len(g.nodes[weight]["shape"]) == 3 and _selects_expert(g, name):
+        return False  # ``x @ P[e]`` in a per-expert loop: grouped experts (``expert_roles``)
     if weight is None or len(g.nodes[weight]["shape"]) != (3 if stacked else 2):
         return False
     leaf = g.nodes[weight]["param"].rpartition(".")[2]
     return reading_module(g, weight)[0] == g.nodes[name]["module"] \
         and (leaf != "weight" or stacked or bool(g.nodes[name].get("raw_weight")))
+
+
+def _selects_expert(g: nx.DiGraph, name: str) -> bool:
+    """Whether Linear-like node ``name`` multiplies by one expert's weight ``P[e]``."""
+    args = g.nodes[name]["args"]
+    return g.nodes[name]["op"] in _SELECTING and isinstance(args[1], Ref) and selected_weight(g, args[1].name) is not None
 
 
 def _only_reader(g: nx.DiGraph, weight: str, name: str) -> bool:
@@ -980,6 +1023,7 @@ def _fixpoint(g: nx.DiGraph, dropped: dict[str, str], unit_heads: frozenset,
         bad.update(endless_shards(flow))
         bad.update({r: reason for r, reason in _raw_limits(flow).items() if r not in bad})
         bad.update({r: reason for r, reason in broadcast_leaks(flow).items() if r not in bad})
+        bad.update({r: reason for r, reason in partial_sum_breaks(g, flow.rows, module_of).items() if r not in bad})
         bad.update({r: reason for r, reason in same_weight(g, bad, active).items() if r not in bad})
         yielded.update({r: mine for r, mine in flow.yielded.items() if r in bad})
         if not bad:

@@ -148,10 +148,45 @@ def expert_roles(g: nx.DiGraph, flow: Flow, dropped: dict[str, str], roles: dict
         if -1 in by_param.values():
             out[module] = roles[module]
             continue
-        out[module] = Role("experts", "per-expert column/row pair over the FFN dim", evidence[module],
-                           param_dims=tuple(sorted(by_param.items())),
-                           param_parts=tuple(sorted(parts.get(module, {}).items())))
+        biases, bias_parts = _expert_bias_dims(g, flow, module)
+        if bias_parts is None:
+            out[module] = Role("replicate", "its per-expert biases meet columns cut into different parts")
+            continue
+        by_param.update(biases)
+        parts.setdefault(module, {}).update(bias_parts)
+        once = _once_params(g, flow, module)
+        out[module] = Role("experts", "per-expert column/row pair over the FFN dim"
+                           + (f"; {', '.join(once)} added to the partial sum by one rank" if once else ""),
+                           evidence[module], param_dims=tuple(sorted(by_param.items())),
+                           param_parts=tuple(sorted(parts.get(module, {}).items())), once=once)
     return out
+
+
+def _expert_bias_dims(g: nx.DiGraph, flow: Flow, module: str) -> tuple[dict[str, int], dict[str, int] | None]:
+    """Per-expert biases of ``module`` sharded with its columns (``Flow.expert_biases``), and the
+    number of fused parts of those cut into parts (packed like the columns' weight); None for the
+    parts if the columns a bias meets are cut differently."""
+    dims, parts = {}, {}
+    for param, dim in flow.expert_biases.items():
+        owner, pname = reading_module(g, param)
+        if owner != module:
+            continue
+        dims[pname] = dim
+        counts = {len(part_sizes(flow.splits[c], g.nodes[c]["shape"][-1])) if c in flow.splits else 1
+                  for c in flow.expert_bias_columns.get(param, ())}
+        if len(counts) != 1:
+            return dims, None
+        if counts != {1}:
+            parts[pname] = counts.pop()
+    return dims, parts
+
+
+def _once_params(g: nx.DiGraph, flow: Flow, module: str) -> tuple[str, ...]:
+    """Per-expert biases ``module`` adds to its rows' partial sums (:func:`~autotp.synth.experts.once_params`)."""
+    from autotp.synth.experts import once_params
+
+    rows = [r for r in flow.rows if module_of(g, r) == module]
+    return tuple(sorted(reading_module(g, p)[1] for p in once_params(g, rows, module)))
 
 
 def tie_conflicts(g: nx.DiGraph, roles: dict[str, Role], flow: Flow | None = None) -> dict[str, str]:

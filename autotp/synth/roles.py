@@ -89,6 +89,8 @@ class Role:
             the routing weights from a ``router``: their gradients are left partial sums, reduced
             once with the block input's.
         columns, rows: of ``linear_params``, the raw parameters used as column / row Linear weights.
+        once: of ``experts``, parameters added to the per-rank partial sum (a per-expert bias after
+            the down projection): added by one rank only, so the reduction counts them once.
         weight_in_out: of a Linear-like role, the weight is stored ``(in, out)`` (transformers'
             ``Conv1D``), so its sharded dims are swapped.
     """
@@ -117,6 +119,7 @@ class Role:
     partial_grad_inputs: bool = False
     columns: tuple[str, ...] = ()
     rows: tuple[str, ...] = ()
+    once: tuple[str, ...] = ()
 
     def __post_init__(self):
         if self.kind not in ROLE_KINDS:

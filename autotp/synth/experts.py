@@ -1,0 +1,210 @@
+"""Per-expert loops over 3-D expert parameters: weights picked by ``W[e]``, biases beside them, and
+the running sum the experts' partial outputs are added into.
+
+MoE code that loops over its experts (``for e in ...: y = x[tok] @ self.gate_up[e] + self.gate_up_bias[e]
+... out.index_add_(0, tok, y * w)``) reads one expert's weight per step. Each such product is a
+Linear on the 3-D parameter (:func:`selected_weight`): a column when it reads replicated tokens,
+a row when it contracts the FFN features. All experts' products share one parameter, so they are
+sharded, or kept whole, together.
+
+Sharded on the FFN dim, a column's output holds each rank's FFN features: a per-expert bias added to
+it (``gate_up_bias[e]``, or rows gathered by expert id, ``gate_up_bias[ids]``) is sharded along on its
+feature dim (:func:`expert_bias`). A row's output is a per-rank partial sum, reduced once after the
+experts module; until then only ops linear in it may read it (:func:`partial_sum_breaks`), and a bias
+added to it (``down_bias[e]``) is added by one rank only (:func:`once_params`), as Megatron adds a
+row's bias once after the reduction.
+"""
+
+from __future__ import annotations
+
+import networkx as nx
+
+from autotp.synth.graph import Ref, refs
+from autotp.synth.ops import PASSTHROUGH, SINKS, VIEW_LIKE
+
+# Ops a selected weight may go through between ``W[e]`` and the product (``W[e].T``).
+_WEIGHT_VIEWS = PASSTHROUGH | {"transpose", "t", "numpy_T"}
+
+# Products that read a selected expert weight as their second argument.
+_PRODUCTS = frozenset({"matmul", "mm", "linear"})
+
+# Ops that gather or view rows of a partial sum, or scale it: linear in their first argument when
+# no other argument is a partial sum (the indices and scales are replicated).
+_LINEAR_IN_FIRST = PASSTHROUGH | VIEW_LIKE | frozenset({
+    "index", "index_select", "select", "slice", "unsqueeze", "squeeze", "transpose", "permute", "sum",
+    "mul", "mul_", "div", "div_", "expand",
+})
+
+# Sums: a sum of partial sums is a partial sum.
+_SUMS = frozenset({"add", "add_", "sub", "sub_"})
+
+# Scatter-adds into a running sum: ``out.index_add_(0, idx, y)`` (self, dim, index, source).
+_INDEX_ADDS = frozenset({"index_add", "index_add_"})
+
+# Fresh tensors of zeros: a running sum may start from one (zero on every rank is a partial sum).
+_ZEROS = frozenset({"zeros_like", "new_zeros", "zeros"})
+
+
+def selected_weight(g: nx.DiGraph, name: str) -> tuple[str, bool] | None:
+    """``(3-D parameter, transposed)`` when node ``name`` is one expert's weight ``P[e]`` (``select``
+    of dim 0 by a constant), possibly transposed, and ``P`` is read only so, by products; else None.
+
+    Read only so, because the parameter is sharded for its products: a reader of the whole (a norm
+    of it) would get a shard.
+    """
+    swapped = False
+    while g.nodes[name]["kind"] == "call" and g.nodes[name]["op"] in _WEIGHT_VIEWS:
+        data = g.nodes[name]
+        if data["op"] == "transpose" and sorted(x % 2 for x in data["args"][1:3]) != [0, 1]:
+            return None
+        swapped ^= data["op"] in ("transpose", "t", "numpy_T")
+        name = data["args"][0].name
+    data = g.nodes[name]
+    if data["kind"] != "call" or data["op"] != "select" or data["args"][1:2] != (0,) \
+            or not isinstance(data["args"][2], int):
+        return None
+    param = data["args"][0]
+    if not isinstance(param, Ref) or g.nodes[param.name]["kind"] != "param" or len(g.nodes[param.name]["shape"]) != 3:
+        return None
+    return (param.name, swapped) if _read_by_products(g, param.name) else None
+
+
+def _read_by_products(g: nx.DiGraph, param: str) -> bool:
+    """Whether every reader of ``param`` is ``param[e]`` that only products read as their weight."""
+    for select in _readers(g, param):
+        data = g.nodes[select]
+        if data["op"] != "select" or data["args"][1:2] != (0,):
+            return False
+        todo = [select]
+        while todo:
+            node = todo.pop()
+            for user in _readers(g, node):
+                data = g.nodes[user]
+                if data["op"] in _WEIGHT_VIEWS:
+                    todo.append(user)
+                elif data["op"] not in _PRODUCTS or data["args"][1:2] != (Ref(node),):
+                    return False
+    return True
+
+
+def _readers(g: nx.DiGraph, name: str) -> list[str]:
+    return [s for s in g.successors(name) if g.nodes[s]["op"] not in SINKS]
+
+
+def expert_bias(g: nx.DiGraph, name: str, dim: int) -> tuple[str, int] | None:
+    """``(2-D parameter, its dim)`` when node ``name`` is a per-expert bias ``B[e]`` or ``B[ids]`` of a
+    parameter ``B`` (experts, features) whose dim ``dim`` of ``name`` is the features, and every
+    reader of ``B`` picks experts so (its gradient is then each rank's slice); else None.
+
+    >>> from autotp.synth.graph import add_node
+    >>> g = nx.DiGraph()
+    >>> _ = add_node(g, "b", "placeholder", kind="param", param="m.bias", shape=(4, 8))
+    >>> _ = add_node(g, "s", "select", (Ref("b"), 0, 1), shape=(8,))
+    >>> expert_bias(g, "s", 0)
+    ('b', 1)
+    """
+    data = g.nodes[name]
+    while data["kind"] == "call" and data["op"] in PASSTHROUGH and data["args"] and isinstance(data["args"][0], Ref):
+        name = data["args"][0].name
+        data = g.nodes[name]
+    if data["kind"] != "call" or not data["args"] or not isinstance(data["args"][0], Ref):
+        return None
+    param = data["args"][0].name
+    shape = g.nodes[param]["shape"]
+    if g.nodes[param]["kind"] != "param" or shape is None or len(shape) != 2:
+        return None
+    if not all(_picks_experts(g, reader) for reader in _readers(g, param)):
+        return None
+    if data["op"] == "select" and dim == 0:
+        return param, 1
+    if data["op"] == "index" and dim == 1 and len(data["shape"] or ()) == 2:
+        return param, 1
+    return None
+
+
+def _picks_experts(g: nx.DiGraph, name: str) -> bool:
+    """``B[e]`` (select of dim 0 by a constant) or ``B[ids]`` (rows gathered by one index tensor)."""
+    data = g.nodes[name]
+    if data["op"] == "select":
+        return data["args"][1:2] == (0,) and isinstance(data["args"][2], int)
+    return data["op"] == "index" and len(data["args"]) > 1 and len(data["args"][1]) == 1 \
+        and isinstance(data["args"][1][0], Ref)
+
+
+def _partial_sum_walk(g: nx.DiGraph, rows: list[str], module: str) -> tuple[set[str], str | None]:
+    """The parameters added to the partial sums of ``rows`` inside ``module`` (biases), and the first
+    op that reads a partial sum other than linearly (None if none does)."""
+    reached, once = set(rows), set()
+    inside = sorted((n for n, d in g.nodes(data=True) if d["kind"] == "call" and module in d["stack"]),
+                    key=lambda n: g.nodes[n]["order"])
+    for user in inside:  # program order: a node's inputs are decided before it
+        data = g.nodes[user]
+        inputs = [r.name for r in refs(data["args"], data["kwargs"])]
+        partial = [n for n in inputs if n in reached]
+        if user in reached or not partial or data["op"] in SINKS | _ZEROS:
+            continue  # zeros shaped like a partial sum read none of its values
+        reason = _nonlinear(g, user, inputs, partial, once)
+        if reason:
+            return once, reason
+        reached.add(user)
+    return once, None
+
+
+def _nonlinear(g: nx.DiGraph, name: str, inputs: list[str], partial: list[str], once: set[str]) -> str | None:
+    """Why node ``name`` is not linear in its ``partial`` inputs (None if it is); per-expert biases
+    added to them are collected in ``once``."""
+    data, op = g.nodes[name], g.nodes[name]["op"]
+    if op in _SUMS:
+        for other in (n for n in inputs if n not in partial and g.nodes[n]["op"] not in _ZEROS):
+            bias = expert_bias(g, other, len(g.nodes[other]["shape"] or ()) - 1)
+            if bias is None:
+                return f"{op} adds {other} to a per-rank partial sum"
+            once.add(bias[0])
+        return None
+    if op in _INDEX_ADDS:
+        args = data["args"]
+        target, index, source = args[0], args[2], args[3] if len(args) > 3 else None
+        if not isinstance(source, Ref) or source.name not in partial or (isinstance(index, Ref) and index.name in partial) \
+                or not (target.name in partial or g.nodes[target.name]["op"] in _ZEROS):
+            return f"{op} adds a partial sum into a tensor that is not one"
+        return None
+    if op == "mul" and len(partial) == 1:
+        return None  # ``w * y`` as ``y * w``: a product is linear in either factor
+    if op not in _LINEAR_IN_FIRST or partial != [inputs[0]]:
+        return f"{op} reads a per-rank partial sum other than linearly"
+    return None
+
+
+def partial_sum_breaks(g: nx.DiGraph, rows: dict[str, frozenset], module_of) -> dict[str, str]:
+    """Candidates whose shard a 3-D experts row contracts and whose partial sum is then read, in
+    the experts module, by an op not linear in it (a norm, ``out + f(out)`` inside the loop, a bias
+    other than a per-expert one): it would be computed on a per-rank share. Candidate -> reason."""
+    from autotp.synth.analysis import raw_weight
+
+    by_module: dict[str, list[str]] = {}
+    for row in rows:
+        weight = _weight_node(g, row)
+        # A raw stacked weight's row (``torch.bmm`` in the module's own code) is reduced at the
+        # product by its style (``LinearParams``): only the experts style leaves partial sums.
+        if weight is not None and len(g.nodes[weight]["shape"]) == 3 and not raw_weight(g, row):
+            by_module.setdefault(module_of(g, row), []).append(row)
+    bad = {}
+    for module, found in by_module.items():
+        _, reason = _partial_sum_walk(g, found, module)
+        if reason:
+            for row in found:
+                for root in rows[row]:
+                    bad.setdefault(root, f"{reason} in {module}, before the experts' output is reduced")
+    return bad
+
+
+def once_params(g: nx.DiGraph, rows: list[str], module: str) -> set[str]:
+    """Parameter placeholders added to the partial sums of ``rows`` (3-D experts rows of ``module``):
+    per-expert biases, to be added by one rank only."""
+    return _partial_sum_walk(g, rows, module)[0]
+
+
+def _weight_node(g: nx.DiGraph, name: str) -> str | None:
+    from autotp.synth.analysis import linear_weight
+
+    return linear_weight(g, name)

@@ -1,0 +1,218 @@
+"""MoE experts that loop over 3-D parameters and add into a running sum, sharded on the FFN dim.
+
+The experts are held as 3-D parameters; a loop picks one expert's weight (``W[e]``), adds a
+per-expert bias, scales by the routing weight and accumulates with ``index_add_``: gate/up fused and
+interleaved (``[..., ::2]``, ``[..., 1::2]``) and clamped, or fused in halves and run by ``F.linear``.
+Each rank holds its slice of every expert's FFN features; the down projection's per-expert bias is
+added by one rank only, since the partial sums are reduced once after the module. Every plan is
+verified on logits and every gradient at tp 2 and 4, plain and sequence-parallel, and must hold
+about the Megatron-style bound of the parameters per rank (router and norms whole). Loops that
+read the running sum other than linearly, or read the 3-D weight outside the products, stay whole.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import autotp
+from autotp import styles
+from autotp.errors import PlanError
+from autotp.verifier import verify
+from tests.synth_toy import DIM, HEADS, VOCAB, example_tokens
+
+EXPERTS, TOP_K, FFN, LIMIT = 4, 2, 32, 7.0
+
+
+class Router(nn.Module):
+    """Top-k routing on raw parameters: logits, the top-k experts and their softmax weights."""
+
+    def __init__(self):
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(EXPERTS, DIM) * DIM ** -0.5)
+        self.bias = nn.Parameter(torch.randn(EXPERTS) * 0.1)
+
+    def forward(self, x):
+        top, index = torch.topk(F.linear(x, self.weight, self.bias), TOP_K, dim=-1)
+        return F.softmax(top, dim=1), index
+
+
+class LoopExperts(nn.Module):
+    """``gate_up`` (E, in, 2*ffn) interleaved and clamped, ``down`` (E, ffn, in), per-expert biases;
+    one expert per step, ``x[token] @ W[e]``, accumulated into ``out`` by ``index_add_``."""
+
+    def __init__(self):
+        super().__init__()
+        self.gate_up = nn.Parameter(torch.randn(EXPERTS, DIM, 2 * FFN) * DIM ** -0.5)
+        self.gate_up_bias = nn.Parameter(torch.randn(EXPERTS, 2 * FFN) * 0.1)
+        self.down = nn.Parameter(torch.randn(EXPERTS, FFN, DIM) * FFN ** -0.5)
+        self.down_bias = nn.Parameter(torch.randn(EXPERTS, DIM) * 0.1)
+
+    def expert(self, x, e):
+        gate_up = x @ self.gate_up[e] + self.gate_up_bias[e]
+        gate, up = gate_up[..., ::2].clamp(max=LIMIT), gate_up[..., 1::2].clamp(-LIMIT, LIMIT)
+        return ((up + 1) * gate * torch.sigmoid(gate * 1.702)) @ self.down[e] + self.down_bias[e]
+
+    def accumulate(self, out, token, y):
+        return out.index_add_(0, token, y)
+
+    def forward(self, x, index, weights):
+        out = torch.zeros_like(x)
+        for e in range(EXPERTS):
+            token, slot = torch.where(index == e)
+            out = self.accumulate(out, token, self.expert(x[token], e) * weights[token, slot, None])
+        return out
+
+
+class LinearChunkedLoopExperts(LoopExperts):
+    """Weights stored (E, out, in) and run by ``F.linear(x, W[e])``, gate/up fused in halves (``chunk``),
+    the running sum updated out of place (``out = out + ...``)."""
+
+    def __init__(self):
+        super().__init__()
+        self.gate_up = nn.Parameter(torch.randn(EXPERTS, 2 * FFN, DIM) * DIM ** -0.5)
+        self.down = nn.Parameter(torch.randn(EXPERTS, DIM, FFN) * FFN ** -0.5)
+
+    def expert(self, x, e):
+        gate, up = (F.linear(x, self.gate_up[e]) + self.gate_up_bias[e]).chunk(2, dim=-1)
+        return F.linear(F.silu(gate) * up, self.down[e]) + self.down_bias[e]
+
+    def accumulate(self, out, token, y):
+        return out + torch.zeros_like(out).index_add(0, token, y)
+
+
+class ClampedRunningSum(LoopExperts):
+    """The running sum is clamped after every expert: a clamp of a per-rank partial sum is not the
+    clamp of the sum, so the experts must stay whole."""
+
+    def accumulate(self, out, token, y):
+        return out.index_add_(0, token, y).clamp(-0.5, 0.5)
+
+
+class WeightReadOutside(LoopExperts):
+    """The 3-D down weight is also read whole (a scale from its mean magnitude): sharded, each rank
+    would read its slice as the whole, so the experts must stay whole."""
+
+    def forward(self, x, index, weights):
+        return super().forward(x, index, weights) * self.down.abs().mean()
+
+
+class MoE(nn.Module):
+    def __init__(self, experts: type[nn.Module]):
+        super().__init__()
+        self.router, self.experts = Router(), experts()
+
+    def forward(self, x):
+        b, t, d = x.shape
+        x = x.reshape(-1, d)
+        weights, index = self.router(x)
+        return self.experts(x, index, weights).reshape(b, t, d)
+
+
+class Attention(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.q, self.k, self.v, self.o = (nn.Linear(DIM, DIM) for _ in range(4))
+
+    def forward(self, x):
+        b, t, _ = x.shape
+        q, k, v = (p(x).view(b, t, -1, DIM // HEADS).transpose(1, 2) for p in (self.q, self.k, self.v))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.o(y.transpose(1, 2).reshape(b, t, -1))
+
+
+class Block(nn.Module):
+    def __init__(self, experts):
+        super().__init__()
+        self.norm1, self.norm2 = nn.LayerNorm(DIM), nn.LayerNorm(DIM)
+        self.attn, self.mlp = Attention(), MoE(experts)
+
+    def forward(self, x):
+        x = x + self.attn(self.norm1(x))
+        return x + self.mlp(self.norm2(x))
+
+
+class Model(nn.Module):
+    def __init__(self, experts, layers: int = 2):
+        super().__init__()
+        self.embed = nn.Embedding(VOCAB, DIM)
+        self.layers = nn.ModuleList(Block(experts) for _ in range(layers))
+        self.norm, self.head = nn.LayerNorm(DIM), nn.Linear(DIM, VOCAB, bias=False)
+
+    def forward(self, tokens):
+        h = self.embed(tokens)
+        for layer in self.layers:
+            h = layer(h)
+        return self.head(self.norm(h))
+
+
+def megatron_bound(model: nn.Module, tp_size: int) -> float:
+    """Parameters per rank if every Linear weight, the embedding and every 3-D expert parameter is
+    sharded and the rest (norms, biases, the router) is whole."""
+    sharded = {id(m.weight) for m in model.modules() if isinstance(m, (nn.Linear, nn.Embedding))}
+    sharded |= {id(p) for p in model.parameters() if p.dim() == 3}
+    total = sum(p.numel() for p in model.parameters())
+    split = sum(p.numel() for p in model.parameters() if id(p) in sharded)
+    return (total - split + split / tp_size) / total
+
+
+def _synthesize_and_verify(experts, tp_size, sequence_parallel):
+    torch.manual_seed(0)
+    model = Model(experts).eval()
+    tokens = example_tokens()
+    plan = autotp.synthesize(model, example_inputs=(tokens,), tp_size=tp_size, sequence_parallel=sequence_parallel)
+    report = verify(model, plan, tp_size=tp_size, inputs=(tokens,))
+    assert report.ok, str(report)
+    assert max(report.logits_max_abs_diff) <= 1e-5 and report.worst_grad[1] <= 1e-5, report
+    return model, plan, report
+
+
+@pytest.mark.parametrize("sequence_parallel", [False, True], ids=["plain", "sp"])
+@pytest.mark.parametrize("tp_size", [2, 4])
+@pytest.mark.parametrize("experts", [LoopExperts, LinearChunkedLoopExperts], ids=["interleaved", "chunked"])
+def test_loop_experts_are_sharded_on_the_ffn_dim_and_exact(experts, tp_size, sequence_parallel):
+    """Would catch the loop's experts left whole (fraction near 0.8), the interleaved gate/up or the
+    gate/up bias sharded out of step with the weight (logits off), and the down bias added by every
+    rank to its partial sum (counted tp times: logits off by (tp - 1) * bias)."""
+    model, plan, report = _synthesize_and_verify(experts, tp_size, sequence_parallel)
+    style = plan["layers.*.mlp.experts"]
+    assert isinstance(style, styles.ExpertsParallel), plan
+    assert style.once == ("down_bias",), style
+    assert style.shard_dims["gate_up_bias"] == 1, style
+    assert isinstance(plan["layers.*.mlp.router"], styles.PartialGradRouter), plan
+    bound = megatron_bound(model, tp_size)
+    assert all(abs(f - bound) < 0.03 for f in report.param_fraction), (report.param_fraction, bound)
+
+
+@pytest.mark.parametrize("sequence_parallel", [False, True], ids=["plain", "sp"])
+@pytest.mark.parametrize("tp_size", [2, 4])
+@pytest.mark.parametrize("experts", [ClampedRunningSum, WeightReadOutside], ids=["clamped_sum", "weight_read"])
+def test_loop_experts_that_cannot_be_split_stay_whole_and_exact(experts, tp_size, sequence_parallel):
+    """Would catch a plan that shards experts whose running sum is clamped inside the loop (a clamp
+    of each rank's partial sum: logits off) or whose 3-D weight is also read whole elsewhere (a
+    shard read as the whole): both must stay whole, the rest of the model still sharded."""
+    _, plan, report = _synthesize_and_verify(experts, tp_size, sequence_parallel)
+    assert "layers.*.mlp.experts" not in plan or not isinstance(plan["layers.*.mlp.experts"], styles.ExpertsParallel)
+    assert "layers.*.attn.q" in plan, sorted(plan)
+
+
+def test_experts_parallel_refuses_a_bias_both_sharded_and_added_once():
+    """Would catch a style built with a parameter both sharded and added once (which is it?)."""
+    with pytest.raises(PlanError, match="down_bias"):
+        styles.ExpertsParallel(shard_dims={"down_bias": 1}, packed={}, once=("down_bias",))
+
+
+def test_experts_parallel_refuses_once_naming_no_parameter():
+    """Would catch ``once`` naming something the module does not hold (a typo): that bias would then
+    silently be added by every rank."""
+    torch.manual_seed(0)
+    model = Model(LoopExperts).eval()
+    plan = {"layers.*.mlp.experts": styles.ExpertsParallel(shard_dims={"gate_up": 2, "down": 1}, packed={},
+                                                             once=("down_bais",))}
+    try:
+        message = verify(model, plan, tp_size=2, inputs=(example_tokens(),)).error or ""
+    except PlanError as error:  # raised, or reported by the verifier: either names the parameter
+        message = str(error)
+    assert "down_bais" in message and "not parameters" in message, message
