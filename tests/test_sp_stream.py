@@ -233,3 +233,64 @@ def test_block_scaling_by_a_whole_router_is_gathered_under_sequence_parallel(tp)
         getattr(gathered, "desired_input_layouts", None) == (Replicate(),), gathered
     assert "layers.*.moe.shared.c_fc" in plan, sorted(plan)
     verify_toy(model, plan, tp)
+
+
+class MaskedMixer(nn.Module):
+    """Zeroes the padded positions of its input with the model's padding mask, then a per-channel
+    scale and an MLP (the scale is the mixer's own parameter, so the mixer keeps a style of its own)."""
+
+    def __init__(self):
+        super().__init__()
+        self.scale = nn.Parameter(1 + 0.1 * torch.randn(4 * DIM))
+        self.up, self.down = nn.Linear(DIM, 4 * DIM), nn.Linear(4 * DIM, DIM)
+
+    def forward(self, h, mask):
+        h = h * mask[:, :, None].to(h.dtype)
+        return self.down(F.gelu(self.up(h)) * self.scale)
+
+
+class MaskedLayer(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.ln_1, self.ln_2 = nn.LayerNorm(DIM), nn.LayerNorm(DIM)
+        self.mixer, self.mlp = MaskedMixer(), MLP()
+
+    def forward(self, x, mask):
+        x = x + self.mixer(self.ln_1(x), mask)
+        return x + self.mlp(self.ln_2(x))
+
+
+class MaskedModel(nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.embed = nn.Embedding(VOCAB, DIM)
+        self.layers = nn.ModuleList(MaskedLayer() for _ in range(2))
+        self.norm = nn.LayerNorm(DIM)
+        self.head = nn.Linear(DIM, VOCAB, bias=False)
+
+    def forward(self, ids, mask):
+        x = self.embed(ids)
+        for layer in self.layers:
+            x = layer(x, mask)
+        return self.head(self.norm(x))
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+def test_module_masking_the_stream_reads_it_gathered(tp):
+    """Would catch the mixer's ``h * mask`` meeting a sequence-sharded DTensor with the plain
+    padding mask (the forward raised "got mixed torch.Tensor and DTensor"): the norm before it
+    all-gathers to a plain tensor, the mixer keeps its own sharded parameter, its row reduce-scatters."""
+    from autotp.verifier import verify
+
+    tokens = example_tokens()
+    mask = torch.ones_like(tokens)
+    mask[0, :3] = 0
+    model = MaskedModel()
+    plan = synthesize(model, example_inputs=(tokens, mask), tp_size=tp, sequence_parallel=True)
+    norm = plan["layers.*.ln_1"]
+    assert isinstance(norm, styles.SequenceParallelAllGather) and norm.use_local_output, norm
+    assert isinstance(plan["layers.*.mixer"], styles.HeadParams), plan.get("layers.*.mixer")
+    report = verify(model, plan, tp_size=tp, inputs=(tokens, mask))
+    assert report.ok, str(report)
+    assert all(f <= _whole_fraction(model, tp) + 0.01 for f in report.param_fraction), report.param_fraction

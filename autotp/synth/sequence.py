@@ -225,6 +225,53 @@ def routed_blocks(g: nx.DiGraph, roles: dict[str, Role]) -> set[str]:
     return found
 
 
+# Ops by which a module's code masks or scales a value by another tensor.
+_MASKING = frozenset({"mul", "div", "masked_fill", "where"})
+
+
+def masked_blocks(g: nx.DiGraph, flow: Flow, region: set[str]) -> set[str]:
+    """Modules whose own code combines the sequence-sharded stream with a tensor computed from the
+    model's inputs alone (a padding mask zeroing padded positions at a mixer's entry): a
+    ``Shard(1)`` DTensor cannot meet that plain tensor, so such a module is gathered whole at
+    entry (its output sliced back)."""
+    found = set()
+    for name in region:
+        data = g.nodes[name]
+        if data["kind"] != "call" or data["op"] not in _MASKING or not data["module"]:
+            continue
+        for ref in refs(data["args"], data["kwargs"]):
+            if ref.name in region or flow.sharded(ref.name) or not g.nodes[ref.name]["shape"]:
+                continue
+            behind = nx.ancestors(g, ref.name) | {ref.name}
+            kinds = {g.nodes[n]["kind"] for n in behind}
+            if "input" in kinds and "param" not in kinds and not any(
+                    g.nodes[n]["kind"] == "call" and (is_linear(g, n) or g.nodes[n]["op"] == "embedding")
+                    for n in behind):
+                found.add(data["module"])
+                break
+    return found
+
+
+def gathers_before_masks(g: nx.DiGraph, region: set[str], roles: dict[str, Role], masked: set[str]) -> dict[str, Role]:
+    """For each module of :func:`masked_blocks`: the norm whose output it reads all-gathers it to a
+    plain tensor (the module's own style, if any, stays: a sharded mixer's per-head parameters),
+    or, where no norm feeds it and it has no role, the module gathers at entry itself."""
+    found = {}
+    for module in sorted(masked):
+        for node in sorted(module_inputs(g, module) & region):
+            producer = g.nodes[node]["module"]
+            role = roles.get(producer)
+            if role is not None and role.kind in ("seq_norm", "seq_norm_gather"):
+                found[producer] = Role("seq_norm_gather", f"norm on the sequence-sharded stream read by {module}, "
+                                       "whose code masks it with a plain tensor: all-gathered once to a plain "
+                                       "tensor", (*role.evidence, module))
+            elif module not in roles and module not in found:
+                found[module] = Role("seq_gather", "its own code masks the stream with a tensor made from the "
+                                     "model's inputs (a padding mask): gathered whole at entry, the whole output "
+                                     "sliced back", (node, module), seq_output=True)
+    return found
+
+
 def partial_blocks(g: nx.DiGraph, roles: dict[str, Role], blocks: set[str],
                    inner: set[str] = frozenset()) -> dict[str, set[str]]:
     """MoE blocks whose experts' partial sums may leave the block unreduced, with the rows of
@@ -597,7 +644,10 @@ def root_joins(g: nx.DiGraph, flow: Flow, region: set[str], groups) -> list[str]
             if ref.name in region or src["kind"] != "call" or not src["shape"] or flow.sharded(ref.name):
                 continue
             behind = g.nodes[_behind_pointwise(g, ref.name)]
-            if behind["kind"] == "call" and not [m for m in behind["stack"] if m not in data["stack"]]:
+            if behind["kind"] != "call" or [m for m in behind["stack"] if m not in data["stack"]]:
+                continue
+            # Computed from parameters (a norm's ``1 + weight``), it is a DTensor under its module's style.
+            if not any(g.nodes[n]["kind"] == "param" for n in nx.ancestors(g, ref.name)):
                 found.append(name)
                 break
     return found
@@ -629,6 +679,8 @@ def sequence_parallel_roles(g: nx.DiGraph, flow: Flow, roles: dict[str, Role], g
     """Roles under sequence parallel: add seq norms and rotary, and mark sequence-sharded ends.
     ``groups``: the trace's layer groups (a MoE block is recognised across the layers it stands for)."""
     blocks = expert_blocks(roles, groups) | dispatch_blocks(g, roles) | routed_blocks(g, roles)
+    masked = {m for m in masked_blocks(g, flow, residual_region(g, flow, blocks))
+              if not any(m == b or m.startswith(b + ".") for b in blocks)}
     partial = partial_blocks(g, roles, blocks, inner_rows(g, flow))
     region = residual_region(g, flow, blocks)
     out = dict(roles)
@@ -650,17 +702,17 @@ def sequence_parallel_roles(g: nx.DiGraph, flow: Flow, roles: dict[str, Role], g
                                    f"is added to the experts' and reduce-scattered once with them by {block}")
         else:
             # Gathered at entry too: its dispatch indexes every token of a stream still sharded there.
-            out[block] = Role("seq_gather", "holds experts and other modules that combine with their "
-                              "output (a shared expert, a norm): gathered whole at entry, each reduced inside, "
-                              "and the whole output sliced back to the sequence-sharded stream", (block,),
-                              seq_output=True)
+            out[block] = Role("seq_gather", "holds experts and other modules that combine with their output (a "
+                              "shared expert, a router, a norm): gathered whole at entry, each reduced inside, and "
+                              "the whole output sliced back to the sequence-sharded stream", (block,), seq_output=True)
     out.update({m: replace(r, seq_output=True) for m, r in out.items()
                 if r.kind == "experts" and any(m.startswith(block + ".") for block in partial)})
+    out.update(gathers_before_masks(g, region, out, masked))
     out.update(joining_modules(g, flow, region, out))
     out.update(shared_gathers(g, region, out))
     # Modules whose inputs are gathered whole at entry: the Linears inside read them whole.
     # (``LinearParams`` gathers its module's inputs: the code around raw weights reads every position.)
-    gathered = {m for m, r in out.items() if r.kind in ("seq_norm_gather", "seq_gather", "linear_params")}
+    gathered = {m for m, r in out.items() if r.kind in ("seq_norm_gather", "seq_gather", "linear_params")} | masked
     raw_modules = {m for m, r in out.items() if r.kind == "linear_params"}  # reduce inside, slice their output
     inner = inner_rows(g, flow)
     for name, data in g.nodes(data=True):
