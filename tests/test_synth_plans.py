@@ -198,17 +198,18 @@ def test_model_without_config_or_inputs_raises_trace_error():
         synthesize(TitanLlama())
 
 
-def test_real_size_configs_synthesize_on_meta_fast_and_flat_in_depth():
-    """70B-shaped Llama on meta: well under 2 s, and 80 layers cost about what 2 do."""
+def test_real_size_configs_synthesize_on_meta_flat_in_depth():
+    """70B-shaped Llama on meta: 80 layers cost about what 2 do (one block per layer type is
+    traced). Would catch synthesis tracing every layer. CPU time of this process, so that other
+    work on the machine does not count; the absolute speed is `benchmarks/bench_synthesis.py`'s."""
     shape = dict(hidden_size=8192, num_attention_heads=64, num_key_value_heads=8, intermediate_size=28672,
                  vocab_size=128256)
     synthesize(tiny_model("llama", **shape))  # warm-up: the first export pays one-off costs
     times = {}
     for layers in (2, 80):
         model = tiny_model("llama", num_hidden_layers=layers, **shape)
-        start = time.perf_counter()
+        start = time.process_time()
         plan = synthesize(model, tp_size=8)
-        times[layers] = time.perf_counter() - start
+        times[layers] = time.process_time() - start
         assert len(plan) == 11  # 7 Linears, embedding, head, 2 pre-norms
-    assert times[80] < 2.0
-    assert times[80] < 2 * times[2] + 0.5
+    assert times[80] < 2 * times[2] + 0.5, times
