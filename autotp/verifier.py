@@ -181,7 +181,7 @@ def default_inputs(model: nn.Module, tp_size: int, *, batch: int = 2, seed: int 
     return {"input_ids": torch.randint(0, vocab, (batch, seq), generator=generator)}
 
 
-def _call(model: nn.Module, inputs) -> torch.Tensor:
+def call_model(model: nn.Module, inputs) -> torch.Tensor:
     out = model(**inputs) if isinstance(inputs, dict) else model(*inputs)
     if hasattr(out, "logits"):
         return out.logits
@@ -251,7 +251,7 @@ def reference_run(model: nn.Module, inputs, backward: bool):
     """Logits and (after the verify loss's backward) parameters of an unsharded copy of ``model``."""
     reference = clean_copy(model).eval()
     reference.zero_grad(set_to_none=True)
-    ref_logits = _call(reference, inputs)
+    ref_logits = call_model(reference, inputs)
     if backward:
         _loss(ref_logits).backward()
     return ref_logits.detach(), dict(reference.named_parameters())
@@ -402,7 +402,7 @@ def run_and_compare(sharded, inputs, ref_logits, ref_params, backward, rank_valu
         parameters whose local gradient is not their local shard's size under ``"full_grads"``.
     """
     with CollectiveCounter() as comm:
-        logits = _call(sharded, inputs)
+        logits = call_model(sharded, inputs)
     full = logits.full_tensor() if isinstance(logits, DTensor) else logits
     logit_diffs = {rank: (value - ref_logits).abs().max().item() for rank, value in rank_values(full.detach())}
     loss = _loss(full) if backward else None

@@ -273,7 +273,7 @@ def run_case(case: Case) -> dict:
 
     from autotp import get_plan
     from autotp.errors import PlanError
-    from autotp.verifier import _call, default_inputs
+    from autotp.verifier import call_model, default_inputs
 
     warnings.simplefilter("ignore")
     start = time.perf_counter()
@@ -303,7 +303,7 @@ def run_case(case: Case) -> dict:
         result["layers"] = _layers(model)
         try:
             with torch.no_grad():
-                _call(model, default_inputs(model, case.tp))
+                call_model(model, default_inputs(model, case.tp))
         except Exception as error:
             result["synth"] = {"status": "failed", "reason": _reason("unsharded-forward-failed", error),
                                "error": _message(error)}

@@ -116,7 +116,7 @@ def _gloo_rank(rank: int, port: int, results) -> None:
     import torch.distributed as dist
 
     from autotp import parallelize
-    from autotp.verifier import _call, default_inputs
+    from autotp.verifier import call_model, default_inputs
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=2)
@@ -132,9 +132,9 @@ def _gloo_rank(rank: int, port: int, results) -> None:
         parallelize(model, mesh)
         total = torch.tensor([float(rank + 1)])
         dist.all_reduce(total)  # the group still works after the check ran beside it
-        logits = _call(model, inputs)
+        logits = call_model(model, inputs)
         logits = logits.full_tensor() if hasattr(logits, "full_tensor") else logits
-        diff = (logits - _call(reference, inputs)).abs().max().item()
+        diff = (logits - call_model(reference, inputs)).abs().max().item()
         results.put((rank, [r.getMessage() for r in records], total.item(), diff, None))
     except Exception as error:  # reported to the test, which fails with it
         results.put((rank, [], None, None, f"{type(error).__name__}: {error}"))

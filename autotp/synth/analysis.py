@@ -22,7 +22,8 @@ import networkx as nx
 from autotp.synth.graph import Ref, param_modules, refs
 from autotp.synth.experts import expert_bias, partial_sum_breaks, selected_weight
 from autotp.synth.params import reading_module
-from autotp.synth.ops import (ATTENTION, ELEMENTWISE, MATMULS, NEW_LIKE, PASSTHROUGH, SINKS, VIEW_LIKE, Break, Given, Out, Parts,
+from autotp.synth.ops import FIRST_VALUE_ONLY, GROUPED_MATMULS, NO_VALUES, SCALINGS, SELECTING_PRODUCTS, STACKED_MATMULS, WRITE_VIEWS, WRITES
+from autotp.synth.ops import (ATTENTION, ELEMENTWISE, MATMULS, PASSTHROUGH, SINKS, VIEW_LIKE, Break, Given, Out, Parts,
                               Split, apply_rule)
 
 log = logging.getLogger(__name__)
@@ -341,8 +342,6 @@ class Flow:
         return owner in self.width_norms and owner in self.g.nodes[name]["stack"]
 
 
-# Ops after which a row Linear's reduced output is still that output, scaled (``* scale``).
-_SCALINGS = PASSTHROUGH | VIEW_LIKE | {"mul", "div"}
 
 
 def _only_params_behind(g: nx.DiGraph, name: str) -> bool:
@@ -361,10 +360,6 @@ def _only_params_behind(g: nx.DiGraph, name: str) -> bool:
     return True
 
 
-# Ops whose tensor arguments after the first lend only a dtype or a shape, and ops that read none of
-# their input's values.
-_FIRST_VALUE_ONLY = frozenset({"type_as", "view_as", "expand_as", "reshape_as"})
-_NO_VALUES = NEW_LIKE | {"zeros_like", "ones_like", "empty_like", "full_like"}
 
 
 def _value_inputs(g: nx.DiGraph, name: str) -> list[str]:
@@ -372,10 +367,10 @@ def _value_inputs(g: nx.DiGraph, name: str) -> list[str]:
     data = g.nodes[name]
     if data["kind"] != "call":
         return list(g.predecessors(name))
-    if data["op"] in _NO_VALUES:
+    if data["op"] in NO_VALUES:
         return []
     inputs = refs(data["args"], data["kwargs"])
-    if data["op"] in _FIRST_VALUE_ONLY:
+    if data["op"] in FIRST_VALUE_ONLY:
         inputs = inputs[:1]
     return [r.name for r in inputs]
 
@@ -385,7 +380,7 @@ def _row_sources(g: nx.DiGraph, flow: Flow, name: str) -> list[str]:
     while name not in flow.rows:
         data = g.nodes[name]
         inputs = refs(data["args"], data["kwargs"])
-        if data["kind"] != "call" or data["op"] not in _SCALINGS or len(inputs) != 1:
+        if data["kind"] != "call" or data["op"] not in SCALINGS or len(inputs) != 1:
             return []
         name = inputs[0].name
     return [name]
@@ -453,15 +448,6 @@ def param_source(g: nx.DiGraph, name: str) -> str | None:
         name = inputs[0]
 
 
-# Grouped (per-expert) matmuls ``x @ W[e]``: weight argument (experts, in, out), possibly a
-# transposed view of a stored (experts, out, in) parameter (transformers 5 MoE experts).
-GROUPED_MATMULS = frozenset({"grouped_mm_fallback", "_grouped_mm", "grouped_mm"})
-# Batched matmuls read the same way when the weight is a 3-D parameter (stacked per-expert or
-# per-group weights: ``torch.bmm(x, self.w1)``); a raw parameter, so :func:`raw_weight`.
-STACKED_MATMULS = frozenset({"bmm", "matmul"})
-# Products that may read one expert's weight ``P[e]`` of a 3-D parameter (a per-expert loop,
-# :mod:`autotp.synth.experts`).
-_SELECTING = frozenset({"matmul", "linear"})
 
 
 @dataclass(frozen=True)
@@ -479,7 +465,7 @@ def weight_of(g: nx.DiGraph, name: str) -> Weight | None:
     args = data["args"]
     if len(args) < 2 or not isinstance(args[1], Ref):
         return None
-    if data["op"] in _SELECTING:  # one expert's weight ``P[e]`` in a per-expert loop
+    if data["op"] in SELECTING_PRODUCTS:  # one expert's weight ``P[e]`` in a per-expert loop
         found = selected_weight(g, args[1].name)
         if found is not None:  # P[e] is (in, out) for a matmul, (out, in) for F.linear
             swapped = found[1] ^ (data["op"] == "linear")
@@ -524,7 +510,7 @@ def raw_like(g: nx.DiGraph, name: str) -> bool:
 def _selects_expert(g: nx.DiGraph, name: str) -> bool:
     """Whether Linear-like node ``name`` multiplies by one expert's weight ``P[e]``."""
     args = g.nodes[name]["args"]
-    return g.nodes[name]["op"] in _SELECTING and isinstance(args[1], Ref) and selected_weight(g, args[1].name) is not None
+    return g.nodes[name]["op"] in SELECTING_PRODUCTS and isinstance(args[1], Ref) and selected_weight(g, args[1].name) is not None
 
 
 def _only_reader(g: nx.DiGraph, weight: str, name: str) -> bool:
@@ -691,12 +677,7 @@ def _reduction_in_norm(flow: Flow, data, origins, owners: set[str]) -> bool:
     return False
 
 
-# In-place writes: ``out[:, :, i] = x`` writes x's values into ``out``, read later through ``out``.
-_WRITES = frozenset({"copy_", "add_", "sub_", "mul_", "div_", "masked_fill_", "clamp_", "neg_"})
 
-# Views a write may go through to the tensor it changes.
-_WRITE_VIEWS = VIEW_LIKE | {"slice", "select", "unsqueeze", "squeeze", "transpose", "permute", "narrow",
-                            "expand", "alias", "t"}
 
 
 def _written(flow: Flow, name: str, data) -> None:
@@ -706,7 +687,7 @@ def _written(flow: Flow, name: str, data) -> None:
     projection through ``out``)."""
     written = flow.state.get(name)
     base = data["args"][0] if data["args"] else None
-    while isinstance(base, Ref) and flow.g.nodes[base.name]["op"] in _WRITE_VIEWS and flow.g.nodes[base.name]["args"]:
+    while isinstance(base, Ref) and flow.g.nodes[base.name]["op"] in WRITE_VIEWS and flow.g.nodes[base.name]["args"]:
         base = flow.g.nodes[base.name]["args"][0]
     if not isinstance(written, Shard) or not isinstance(base, Ref):
         return
@@ -761,7 +742,7 @@ def propagate(g: nx.DiGraph, active: set[str], unit_heads: frozenset = frozenset
                 _record(flow, name, result.then, origins - result.only, next(iter(kept)), kept)
             continue
         _record(flow, name, result, origins, next(iter(dims)), dims)
-        if data["op"] in _WRITES:
+        if data["op"] in WRITES:
             _written(flow, name, data)
     return flow
 

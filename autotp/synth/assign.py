@@ -11,6 +11,7 @@ import networkx as nx
 from autotp.synth.analysis import (Flow, Shard, is_linear, linear_weight, module_of, param_source, part_sizes,
                                    raw_weight, weight_of, weight_uses)
 from autotp.synth.graph import Ref, param_modules, refs
+from autotp.synth.ops import ALIASING
 from autotp.synth.ops import PASSTHROUGH, VIEW_LIKE
 from autotp.synth.params import broadcast_roles, param_roles, reading_module
 from autotp.synth.roles import WEIGHT_DIMS, Role, kind_of
@@ -383,10 +384,6 @@ def tied_embedding_modules(g: nx.DiGraph, conflicts: dict[str, str]) -> dict[str
     return out
 
 
-# Ops that return a view of their first argument: an in-place op on the view writes the original.
-_ALIASING = frozenset({"view", "_unsafe_view", "reshape", "transpose", "permute", "unsqueeze", "squeeze",
-                       "slice", "select", "expand", "t", "alias", "as_strided", "narrow", "unflatten",
-                       "flatten", "view_as", "reshape_as"})
 
 
 def mutated_outputs(g: nx.DiGraph) -> set[str]:
@@ -408,7 +405,7 @@ def mutated_outputs(g: nx.DiGraph) -> set[str]:
         if data["kind"] != "call" or not op.endswith("_") or op.startswith("_") or not data["args"]:
             continue
         target = data["args"][0]
-        while isinstance(target, Ref) and g.nodes[target.name]["op"] in _ALIASING \
+        while isinstance(target, Ref) and g.nodes[target.name]["op"] in ALIASING \
                 and g.nodes[target.name]["stack"] == data["stack"]:
             target = g.nodes[target.name]["args"][0]
         if isinstance(target, Ref) and g.nodes[target.name]["kind"] == "call":

@@ -20,13 +20,12 @@ from __future__ import annotations
 import networkx as nx
 
 from autotp.synth.graph import Ref, refs
+from autotp.synth.ops import EXPERT_PRODUCTS, INDEX_ADDS, SUMS, ZEROS
 from autotp.synth.ops import PASSTHROUGH, SINKS, VIEW_LIKE
 
 # Ops a selected weight may go through between ``W[e]`` and the product (``W[e].T``).
 _WEIGHT_VIEWS = PASSTHROUGH | {"transpose", "t", "numpy_T"}
 
-# Products that read a selected expert weight as their second argument.
-_PRODUCTS = frozenset({"matmul", "mm", "linear"})
 
 # Ops that gather or view rows of a partial sum, or scale it: linear in their first argument when
 # no other argument is a partial sum (the indices and scales are replicated).
@@ -35,14 +34,8 @@ _LINEAR_IN_FIRST = PASSTHROUGH | VIEW_LIKE | frozenset({
     "mul", "mul_", "div", "div_", "expand",
 })
 
-# Sums: a sum of partial sums is a partial sum.
-_SUMS = frozenset({"add", "add_", "sub", "sub_"})
 
-# Scatter-adds into a running sum: ``out.index_add_(0, idx, y)`` (self, dim, index, source).
-_INDEX_ADDS = frozenset({"index_add", "index_add_"})
 
-# Fresh tensors of zeros: a running sum may start from one (zero on every rank is a partial sum).
-_ZEROS = frozenset({"zeros_like", "new_zeros", "zeros"})
 
 
 def selected_weight(g: nx.DiGraph, name: str) -> tuple[str, bool] | None:
@@ -82,7 +75,7 @@ def _read_by_products(g: nx.DiGraph, param: str) -> bool:
                 data = g.nodes[user]
                 if data["op"] in _WEIGHT_VIEWS:
                     todo.append(user)
-                elif data["op"] not in _PRODUCTS or data["args"][1:2] != (Ref(node),):
+                elif data["op"] not in EXPERT_PRODUCTS or data["args"][1:2] != (Ref(node),):
                     return False
     return True
 
@@ -141,7 +134,7 @@ def _partial_sum_walk(g: nx.DiGraph, rows: list[str], module: str) -> tuple[set[
         data = g.nodes[user]
         inputs = [r.name for r in refs(data["args"], data["kwargs"])]
         partial = [n for n in inputs if n in reached]
-        if user in reached or not partial or data["op"] in SINKS | _ZEROS:
+        if user in reached or not partial or data["op"] in SINKS | ZEROS:
             continue  # zeros shaped like a partial sum read none of its values
         reason = _nonlinear(g, user, inputs, partial, once)
         if reason:
@@ -154,18 +147,18 @@ def _nonlinear(g: nx.DiGraph, name: str, inputs: list[str], partial: list[str], 
     """Why node ``name`` is not linear in its ``partial`` inputs (None if it is); per-expert biases
     added to them are collected in ``once``."""
     data, op = g.nodes[name], g.nodes[name]["op"]
-    if op in _SUMS:
-        for other in (n for n in inputs if n not in partial and g.nodes[n]["op"] not in _ZEROS):
+    if op in SUMS:
+        for other in (n for n in inputs if n not in partial and g.nodes[n]["op"] not in ZEROS):
             bias = expert_bias(g, other, len(g.nodes[other]["shape"] or ()) - 1)
             if bias is None:
                 return f"{op} adds {other} to a per-rank partial sum"
             once.add(bias[0])
         return None
-    if op in _INDEX_ADDS:
+    if op in INDEX_ADDS:
         args = data["args"]
         target, index, source = args[0], args[2], args[3] if len(args) > 3 else None
         if not isinstance(source, Ref) or source.name not in partial or (isinstance(index, Ref) and index.name in partial) \
-                or not (target.name in partial or g.nodes[target.name]["op"] in _ZEROS):
+                or not (target.name in partial or g.nodes[target.name]["op"] in ZEROS):
             return f"{op} adds a partial sum into a tensor that is not one"
         return None
     if op == "mul" and len(partial) == 1:

@@ -22,18 +22,14 @@ from __future__ import annotations
 
 import functools
 import operator
-from typing import Any, NamedTuple
+from typing import Any
 
 import networkx as nx
 import torch
 
 from autotp.errors import TraceError
-
-
-class Ref(NamedTuple):
-    """A reference to another graph node inside ``args`` / ``kwargs``."""
-
-    name: str
+from autotp.synth.ops import TRANSPOSES, WEIGHT_CASTS
+from autotp.synth.ref import Ref, refs  # noqa: F401 (re-exported: the graph's node references)
 
 
 def op_name(target: Any) -> str:
@@ -77,17 +73,6 @@ def _size(size) -> int:
         return int(size)
     except Exception:  # a data-dependent SymInt: torch raises its own guard error types
         return UNKNOWN_SIZE
-
-
-def refs(args, kwargs=None):
-    """Every :class:`Ref` in ``args`` and ``kwargs``, in argument order (lists included)."""
-    found = []
-    for value in list(args) + list((kwargs or {}).values()):
-        if isinstance(value, Ref):
-            found.append(value)
-        elif isinstance(value, (list, tuple)):
-            found.extend(v for v in value if isinstance(v, Ref))
-    return found
 
 
 def _plain(value, alias=None):
@@ -217,14 +202,12 @@ def _read_through(g: nx.DiGraph, owner: torch.fx.GraphModule, node: torch.fx.Nod
     return [_plain(v, inner_alias) for v in values]
 
 
-# Ops a weight may pass through on its way to a product and stay the same matrix.
-_WEIGHT_CASTS = frozenset({"to", "_to_copy", "alias", "detach", "type_as", "clone", "contiguous", "lift_fresh_copy"})
 
 
 def _matrix_param(g: nx.DiGraph, ref) -> bool:
     """Whether ``ref`` is a 2-D parameter, possibly cast."""
     name = ref.name if isinstance(ref, Ref) else None
-    while name is not None and g.nodes[name]["kind"] == "call" and g.nodes[name]["op"] in _WEIGHT_CASTS:
+    while name is not None and g.nodes[name]["kind"] == "call" and g.nodes[name]["op"] in WEIGHT_CASTS:
         inputs = refs(g.nodes[name]["args"])
         name = inputs[0].name if inputs else None
     return name is not None and g.nodes[name]["kind"] == "param" and len(g.nodes[name]["shape"] or ()) == 2
@@ -261,13 +244,12 @@ def _products_as_linear(g: nx.DiGraph) -> None:
             _left_product_as_linear(g, name)
 
 
-_TRANSPOSES = frozenset({"t", "numpy_T", "transpose", "permute"})
 
 
 def _transposed_param(g: nx.DiGraph, ref):
     """``W.T`` (``t``, ``transpose(0, 1)``, ``permute(1, 0)``) of a 2-D parameter: the Ref of ``W``."""
     data = g.nodes[ref.name] if isinstance(ref, Ref) else None
-    if data is None or data["op"] not in _TRANSPOSES or not data["args"] or not _matrix_param(g, data["args"][0]):
+    if data is None or data["op"] not in TRANSPOSES or not data["args"] or not _matrix_param(g, data["args"][0]):
         return None
     if data["op"] == "transpose":
         swaps = sorted(d % 2 for d in data["args"][1:3]) == [0, 1]
@@ -307,7 +289,7 @@ def _read_as_linear(g: nx.DiGraph, name: str, x: Ref, weight: Ref, *, in_out: bo
     g.add_edge(weight.name, name)
     while old:  # the chain of casts and transposes that led to the weight, now read by nothing
         source = old.pop()
-        if source in g and g.out_degree(source) == 0 and g.nodes[source]["op"] in _TRANSPOSES | _WEIGHT_CASTS:
+        if source in g and g.out_degree(source) == 0 and g.nodes[source]["op"] in TRANSPOSES | WEIGHT_CASTS:
             old.extend(r.name for r in refs(g.nodes[source]["args"], g.nodes[source]["kwargs"]))
             g.remove_node(source)
 

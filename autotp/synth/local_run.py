@@ -21,6 +21,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from autotp.synth.analysis import Shard, is_linear, module_of, propagate
 from autotp.synth.graph import build_graph
+from autotp.synth.ops import FIXED_SIZE_CUTS
 from autotp.synth.ops import PASSTHROUGH
 from autotp.synth.params import chain_dims, reading_module
 from autotp.synth.roles import WEIGHT_DIMS, Role, kind_of
@@ -28,8 +29,6 @@ from autotp.synth.trace import LayerGroups, collapsed, example_args
 
 log = logging.getLogger(__name__)
 
-# Cuts whose sizes are absolute numbers; ``chunk`` (a count of parts) is local-correct as it is.
-FIXED_SIZE_CUTS = frozenset({"slice", "split", "split_with_sizes"})
 
 
 def _to_meta(value):

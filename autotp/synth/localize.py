@@ -30,7 +30,8 @@ from torch import nn
 
 from autotp.synth.analysis import Flow, Shard, module_of
 from autotp.synth.graph import Ref, common_module
-from autotp.synth.local_run import FIXED_SIZE_CUTS, capture_inputs, run_local, shapes_are_local, trace_local
+from autotp.synth.ops import FIXED_SIZE_CUTS
+from autotp.synth.local_run import capture_inputs, run_local, shapes_are_local, trace_local
 from autotp.synth.ops import VIEW_LIKE
 from autotp.synth.roles import Role
 from autotp.synth.trace import LayerGroups, collapsed

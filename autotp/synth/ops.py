@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import networkx as nx
 
-from autotp.synth.graph import Ref
+from autotp.synth.ref import Ref
 
 # Ops that return their input's values in the same layout (casts, copies, no-op dropout at trace).
 PASSTHROUGH = frozenset({
@@ -87,6 +87,96 @@ TRIANGULAR = frozenset({"tril", "triu"})
 
 # Ops that consume a tensor without producing one the analysis follows.
 SINKS = frozenset({"_assert_tensor_metadata", "sym_size", "sym_numel", "_assert_scalar"})
+
+# --- op families the passes read (one table per fact; the shard rules below use the ones above) ---
+
+# Ops after which a row Linear's reduced output is still that output, scaled (``* scale``).
+SCALINGS = PASSTHROUGH | VIEW_LIKE | {"mul", "div"}
+
+# Ops whose tensor arguments after the first lend only a dtype or a shape.
+FIRST_VALUE_ONLY = frozenset({"type_as", "view_as", "expand_as", "reshape_as"})
+
+# Ops that read none of their input's values (only its shape, dtype, device).
+NO_VALUES = NEW_LIKE | {"zeros_like", "ones_like", "empty_like", "full_like"}
+
+# Grouped (per-expert) matmuls ``x @ W[e]``: weight argument (experts, in, out), possibly a
+# transposed view of a stored (experts, out, in) parameter (transformers 5 MoE experts).
+GROUPED_MATMULS = frozenset({"grouped_mm_fallback", "_grouped_mm", "grouped_mm"})
+
+# Batched matmuls read the same way when the weight is a 3-D parameter (stacked per-expert or
+# per-group weights: ``torch.bmm(x, self.w1)``); a raw parameter, so :func:`raw_weight`.
+STACKED_MATMULS = frozenset({"bmm", "matmul"})
+
+# Products that may read one expert's weight ``P[e]`` of a 3-D parameter (a per-expert loop,
+# :mod:`autotp.synth.experts`).
+SELECTING_PRODUCTS = frozenset({"matmul", "linear"})
+
+# In-place writes: ``out[:, :, i] = x`` writes x's values into ``out``, read later through ``out``.
+WRITES = frozenset({"copy_", "add_", "sub_", "mul_", "div_", "masked_fill_", "clamp_", "neg_"})
+
+# Views a write may go through to the tensor it changes.
+WRITE_VIEWS = VIEW_LIKE | {"slice", "select", "unsqueeze", "squeeze", "transpose", "permute", "narrow",
+                            "expand", "alias", "t"}
+
+# Ops that return a view of their first argument: an in-place op on the view writes the original.
+ALIASING = frozenset({"view", "_unsafe_view", "reshape", "transpose", "permute", "unsqueeze", "squeeze",
+                       "slice", "select", "expand", "t", "alias", "as_strided", "narrow", "unflatten",
+                       "flatten", "view_as", "reshape_as"})
+
+# Products that read a selected expert weight as their second argument.
+EXPERT_PRODUCTS = frozenset({"matmul", "mm", "linear"})
+
+# Sums: a sum of partial sums is a partial sum.
+SUMS = frozenset({"add", "add_", "sub", "sub_"})
+
+# Scatter-adds into a running sum: ``out.index_add_(0, idx, y)`` (self, dim, index, source).
+INDEX_ADDS = frozenset({"index_add", "index_add_"})
+
+# Fresh tensors of zeros: a running sum may start from one (zero on every rank is a partial sum).
+ZEROS = frozenset({"zeros_like", "new_zeros", "zeros"})
+
+# Ops by which a module picks rows of a tensor by computed ids (routed tokens: ``x[token_idx]``).
+DISPATCH = frozenset({"index", "index_select"})
+
+# Ops by which a module's code masks or scales a value by another tensor.
+MASKING = frozenset({"mul", "div", "masked_fill", "where"})
+
+# Products: an operand's gradient is the other operand times the incoming gradient.
+PRODUCTS = MATMULS | frozenset({"mul", "div", "mm", "einsum"})
+
+# Single-tensor ops a partial sum may pass through and stay one: scalings by constants, casts,
+# reshapes (a shared expert's output on its way to the experts').
+LINEAR_CARRY = PASSTHROUGH | frozenset({"view", "reshape", "_unsafe_view", "flatten", "unsqueeze", "squeeze",
+                                         "mul", "div", "neg", "clone", "contiguous", "dropout", "native_dropout"})
+
+# Products that multiply by a weight matrix when one operand is a parameter (a Linear, or a raw
+# weight: ``einsum`` on an ``nn.Parameter``); a module running one mixes features, so it is no norm.
+WEIGHT_PRODUCTS = frozenset({"linear", "addmm", "mm", "bmm", "baddbmm", "matmul", "einsum"})
+
+# Reshapes, which a Replicate() DTensor takes as a plain tensor would (an MoE block flattens tokens).
+RESHAPES = frozenset({"view", "reshape", "_unsafe_view", "flatten", "unsqueeze", "squeeze"})
+
+# Ops whose integer outputs pick experts; a value read only through these gets no gradient.
+SELECTIONS = frozenset({"argmax", "argmin", "argsort"})
+
+# Ops returning (values, indices): only the indices (item 1) select.
+SELECTIONS_WITH_VALUES = frozenset({"topk", "sort", "max", "min"})
+
+# Factories of constant tensors: every element the same, so a rank's block of any dim is the
+# block of the whole one, as long as the code sizes it from the per-rank tensors it meets.
+CONSTANT_FACTORIES = frozenset({"zeros", "ones", "full", "empty"})
+
+# Cuts of a tensor into consecutive parts of given sizes.
+SPLITS = frozenset({"split", "split_with_sizes"})
+
+# Cuts whose sizes are absolute numbers; ``chunk`` (a count of parts) is local-correct as it is.
+FIXED_SIZE_CUTS = frozenset({"slice", "split", "split_with_sizes"})
+
+# Ops a weight may pass through on its way to a product and stay the same matrix.
+WEIGHT_CASTS = frozenset({"to", "_to_copy", "alias", "detach", "type_as", "clone", "contiguous", "lift_fresh_copy"})
+
+# Ops that transpose a weight matrix (``x @ W.T``).
+TRANSPOSES = frozenset({"t", "numpy_T", "transpose", "permute"})
 
 
 @dataclass(frozen=True)

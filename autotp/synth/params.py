@@ -20,6 +20,10 @@ heads before it is concatenated to them) gets, on each rank, the gradient of tha
 nothing else reads that span; :func:`broadcast_roles` has the Linear all-reduce the gradient of that
 span (:class:`~autotp.styles.ReplicatedModule` with ``reduce_grad_features``), one small collective
 of ``tokens x rope width`` per layer.
+
+Long because the three ways a replicated operand can meet a shard soundly (a parameter sharded with
+it, a constant made at the per-rank size, a broadcast span whose gradient is reduced) share the
+walks that find what an operand is computed from.
 """
 
 from __future__ import annotations
@@ -30,6 +34,7 @@ from dataclasses import replace
 import networkx as nx
 
 from autotp.synth.graph import Ref, common_module, refs
+from autotp.synth.ops import CONSTANT_FACTORIES, SPLITS
 from autotp.synth.ops import ELEMENTWISE, PASSTHROUGH, SINKS, VIEW_LIKE
 from autotp.synth.roles import Role
 
@@ -116,9 +121,6 @@ def param_dim(g: nx.DiGraph, name: str, dim: int) -> tuple[str, int] | None:
     return found
 
 
-# Factories of constant tensors: every element the same, so a rank's block of any dim is the
-# block of the whole one, as long as the code sizes it from the per-rank tensors it meets.
-CONSTANT_FACTORIES = frozenset({"zeros", "ones", "full", "empty"})
 
 
 def factory_dim(g: nx.DiGraph, name: str, dim: int) -> tuple[str, int] | None:
@@ -270,7 +272,6 @@ def param_roles(g: nx.DiGraph, flow, roles: dict[str, Role]) -> dict[str, Role]:
     return out
 
 
-_SPLITS = frozenset({"split", "split_with_sizes"})
 
 
 def broadcast_source(g: nx.DiGraph, name: str) -> tuple[str, tuple[int, int], str] | None:
@@ -313,7 +314,7 @@ def broadcast_source(g: nx.DiGraph, name: str) -> tuple[str, tuple[int, int], st
     width = g.nodes[linear]["shape"][-1]
     taken = [s for s in g.successors(linear) if s in above]
     span, start = (0, width), linear
-    if any(g.nodes[s]["op"] in _SPLITS for s in taken):
+    if any(g.nodes[s]["op"] in SPLITS for s in taken):
         if len(taken) != 1 or readers(g, linear) != 1:
             return None
         split = g.nodes[taken[0]]

@@ -127,7 +127,7 @@ class Role:
         object.__setattr__(self, "kind", Kind(self.kind))
 
 
-def kind_of(roles: dict[str, Role], module: str) -> Kind | None:
-    """The kind of ``module``'s role, None if it has none."""
+def kind_of(roles: dict[str, Role], module: str, default: Kind | None = None) -> Kind | None:
+    """The kind of ``module``'s role, ``default`` if it has none."""
     role = roles.get(module)
-    return role.kind if role is not None else None
+    return role.kind if role is not None else default

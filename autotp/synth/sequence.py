@@ -18,8 +18,9 @@ from autotp.synth.analysis import Flow, Shard, is_linear, module_of, param_sourc
 from autotp.synth.assign import reads_model_input
 from autotp.synth.graph import common_module, param_modules, refs
 from autotp.synth.params import reading_module
+from autotp.synth.ops import DISPATCH, LINEAR_CARRY, MASKING, PRODUCTS, WEIGHT_PRODUCTS
 from autotp.synth.ops import ATTENTION, ELEMENTWISE, MATMULS, PASSTHROUGH
-from autotp.synth.roles import Role, kind_of
+from autotp.synth.roles import Kind, Role, kind_of
 
 # Linear roles that take a replicated input and can share one all-gather before them.
 _GATHERING = frozenset({"column", "packed_column", "kv_column"})
@@ -165,8 +166,6 @@ def expert_blocks(roles: dict[str, Role], groups=None) -> set[str]:
     return found
 
 
-# Ops by which a module picks rows of a tensor by computed ids (routed tokens: ``x[token_idx]``).
-_DISPATCH = frozenset({"index", "index_select"})
 # Hops from such a pick to the column Linear that reads the rows.
 _DISPATCH_HOPS = 3
 
@@ -178,7 +177,7 @@ def dispatch_blocks(g: nx.DiGraph, roles: dict[str, Role]) -> set[str]:
     found = set()
     for name, data in g.nodes(data=True):
         block = data["module"]
-        if data["kind"] != "call" or data["op"] not in _DISPATCH or not block or block in found:
+        if data["kind"] != "call" or data["op"] not in DISPATCH or not block or block in found:
             continue
         frontier = [name]
         for _ in range(_DISPATCH_HOPS):
@@ -225,8 +224,6 @@ def routed_blocks(g: nx.DiGraph, roles: dict[str, Role]) -> set[str]:
     return found
 
 
-# Ops by which a module's code masks or scales a value by another tensor.
-_MASKING = frozenset({"mul", "div", "masked_fill", "where"})
 
 
 def masked_blocks(g: nx.DiGraph, flow: Flow, region: set[str]) -> set[str]:
@@ -237,7 +234,7 @@ def masked_blocks(g: nx.DiGraph, flow: Flow, region: set[str]) -> set[str]:
     found = set()
     for name in region:
         data = g.nodes[name]
-        if data["kind"] != "call" or data["op"] not in _MASKING or not data["module"]:
+        if data["kind"] != "call" or data["op"] not in MASKING or not data["module"]:
             continue
         for ref in refs(data["args"], data["kwargs"]):
             if ref.name in region or flow.sharded(ref.name) or not g.nodes[ref.name]["shape"]:
@@ -291,7 +288,7 @@ def partial_blocks(g: nx.DiGraph, roles: dict[str, Role], blocks: set[str],
     simple = {}
     for block in blocks:
         inside = [m for m in owners if m.startswith(block + ".")]
-        kinds = {m: roles.get(m, Role("replicate", "")).kind for m in inside}
+        kinds = {m: kind_of(roles, m, Kind.REPLICATE) for m in inside}
         if any(k in _GATHERING or k == "row" for k in kinds.values()):
             rows = shared_expert_rows(g, roles, block, inner)
             if rows is None or {module_of(g, r) for r in rows} != {m for m, k in kinds.items() if k == "row"}:
@@ -306,8 +303,6 @@ def partial_blocks(g: nx.DiGraph, roles: dict[str, Role], blocks: set[str],
     return simple
 
 
-# Products: an operand's gradient is the other operand times the incoming gradient.
-_PRODUCTS = MATMULS | frozenset({"mul", "div", "mm", "einsum"})
 
 
 def _scaled_outside_experts(g: nx.DiGraph, roles: dict[str, Role], block: str) -> bool:
@@ -329,7 +324,7 @@ def _scaled_outside_experts(g: nx.DiGraph, roles: dict[str, Role], block: str) -
             data = g.nodes[succ]
             if succ in seen or data["kind"] != "call" or block not in data["stack"]:
                 continue
-            if data["op"] in _PRODUCTS and any(_computed(g, other) for other in _tensor_inputs(g, succ)
+            if data["op"] in PRODUCTS and any(_computed(g, other) for other in _tensor_inputs(g, succ)
                                                if other != name):
                 return True
             seen.add(succ)
@@ -342,10 +337,6 @@ def _computed(g: nx.DiGraph, name: str) -> bool:
     return any(g.nodes[n]["kind"] in ("input", "param") for n in nx.ancestors(g, name) | {name})
 
 
-# Single-tensor ops a partial sum may pass through and stay one: scalings by constants, casts,
-# reshapes (a shared expert's output on its way to the experts').
-_LINEAR_CARRY = PASSTHROUGH | frozenset({"view", "reshape", "_unsafe_view", "flatten", "unsqueeze", "squeeze",
-                                         "mul", "div", "neg", "clone", "contiguous", "dropout", "native_dropout"})
 
 
 def _tensor_inputs(g: nx.DiGraph, name: str) -> list[str]:
@@ -354,7 +345,7 @@ def _tensor_inputs(g: nx.DiGraph, name: str) -> list[str]:
 
 
 def _carry_forward(g: nx.DiGraph, start: str, limit: int = 6) -> tuple[str, str | None]:
-    """From ``start`` along its only reader while that reader is a :data:`_LINEAR_CARRY` op of
+    """From ``start`` along its only reader while that reader is a :data:`LINEAR_CARRY` op of
     this one tensor: ``(the last such node, the reader after it or None)``."""
     name = start
     for _ in range(limit):
@@ -364,19 +355,19 @@ def _carry_forward(g: nx.DiGraph, start: str, limit: int = 6) -> tuple[str, str 
         data = g.nodes[succs[0]]
         if data["kind"] != "call":
             return name, None
-        if data["op"] not in _LINEAR_CARRY or _tensor_inputs(g, succs[0]) != [name]:
+        if data["op"] not in LINEAR_CARRY or _tensor_inputs(g, succs[0]) != [name]:
             return name, succs[0]
         name = succs[0]
     return name, None
 
 
 def _carried_back(g: nx.DiGraph, name: str, limit: int = 6) -> list[str]:
-    """``name`` and the nodes it comes from through :data:`_LINEAR_CARRY` ops of one tensor."""
+    """``name`` and the nodes it comes from through :data:`LINEAR_CARRY` ops of one tensor."""
     chain = [name]
     for _ in range(limit):
         data = g.nodes[chain[-1]]
         inputs = _tensor_inputs(g, chain[-1])
-        if data["kind"] != "call" or data["op"] not in _LINEAR_CARRY or len(inputs) != 1:
+        if data["kind"] != "call" or data["op"] not in LINEAR_CARRY or len(inputs) != 1:
             break
         chain.append(inputs[0])
     return chain
@@ -448,7 +439,7 @@ def replicated_blocks(g: nx.DiGraph, region: set[str], roles: dict[str, Role]) -
             owners = linear_modules.get(module)
             if not owners or module in roles or module in starts or any(module.startswith(f + ".") for f in found):
                 continue
-            if all(roles.get(o, Role("replicate", "")).kind == "replicate" for o in owners):
+            if all(kind_of(roles, o, Kind.REPLICATE) == "replicate" for o in owners):
                 # A whole decoder block (GPT-2's Conv1D layers) returns the stream itself: its
                 # output is sliced back to the sequence shard.
                 returns_stream = bool(set(module_outputs(g, module)[0]) & region)
@@ -460,7 +451,6 @@ def replicated_blocks(g: nx.DiGraph, region: set[str], roles: dict[str, Role]) -
     return found
 
 
-_MATMUL_OPS = frozenset({"linear", "addmm", "mm", "bmm", "baddbmm", "matmul", "einsum"})
 
 
 def _weight_matmul(g: nx.DiGraph, name: str) -> bool:
@@ -469,7 +459,7 @@ def _weight_matmul(g: nx.DiGraph, name: str) -> bool:
     data = g.nodes[name]
     if is_linear(g, name):
         return True
-    return data["op"] in _MATMUL_OPS and any(param_source(g, r.name) for r in refs(data["args"]))
+    return data["op"] in WEIGHT_PRODUCTS and any(param_source(g, r.name) for r in refs(data["args"]))
 
 
 def sequence_norms(g: nx.DiGraph, region: set[str], roles: dict[str, Role], groups=None) -> dict[str, Role]:
@@ -478,7 +468,7 @@ def sequence_norms(g: nx.DiGraph, region: set[str], roles: dict[str, Role], grou
     owners = param_modules(g)
     # A module that multiplies by a weight matrix mixes features: it is a Linear (kept whole, or
     # sharded), never a norm.
-    owners -= {d["module"] for _, d in g.nodes(data=True) if d["op"] in _MATMUL_OPS}
+    owners -= {d["module"] for _, d in g.nodes(data=True) if d["op"] in WEIGHT_PRODUCTS}
     blocks = expert_blocks(roles, groups)
     found = {}
     for name in sorted(region, key=lambda n: g.nodes[n]["order"]):
@@ -506,7 +496,7 @@ def sequence_norms(g: nx.DiGraph, region: set[str], roles: dict[str, Role], grou
                 continue
             _, readers = module_outputs(g, module)
             consumers = {"column" if _in_block(g, r, blocks) else
-                         roles.get(module_of(g, r), Role("replicate", "")).kind if is_linear(g, r)
+                         kind_of(roles, module_of(g, r), Kind.REPLICATE) if is_linear(g, r)
                          else "other" for r in readers}
             readers_text = ", ".join(sorted({module_of(g, r) for r in readers}))
             if consumers and consumers <= _GATHERING:

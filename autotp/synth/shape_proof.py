@@ -19,7 +19,8 @@ import networkx as nx
 from torch import nn
 
 from autotp.synth.analysis import Flow, Shard, module_of
-from autotp.synth.local_run import FIXED_SIZE_CUTS, capture_inputs, run_local, shapes_are_local, trace_local
+from autotp.synth.ops import FIXED_SIZE_CUTS
+from autotp.synth.local_run import capture_inputs, run_local, shapes_are_local, trace_local
 from autotp.synth.localize import MAX_NAMES, Localization, candidate_names, cutting_module, inner_roles
 from autotp.synth.ops import NEW_LIKE, VIEW_LIKE
 from autotp.synth.roles import Role, kind_of

@@ -43,6 +43,7 @@ import networkx as nx
 
 from autotp.synth.analysis import Flow, is_linear, module_of
 from autotp.synth.graph import common_module, param_modules, refs
+from autotp.synth.ops import RESHAPES, SELECTIONS, SELECTIONS_WITH_VALUES
 from autotp.synth.ops import ELEMENTWISE, PASSTHROUGH
 from autotp.synth.roles import Role, kind_of
 from autotp.synth.sequence import expert_blocks, inner_rows, module_outputs
@@ -55,8 +56,6 @@ COLUMN_KINDS = frozenset({"column", "packed_column", "kv_column"})
 _PLAIN_PRODUCER = frozenset({"replicate"})
 # Ops between a row's output and the add that joins the branches: scaling, dropout, casts.
 _CARRY = PASSTHROUGH | ELEMENTWISE | frozenset({"dropout", "native_dropout"})
-# And reshapes, which a Replicate() DTensor takes as a plain tensor would (an MoE block flattens tokens).
-_RESHAPE = frozenset({"view", "reshape", "_unsafe_view", "flatten", "unsqueeze", "squeeze"})
 
 
 
@@ -265,10 +264,6 @@ def _reads_other_state(g: nx.DiGraph, roles: dict[str, Role], module: str) -> bo
     return False
 
 
-# Ops whose integer outputs pick experts; a value read only through these gets no gradient.
-_SELECTIONS = frozenset({"argmax", "argmin", "argsort"})
-# Ops returning (values, indices): only the indices (item 1) select.
-_SELECTIONS_WITH_VALUES = frozenset({"topk", "sort", "max", "min"})
 
 
 def selects_only(g: nx.DiGraph, name: str, depth: int = 6) -> bool:
@@ -294,9 +289,9 @@ def selects_only(g: nx.DiGraph, name: str, depth: int = 6) -> bool:
         return False  # a module output (or unused): be safe
     for reader in readers:
         data = g.nodes[reader]
-        if data["op"] in _SELECTIONS:
+        if data["op"] in SELECTIONS:
             continue
-        if data["op"] in _SELECTIONS_WITH_VALUES:
+        if data["op"] in SELECTIONS_WITH_VALUES:
             items = list(g.successors(reader))
             if items and all(g.nodes[i]["op"] == "getitem" and (data_index(g, i) == 1 or not list(g.successors(i)))
                              for i in items):  # the values unused (exported as a dead getitem)
@@ -337,7 +332,7 @@ def _block_readers(g: nx.DiGraph, roles: dict[str, Role], block: str, entry: str
                 wholes.add(module)
                 continue
             tensors = [r.name for r in refs(data["args"], data["kwargs"]) if g.nodes[r.name]["shape"]]
-            if not (data["kind"] == "call" and data["op"] in _CARRY | _RESHAPE and len(tensors) == 1) or reader in chain:
+            if not (data["kind"] == "call" and data["op"] in _CARRY | RESHAPES and len(tensors) == 1) or reader in chain:
                 return None
             chain.add(reader)
             todo.append(reader)
@@ -374,7 +369,7 @@ def _upstream(g: nx.DiGraph, name: str, limit: int = 4) -> list[str]:
     for _ in range(limit):
         data = g.nodes[chain[-1]]
         tensors = [r.name for r in refs(data["args"], data["kwargs"]) if g.nodes[r.name]["shape"]]
-        if data["kind"] != "call" or data["op"] not in _CARRY | _RESHAPE or len(tensors) != 1:
+        if data["kind"] != "call" or data["op"] not in _CARRY | RESHAPES or len(tensors) != 1:
             break
         chain.append(tensors[0])
     return chain
