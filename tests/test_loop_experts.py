@@ -216,3 +216,52 @@ def test_experts_parallel_refuses_once_naming_no_parameter():
     except PlanError as error:  # raised, or reported by the verifier: either names the parameter
         message = str(error)
     assert "down_bais" in message and "not parameters" in message, message
+
+
+def _loop_graph(after_sum: str | None = None, read_weight: bool = False):
+    """One expert step on a hand-built graph: ``y = (x @ W[0]) @ D[0] + b[0]; out.index_add_(0, t, y)``,
+    then optionally one more op on the running sum, or a second read of the 3-D weight ``W``."""
+    import networkx as nx
+
+    from autotp.synth.graph import Ref, add_node
+
+    g, m = nx.DiGraph(), "moe.experts"
+    add_node(g, "x", "placeholder", kind="input", shape=(6, 8))
+    add_node(g, "t", "placeholder", kind="input", shape=(6,))
+    for name, shape in (("W", (4, 8, 16)), ("D", (4, 16, 8)), ("b", (4, 8))):
+        add_node(g, name, "placeholder", kind="param", param=f"{m}.{name}", shape=shape)
+    add_node(g, "w0", "select", (Ref("W"), 0, 0), shape=(8, 16), module=m)
+    add_node(g, "h", "matmul", (Ref("x"), Ref("w0")), shape=(6, 16), module=m)
+    add_node(g, "d0", "select", (Ref("D"), 0, 0), shape=(16, 8), module=m)
+    add_node(g, "y", "matmul", (Ref("h"), Ref("d0")), shape=(6, 8), module=m)
+    add_node(g, "b0", "select", (Ref("b"), 0, 0), shape=(8,), module=m)
+    add_node(g, "yb", "add", (Ref("y"), Ref("b0")), shape=(6, 8), module=m)
+    add_node(g, "out", "zeros_like", (Ref("x"),), shape=(6, 8), module=m)
+    add_node(g, "sum", "index_add_", (Ref("out"), 0, Ref("t"), Ref("yb")), shape=(6, 8), module=m)
+    if after_sum:
+        add_node(g, "after", after_sum, (Ref("sum"),), shape=(6, 8), module=m)
+    if read_weight:
+        add_node(g, "norm", "abs", (Ref("W"),), shape=(4, 8, 16), module=m)
+    return g
+
+
+def test_partial_sum_rule_on_a_hand_built_loop():
+    """Would catch a running sum read nonlinearly (a clamp) passing as linear, or a per-expert down
+    bias not collected to be added once."""
+    from autotp.synth.analysis import module_of
+    from autotp.synth.experts import once_params, partial_sum_breaks
+
+    g = _loop_graph()
+    assert partial_sum_breaks(g, {"y": frozenset({"h"})}, module_of) == {}
+    assert once_params(g, ["y"], "moe.experts") == {"b"}
+    bad = partial_sum_breaks(_loop_graph("clamp"), {"y": frozenset({"h"})}, module_of)
+    assert set(bad) == {"h"} and "clamp" in bad["h"], bad
+
+
+def test_selected_weight_needs_every_read_to_be_a_product():
+    """Would catch ``W[e]`` read as a Linear weight while ``W`` is also read whole (sharding it would
+    hand that reader a slice)."""
+    from autotp.synth.experts import selected_weight
+
+    assert selected_weight(_loop_graph(), "w0") == ("W", False)
+    assert selected_weight(_loop_graph(read_weight=True), "w0") is None

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 import networkx as nx
 
 from autotp.synth.graph import Ref, param_modules, refs
-from autotp.synth.experts import expert_bias, partial_sum_breaks, selected_weight
+from autotp.synth.experts import bias_breaks, expert_bias, partial_sum_breaks, selected_weight
 from autotp.synth.params import reading_module
 from autotp.synth.ops import FIRST_VALUE_ONLY, GROUPED_MATMULS, NO_VALUES, SCALINGS, SELECTING_PRODUCTS, STACKED_MATMULS, WRITE_VIEWS, WRITES
 from autotp.synth.ops import (ATTENTION, ELEMENTWISE, MATMULS, PASSTHROUGH, SINKS, VIEW_LIKE, Break, Given, Out, Parts,
@@ -1005,6 +1005,7 @@ def _fixpoint(g: nx.DiGraph, dropped: dict[str, str], unit_heads: frozenset,
         bad.update({r: reason for r, reason in _raw_limits(flow).items() if r not in bad})
         bad.update({r: reason for r, reason in broadcast_leaks(flow).items() if r not in bad})
         bad.update({r: reason for r, reason in partial_sum_breaks(g, flow.rows, module_of).items() if r not in bad})
+        bad.update({r: reason for r, reason in bias_breaks(flow).items() if r not in bad})
         bad.update({r: reason for r, reason in same_weight(g, bad, active).items() if r not in bad})
         yielded.update({r: mine for r, mine in flow.yielded.items() if r in bad})
         if not bad:

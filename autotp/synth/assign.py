@@ -150,9 +150,6 @@ def expert_roles(g: nx.DiGraph, flow: Flow, dropped: dict[str, str], roles: dict
             out[module] = roles[module]
             continue
         biases, bias_parts = _expert_bias_dims(g, flow, module)
-        if bias_parts is None:
-            out[module] = Role("replicate", "its per-expert biases meet columns cut into different parts")
-            continue
         by_param.update(biases)
         parts.setdefault(module, {}).update(bias_parts)
         once = _once_params(g, flow, module)
@@ -163,10 +160,10 @@ def expert_roles(g: nx.DiGraph, flow: Flow, dropped: dict[str, str], roles: dict
     return out
 
 
-def _expert_bias_dims(g: nx.DiGraph, flow: Flow, module: str) -> tuple[dict[str, int], dict[str, int] | None]:
+def _expert_bias_dims(g: nx.DiGraph, flow: Flow, module: str) -> tuple[dict[str, int], dict[str, int]]:
     """Per-expert biases of ``module`` sharded with its columns (``Flow.expert_biases``), and the
-    number of fused parts of those cut into parts (packed like the columns' weight); None for the
-    parts if the columns a bias meets are cut differently."""
+    number of fused parts of those cut into parts (packed like the columns' weight; every column a
+    bias meets is cut alike, :func:`~autotp.synth.experts.bias_breaks`)."""
     dims, parts = {}, {}
     for param, dim in flow.expert_biases.items():
         owner, pname = reading_module(g, param)
@@ -175,9 +172,7 @@ def _expert_bias_dims(g: nx.DiGraph, flow: Flow, module: str) -> tuple[dict[str,
         dims[pname] = dim
         counts = {len(part_sizes(flow.splits[c], g.nodes[c]["shape"][-1])) if c in flow.splits else 1
                   for c in flow.expert_bias_columns.get(param, ())}
-        if len(counts) != 1:
-            return dims, None
-        if counts != {1}:
+        if len(counts) == 1 and counts != {1}:
             parts[pname] = counts.pop()
     return dims, parts
 

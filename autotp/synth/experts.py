@@ -191,6 +191,32 @@ def partial_sum_breaks(g: nx.DiGraph, rows: dict[str, frozenset], module_of) -> 
     return bad
 
 
+def bias_breaks(flow) -> dict[str, str]:
+    """Columns whose per-expert bias cannot be sharded with them: the columns a bias meets are cut
+    into different numbers of parts (one packing for one parameter), or the bias is also added to
+    the rows' partial sums (sharded and added once at the same time). Candidate -> reason."""
+    from autotp.synth.analysis import module_of, part_sizes
+
+    g, bad = flow.g, {}
+    for param, columns in flow.expert_bias_columns.items():
+        counts = {len(part_sizes(flow.splits[c], g.nodes[c]["shape"][-1])) if c in flow.splits else 1 for c in columns}
+        if len(counts) > 1:
+            for column in columns:
+                bad.setdefault(column, f"its per-expert bias {g.nodes[param]['param']} meets columns cut into "
+                                       f"different numbers of parts {sorted(counts)}")
+    owners = {g.nodes[p]["param"].rpartition(".")[0] for p in flow.expert_biases}
+    rows_by_module: dict[str, list[str]] = {}
+    for row in flow.rows:
+        if module_of(g, row) in owners:
+            rows_by_module.setdefault(module_of(g, row), []).append(row)
+    for module, rows in rows_by_module.items():
+        for param in once_params(g, rows, module) & set(flow.expert_biases):
+            for column in flow.expert_bias_columns[param]:
+                bad.setdefault(column, f"its per-expert bias {g.nodes[param]['param']} is also added to the "
+                                       "experts' partial sums")
+    return bad
+
+
 def once_params(g: nx.DiGraph, rows: list[str], module: str) -> set[str]:
     """Parameter placeholders added to the partial sums of ``rows`` (3-D experts rows of ``module``):
     per-expert biases, to be added by one rank only."""
