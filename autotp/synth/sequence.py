@@ -627,7 +627,7 @@ def root_joins(g: nx.DiGraph, flow: Flow, region: set[str], groups) -> list[str]
     found = []
     for name in sorted(region, key=lambda n: g.nodes[n]["order"]):
         data = g.nodes[name]
-        if layer_of(data["stack"], groups) is not None:
+        if layer_of(data["stack"], groups) is not None or data["op"] == "embedding":  # its ids are no join
             continue
         for ref in refs(data["args"], data["kwargs"]):
             src = g.nodes[ref.name]
