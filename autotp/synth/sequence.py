@@ -212,7 +212,13 @@ def routed_blocks(g: nx.DiGraph, roles: dict[str, Role]) -> set[str]:
             inner = [m for m in g.nodes[source]["stack"] if m.startswith(block + ".")]
             if inner:
                 children.append(inner[0])
+        # The other operand must carry the block's input (the stream), not a constant scale.
+        others = [r.name for r in refs(data["args"], data["kwargs"]) if g.nodes[r.name]["shape"]]
+        carried = [o for o in others if any(block not in g.nodes[a]["stack"] and g.nodes[a]["kind"] in ("call", "input")
+                                            for a in nx.ancestors(g, o) | {o})]
         for child in children:
+            if not any(not any(child in g.nodes[a]["stack"] for a in nx.ancestors(g, o) | {o}) for o in carried):
+                continue
             child_linears = [n for n, d in g.nodes(data=True) if d["kind"] == "call" and child in d["stack"]
                              and _weight_matmul(g, n)]
             if not child_linears or any(kind_of(roles, module_of(g, n)) != "replicate" for n in child_linears):
