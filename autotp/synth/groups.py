@@ -20,6 +20,9 @@ copies' gradients, so they stay identical: ``dL/dW = E^T dL/dE(W)`` for the expa
 Default-deny: a part whose expansion is not proven equivalent (no set of attributes found that
 gives the same output), or whose expanded model does not shard the projection, leaves the
 analysis as it was (the projection whole).
+
+Long because finding the parts, building and proving the expanded model, and checking its
+analysis are one decision: each step's refusal must leave the original analysis in place.
 """
 
 from __future__ import annotations
