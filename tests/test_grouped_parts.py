@@ -19,23 +19,9 @@ from autotp.synth import explain, synthesize
 from autotp.synth.groups import copy_index
 from autotp.verifier import verify
 from synth_toy import DIM, VOCAB, example_tokens
+from test_ssm_mixer import GroupedGatedNorm as GatedNorm
 
 HEADS, HEAD_DIM, STATE, KERNEL = 8, 8, 4, 3
-
-
-class GatedNorm(nn.Module):
-    """RMSNorm over groups of ``group_size`` channels (all of them when it is the width), gated."""
-
-    def __init__(self, width: int, group_size: int):
-        super().__init__()
-        self.weight = nn.Parameter(1 + 0.1 * torch.randn(width))
-        self.group_size = group_size
-
-    def forward(self, x, gate):
-        x = x * F.silu(gate)
-        grouped = x.view(*x.shape[:-1], -1, self.group_size)
-        grouped = grouped * torch.rsqrt(grouped.pow(2).mean(-1, keepdim=True) + 1e-6)
-        return self.weight * grouped.view(x.shape)
 
 
 class GroupedScanMixer(nn.Module):
