@@ -18,8 +18,9 @@ from autotp.styles import GroupCopies
 from autotp.synth import explain, synthesize
 from autotp.synth.groups import copy_index
 from autotp.verifier import verify
-from synth_toy import DIM, VOCAB, example_tokens
+from synth_toy import DIM, example_tokens
 from test_ssm_mixer import GroupedGatedNorm as GatedNorm
+from test_ssm_mixer import SSMStack
 
 HEADS, HEAD_DIM, STATE, KERNEL = 8, 8, 4, 3
 
@@ -76,33 +77,9 @@ class FusedQKVAttention(nn.Module):
         return self.o_proj(y.transpose(1, 2).reshape(b, t, -1))
 
 
-class Block(nn.Module):
-    def __init__(self, mixer):
-        super().__init__()
-        self.norm, self.mixer = nn.RMSNorm(DIM), mixer()
-
-    def forward(self, x):
-        return x + self.mixer(self.norm(x))
-
-
-class Stack(nn.Module):
-    def __init__(self, mixer, layers: int = 2):
-        super().__init__()
-        self.embed = nn.Embedding(VOCAB, DIM)
-        self.layers = nn.ModuleList(Block(mixer) for _ in range(layers))
-        self.norm = nn.RMSNorm(DIM)
-        self.head = nn.Linear(DIM, VOCAB, bias=False)
-
-    def forward(self, tokens):
-        h = self.embed(tokens)
-        for layer in self.layers:
-            h = layer(h)
-        return self.head(self.norm(h))
-
-
 def _model(mixer):
     torch.manual_seed(0)
-    return Stack(mixer)
+    return SSMStack(mixer=mixer)
 
 
 def _verify_near(model, tp, sequence_parallel, fraction):
