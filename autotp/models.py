@@ -4,7 +4,8 @@ Three ways to name a model:
 
 - a built-in short name (``llama``, ``qwen3-moe``, ...): the published config numbers of a public
   checkpoint, listed in :data:`BUILTIN`;
-- any transformers ``model_type`` (``AutoConfig.for_model``): that family's default config;
+- any transformers ``model_type`` (``AutoConfig.for_model``): that family's default config, with
+  a published checkpoint's values where the default builds no model (:data:`DEFAULT_CONFIG_FIXES`);
 - a path to a ``config.json`` (or a folder holding one).
 
 Real sizes are built on the meta device (parameters have shapes, no storage), which is all
@@ -17,6 +18,7 @@ list of width and table fields; the code around them is short.
 
 from __future__ import annotations
 
+import copy
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -134,6 +136,42 @@ BUILTIN: dict[str, Builtin] = {
 }
 
 
+# Corrections to transformers' *default* config of a model type whose default builds no model (a
+# transformers bug, not a choice of ours), applied by load_config to a bare model type only: the
+# values a published checkpoint of the family has for the fields the default leaves broken. Built-in
+# names and config files are taken as they are. Checked against transformers 5.23.
+DEFAULT_CONFIG_FIXES: dict[str, dict] = {
+    # rope_parameters is keyed by layer type, but the default has no entry for any type (KeyError
+    # 'full_attention' in the rotary embedding). CohereLabs/North-Micro-Vision-Instruct: three
+    # sliding-window layers then one full one; sliding layers carry M-RoPE, full ones no rope (NoPE).
+    "cohere_compass_text": {
+        "layer_types": ["sliding_attention", "sliding_attention", "sliding_attention", "full_attention"] * 10,
+        "rope_parameters": {
+            "sliding_attention": {"rope_type": "default", "rope_theta": 50000.0, "mrope_interleaved": True,
+                                  "mrope_section": [24, 20, 20]},
+            "full_attention": None,
+        },
+    },
+    # The expert counts are None (torch.empty gets no width in Dots1Experts). rednote-hilab/dots.llm1.
+    "dots1": {"n_routed_experts": 128, "n_shared_experts": 2, "num_experts_per_tok": 6, "first_k_dense_replace": 1},
+    # layer_types is None (each layer reads its kind from it). LiquidAI/LFM2-8B-A1B: 24 layers, 6 attention.
+    "lfm2_moe": {"num_hidden_layers": 24, "layer_types": [
+        "conv", "conv", "full_attention", "conv", "conv", "conv", "full_attention", "conv", "conv", "conv",
+        "full_attention", "conv", "conv", "conv", "full_attention", "conv", "conv", "conv", "full_attention",
+        "conv", "conv", "full_attention", "conv", "conv"]},
+    # The attention layers are indexed (QSA) but the indexer's sizes are None (token_budget //
+    # compress_ratio). Qwen4-Exp's indexer, and its partial rotary, which must fit the index head.
+    "qwen4_exp_text": {
+        "indexer_n_heads": 4, "indexer_kv_heads": 1, "indexer_head_dim": 128, "indexer_budget": 2048,
+        "indexer_compress_ratio": 4,
+        "rope_parameters": {"rope_type": "default", "rope_theta": 1e7, "partial_rotary_factor": 0.25},
+    },
+}
+# Not correctable by config in transformers 5.23: gemma4_assistant and gemma4_unified_assistant share
+# every layer's kv cache (their config insists on it), and the text config's kv_sharing_modes raises
+# when no layer produces a cache, the published google/gemma-4-E2B-it-assistant config included.
+
+
 def builtin_names() -> list[str]:
     """The short names :func:`load_config` accepts, sorted."""
     return sorted(BUILTIN)
@@ -141,6 +179,9 @@ def builtin_names() -> list[str]:
 
 def load_config(name_or_path: str | Path) -> PretrainedConfig:
     """The config that ``name_or_path`` names: a built-in, a transformers model type, or a file.
+
+    A model type gets transformers' default config, corrected by :data:`DEFAULT_CONFIG_FIXES` where
+    that default builds no model; a built-in or a file is taken as it is.
 
     Raises:
         AutoTPError: the name is none of those (the message lists the built-in names), or the
@@ -156,7 +197,8 @@ def load_config(name_or_path: str | Path) -> PretrainedConfig:
     if path.is_file():
         return _config_from_file(path)
     if name in CONFIG_MAPPING_NAMES:
-        return AutoConfig.for_model(name)
+        # A copy: the config keeps the lists it is given.
+        return AutoConfig.for_model(name, **copy.deepcopy(DEFAULT_CONFIG_FIXES.get(name, {})))
     raise AutoTPError(
         f"unknown model {name!r}: not a built-in name, a transformers model type, or a config.json "
         f"path. Built-in names: {', '.join(builtin_names())}."
@@ -206,10 +248,11 @@ _SSM_HEADS = (("mamba_n_heads", "mamba_d_head", "mamba_expand"), ("n_mamba_heads
 _SUM_WIDTHS = (("qk_head_dim", "qk_nope_head_dim", "qk_rope_head_dim"),
                ("head_dim", "qk_nope_head_dim", "qk_rope_head_dim"))
 # Multi-head latent attention widths (DeepSeek-V3; its rotary part is head_dim), expert-group
-# routing that must fit in TINY_EXPERTS experts, one dense layer before the MoE one, and Gemma4's
-# per-layer input embeddings (a vocabulary-sized table per layer).
+# routing that must fit in TINY_EXPERTS experts, one dense layer before the MoE one (DeepSeek's
+# first_k_dense_replace, LFM2-MoE's and AfMoE's num_dense_layers), and Gemma4's per-layer input
+# embeddings (a vocabulary-sized table per layer).
 _TINY_EXTRAS = dict(q_lora_rank=32, kv_lora_rank=32, qk_rope_head_dim=TINY_HEAD_DIM, qk_nope_head_dim=8,
-                    v_head_dim=16, n_group=1, topk_group=1, first_k_dense_replace=1,
+                    v_head_dim=16, n_group=1, topk_group=1, first_k_dense_replace=1, num_dense_layers=1,
                     vocab_size_per_layer_input=TINY_VOCAB, hidden_size_per_layer_input=16)
 _TOKEN_IDS = ("pad_token_id", "bos_token_id", "eos_token_id")
 # Lists of layer indices (Qwen-MoE's dense layers; Zamba2's hybrid layers, which the config stores

@@ -6,6 +6,7 @@ import time
 
 import pytest
 import torch
+from huggingface_hub.errors import StrictDataclassError
 
 from autotp import models
 from autotp.errors import AutoTPError
@@ -198,6 +199,36 @@ def test_any_transformers_model_type_shrinks_and_runs(model_type):
     assert model.config.num_hidden_layers == 2
     assert _count(model) < 1_000_000
     assert model(input_ids=torch.randint(0, 256, (1, 4))).logits.shape == (1, 4, 256)
+
+
+# transformers 5.23 builds no Gemma4 assistant, whatever the config: a valid one has every layer reuse
+# the target's kv cache, and kv_sharing_modes then finds no layer producing one (the default fails
+# validation before that). Strict, so a transformers fix shows here.
+_NO_CONFIG_BUILDS = pytest.mark.xfail(raises=(ValueError, StrictDataclassError), strict=True,
+                                      reason="transformers bug, not a config's")
+
+
+@pytest.mark.parametrize("model_type", [
+    *sorted(models.DEFAULT_CONFIG_FIXES),
+    pytest.param("gemma4_assistant", marks=_NO_CONFIG_BUILDS),
+    pytest.param("gemma4_unified_assistant", marks=_NO_CONFIG_BUILDS),
+])
+def test_model_types_whose_default_builds_no_model_are_corrected(model_type):
+    """transformers' own default config of these types builds no model (a rope table without the layer
+    types, None expert counts or layer kinds, an indexer without sizes); the table's values do."""
+    model = build_model(shrink_config(load_config(model_type), tp=2), device="cpu")
+    assert model.config.model_type == model_type
+    assert 0 < _count(model) < 2_000_000
+
+
+def test_default_config_fixes_leave_a_config_file_as_given(tmp_path):
+    """A user's config.json of a corrected family is taken as it is, broken fields and all."""
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps({"model_type": "dots1", "num_hidden_layers": 3}))
+    config = load_config(path)
+    assert config.n_routed_experts is None and config.num_experts_per_tok is None
+    assert config.num_hidden_layers == 3
+    assert load_config("dots1").n_routed_experts == models.DEFAULT_CONFIG_FIXES["dots1"]["n_routed_experts"]
 
 
 def test_config_json_path_and_folder_load(tmp_path):
