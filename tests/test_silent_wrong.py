@@ -17,10 +17,10 @@ from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
 from autotp import styles
 from autotp.check import check_plan
-from autotp.synth.analysis import Flow
+from autotp.synth.analysis import Flow, Shard
 from autotp.synth.graph import Ref, add_node
 from autotp.synth.ops import Break, Out, apply_rule
-from autotp.synth.params import param_dim
+from autotp.synth.params import param_dim, stray_param_reads
 from autotp.synth import synthesize
 from autotp.verifier import verify
 from fuzz_blocks import BlockSpec, SpecLM, tokens
@@ -272,8 +272,16 @@ def test_a_per_head_parameter_is_found_through_its_view_and_expand():
     add_node(g, "e", "expand", (Ref("v"), [2, -1, 11, 1]), shape=(2, 4, 11, 1))
     assert param_dim(g, "e", 1) == ("p", 0)
     assert param_dim(g, "e", 2) is None  # that dim is a broadcast, not the parameter's
+    # Where the expand meets the heads, the parameter is sharded; a second reader that reads it
+    # whole (outside the sharded region) refuses the shard that met it.
+    add_node(g, "x", "placeholder", kind="input", shape=(2, 4, 11, 1))
+    add_node(g, "m", "mul", (Ref("x"), Ref("e")), shape=(2, 4, 11, 1))
+    flow = Flow(g)
+    flow.state["m"] = Shard(1, frozenset({"q_proj"}), True, "x", None, None)
+    flow.param_uses = {"p": {("e", "m")}}
+    assert stray_param_reads(flow) == {}
     add_node(g, "other", "mul", (Ref("p"), 2.0), shape=(4,))
-    assert param_dim(g, "e", 1) is None  # read elsewhere too: sharding it would change that reader
+    assert "reads it whole" in stray_param_reads(flow)["q_proj"]
 
 
 @pytest.mark.parametrize("name", ["deepseek_v2", "deepseek_v3"])

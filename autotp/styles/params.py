@@ -23,9 +23,10 @@ import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
+from torch.utils._pytree import tree_map
 
 from autotp.styles.attention import ShardCounts
-from autotp.styles.base import LocalParamsStyle, packed_row_order, permute_rows
+from autotp.styles.base import LocalParamsStyle, packed_row_order, permute_rows, to_local
 
 __all__ = ["HeadParams"]
 
@@ -50,18 +51,29 @@ class HeadParams(LocalParamsStyle):
         packed (dict[str, tuple[int, ...]]): parameter name -> widths of the parts along its sharded
             dim, when it is sharded with a packed Linear's parts (``PackedColwiseParallel``): its
             entries are permuted the same way, so each rank holds its share of every part.
+        gather_inputs (bool): DTensor inputs (a sequence-sharded stream) are made whole plain tensors
+            at entry, once, for a module whose own code reads the stream before its column Linears
+            (a token shift mixed with per-channel weights). Default: False.
 
     Example::
         >>> plan = {"layers.*.attn": HeadParams(shard_dims={"sink": 0}, reduce=("lambda_q",))}
     """
 
     def __init__(self, *, shard_dims: dict[str, int] | None = None, reduce: tuple[str, ...] = (),
-                 counts: tuple[str, ...] = (), packed: dict[str, tuple[int, ...]] | None = None):
+                 counts: tuple[str, ...] = (), packed: dict[str, tuple[int, ...]] | None = None,
+                 gather_inputs: bool = False):
         super().__init__()
         self.shard_dims = dict(shard_dims or {})
         self.reduce = tuple(reduce)
         self.counts = tuple(counts)
         self.packed = {name: tuple(sizes) for name, sizes in (packed or {}).items()}
+        self.gather_inputs = gather_inputs
+
+    def _prepare_inputs(self, args, kwargs, device_mesh):
+        if not self.gather_inputs:
+            return super()._prepare_inputs(args, kwargs, device_mesh)
+        local = lambda v: to_local(v) if isinstance(v, DTensor) else v
+        return tree_map(local, args), tree_map(local, kwargs)
 
     def _placement(self, name, param):
         # A per-head vector is cut like the heads it scales: contiguous blocks of heads per rank,
@@ -150,5 +162,6 @@ class HeadParams(LocalParamsStyle):
 
     def __repr__(self) -> str:
         options = [f"{k}={v!r}" for k, v in (("shard_dims", self.shard_dims), ("reduce", self.reduce),
-                                              ("counts", self.counts), ("packed", self.packed)) if v]
+                                              ("counts", self.counts), ("packed", self.packed),
+                                              ("gather_inputs", self.gather_inputs)) if v]
         return f"{self.__class__.__name__}({', '.join(options)})"

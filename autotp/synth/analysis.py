@@ -21,7 +21,7 @@ import networkx as nx
 
 from autotp.synth.graph import Ref, param_modules, refs
 from autotp.synth.experts import bias_breaks, expert_bias, partial_sum_breaks, selected_weight
-from autotp.synth.params import reading_module
+from autotp.synth.params import reading_module, stray_param_reads
 from autotp.synth.ops import FIRST_VALUE_ONLY, GROUPED_MATMULS, NO_VALUES, SCALINGS, SELECTING_PRODUCTS, STACKED_MATMULS, WRITE_VIEWS, WRITES
 from autotp.synth.ops import (ATTENTION, ELEMENTWISE, MATMULS, PASSTHROUGH, SINKS, VIEW_LIKE, Break, Given, Out, Parts,
                               Split, apply_rule)
@@ -75,11 +75,13 @@ class Flow:
     unit_heads: frozenset = frozenset()  # candidates whose views may split off one head (one-kv-head k/v)
     whole: dict = field(default_factory=dict)  # Linear node -> why its weight stays whole (no column, no row)
     param_shards: dict = field(default_factory=dict)  # parameter placeholder -> dim sharded with the heads
+    param_uses: dict = field(default_factory=dict)  # parameter placeholder -> {(operand, node)} that met the heads
     param_spans: dict = field(default_factory=dict)  # parameter placeholder -> {(origins, span, pieces)} it met
     piece_cuts: set = field(default_factory=set)  # nodes that cut a joined shard back into pieces, or unfold one
     factory_shards: dict = field(default_factory=dict)  # constant factory node -> (dim, origins it met)
     writes: dict = field(default_factory=dict)  # in-place write node -> the tensor it wrote a shard into
     meeting: tuple = ()  # the sharded inputs of the node a rule is deciding (for shard_param)
+    deciding: str = ""  # the node a rule is deciding
     yielded: dict = field(default_factory=dict)  # root that gave way -> the candidates it gave way to
     broadcasts: dict = field(default_factory=dict)  # whole or row Linear -> output spans broadcast to the shard
     broadcast_starts: dict = field(default_factory=dict)  # (Linear, span) -> the node where the span begins
@@ -93,14 +95,18 @@ class Flow:
 
     def shard_param(self, other: str, dim: int) -> bool:
         """Whether replicated operand ``other`` can be sharded on its ``dim`` along with the tensor
-        it meets: a chain of one-tensor ops on a parameter read nowhere else (a per-head scale,
-        a sink). Recorded in ``param_shards``; one parameter sharded on two dims cannot be."""
+        it meets: a chain of one-tensor ops on a parameter (a per-head scale, a sink, a per-channel
+        decay read at every step of a recurrence). Recorded in ``param_shards``; one parameter
+        sharded on two dims cannot be. Each read is recorded in ``param_uses``: a parameter with
+        a reader that does not meet the heads there is refused after the pass
+        (:func:`stray_param_reads`), since that reader would get a shard where it wants the whole."""
         from autotp.synth.params import param_dim
 
         found = param_dim(self.g, other, dim)
         if found is None or self.param_shards.get(found[0], found[1]) != found[1]:
             return False
         self.param_shards[found[0]] = found[1]
+        self.param_uses.setdefault(found[0], set()).add((other, self.deciding))
         for shard in self.meeting:  # a part cut from a packed output: the parameter is packed alike
             self.param_spans.setdefault(found[0], set()).add((shard.origins, shard.span, shard.pieces))
         return True
@@ -730,7 +736,7 @@ def propagate(g: nx.DiGraph, active: set[str], unit_heads: frozenset = frozenset
         if not dims:
             continue
         origins = frozenset().union(*(flow.state[s].origins for s in dims))
-        flow.meeting = tuple(flow.state[s] for s in dims)
+        flow.meeting, flow.deciding = tuple(flow.state[s] for s in dims), name
         result = apply_rule(g, name, dims, flow)
         if isinstance(result, Break):
             if result.reduction and _reduction_in_norm(flow, data, origins, owners):
@@ -1006,6 +1012,7 @@ def _fixpoint(g: nx.DiGraph, dropped: dict[str, str], unit_heads: frozenset,
         bad.update({r: reason for r, reason in broadcast_leaks(flow).items() if r not in bad})
         bad.update({r: reason for r, reason in partial_sum_breaks(g, flow.rows, module_of).items() if r not in bad})
         bad.update({r: reason for r, reason in bias_breaks(flow).items() if r not in bad})
+        bad.update({r: reason for r, reason in stray_param_reads(flow).items() if r not in bad})
         bad.update({r: reason for r, reason in same_weight(g, bad, active).items() if r not in bad})
         yielded.update({r: mine for r, mine in flow.yielded.items() if r in bad})
         if not bad:

@@ -83,6 +83,7 @@ def _experts(role: Role, loss_parallel: bool) -> ParallelStyle:
 # Column Linears shard weight rows (Shard(0), as Linear is x @ W^T + b).
 _STYLES: dict[str, Callable[[Role, bool], ParallelStyle | None]] = {
     "column": lambda role, lp: ColwiseParallel(**_seq_in(role)),
+    "gathered_column": lambda role, lp: ColwiseParallel(output_layouts=Replicate()),
     "kv_column": lambda role, lp: styles.ReplicatedKVColwise(kv_heads=role.kv_heads, head_dim=role.head_dim,
                                                              **_seq_in(role)),
     "kv_head_counts": lambda role, lp: styles.KVHeadCounts(heads=role.heads, attribute=role.names[0]),
@@ -110,7 +111,8 @@ _STYLES: dict[str, Callable[[Role, bool], ParallelStyle | None]] = {
     "rotary": lambda role, lp: styles.RotaryEmbedParallel(),
     "shard_counts": lambda role, lp: styles.ShardCounts(names=role.names),
     "head_params": lambda role, lp: styles.HeadParams(
-        shard_dims=dict(role.param_dims), reduce=role.grad_reduced, counts=role.names, packed=dict(role.param_packed)),
+        shard_dims=dict(role.param_dims), reduce=role.grad_reduced, counts=role.names, packed=dict(role.param_packed),
+        gather_inputs=role.seq_input),
     "linear_params": lambda role, lp: LinearParams(
         shard_dims=dict(role.param_dims), columns=role.columns, rows=role.rows, reduce=role.grad_reduced,
         counts=role.names, packed=dict(role.param_packed), seq_output=role.seq_output),

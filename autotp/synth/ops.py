@@ -34,6 +34,9 @@ ELEMENTWISE = frozenset({
     "hardtanh", "leaky_relu", "elu", "gelu_tanh", "sign", "floor", "ceil", "round", "fill", "zeros_like",
     "ones_like", "full_like", "log1p", "expm1", "true_divide", "floor_divide", "fmod", "remainder",
     "relu6", "hardswish", "hardsigmoid", "selu", "celu", "logit", "sgn", "trunc", "nan_to_num",
+    "log_sigmoid", "logsigmoid", "softsign", "tanhshrink", "exp2", "log2", "log10", "sinh", "cosh", "atan",
+    "isnan", "isinf", "isfinite", "bitwise_not", "xlogy", "lerp", "addcmul", "addcdiv", "heaviside",
+    "clip", "erfc", "sigmoid_", "tanh_", "exp_", "relu_", "fill_", "zero_",
     # ``dst.copy_(src)`` writes src into dst element by element (a slice of a fresh ``new_empty``).
     "copy_", "copy",
     # In place, the same values as out of place: ``x *= scale`` (the caller reading x after it is
@@ -589,7 +592,7 @@ def _cat(g, name, dims, ctx):
     data = g.nodes[name]
     tensors = data["args"][0]
     ndim = _ndim(g, name)
-    at = _norm(data["args"][1] if len(data["args"]) > 1 else 0, ndim)
+    at = _norm(_arg(g, name, 1, "dim", data["kwargs"].get("axis", 0)), ndim)
     if len(set(dims.values())) > 1:
         return _cat_conflict(dims, ctx)
     dim = next(iter(dims.values()))
@@ -635,7 +638,7 @@ def _cat_conflict(dims, ctx):
 
 def _stack(g, name, dims, ctx):
     data = g.nodes[name]
-    at = _norm(data["args"][1] if len(data["args"]) > 1 else 0, _ndim(g, name))
+    at = _norm(_arg(g, name, 1, "dim", data["kwargs"].get("axis", 0)), _ndim(g, name))
     if len(set(dims.values())) > 1 or any(r.name not in dims for r in data["args"][0] if isinstance(r, Ref)):
         return Break("stack of tensors sharded on different dims, or of sharded and replicated ones")
     dim = next(iter(dims.values()))
@@ -796,7 +799,7 @@ RULES = {
     "transpose": _transpose, "t": _transpose, "permute": _permute, "unsqueeze": _unsqueeze,
     "squeeze": _squeeze, "expand": _expand, "expand_as": _expand_as, "repeat": _repeat, "select": _select, "slice": _slice,
     "split": _split, "split_with_sizes": _split, "chunk": _chunk, "unbind": _unbind,
-    "cat": _cat, "stack": _stack, "einsum": _einsum,
+    "cat": _cat, "concat": _cat, "concatenate": _cat, "stack": _stack, "einsum": _einsum,
 }
 
 

@@ -39,7 +39,7 @@ from autotp.synth.ops import ELEMENTWISE, PASSTHROUGH, SINKS, VIEW_LIKE
 from autotp.synth.roles import Role
 
 # One-tensor ops through which a parameter's dims can be followed back from a consumer.
-_SINGLE_INPUT = PASSTHROUGH | VIEW_LIKE | ELEMENTWISE | {"unsqueeze", "squeeze", "expand", "transpose", "permute", "t"}
+_SINGLE_INPUT = PASSTHROUGH | VIEW_LIKE | ELEMENTWISE | {"unsqueeze", "squeeze", "expand", "transpose", "permute", "t", "slice"}
 
 
 def readers(g: nx.DiGraph, name: str) -> int:
@@ -110,10 +110,11 @@ def _value_refs(data) -> list[Ref]:
 
 def param_dim(g: nx.DiGraph, name: str, dim: int) -> tuple[str, int] | None:
     """``(parameter placeholder, its dim)`` that dim ``dim`` of node ``name`` is, if ``name`` is a
-    chain of one-tensor ops on a parameter used nowhere else; else None.
+    chain of one-tensor ops on a parameter or buffer; else None.
 
-    Used nowhere else, because sharding the parameter changes every reader: one that reads it
-    whole (outside the sharded region) would then see a slice.
+    The chain's links may have other readers (a decay read at every step of an unrolled scan):
+    sharding the parameter changes every reader, so each must meet the heads on the same dim,
+    which :func:`stray_param_reads` checks once the pass has seen them all.
     """
     found = _chain_source(g, name, dim)
     if found is None or g.nodes[found[0]]["kind"] not in ("param", "buffer"):
@@ -121,6 +122,31 @@ def param_dim(g: nx.DiGraph, name: str, dim: int) -> tuple[str, int] | None:
     return found
 
 
+def stray_param_reads(flow) -> dict[str, str]:
+    """Candidates whose shard met a parameter (:meth:`~autotp.synth.analysis.Flow.shard_param`)
+    that some reader reads whole: every read on the chains from the parameter to the operands that
+    met the heads must be one of those meetings or the next link of a chain.
+
+    Returns:
+        For each candidate that met such a parameter, why it is dropped.
+    """
+    g, bad = flow.g, {}
+    for param, uses in flow.param_uses.items():
+        operands = {operand for operand, _ in uses}
+        below = nx.descendants(g, param) | {param}
+        chain = set().union(*({o} | (nx.ancestors(g, o) & below) for o in operands))
+        stray = [(node, succ) for node in chain for succ in g.successors(node)
+                 if g.nodes[succ]["op"] not in SINKS and succ not in chain and (node, succ) not in uses]
+        if not stray:
+            continue
+        node, succ = min(stray, key=lambda pair: g.nodes[pair[1]]["order"])
+        reason = (f"{g.nodes[param]['param']} would be sharded with the heads where they meet it, but "
+                  f"{g.nodes[succ]['op']} in {g.nodes[succ]['module'] or 'the root'} reads it whole")
+        for _, met in uses:
+            state = flow.state.get(met)
+            for origin in getattr(state, "origins", ()):
+                bad.setdefault(origin, reason)
+    return bad
 
 
 def factory_dim(g: nx.DiGraph, name: str, dim: int) -> tuple[str, int] | None:
@@ -134,7 +160,7 @@ def factory_dim(g: nx.DiGraph, name: str, dim: int) -> tuple[str, int] | None:
     of it and of every other reader (one that needs it whole would get the wrong shape there).
     It has no gradient and the same values everywhere, so it may have several readers.
     """
-    found = _chain_source(g, name, dim, single_reader=False)
+    found = _chain_source(g, name, dim)
     if found is None:
         return None
     data = g.nodes[found[0]]
@@ -143,9 +169,9 @@ def factory_dim(g: nx.DiGraph, name: str, dim: int) -> tuple[str, int] | None:
     return found
 
 
-def _chain_source(g: nx.DiGraph, name: str, dim: int, single_reader: bool = True) -> tuple[str, int] | None:
-    """The node a chain of one-tensor ops ending at ``name`` starts from (each link read only by
-    the next, if ``single_reader``), with the dim ``dim`` becomes there; None if the chain is not such."""
+def _chain_source(g: nx.DiGraph, name: str, dim: int) -> tuple[str, int] | None:
+    """The node a chain of one-tensor ops ending at ``name`` starts from, with the dim ``dim``
+    becomes there; None if the chain is not such."""
     while g.nodes[name]["kind"] == "call":
         data = g.nodes[name]
         inputs = _value_refs(data)
@@ -154,35 +180,33 @@ def _chain_source(g: nx.DiGraph, name: str, dim: int, single_reader: bool = True
         if data["op"] not in _SINGLE_INPUT or len(inputs) != 1 or not isinstance(data["args"][0], Ref):
             return None
         source = inputs[0].name
-        if single_reader and readers(g, source) != 1:
-            return None
         dim = _source_dim(g, name, dim)
         if dim is None:
             return None
         name = source
-    if single_reader and readers(g, name) != 1:
-        return None
     return name, dim
 
 
 def chain_dims(g: nx.DiGraph, param_shards: dict[str, int]) -> dict[str, int]:
-    """For each node on the one-tensor chain from a sharded parameter to the op that reads it with
+    """For each node on the one-tensor chains from a sharded parameter to the ops that read it with
     the heads (``view``, ``expand`` of a sink): the dim that holds the parameter's sharded dim.
 
     At per-rank widths those nodes hold the per-rank entries, so the shape proof divides that dim.
     """
     found = {}
-    for node, dim in param_shards.items():
-        while readers(g, node) == 1:
-            succ = next(s for s in g.successors(node) if g.nodes[s]["op"] not in SINKS)
-            data = g.nodes[succ]
-            if data["op"] not in _SINGLE_INPUT or len(_value_refs(data)) != 1 or not data["shape"]:
-                break
-            dims = [d for d in range(len(data["shape"])) if _source_dim(g, succ, d) == dim]
-            if len(dims) != 1:
-                break
-            node, dim = succ, dims[0]
-            found[node] = dim
+    for start, start_dim in param_shards.items():
+        todo = [(start, start_dim)]
+        while todo:
+            node, dim = todo.pop()
+            for succ in g.successors(node):
+                data = g.nodes[succ]
+                if succ in found or data["op"] in SINKS or data["op"] not in _SINGLE_INPUT \
+                        or len(_value_refs(data)) != 1 or not data["shape"]:
+                    continue
+                dims = [d for d in range(len(data["shape"])) if _source_dim(g, succ, d) == dim]
+                if len(dims) == 1:
+                    found[succ] = dims[0]
+                    todo.append((succ, dims[0]))
     return found
 
 

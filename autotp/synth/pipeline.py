@@ -30,6 +30,7 @@ from autotp.synth.assign import assign_roles, foreign_reads, mutated_outputs, ti
 from autotp.synth.graph import build_graph
 from autotp.synth.kvheads import replicate_kv
 from autotp.synth.localize import localize
+from autotp.synth.params import readers
 from autotp.synth.roles import Role
 from autotp.synth.sequence import sequence_parallel_roles
 from autotp.synth.shared import shared_input_roles
@@ -171,9 +172,44 @@ def owned_outputs(a: Analysis) -> Analysis:
     return replace(a, roles=roles)
 
 
+def untraced_linears(a: Analysis) -> Analysis:
+    """``nn.Linear`` modules the traced forward never calls (an image patch projection when the
+    trace is text-only) are column-sharded with their output all-gathered: for any input the ranks
+    share, that gives the whole module's output and input gradient, at ``1/tp`` of its weight.
+
+    Only plain ``nn.Linear`` (its forward is known), outside the layer stacks, whose parameters are
+    no other module's (tied), whose parent the trace runs (a projection beside the traced model, not
+    a Linear inside a whole untraced sub-network such as a vision tower, where a gather per Linear
+    would be a poor plan) and has no role (it might read the weight itself), and whose output
+    features ``tp`` divides (every tp when the tp size is unknown: even ones are taken).
+    """
+    if a.model is None:
+        return a
+    traced = {d["param"] for n, d in a.graph.nodes(data=True) if d["kind"] in ("param", "buffer") and readers(a.graph, n)}
+    owners = {}
+    for module_name, module in a.model.named_modules(remove_duplicate=False):
+        for param in module.parameters(recurse=False):
+            owners.setdefault(id(param), set()).add(module_name)
+    stacks = tuple(prefix + "." for prefix in a.groups.groups)
+    ran = {m for _, d in a.graph.nodes(data=True) for m in d.get("stack") or ()} | {""}
+    roles = dict(a.roles)
+    for fqn, module in a.model.named_modules():
+        if type(module) is not nn.Linear or not fqn or fqn.startswith(stacks) or fqn in roles:
+            continue
+        if f"{fqn}.weight" in traced or any(len(owners[id(p)]) > 1 for p in module.parameters()):
+            continue
+        if any(fqn.startswith(m + ".") for m in roles) or module.out_features % (a.tp_size or 2):
+            continue
+        if fqn.rpartition(".")[0] not in ran:
+            continue
+        roles[fqn] = Role("gathered_column", "the traced forward never calls it; column-sharded with its "
+                          "output all-gathered, which is right for any input the ranks share", (fqn,))
+    return replace(a, roles=roles)
+
+
 # The passes after the fixpoint, in order.
 POST_PASSES: tuple[Callable[[Analysis], Analysis], ...] = (
-    shard_counts, kv_replication, sequence_parallel, shared_inputs, divisibility, owned_outputs,
+    shard_counts, kv_replication, sequence_parallel, shared_inputs, divisibility, owned_outputs, untraced_linears,
 )
 
 

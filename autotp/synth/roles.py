@@ -38,6 +38,8 @@ ROLE_KINDS = {
     "stream_params": "module on a stream block's DTensor stream: its parameters are replicated DTensors",
     "broadcast_source": "Linear kept whole whose output span is expanded across sharded heads (a rope key shared "
                         "by all heads): that span's gradient is all-reduced",
+    "gathered_column": "Linear the traced forward never calls (an image patch projection in a text run): "
+                       "column-sharded with its output all-gathered, right for any input the ranks share",
     "replicate": "kept whole on every rank",
 }
 
@@ -48,7 +50,7 @@ Kind = StrEnum("Kind", {kind.upper(): kind for kind in ROLE_KINDS})
 # Which dim of its weight a role shards (kinds not here keep their weight whole, or name their
 # parameters' dims themselves in ``param_dims``). Read by the tie check (tied users must agree)
 # and by the per-rank runs of localization (the weight's per-rank shape).
-WEIGHT_DIMS = {Kind.COLUMN: 0, Kind.PACKED_COLUMN: 0, Kind.KV_COLUMN: 0, Kind.HEAD: 0, Kind.VOCAB_EMBEDDING: 0,
+WEIGHT_DIMS = {Kind.COLUMN: 0, Kind.GATHERED_COLUMN: 0, Kind.PACKED_COLUMN: 0, Kind.KV_COLUMN: 0, Kind.HEAD: 0, Kind.VOCAB_EMBEDDING: 0,
                Kind.WIDTH_NORM: 0, Kind.ROW: 1}
 
 

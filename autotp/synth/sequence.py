@@ -19,7 +19,7 @@ from autotp.synth.assign import reads_model_input
 from autotp.synth.graph import common_module, param_modules, refs
 from autotp.synth.params import reading_module
 from autotp.synth.ops import DISPATCH, LINEAR_CARRY, MASKING, PRODUCTS, WEIGHT_PRODUCTS
-from autotp.synth.ops import ATTENTION, ELEMENTWISE, MATMULS, PASSTHROUGH
+from autotp.synth.ops import ATTENTION, ELEMENTWISE, MATMULS, PASSTHROUGH, SINKS
 from autotp.synth.roles import Kind, Role, kind_of
 
 # Linear roles that take a replicated input and can share one all-gather before them.
@@ -620,6 +620,21 @@ def shared_gathers(g: nx.DiGraph, region: set[str], roles: dict[str, Role]) -> d
     return found
 
 
+def gathered_params_modules(g: nx.DiGraph, region: set[str], roles: dict[str, Role]) -> dict[str, Role]:
+    """``head_params`` modules whose own code reads the sequence-sharded stream (a token shift
+    mixed with per-channel weights before the column Linears): their style gathers it whole at
+    entry, once, and the Linears inside read it whole."""
+    found = {}
+    for module, role in roles.items():
+        if role.kind != "head_params" or role.seq_input:
+            continue
+        if any(module in g.nodes[s]["stack"] and not is_linear(g, s) and g.nodes[s]["op"] not in SINKS
+               for n in region for s in g.successors(n)):
+            found[module] = replace(role, seq_input=True, reason=role.reason + "; its own code reads the "
+                                    "sequence-sharded stream: gathered whole at entry")
+    return found
+
+
 def layer_of(stack, groups) -> str | None:
     """The entry of a collapsed layer stack that ``stack`` (a node's module stack) runs in, if any."""
     prefixes = set(groups.groups) if groups is not None else set()
@@ -706,9 +721,11 @@ def sequence_parallel_roles(g: nx.DiGraph, flow: Flow, roles: dict[str, Role], g
     out.update(gathers_before_masks(g, region, out, masked))
     out.update(joining_modules(g, flow, region, out))
     out.update(shared_gathers(g, region, out))
+    out.update(gathered_params_modules(g, region, out))
     # Modules whose inputs are gathered whole at entry: the Linears inside read them whole.
     # (``LinearParams`` gathers its module's inputs: the code around raw weights reads every position.)
-    gathered = {m for m, r in out.items() if r.kind in ("seq_norm_gather", "seq_gather", "linear_params")} | masked
+    gathered = {m for m, r in out.items() if r.kind in ("seq_norm_gather", "seq_gather", "linear_params")
+                or r.kind == "head_params" and r.seq_input} | masked
     raw_modules = {m for m, r in out.items() if r.kind == "linear_params"}  # reduce inside, slice their output
     inner = inner_rows(g, flow)
     for name, data in g.nodes(data=True):

@@ -1,0 +1,138 @@
+"""A per-channel recurrence whose parameters are read at every step, and a Linear the trace never calls.
+
+The mixer is the pattern of time-mixing RNN layers written as a plain loop over time: key, value
+and receptance projections, a per-channel ``decay`` and ``bonus`` read at each of the ``t`` unrolled
+steps (so the traced graph has ``t`` readers of each), running states made with ``zeros_like`` of
+the first step's key, a ``log_sigmoid`` gate and an output projection. Sharded like an expert,
+the three projections are columns, the output a row, and ``decay`` / ``bonus`` are sharded with the
+channels; a plan that shards them while one reader still reads them whole would be wrong, so
+that case (the decay also read outside the loop) must keep the mixer exact.
+
+The last tests are about a Linear outside the traced forward (an image projection a text-only
+trace never reaches): it is column-sharded with its output all-gathered, which the verifier checks
+by feeding the image too.
+"""
+
+import warnings
+
+import pytest
+import torch
+import torch.nn.functional as F
+from synth_toy import DIM, example_tokens
+from test_ssm_mixer import SSMStack
+from torch import nn
+
+from autotp.synth import explain, synthesize
+from autotp.verifier import verify
+
+INNER = 2 * DIM
+
+
+class PerChannelRecurrence(nn.Module):
+    """k, v, r = Linears(h); a numerically stable weighted running average over time with a
+    per-channel decay and bonus; out(sigmoid(r) * wkv)."""
+
+    def __init__(self, stray_read: bool = False):
+        super().__init__()
+        self.stray_read = stray_read
+        self.key = nn.Linear(DIM, INNER, bias=False)
+        self.value = nn.Linear(DIM, INNER, bias=False)
+        self.receptance = nn.Linear(DIM, INNER, bias=False)
+        self.gate = nn.Linear(DIM, INNER, bias=False)
+        self.decay = nn.Parameter(0.5 * torch.randn(INNER))
+        self.bonus = nn.Parameter(0.5 * torch.randn(INNER))
+        self.output = nn.Linear(INNER, DIM, bias=False)
+
+    def forward(self, h):
+        k, v = self.key(h), self.value(h)
+        w = -torch.exp(self.decay)
+        num = torch.zeros_like(k[:, 0])
+        den = torch.zeros_like(k[:, 0])
+        peak = torch.zeros_like(k[:, 0]) - 1e30
+        outs = []
+        for i in range(h.shape[1]):
+            kt, vt = k[:, i], v[:, i]
+            top = torch.maximum(peak, kt + self.bonus)
+            a, b = torch.exp(peak - top), torch.exp(kt + self.bonus - top)
+            outs.append((a * num + b * vt) / (a * den + b))
+            top = torch.maximum(peak + w, kt)
+            a, b = torch.exp(peak + w - top), torch.exp(kt - top)
+            num, den, peak = a * num + b * vt, a * den + b, top
+        wkv = torch.stack(outs, dim=1)
+        gated = torch.sigmoid(self.receptance(h)) * wkv * torch.exp(F.logsigmoid(self.gate(h)))
+        out = self.output(gated)
+        if self.stray_read:  # the decay read whole too, outside the channel-sharded loop
+            out = out + self.decay.mean()
+        return out
+
+
+def _model(**kwargs):
+    torch.manual_seed(0)
+    return SSMStack(mixer=lambda: PerChannelRecurrence(**kwargs))
+
+
+def _verified(model, tp: int, sequence_parallel: bool = False, inputs=None):
+    inputs = inputs or (example_tokens(),)
+    plan = synthesize(model, example_inputs=inputs[:1], tp_size=tp, sequence_parallel=sequence_parallel)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        report = verify(model, plan, tp_size=tp, inputs=inputs)
+    assert report.ok, str(report)
+    return plan, report
+
+
+@pytest.mark.parametrize("sequence_parallel", [False, True], ids=["plain", "sp"])
+@pytest.mark.parametrize("tp", [2, 4])
+def test_recurrence_parameters_read_every_step_are_sharded(tp, sequence_parallel):
+    plan, report = _verified(_model(), tp, sequence_parallel)
+    assert plan["layers.*.mixer"].shard_dims == {"bonus": 0, "decay": 0}, plan
+    # Only the RMSNorms stay whole: under 1% of the model.
+    assert all(abs(f - 1 / tp) < 0.01 for f in report.param_fraction), report.param_fraction
+
+
+def test_a_parameter_also_read_whole_is_not_sharded():
+    """Default-deny: ``decay`` read whole after the row (``out + decay.mean()``) as well as per step
+    inside the loop: sharding it would hand that reader a slice, so the mixer's projections that
+    meet it stay whole, the plan stays exact, and the reason names the stray reader."""
+    model = _model(stray_read=True)
+    plan, _ = _verified(model, 2)
+    assert "layers.*.mixer.key" not in plan, plan
+    records = {r.key: r for r in explain(model, example_inputs=(example_tokens(),), tp_size=2)}
+    assert "reads it whole" in records["layers.*.mixer.key"].reason, records["layers.*.mixer.key"]
+
+
+class WithImageProjection(nn.Module):
+    """A token model with an image projection its text forward does not call."""
+
+    def __init__(self, tied: bool = False):
+        super().__init__()
+        self.body = _model()
+        self.image_proj = nn.Linear(3 * DIM, DIM)
+        if tied:  # a weight shared by two modules: kept as it is
+            self.other = nn.Linear(3 * DIM, DIM)
+            self.other.weight = self.image_proj.weight
+
+    def forward(self, tokens, image=None):
+        h = self.body.embed(tokens)
+        if image is not None:
+            h = h + self.image_proj(image)[:, None]
+        for layer in self.body.layers:
+            h = layer(h)
+        return self.body.head(self.body.norm(h))
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+def test_an_untraced_linear_is_a_gathered_column(tp):
+    torch.manual_seed(0)
+    model = WithImageProjection()
+    image = torch.randn(example_tokens().shape[0], 3 * DIM)
+    plan, report = _verified(model, tp, inputs=(example_tokens(), image))  # the image reaches it here
+    style = plan["image_proj"]
+    assert type(style).__name__ == "ColwiseParallel" and str(style.output_layouts[0]) == "R", style
+    assert all(abs(f - 1 / tp) < 0.01 for f in report.param_fraction), report.param_fraction
+
+
+def test_an_untraced_linear_sharing_its_weight_stays_whole():
+    torch.manual_seed(0)
+    plan = synthesize(WithImageProjection(tied=True), example_inputs=(example_tokens(),), tp_size=2)
+    assert "image_proj" not in plan and "other" not in plan, plan
