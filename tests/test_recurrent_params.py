@@ -1,7 +1,7 @@
 """A per-channel recurrence whose parameters are read at every step, and a Linear the trace never calls.
 
-The mixer is the pattern of time-mixing RNN layers written as a plain loop over time: key, value
-and receptance projections, a per-channel ``decay`` and ``bonus`` read at each of the ``t`` unrolled
+The mixer is the pattern of time-mixing RNN layers written as a plain loop over time: a token
+shift mixed into the key's input, key, value and receptance projections, a per-channel ``decay`` and ``bonus`` read at each of the ``t`` unrolled
 steps (so the traced graph has ``t`` readers of each), running states made with ``zeros_like`` of
 the first step's key, a ``log_sigmoid`` gate and an output projection. Sharded like an expert,
 the three projections are columns, the output a row, and ``decay`` / ``bonus`` are sharded with the
@@ -41,10 +41,14 @@ class PerChannelRecurrence(nn.Module):
         self.gate = nn.Linear(DIM, INNER, bias=False)
         self.decay = nn.Parameter(0.5 * torch.randn(INNER))
         self.bonus = nn.Parameter(0.5 * torch.randn(INNER))
+        self.mix = nn.Parameter(torch.rand(DIM))
         self.output = nn.Linear(INNER, DIM, bias=False)
 
     def forward(self, h):
-        k, v = self.key(h), self.value(h)
+        # A token shift mixed into the key's input: this module's own code reads the stream (under
+        # sequence parallel, its style gathers it whole at entry).
+        shifted = F.pad(h, (0, 0, 1, -1))
+        k, v = self.key(h * self.mix + shifted * (1 - self.mix)), self.value(h)
         w = -torch.exp(self.decay)
         num = torch.zeros_like(k[:, 0])
         den = torch.zeros_like(k[:, 0])
@@ -85,7 +89,8 @@ def _verified(model, tp: int, sequence_parallel: bool = False, inputs=None):
 @pytest.mark.parametrize("tp", [2, 4])
 def test_recurrence_parameters_read_every_step_are_sharded(tp, sequence_parallel):
     plan, report = _verified(_model(), tp, sequence_parallel)
-    assert plan["layers.*.mixer"].shard_dims == {"bonus": 0, "decay": 0}, plan
+    mixer = plan["layers.*.mixer"]
+    assert mixer.shard_dims == {"bonus": 0, "decay": 0} and mixer.gather_inputs == sequence_parallel, plan
     # Only the RMSNorms stay whole: under 1% of the model.
     assert all(abs(f - 1 / tp) < 0.01 for f in report.param_fraction), report.param_fraction
 
