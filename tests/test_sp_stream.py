@@ -288,3 +288,18 @@ def test_module_masking_the_stream_reads_it_gathered(tp):
     report = verify(model, plan, tp_size=tp, inputs=(tokens, mask))
     assert report.ok, str(report)
     assert all(f <= _whole_fraction(model, tp) + 0.01 for f in report.param_fraction), report.param_fraction
+
+
+def test_a_whole_token_table_starts_the_stream_sliced():
+    """A token table whose rows tp does not divide (258 at tp=4) stays whole; under SP its output
+    still starts the sequence-sharded stream, sliced to this rank's positions. Would catch the
+    plain output the first SequenceParallel norm would read as this rank's shard (a sequence tp
+    times too long: a shape error, or wrong logits where nothing checks the length)."""
+    from synth_toy import TitanLlama
+
+    torch.manual_seed(0)
+    model = TitanLlama()
+    model.tok_embeddings = nn.Embedding(VOCAB + 2, DIM)
+    plan = synthesize(model, example_inputs=(example_tokens(),), tp_size=4, sequence_parallel=True)
+    assert "desired_output_layouts=(Shard(dim=1),)" in repr(plan["tok_embeddings"]), plan["tok_embeddings"]
+    verify_toy(model, plan, tp_size=4)

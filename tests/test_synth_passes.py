@@ -399,6 +399,19 @@ def test_divisibility_pass_keeps_a_vocab_table_tp_does_not_divide_whole():
     assert role.kind == "replicate" and "its 30 rows do not split over tp=4 (tp in (1, 2, 3, 5, 6, 10, 15, 30) would)" in role.reason
 
 
+def test_a_whole_vocab_table_that_starts_the_sequence_parallel_stream_slices_its_output():
+    """Under SP the table kept whole still starts the sequence-sharded stream: its output is sliced
+    to this rank's positions. Would catch the plain output a SequenceParallel norm then reads as
+    this rank's shard (the sequence doubled: a crash, or wrong logits)."""
+    g = block_graph()
+    g.nodes["w_emb"]["shape"] = (30, 8)
+    a = sequence_parallel(replace(_fixpoint(g, tp_size=4), sequence_parallel=True))
+    assert a.roles["embed"].seq_output
+    role = divisibility(a).roles["embed"]
+    assert role.kind == "replicate" and role.seq_output
+    assert "desired_output_layouts=(Shard(dim=1),)" in repr(style_for(role)), style_for(role)
+
+
 def gqa_graph() -> nx.DiGraph:
     """x -> q (4 heads of 8), k and v (2 heads of 8) -> grouped-query attention -> o."""
     g = nx.DiGraph()

@@ -231,8 +231,10 @@ def indivisible_tables(g: nx.DiGraph, roles: dict[str, Role], tp_size: int) -> d
             continue
         rows = g.nodes[data["args"][0].name]["shape"][0]
         if rows % tp_size:
+            # Under SP a whole table that starts the stream hands each rank its positions' slice.
             out[data["module"]] = Role("replicate", f"its {rows} rows do not split over tp={tp_size} (tp in "
-                                       f"{working_tp_sizes([rows])} would); kept whole", role.evidence)
+                                       f"{working_tp_sizes([rows])} would); kept whole", role.evidence,
+                                       seq_output=role.seq_output)
     return out
 
 
