@@ -620,16 +620,19 @@ def shared_gathers(g: nx.DiGraph, region: set[str], roles: dict[str, Role]) -> d
     return found
 
 
-def gathered_params_modules(g: nx.DiGraph, region: set[str], roles: dict[str, Role]) -> dict[str, Role]:
+def gathered_params_modules(g: nx.DiGraph, region: set[str], roles: dict[str, Role],
+                            gathered: set[str]) -> dict[str, Role]:
     """``head_params`` modules whose own code reads the sequence-sharded stream (a token shift
     mixed with per-channel weights before the column Linears): their style gathers it whole at
-    entry, once, and the Linears inside read it whole."""
+    entry, once, and the Linears inside read it whole. Stream values made in a ``gathered`` module
+    (a norm that all-gathers its output) arrive whole already."""
+    sharded = [n for n in region if not gathered & set(g.nodes[n]["stack"])]
     found = {}
     for module, role in roles.items():
-        if role.kind != "head_params" or role.seq_input:
+        if role.kind != "head_params" or role.seq_input or module in gathered:
             continue
         if any(module in g.nodes[s]["stack"] and not is_linear(g, s) and g.nodes[s]["op"] not in SINKS
-               for n in region for s in g.successors(n)):
+               for n in sharded for s in g.successors(n)):
             found[module] = replace(role, seq_input=True, reason=role.reason + "; its own code reads the "
                                     "sequence-sharded stream: gathered whole at entry")
     return found
@@ -721,11 +724,11 @@ def sequence_parallel_roles(g: nx.DiGraph, flow: Flow, roles: dict[str, Role], g
     out.update(gathers_before_masks(g, region, out, masked))
     out.update(joining_modules(g, flow, region, out))
     out.update(shared_gathers(g, region, out))
-    out.update(gathered_params_modules(g, region, out))
     # Modules whose inputs are gathered whole at entry: the Linears inside read them whole.
     # (``LinearParams`` gathers its module's inputs: the code around raw weights reads every position.)
-    gathered = {m for m, r in out.items() if r.kind in ("seq_norm_gather", "seq_gather", "linear_params")
-                or r.kind == "head_params" and r.seq_input} | masked
+    gathered = {m for m, r in out.items() if r.kind in ("seq_norm_gather", "seq_gather", "linear_params")} | masked
+    out.update(found := gathered_params_modules(g, region, out, gathered))
+    gathered |= set(found)
     raw_modules = {m for m, r in out.items() if r.kind == "linear_params"}  # reduce inside, slice their output
     inner = inner_rows(g, flow)
     for name, data in g.nodes(data=True):
