@@ -22,6 +22,7 @@ from synth_toy import DIM, example_tokens
 from test_ssm_mixer import SSMStack
 from torch import nn
 
+from autotp.errors import MeshError
 from autotp.synth import explain, synthesize
 from autotp.verifier import verify
 
@@ -141,3 +142,36 @@ def test_an_untraced_linear_sharing_its_weight_stays_whole():
     torch.manual_seed(0)
     plan = synthesize(WithImageProjection(tied=True), example_inputs=(example_tokens(),), tp_size=2)
     assert "image_proj" not in plan and "other" not in plan, plan
+
+
+class GroupedConvMixer(nn.Module):
+    """in_proj -> a causal convolution over groups of channels (not depthwise) -> silu -> out_proj."""
+
+    def __init__(self, groups: int = 8):
+        super().__init__()
+        self.in_proj = nn.Linear(DIM, INNER, bias=False)
+        self.conv = nn.Conv1d(INNER, INNER, 3, groups=groups, padding=2)
+        self.out_proj = nn.Linear(INNER, DIM, bias=False)
+
+    def forward(self, h):
+        x = self.in_proj(h).transpose(1, 2)
+        x = F.silu(self.conv(x)[..., : h.shape[1]])
+        return self.out_proj(x.transpose(1, 2))
+
+
+@pytest.mark.parametrize("sequence_parallel", [False, True], ids=["plain", "sp"])
+@pytest.mark.parametrize("tp", [2, 4])
+def test_a_grouped_convolution_keeps_whole_groups_per_rank(tp, sequence_parallel):
+    """8 groups of 16 channels: each rank holds 8 / tp whole groups, the conv's weight and bias
+    sharded with them and its ``groups`` divided per rank."""
+    torch.manual_seed(0)
+    plan, report = _verified(SSMStack(mixer=GroupedConvMixer), tp, sequence_parallel)
+    assert plan["layers.*.mixer"].names == ("conv.groups",), plan
+    assert all(abs(f - 1 / tp) < 0.01 for f in report.param_fraction), report.param_fraction
+
+
+def test_a_grouped_convolution_tp_does_not_divide_is_refused():
+    """2 groups at tp=4: a rank would hold half a group; the plan is refused with the module named."""
+    torch.manual_seed(0)
+    with pytest.raises(MeshError, match="mixer"):
+        synthesize(SSMStack(mixer=lambda: GroupedConvMixer(groups=2)), example_inputs=(example_tokens(),), tp_size=4)

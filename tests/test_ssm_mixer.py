@@ -284,8 +284,12 @@ def test_depthwise_conv_keeps_the_channel_shard_and_shards_its_weight():
     assert flow.param_shards == {"w_conv": 0}
 
 
-def test_grouped_conv_over_several_channels_breaks():
-    _, dropped = analyse(_conv_graph(groups=4))
+def test_grouped_conv_keeps_whole_groups_and_a_full_conv_breaks():
+    """4 groups of 4 channels keep the shard, with the group count among the extents tp must
+    divide; one group (every output channel reads every input channel) mixes the shard."""
+    flow, dropped = analyse(_conv_graph(groups=4))
+    assert "up" not in dropped and flow.extent["up"] == 4 and flow.param_shards == {"w_conv": 0}
+    _, dropped = analyse(_conv_graph(groups=1))
     assert "mixes the channels" in dropped["up"]
 
 

@@ -79,6 +79,7 @@ class Flow:
     param_spans: dict = field(default_factory=dict)  # parameter placeholder -> {(origins, span, pieces)} it met
     piece_cuts: set = field(default_factory=set)  # nodes that cut a joined shard back into pieces, or unfold one
     factory_shards: dict = field(default_factory=dict)  # constant factory node -> (dim, origins it met)
+    group_counts: set = field(default_factory=set)  # group counts of grouped convolutions the shards met
     writes: dict = field(default_factory=dict)  # in-place write node -> the tensor it wrote a shard into
     meeting: tuple = ()  # the sharded inputs of the node a rule is deciding (for shard_param)
     deciding: str = ""  # the node a rule is deciding
@@ -124,6 +125,14 @@ class Flow:
         previous = self.factory_shards.get(found[0], (found[1], frozenset()))[1]
         self.factory_shards[found[0]] = (found[1], previous | origins)
         return True
+
+    def grouped(self, groups: int) -> None:
+        """The shard meets an op over ``groups`` groups of its channels (a grouped convolution):
+        each rank must hold whole groups, so tp must divide ``groups`` as it divides the heads."""
+        for shard in self.meeting:
+            for origin in shard.origins:
+                self.extent[origin] = math.gcd(self.extent.get(origin, 0), groups)
+        self.group_counts.add(groups)
 
     def expert_bias(self, other: str, dim: int) -> bool:
         """Whether replicated operand ``other`` is a per-expert bias (``B[e]``, ``B[ids]``:

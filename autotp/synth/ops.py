@@ -736,8 +736,11 @@ def _einsum(g, name, dims, ctx):
 
 
 def _conv(g, name, dims, ctx):
-    """A convolution over a channel-sharded input (dim 1) keeps the shard when it is depthwise; its
-    weight and bias (output channels on dim 0) are sharded with it."""
+    """A convolution over a channel-sharded input (dim 1) keeps the shard when it is grouped
+    (depthwise: a group per channel) and tp divides the groups: each rank's channels are then whole
+    groups, and its weight and bias (output channels on dim 0) are sharded with them. The group
+    count joins the extents tp must divide, and the shape proof finds the ``groups`` attribute to
+    divide per rank where it is not the channel count."""
     data = g.nodes[name]
     op, x = data["op"], data["args"][0]
     weight, bias = _arg(g, name, 1, "weight"), _arg(g, name, 2, "bias")
@@ -748,12 +751,15 @@ def _conv(g, name, dims, ctx):
     channels, groups = g.nodes[x.name]["shape"][1], _arg(g, name, CONVOLUTIONS[op], "groups", 1)
     if op == "convolution" and _arg(g, name, 6, "transposed", False):
         return Break(f"{op} is transposed")
-    if groups != channels:
+    out_channels = g.nodes[name]["shape"][1] if g.nodes[name]["shape"] else None
+    if not isinstance(groups, int) or groups < 2 or channels % groups or not out_channels or out_channels % groups:
         return Break(f"{op} mixes the channels of the sharded dim 1 (groups={groups} for {channels} channels)")
     if not isinstance(weight, Ref) or not ctx.shard_param(weight.name, 0):
         return Break(f"{op}'s weight cannot be sharded with its channels (not a parameter read only here)")
     if isinstance(bias, Ref) and not ctx.shard_param(bias.name, 0):
         return Break(f"{op}'s bias cannot be sharded with its channels (not a parameter read only here)")
+    if groups != channels:
+        ctx.grouped(groups)
     return Out(1)
 
 
