@@ -147,16 +147,24 @@ def test_an_untraced_linear_sharing_its_weight_stays_whole():
 class GroupedConvMixer(nn.Module):
     """in_proj -> a causal convolution over groups of channels (not depthwise) -> silu -> out_proj."""
 
-    def __init__(self, groups: int = 8):
+    def __init__(self, groups: int = 8, gated: str = ""):
         super().__init__()
-        self.in_proj = nn.Linear(DIM, INNER, bias=False)
-        self.conv = nn.Conv1d(INNER, INNER, 3, groups=groups, padding=2)
+        # "before": in_proj packs [x | gate] and the conv runs over x; "after": the conv runs over
+        # the whole packed output, cut into x and gate after it.
+        self.gated = gated
+        self.in_proj = nn.Linear(DIM, 2 * INNER if gated else INNER, bias=False)
+        width = 2 * INNER if gated == "after" else INNER
+        self.conv = nn.Conv1d(width, width, 3, groups=groups, padding=2)
         self.out_proj = nn.Linear(INNER, DIM, bias=False)
 
     def forward(self, h):
-        x = self.in_proj(h).transpose(1, 2)
-        x = F.silu(self.conv(x)[..., : h.shape[1]])
-        return self.out_proj(x.transpose(1, 2))
+        x = self.in_proj(h)
+        if self.gated == "before":
+            x, gate = x.chunk(2, dim=-1)
+        x = F.silu(self.conv(x.transpose(1, 2))[..., : h.shape[1]]).transpose(1, 2)
+        if self.gated == "after":
+            x, gate = x.chunk(2, dim=-1)
+        return self.out_proj(x * F.silu(gate) if self.gated else x)
 
 
 @pytest.mark.parametrize("sequence_parallel", [False, True], ids=["plain", "sp"])
@@ -175,3 +183,13 @@ def test_a_grouped_convolution_tp_does_not_divide_is_refused():
     torch.manual_seed(0)
     with pytest.raises(MeshError, match="mixer"):
         synthesize(SSMStack(mixer=lambda: GroupedConvMixer(groups=2)), example_inputs=(example_tokens(),), tp_size=4)
+
+
+@pytest.mark.parametrize("gated", ["before", "after"])
+def test_a_grouped_convolution_of_a_packed_projection_stays_exact(gated):
+    """Default-deny: the projection is cut into parts (before or after the conv), so a rank's
+    channels are its shares of the parts; grouped (not depthwise), that is not proven to keep
+    whole groups, so the projection stays whole and the plan exact."""
+    torch.manual_seed(0)
+    plan, _ = _verified(SSMStack(mixer=lambda: GroupedConvMixer(gated=gated)), 2)
+    assert "layers.*.mixer.in_proj" not in plan, plan

@@ -80,6 +80,7 @@ class Flow:
     piece_cuts: set = field(default_factory=set)  # nodes that cut a joined shard back into pieces, or unfold one
     factory_shards: dict = field(default_factory=dict)  # constant factory node -> (dim, origins it met)
     group_counts: set = field(default_factory=set)  # group counts of grouped convolutions the shards met
+    grouped_origins: set = field(default_factory=set)  # candidates whose shard met a grouped convolution
     writes: dict = field(default_factory=dict)  # in-place write node -> the tensor it wrote a shard into
     meeting: tuple = ()  # the sharded inputs of the node a rule is deciding (for shard_param)
     deciding: str = ""  # the node a rule is deciding
@@ -132,6 +133,7 @@ class Flow:
         for shard in self.meeting:
             for origin in shard.origins:
                 self.extent[origin] = math.gcd(self.extent.get(origin, 0), groups)
+                self.grouped_origins.add(origin)
         self.group_counts.add(groups)
 
     def expert_bias(self, other: str, dim: int) -> bool:
@@ -960,6 +962,14 @@ def same_weight(g: nx.DiGraph, bad: dict[str, str], active: set[str]) -> dict[st
             if n not in bad and linear_weight(g, n) in weights}
 
 
+def packed_groups(flow: Flow) -> dict[str, str]:
+    """Candidates whose shard met a grouped convolution and whose output is also cut into parts
+    (before or after it): each rank's channels are then shares of several parts, which need not be
+    whole groups in order. Depthwise convolutions, one group per channel, are not concerned."""
+    return {r: "its output is cut into parts and also read by a grouped convolution, whose groups a "
+               "per-part shard would not keep whole" for r in flow.grouped_origins if flow.splits.get(r)}
+
+
 def endless_shards(flow: Flow) -> dict[str, str]:
     """Candidates whose shard never reaches a row-parallel Linear or the output."""
     reached = set(flow.heads)
@@ -1017,6 +1027,7 @@ def _fixpoint(g: nx.DiGraph, dropped: dict[str, str], unit_heads: frozenset,
         bad.update(bad_packs(flow))
         bad.update({r: reason for r, reason in mixed_parts(flow).items() if r not in bad})
         bad.update(endless_shards(flow))
+        bad.update({r: reason for r, reason in packed_groups(flow).items() if r not in bad})
         bad.update({r: reason for r, reason in _raw_limits(flow).items() if r not in bad})
         bad.update({r: reason for r, reason in broadcast_leaks(flow).items() if r not in bad})
         bad.update({r: reason for r, reason in partial_sum_breaks(g, flow.rows, module_of).items() if r not in bad})

@@ -759,7 +759,10 @@ def _conv(g, name, dims, ctx):
     if isinstance(bias, Ref) and not ctx.shard_param(bias.name, 0):
         return Break(f"{op}'s bias cannot be sharded with its channels (not a parameter read only here)")
     if groups != channels:
-        ctx.grouped(groups)
+        state = ctx.state[x.name]
+        if state.pieces or state.fold:  # a rank's channels are its shares of several tensors
+            return Break(f"{op} groups {channels // groups} channels of a shard joined from pieces")
+        ctx.grouped(groups)  # an output also cut into parts is refused after the pass (packed_groups)
     return Out(1)
 
 
