@@ -79,8 +79,7 @@ class Flow:
     param_spans: dict = field(default_factory=dict)  # parameter placeholder -> {(origins, span, pieces)} it met
     piece_cuts: set = field(default_factory=set)  # nodes that cut a joined shard back into pieces, or unfold one
     factory_shards: dict = field(default_factory=dict)  # constant factory node -> (dim, origins it met)
-    group_counts: set = field(default_factory=set)  # group counts of grouped convolutions the shards met
-    grouped_origins: set = field(default_factory=set)  # candidates whose shard met a grouped convolution
+    conv_groups: dict = field(default_factory=dict)  # candidate -> group counts of the grouped convolutions it met
     writes: dict = field(default_factory=dict)  # in-place write node -> the tensor it wrote a shard into
     meeting: tuple = ()  # the sharded inputs of the node a rule is deciding (for shard_param)
     deciding: str = ""  # the node a rule is deciding
@@ -133,8 +132,7 @@ class Flow:
         for shard in self.meeting:
             for origin in shard.origins:
                 self.extent[origin] = math.gcd(self.extent.get(origin, 0), groups)
-                self.grouped_origins.add(origin)
-        self.group_counts.add(groups)
+                self.conv_groups.setdefault(origin, set()).add(groups)
 
     def expert_bias(self, other: str, dim: int) -> bool:
         """Whether replicated operand ``other`` is a per-expert bias (``B[e]``, ``B[ids]``:
@@ -967,7 +965,7 @@ def packed_groups(flow: Flow) -> dict[str, str]:
     (before or after it): each rank's channels are then shares of several parts, which need not be
     whole groups in order. Depthwise convolutions, one group per channel, are not concerned."""
     return {r: "its output is cut into parts and also read by a grouped convolution, whose groups a "
-               "per-part shard would not keep whole" for r in flow.grouped_origins if flow.splits.get(r)}
+               "per-part shard would not keep whole" for r in flow.conv_groups if flow.splits.get(r)}
 
 
 def endless_shards(flow: Flow) -> dict[str, str]:

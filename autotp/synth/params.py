@@ -139,7 +139,7 @@ def stray_param_reads(flow) -> dict[str, str]:
                  if g.nodes[succ]["op"] not in SINKS and succ not in chain and (node, succ) not in uses]
         if not stray:
             continue
-        node, succ = min(stray, key=lambda pair: g.nodes[pair[1]]["order"])
+        _, succ = min(stray, key=lambda pair: g.nodes[pair[1]]["order"])
         reason = (f"{g.nodes[param]['param']} would be sharded with the heads where they meet it, but "
                   f"{g.nodes[succ]['op']} in {g.nodes[succ]['module'] or 'the root'} reads it whole")
         for _, met in uses:

@@ -83,7 +83,7 @@ def shaped_sizes(g: nx.DiGraph, flow: Flow, roots: list[str]) -> set[int]:
                 values.update(width for _, width in state.pieces)
         values.update(end - start for start, end in set(flow.splits.get(root, ())))
         values.update(g.nodes[n]["shape"][dim] for n, (dim, origins) in flow.factory_shards.items() if root in origins)
-    values.update(flow.group_counts)  # a grouped convolution's ``groups``, divided per rank
+        values.update(flow.conv_groups.get(root, ()))  # a grouped convolution's ``groups``, divided per rank
     return {v for v in values if v > 0}  # 1: a single kv head, which tp cannot divide (kvheads.py)
 
 
