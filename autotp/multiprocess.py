@@ -26,6 +26,7 @@ from autotp.verifier import (
     VerifyReport,
     check_materialised,
     clean_copy,
+    comm_fields,
     default_inputs,
     reference_run,
     run_and_compare,
@@ -143,8 +144,6 @@ def _merge(procs: int, tolerance: float, results: dict, reference_scales: dict) 
         logits_max_abs_diff=[results[r][0][r] for r in range(procs)],
         grad_max_abs_diff=grads,
         param_fraction=[results[r][2][r] for r in range(procs)],
-        collectives={k: v for k, v in results[0][3].items() if k not in ("backward", "full_grads")},
-        collectives_backward=results[0][3]["backward"],
-        grads_not_local_size=results[0][3]["full_grads"],
+        **comm_fields(results[0][3]),
         **reference_scales,
     )

@@ -59,6 +59,10 @@ class VerifyReport:
     collectives: dict[str, int] = field(default_factory=dict)
     # Collectives of the backward pass (of the plan; the verifier's own loss adds none).
     collectives_backward: dict[str, int] = field(default_factory=dict)
+    # Bytes of the tensors the forward's and the backward's collectives reduce or gather (twice the
+    # input of an all-reduce): a ring moves (W-1)/W of this per rank. Issue 13's measure.
+    comm_volume: int = 0
+    comm_volume_backward: int = 0
     # Parameters whose local gradient has another shape than their local shard (a sharded parameter
     # with a full-size gradient); redistributed before comparing, as an optimizer would.
     grads_not_local_size: list[str] = field(default_factory=list)
@@ -124,11 +128,11 @@ class VerifyReport:
             f"  grads  max |diff|: {worst:.2e} ({name}, reference peaks at {self.grad_scale.get(name, 0.0):.2g}; "
             f"{len(self.grad_max_abs_diff)} parameters)",
             f"  parameter fraction per rank: {fractions}",
-            f"  collectives in one forward: {comms}",
+            f"  collectives in one forward: {comms} ({self.comm_volume} bytes)",
         ]
         if self.collectives_backward:
             back = ", ".join(f"{k}={v}" for k, v in sorted(self.collectives_backward.items()))
-            lines.append(f"  collectives in its backward: {back}")
+            lines.append(f"  collectives in its backward: {back} ({self.comm_volume_backward} bytes)")
         if self.float64 is not None:
             f64_name, f64_worst = self.float64.worst_grad
             lines.append(f"  above tolerance in float32; re-run in float64 (tolerance {self.float64.tolerance:g}): "
@@ -153,6 +157,10 @@ class CollectiveCounter(TorchDispatchMode):
     def __init__(self):
         super().__init__()
         self.counts: Counter[str] = Counter()
+        # Bytes of the whole tensor each collective reduces or gathers, the volume a ring moves
+        # (W-1)/W of: twice the input for an all-reduce (a reduce-scatter then an all-gather), the
+        # input for a reduce-scatter, the output for an all-gather.
+        self.volume = 0
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if isinstance(func, torch._ops.HigherOrderOperator):
@@ -163,7 +171,18 @@ class CollectiveCounter(TorchDispatchMode):
         name = func._schema.name.split("::")[-1]
         if func.namespace in _COLLECTIVE_NAMESPACES and name not in _NOT_COLLECTIVES:
             self.counts[name] += 1
+            self.volume += _volume(name, args)
         return func(*args, **(kwargs or {}))
+
+
+def _volume(name: str, args) -> int:
+    tensors = args[0] if isinstance(args[0], (list, tuple)) else [args[0]]
+    nbytes = sum(t.numel() * t.element_size() for t in tensors if isinstance(t, torch.Tensor))
+    if name.startswith("all_reduce"):
+        return 2 * nbytes
+    if name.startswith("all_gather"):
+        return nbytes * int(args[1])  # (input, group_size, group_name)
+    return nbytes
 
 
 def default_inputs(model: nn.Module, tp_size: int, *, batch: int = 2, seed: int = 0) -> dict:
@@ -374,11 +393,16 @@ def _run_sharded(sharded, inputs, ref_logits, ref_params, tp_size, backward, tol
         logits_max_abs_diff=[logit_diffs[r] for r in range(tp_size)],
         grad_max_abs_diff=grad_diffs,
         param_fraction=[held[r] for r in range(tp_size)],
-        collectives={k: v for k, v in counts.items() if k not in ("backward", "full_grads")},
-        collectives_backward=counts["backward"],
-        grads_not_local_size=counts["full_grads"],
+        **comm_fields(counts),
         **scales(ref_logits, ref_params),
     )
+
+
+def comm_fields(counts: dict) -> dict:
+    """:class:`VerifyReport`'s communication fields from :func:`run_and_compare`'s counts."""
+    return {"collectives": counts["forward"], "collectives_backward": counts["backward"],
+            "comm_volume": counts["volume"], "comm_volume_backward": counts["backward_volume"],
+            "grads_not_local_size": counts["full_grads"]}
 
 
 def scales(ref_logits: torch.Tensor, ref_params: dict) -> dict:
@@ -397,9 +421,10 @@ def run_and_compare(sharded, inputs, ref_logits, ref_params, backward, rank_valu
     when simulated, its own one in a real process group.
 
     Returns:
-        ``({rank: logits diff}, {param: grad diff}, {rank: parameter fraction}, collective counts)``;
-        the counts are the forward's, with the backward's under the key ``"backward"`` and the
-        parameters whose local gradient is not their local shard's size under ``"full_grads"``.
+        ``({rank: logits diff}, {param: grad diff}, {rank: parameter fraction}, communication)``;
+        the communication holds the forward's and the backward's collective counts (``"forward"``,
+        ``"backward"``) and volumes in bytes (``"volume"``, ``"backward_volume"``), and the
+        parameters whose local gradient is not their local shard's size (``"full_grads"``).
     """
     with CollectiveCounter() as comm:
         logits = call_model(sharded, inputs)
@@ -411,7 +436,9 @@ def run_and_compare(sharded, inputs, ref_logits, ref_params, backward, rank_valu
         if loss is not None:
             loss.backward()
     grad_diffs, held, full_grads = _compare_params(sharded, ref_params, backward, rank_values)
-    return logit_diffs, grad_diffs, held, {**comm.counts, "backward": dict(back.counts), "full_grads": full_grads}
+    communication = {"forward": dict(comm.counts), "backward": dict(back.counts), "volume": comm.volume,
+                     "backward_volume": back.volume, "full_grads": full_grads}
+    return logit_diffs, grad_diffs, held, communication
 
 
 def _compare_params(sharded: nn.Module, ref_params: dict, backward: bool, rank_values):

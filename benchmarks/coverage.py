@@ -198,6 +198,7 @@ def check_and_verify(model, plan, tp: int, *, isolated: int = 0) -> dict:
     name, worst = report.worst_grad
     out.update(param_fraction=round(max(report.param_fraction), 4), collectives=dict(report.collectives),
                collectives_backward=dict(report.collectives_backward),
+               comm_volume=report.comm_volume, comm_volume_backward=report.comm_volume_backward,
                grads_not_local_size=list(report.grads_not_local_size),
                logits_diff=max(report.logits_max_abs_diff), grad_diff=worst)
     if report.float64 is not None:  # fp32 differences above tolerance, decided in float64

@@ -68,6 +68,8 @@ def summarize(results: list[dict]) -> dict:
                 "near_bound_decoder_text": sum(_near_bound(r) for r in verified_dec),
                 # verified, and the backward issues no more collectives than the forward (issue 13)
                 "backward_le_forward_decoder_text": sum(_backward_le_forward(r) for r in verified_dec),
+                # verified, and the backward's collectives move no more bytes than the forward's
+                "backward_bytes_le_forward_decoder_text": sum(_backward_bytes_le_forward(r) for r in verified_dec),
                 # verified, and every gradient the size of its parameter's local shard (issue 13)
                 "local_grads_decoder_text": sum(_local_grads(r) for r in verified_dec),
                 "synth_verified": sum(_status(r.get("synth")) == "verified" for r in rows),
@@ -99,6 +101,12 @@ def _backward_le_forward(r: dict) -> bool:
     synth = r.get("synth") or {}
     back = synth.get("collectives_backward")
     return back is not None and sum(back.values()) <= sum((synth.get("collectives") or {}).values())
+
+
+def _backward_bytes_le_forward(r: dict) -> bool:
+    synth = r.get("synth") or {}
+    back = synth.get("comm_volume_backward")
+    return back is not None and back <= synth.get("comm_volume", 0)
 
 
 def _local_grads(r: dict) -> bool:
@@ -229,18 +237,21 @@ def write_markdown(path: Path, meta: dict, summary: dict, results: list[dict]) -
         "",
         "`near bound`: verified decoder-only text types holding at most the Megatron-style bound + 0.1 of the "
         "parameters per rank. `bwd <= fwd`: verified decoder-only text types whose backward issues no more "
-        "collectives than their forward. `local grads`: verified decoder-only text types in which every "
+        "collectives than their forward; `bwd bytes <= fwd`: whose backward's collectives move no more bytes "
+        "(issue 13's measure: an all-reduce counts twice its input, a reduce-scatter its input, an all-gather "
+        "its output). `local grads`: verified decoder-only text types in which every "
         "parameter's gradient has the size of its local shard (no full-size gradient on any rank).",
         "",
-        "| case | cases | synthesized verified | of decoder-only text | near bound | bwd <= fwd | local grads "
-        "| synthesized failures | transformers' plan |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+        "| case | cases | synthesized verified | of decoder-only text | near bound | bwd <= fwd | bwd bytes <= fwd "
+        "| local grads | synthesized failures | transformers' plan |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for key, c in summary["per_case"].items():
         fails = ", ".join(f"{k} {v}" for k, v in sorted(c["synth_failures"].items())) or "-"
         hf = ", ".join(f"{k} {v}" for k, v in sorted((c["hf"] or {}).items())) or "n/a (no SP variant)"
         lines.append(f"| {key} | {c['cases']} | {c['synth_verified']} | {c['synth_verified_decoder_text']} | "
                      f"{c.get('near_bound_decoder_text', '-')} | {c.get('backward_le_forward_decoder_text', '-')} | "
+                     f"{c.get('backward_bytes_le_forward_decoder_text', '-')} | "
                      f"{c.get('local_grads_decoder_text', '-')} | {fails} | {hf} |")
     lines += _above_bound_section(results)
     lines += _confusion_section(summary["checker_confusion"])

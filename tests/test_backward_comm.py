@@ -60,6 +60,10 @@ def test_branch_inputs_reduced_once(models, name, source, sequence_parallel):
     else:
         assert report.collectives == {"all_reduce": per_direction}
     assert report.collectives_backward == _mirrored(report.collectives)
+    # In bytes: each collective moves the whole fp32 hidden state, (batch, seq, hidden); an all-reduce
+    # counts twice (a reduce-scatter and an all-gather), SP's pair once each.
+    hidden_state = 2 * 16 * model.config.hidden_size * 4
+    assert report.comm_volume == report.comm_volume_backward == 2 * per_direction * hidden_state
 
 
 @pytest.mark.parametrize("source", ["handwritten", "synthesized"])
