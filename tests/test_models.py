@@ -259,3 +259,15 @@ def test_unknown_name_error_lists_builtin_names():
 
 def test_doctests_pass():
     assert doctest.testmod(models).failed == 0
+
+
+@pytest.mark.parametrize("name", ["cwm", "iquestcoder"])
+def test_shrink_widens_hidden_to_a_multiple_of_heads_where_the_family_checks_it(name):
+    """Families with a head_dim of their own that still check hidden % heads: at tp=4 their head
+    ratio gives 24 or 20 query heads, which the tiny hidden size 64 is no multiple of; the config
+    check failed ("not a multiple of the number of attention heads") and the type had no tp=4 row."""
+    config = shrink_config(load_config(name), tp=4)
+    assert config.hidden_size % config.num_attention_heads == 0 and config.hidden_size < 2 * 64, config.hidden_size
+    assert config.num_key_value_heads == 4
+    model = build_model(config, device="cpu")
+    assert model(torch.randint(0, config.vocab_size, (1, 8))).logits.shape == (1, 8, config.vocab_size)

@@ -23,7 +23,7 @@ from torch.distributed.tensor.parallel import SequenceParallel
 
 from autotp import styles
 from autotp.synth import synthesize
-from synth_toy import DIM, MLP, VOCAB, CausalSelfAttention, example_tokens, verify_toy
+from synth_toy import DIM, MLP, VOCAB, CausalSelfAttention, GPTBlock, example_tokens, verify_toy
 
 
 class ScaledResidual(nn.Module):
@@ -303,3 +303,43 @@ def test_a_whole_token_table_starts_the_stream_sliced():
     plan = synthesize(model, example_inputs=(example_tokens(),), tp_size=4, sequence_parallel=True)
     assert "desired_output_layouts=(Shard(dim=1),)" in repr(plan["tok_embeddings"]), plan["tok_embeddings"]
     verify_toy(model, plan, tp_size=4)
+
+
+class SeededBody(nn.Module):
+    """A second state seeded from a learned vector of the body, cast and expanded to the stream's
+    shape (``init.to(dtype).expand_as(x).contiguous()``), added to the stream before every layer."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Embedding(VOCAB, DIM)
+        self.layers = nn.ModuleList(GPTBlock() for _ in range(2))
+        self.init = nn.Parameter(0.1 * torch.randn(DIM))
+
+    def forward(self, ids):
+        x = self.embed(ids)
+        state = self.init.to(x.dtype).expand_as(x).contiguous()
+        for layer in self.layers:
+            state = layer(state + x)
+        return state
+
+
+class SeededModel(nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.body, self.norm, self.head = SeededBody(), nn.LayerNorm(DIM), nn.Linear(DIM, VOCAB, bias=False)
+
+    def forward(self, ids):
+        return self.head(self.norm(self.body(ids)))
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+def test_body_parameter_expanded_into_the_stream_is_replicated(tp):
+    """Would catch the body's own vector, reaching the stream through a cast and an expand, left a
+    plain tensor: it met the sequence-sharded stream ("got mixed torch.Tensor and DTensor"). As a
+    replicated DTensor, its gradient is summed over the sequence shards."""
+    model = SeededModel()
+    plan = synthesize(model, example_inputs=(example_tokens(),), tp_size=tp, sequence_parallel=True)
+    assert isinstance(plan.get("body"), styles.ReplicatedParams), plan.get("body")
+    report = verify_toy(model, plan, tp)
+    assert all(f <= _whole_fraction(model, tp) + 0.01 for f in report.param_fraction), report.param_fraction

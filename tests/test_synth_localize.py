@@ -52,3 +52,58 @@ def test_no_candidate_set_gives_none():
 
 def test_local_ranges_tile_the_per_rank_width():
     assert sorted(local_ranges((32, 16, 16), 4)) == [(0, 8), (8, 12), (12, 16)]
+
+
+class _CountedHeads(nn.Module):
+    """``view(b, t, self.n_head, -1)``: per-rank shapes right only with ``n_head`` divided by tp."""
+
+    def __init__(self, dim=32, heads=4):
+        super().__init__()
+        self.n_head = heads
+        self.q, self.k, self.v, self.o = (nn.Linear(dim, dim) for _ in range(4))
+
+    def forward(self, x):
+        b, t, _ = x.shape
+        q, k, v = (p(x).view(b, t, self.n_head, -1).transpose(1, 2) for p in (self.q, self.k, self.v))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.o(y.transpose(1, 2).reshape(b, t, -1))
+
+
+class _CountedModel(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Embedding(64, 32)
+        self.layers = nn.ModuleList(_CountedHeads() for _ in range(2))
+        self.head = nn.Linear(32, 64)
+
+    def forward(self, ids):
+        h = self.embed(ids)
+        for layer in self.layers:
+            h = h + layer(h)
+        return self.head(h)
+
+
+def test_shape_proof_keeps_whole_what_a_failed_fake_forward_never_reached(monkeypatch):
+    """The per-rank shapes of a module are proven on the inputs one fake forward gives it. Where that
+    forward stopped before the module (an op fake tensors reject), nothing is proven: its Linears
+    stay whole, with the reason (they were sharded with the global head count, a crash at best)."""
+    from autotp.synth import shape_proof
+    from autotp.synth.local_run import Captured
+    from autotp.synth import explain, synthesize
+
+    ids = torch.randint(0, 64, (2, 8))
+    torch.manual_seed(0)
+    model = _CountedModel()
+    plan = synthesize(model, example_inputs=(ids,), tp_size=2)
+    assert "layers.*.q" in plan and any("n_head" in repr(s) for s in plan.values()), plan
+
+    def stopped(*args, **kwargs):
+        captured = Captured()
+        captured.failed = "RuntimeError: no fake kernel"
+        return captured
+
+    monkeypatch.setattr(shape_proof, "capture_inputs", stopped)
+    plan = synthesize(model, example_inputs=(ids,), tp_size=2)
+    assert "layers.*.q" not in plan, plan
+    reasons = {r.key: r.reason for r in explain(model, example_inputs=(ids,), tp_size=2)}
+    assert "stopped before it (RuntimeError: no fake kernel)" in reasons["layers.*.q"], reasons["layers.*.q"]

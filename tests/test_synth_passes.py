@@ -41,7 +41,7 @@ from autotp.synth.pipeline import (
     shared_inputs,
 )
 from autotp.synth.roles import ROLE_KINDS, Kind, Role
-from autotp.synth.sequence import sequence_parallel_roles
+from autotp.synth.sequence import gathers_before_masks, sequence_parallel_roles
 from autotp.synth.shared import shared_input_roles
 from autotp.synth.trace import LayerGroups
 
@@ -564,3 +564,18 @@ def test_moe_block_scaling_the_experts_output_by_routing_weights_reduces_inside(
     roles = {f"{LAYER}.moe.experts": Role("experts", "")}
     expected = {} if scale == "router" else {f"{LAYER}.moe": set()}
     assert partial_blocks(g, roles, {f"{LAYER}.moe"}) == expected
+
+
+def test_masked_module_after_a_block_gathers_at_entry():
+    """A module that masks the stream right after a MoE block reads the block's output, which the
+    residual region starts after (the block reduce-scatters it): none of its inputs is in the
+    region, yet it reads the sequence-sharded stream and must gather it at entry (without this, a
+    ``Shard(1)`` DTensor met the plain mask: "got mixed torch.Tensor and DTensor")."""
+    g = nx.DiGraph()
+    add_node(g, "x", "placeholder", kind="input", shape=(2, 3, 8))
+    add_node(g, "mask", "placeholder", kind="input", shape=(2, 3, 1))
+    _call(g, "moe_out", "view", (Ref("x"), [2, 3, 8]), (2, 3, 8), f"{LAYER}.moe")
+    _call(g, "masked", "mul", (Ref("moe_out"), Ref("mask")), (2, 3, 8), f"{LAYER}.mix")
+    region = {"masked"}
+    found = gathers_before_masks(g, region, {}, {f"{LAYER}.mix"})
+    assert found[f"{LAYER}.mix"].kind == "seq_gather" and found[f"{LAYER}.mix"].seq_output, found

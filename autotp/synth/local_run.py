@@ -10,6 +10,7 @@ allocated: meta tensors have shapes only.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import logging
 
@@ -41,11 +42,32 @@ def _to_meta(value):
     return value
 
 
+class Captured(dict):
+    """FQN -> ``(args, kwargs)`` as meta tensors; ``failed`` holds the error that stopped the fake
+    forward, if one did (modules after it were never reached, which proves nothing about them)."""
+
+    failed: str | None = None
+
+
+@contextlib.contextmanager
+def _as_traced():
+    """Run model code down the branches ``torch.export`` took: it reports compiling while it traces
+    (transformers picks, for instance, a grouped matmul that fake tensors accept only in bf16 when
+    not compiling), and the graph the proof checks is the traced one."""
+    before = torch.compiler._is_compiling_flag
+    torch.compiler._is_compiling_flag = True
+    try:
+        yield
+    finally:
+        torch.compiler._is_compiling_flag = before
+
+
 def capture_inputs(model: nn.Module, example_inputs, fqns: set[str],
-                   groups: LayerGroups | None) -> dict[str, tuple[tuple, dict]]:
+                   groups: LayerGroups | None) -> Captured:
     """The inputs each module in ``fqns`` (FQNs traced with ``groups``) gets, as meta tensors, from
     one fake forward."""
     captured: dict[str, tuple[tuple, dict]] = {}
+    failed = None
     args, kwargs = example_args(model, example_inputs)
     with collapsed(model, groups):
         handles = []
@@ -57,19 +79,22 @@ def capture_inputs(model: nn.Module, example_inputs, fqns: set[str],
         level = fake_log.level
         fake_log.setLevel(logging.CRITICAL)  # a kernel without a fake impl logs before it raises
         try:
-            with torch.no_grad(), FakeTensorMode(allow_non_fake_inputs=True) as mode:
+            with torch.no_grad(), _as_traced(), FakeTensorMode(allow_non_fake_inputs=True) as mode:
                 # Inputs as fake tensors too: model code that skips value checks while tracing
                 # (``torch.all(mask == 1)``) recognises them, where a real input would be read.
                 fake = lambda t: mode.from_tensor(t) if isinstance(t, torch.Tensor) else t  # noqa: E731
                 model(*[fake(a) for a in args], **{k: fake(v) for k, v in kwargs.items()})
-        except Exception as error:  # any failure only means we cannot confirm: fall back
+        except Exception as error:  # the modules it reached are judged; the others cannot be
             log.debug("fake forward for localization failed: %s", error)
+            failed = f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"[:200]
         finally:
             fake_log.setLevel(level)
             for handle in handles:
                 handle.remove()
     # Fake tensors belong to the fake mode: keep only their shapes, as plain meta tensors.
-    return {fqn: (_to_meta(a), _to_meta(k)) for fqn, (a, k) in captured.items()}
+    result = Captured({fqn: (_to_meta(a), _to_meta(k)) for fqn, (a, k) in captured.items()})
+    result.failed = failed
+    return result
 
 
 def _meta_copy(module: nn.Module) -> nn.Module:

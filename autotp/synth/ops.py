@@ -659,8 +659,11 @@ def _attention(g, name, dims, ctx):
         return Break(f"attention contracts over the sharded dim {dim}")
     mask = _arg(g, name, 3, "attn_mask")
     if isinstance(mask, Ref) and mask.name in dims:
-        return Break("attention mask is sharded")
-    if isinstance(mask, Ref) and g.nodes[mask.name]["shape"]:
+        # A per-head bias computed from the sharded heads (a learned relative-position bias) holds
+        # this rank's heads: it lines up with them from the end, as the mask broadcasts.
+        if dims[mask.name] + ndim - _ndim(g, mask.name) != dim:
+            return Break(f"attention mask is sharded on its dim {dims[mask.name]}, the heads on {dim}")
+    elif isinstance(mask, Ref) and g.nodes[mask.name]["shape"]:
         shape = g.nodes[mask.name]["shape"]
         at = dim - (ndim - len(shape))  # the mask broadcasts from the end
         if at >= 0 and shape[at] != 1:
@@ -792,7 +795,29 @@ def _pad(g, name, dims, ctx):
     return Out(dim, intact=ctx.intact(src))
 
 
+def _gather(g, name, dims, ctx):
+    """``x.gather(d, index)`` (``take_along_dim``) picks along ``d`` only: a shard of x on another
+    dim stays where it is when every index row it holds picks from its own rows. That is so when the
+    index is sharded the same way, or is one row expanded along the sharded dim (the same picks for
+    every head; the per-rank run's shape proof checks that the expanded size is the per-rank one)."""
+    data = g.nodes[name]
+    source, index = data["args"][0], _arg(g, name, 2, "index")
+    at = _arg(g, name, 1, "dim")
+    if not isinstance(source, Ref) or not isinstance(index, Ref) or source.name not in dims or at is None:
+        return Break(f"{data['op']} picks from a tensor that is not the sharded one")
+    dim, ndim = dims[source.name], _ndim(g, source.name)
+    if _norm(at, ndim) == dim:
+        return Break(f"{data['op']} picks along the sharded dim {dim}")
+    if index.name in dims:
+        if dims[index.name] != dim:
+            return Break(f"{data['op']} index sharded on dim {dims[index.name]}, its source on {dim}")
+    elif not (_broadcast_of(g, index.name, dim) and data["shape"][dim] == g.nodes[source.name]["shape"][dim]):
+        return Break(f"{data['op']} index holds its own rows along the sharded dim {dim}")
+    return Out(dim, intact=ctx.intact(source.name))
+
+
 RULES = {
+    "gather": _gather,
     **{op: _passthrough for op in PASSTHROUGH},
     **{op: _elementwise for op in ELEMENTWISE},
     **{op: _view for op in VIEW_LIKE},

@@ -18,8 +18,8 @@ from autotp.synth.analysis import Flow, Shard, is_linear, module_of, param_sourc
 from autotp.synth.assign import reads_model_input
 from autotp.synth.graph import common_module, param_modules, refs
 from autotp.synth.params import reading_module
-from autotp.synth.ops import DISPATCH, LINEAR_CARRY, MASKING, PRODUCTS, WEIGHT_PRODUCTS
-from autotp.synth.ops import ATTENTION, ELEMENTWISE, MATMULS, PASSTHROUGH, SINKS
+from autotp.synth.ops import DISPATCH, LINEAR_CARRY, MASKING, PRODUCTS, SUMS, WEIGHT_PRODUCTS
+from autotp.synth.ops import ATTENTION, CONVOLUTIONS, ELEMENTWISE, MATMULS, PASSTHROUGH, SINKS
 from autotp.synth.roles import Kind, Role, kind_of
 
 # Linear roles that take a replicated input and can share one all-gather before them.
@@ -261,8 +261,11 @@ def gathers_before_masks(g: nx.DiGraph, region: set[str], roles: dict[str, Role]
     or, where no norm feeds it and it has no role, the module gathers at entry itself."""
     found = {}
     for module in sorted(masked):
-        for node in sorted(module_inputs(g, module) & region):
-            producer = g.nodes[node]["module"]
+        # Its stream input may be a MoE block's output, which the region starts after (the block
+        # reduce-scatters it): the module reads the stream all the same.
+        entering = sorted(module_inputs(g, module) & region) or [None]
+        for node in entering:
+            producer = g.nodes[node]["module"] if node is not None else None
             role = roles.get(producer)
             if role is not None and role.kind in ("seq_norm", "seq_norm_gather"):
                 found[producer] = Role("seq_norm_gather", f"norm on the sequence-sharded stream read by {module}, "
@@ -271,7 +274,7 @@ def gathers_before_masks(g: nx.DiGraph, region: set[str], roles: dict[str, Role]
             elif module not in roles and module not in found:
                 found[module] = Role("seq_gather", "its own code masks the stream with a tensor made from the "
                                      "model's inputs (a padding mask): gathered whole at entry, the whole output "
-                                     "sliced back", (node, module), seq_output=True)
+                                     "sliced back", (node or module, module), seq_output=True)
     return found
 
 
@@ -301,7 +304,7 @@ def partial_blocks(g: nx.DiGraph, roles: dict[str, Role], blocks: set[str],
                 continue
         else:
             rows = set()
-        if _scaled_outside_experts(g, roles, block):
+        if _scaled_outside_experts(g, roles, block) or _whole_term_added(g, roles, block, rows):
             continue
         if all(k in ("experts", "row") or k in _GATHERING or (k == "replicate" and m in linear_owners)
                for m, k in kinds.items()):
@@ -336,6 +339,28 @@ def _scaled_outside_experts(g: nx.DiGraph, roles: dict[str, Role], block: str) -
             seen.add(succ)
             todo.append(succ)
     return False
+
+
+def _whole_term_added(g: nx.DiGraph, roles: dict[str, Role], block: str, rows: set[str]) -> bool:
+    """Whether ``block``'s code adds to the experts' partial sum a term that is whole on every rank
+    (a shared expert kept replicated, the block's input, a bias): left unreduced, the block's one
+    reduction would count that term once per rank. Every operand of a sum the partial values reach
+    in the block's own code must itself carry them (the experts' output, a sharded shared
+    expert's row)."""
+    experts = [m for m, r in roles.items() if r.kind == "experts" and m.startswith(block + ".")]
+    seeds = {n for m in experts for n in module_outputs(g, m)[0]} | set(rows)
+    carried, todo = set(seeds), list(seeds)
+    while todo:
+        for succ in g.successors(todo.pop()):
+            data = g.nodes[succ]
+            if succ in carried or data["kind"] != "call" or block not in data["stack"] or is_linear(g, succ):
+                continue
+            if any(m in data["stack"] for m in experts):
+                continue
+            carried.add(succ)
+            todo.append(succ)
+    return any(g.nodes[n]["op"] in SUMS and any(t not in carried for t in _tensor_inputs(g, n))
+               for n in carried - seeds)
 
 
 def _computed(g: nx.DiGraph, name: str) -> bool:
@@ -461,11 +486,12 @@ def replicated_blocks(g: nx.DiGraph, region: set[str], roles: dict[str, Role]) -
 
 def _weight_matmul(g: nx.DiGraph, name: str) -> bool:
     """A Linear (``(in, out)`` products included, see ``graph._products_as_linear``), or another
-    product with a parameter operand (a batched one) that analysis does not read as a Linear."""
+    product with a parameter operand (a batched one) that analysis does not read as a Linear, or a
+    convolution by a parameter (it mixes neighbouring positions: never a per-position norm)."""
     data = g.nodes[name]
     if is_linear(g, name):
         return True
-    return data["op"] in WEIGHT_PRODUCTS and any(param_source(g, r.name) for r in refs(data["args"]))
+    return data["op"] in WEIGHT_PRODUCTS | CONVOLUTIONS.keys() and any(param_source(g, r.name) for r in refs(data["args"]))
 
 
 def sequence_norms(g: nx.DiGraph, region: set[str], roles: dict[str, Role], groups=None) -> dict[str, Role]:
@@ -474,12 +500,17 @@ def sequence_norms(g: nx.DiGraph, region: set[str], roles: dict[str, Role], grou
     owners = param_modules(g)
     # A module that multiplies by a weight matrix mixes features: it is a Linear (kept whole, or
     # sharded), never a norm.
-    owners -= {d["module"] for _, d in g.nodes(data=True) if d["op"] in WEIGHT_PRODUCTS}
+    owners -= {d["module"] for n, d in g.nodes(data=True) if d["op"] in WEIGHT_PRODUCTS or _weight_matmul(g, n)}
     blocks = expert_blocks(roles, groups)
+    # The stream is sharded from a token embedding module's output on: a norm inside that module
+    # (an embedding that normalises its rows) still sees every position.
+    tables = {module_of(g, n) for n in region if g.nodes[n]["op"] == "embedding"}
     found = {}
     for name in sorted(region, key=lambda n: g.nodes[n]["order"]):
         for module in g.nodes[name]["stack"]:
             if module not in owners or module in roles or module in found:
+                continue
+            if any(module.startswith(t + ".") for t in tables):
                 continue
             if any(module.startswith(m + ".") for m, r in roles.items() if r.kind == "seq_gather"):
                 continue  # inside a module that gathers at entry: it sees the whole sequence
@@ -488,7 +519,7 @@ def sequence_norms(g: nx.DiGraph, region: set[str], roles: dict[str, Role], grou
             if any(m.startswith(module + ".") and r.kind != "replicate" for m, r in roles.items()):
                 # Holds sharded modules, so not a norm; parameters of its own on the stream (an
                 # input scale) become replicated DTensors, its children keep their styles.
-                if any(g.nodes[p]["param"].rpartition(".")[0] == module and set(g.successors(p)) & region
+                if any(g.nodes[p]["param"].rpartition(".")[0] == module and _readers_past_casts(g, p) & region
                        for p in g.nodes if g.nodes[p]["kind"] == "param"):
                     found[module] = Role("seq_params", "applies parameters of its own to the sequence-sharded "
                                          "stream; they are replicated DTensors", ("residual", module))
@@ -511,6 +542,18 @@ def sequence_norms(g: nx.DiGraph, region: set[str], roles: dict[str, Role], grou
             else:
                 found[module] = Role("seq_norm", "norm on the sequence-sharded residual stream; its output "
                                      "stays sharded", ("residual", module, readers_text))
+    return found
+
+
+def _readers_past_casts(g: nx.DiGraph, name: str) -> set[str]:
+    """The readers of ``name``, and of its casts and copies (``z.to(dtype).expand_as(stream)``)."""
+    found, todo = set(), [name]
+    while todo:
+        for succ in g.successors(todo.pop()):
+            if succ not in found:
+                found.add(succ)
+                if g.nodes[succ]["kind"] == "call" and g.nodes[succ]["op"] in PASSTHROUGH:
+                    todo.append(succ)
     return found
 
 

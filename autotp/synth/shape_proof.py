@@ -107,7 +107,11 @@ def localize_shapes(model: nn.Module, example_inputs, g: nx.DiGraph, flow: Flow,
     captured = capture_inputs(model, example_inputs, set(by_module), groups)
     for fqn, roots in by_module.items():
         if fqn not in captured:
-            continue  # not reached by the fake forward: nothing to confirm either way
+            if captured.failed is not None:  # the forward stopped before it: unproven, so whole
+                for root in roots:
+                    result.unlocal[root] = (f"{fqn} shapes its sharded output, and the fake forward that gives its "
+                                            f"per-rank shapes stopped before it ({captured.failed}); kept whole")
+            continue  # never called by the forward: nothing to prove
         inner = inner_roles(roles, fqn)
         values = shaped_sizes(g, flow, roots)
         if any(v % tp for v in values):
