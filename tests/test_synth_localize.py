@@ -87,9 +87,8 @@ def test_shape_proof_keeps_whole_what_a_failed_fake_forward_never_reached(monkey
     """The per-rank shapes of a module are proven on the inputs one fake forward gives it. Where that
     forward stopped before the module (an op fake tensors reject), nothing is proven: its Linears
     stay whole, with the reason (they were sharded with the global head count, a crash at best)."""
-    from autotp.synth import shape_proof
+    from autotp.synth import explain, shape_proof, synthesize
     from autotp.synth.local_run import Captured
-    from autotp.synth import explain, synthesize
 
     ids = torch.randint(0, 64, (2, 8))
     torch.manual_seed(0)
