@@ -33,7 +33,7 @@ from autotp import styles
 from autotp.synth import explain
 from autotp.verifier import verify
 from tests.synth_toy import DIM, HEADS, VOCAB, example_tokens
-from tests.test_loop_experts import LoopExperts, Router, megatron_bound
+from tests.test_loop_experts import LoopExperts, MoE, megatron_bound
 
 D_REL, EXTENT = 4, 8
 
@@ -83,19 +83,15 @@ class NormedEmbedding(nn.Embedding):
         return self.norm(super().forward(tokens))
 
 
-class BiasedMoE(nn.Module):
+class BiasedMoE(MoE):
     """Routed experts plus a bias of the block's own, added to their sum."""
 
     def __init__(self):
-        super().__init__()
-        self.router, self.experts = Router(), LoopExperts()
+        super().__init__(LoopExperts)
         self.bias = nn.Parameter(torch.randn(DIM) * 0.5)
 
     def forward(self, x):
-        b, t, d = x.shape
-        flat = x.reshape(-1, d)
-        weights, index = self.router(flat)
-        return (self.experts(flat, index, weights) + self.bias).reshape(b, t, d)
+        return super().forward(x) + self.bias
 
 
 class MaskedShortConv(nn.Module):
@@ -118,22 +114,12 @@ class MaskedShift(nn.Module):
         return 0.5 * (x + F.pad(x, (0, 0, 1, -1)))
 
 
-class PlainMoE(BiasedMoE):
-    """The experts' sum alone: the block may leave it unreduced for one reduce-scatter under SP."""
-
-    def forward(self, x):
-        b, t, d = x.shape
-        flat = x.reshape(-1, d)
-        weights, index = self.router(flat)
-        return self.experts(flat, index, weights).reshape(b, t, d)
-
-
 class Block(nn.Module):
     def __init__(self, variant: str = "biased"):
         super().__init__()
         self.norm1, self.norm2 = nn.LayerNorm(DIM), nn.LayerNorm(DIM)
         self.attn = RelativeAttention()
-        self.mlp, self.mix = (BiasedMoE(), MaskedShortConv()) if variant == "biased" else (PlainMoE(), MaskedShift())
+        self.mlp, self.mix = (BiasedMoE(), MaskedShortConv()) if variant == "biased" else (MoE(LoopExperts), MaskedShift())
 
     def forward(self, x, mask):
         x = x + self.attn(self.norm1(x))

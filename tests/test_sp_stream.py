@@ -343,3 +343,101 @@ def test_body_parameter_expanded_into_the_stream_is_replicated(tp):
     assert isinstance(plan.get("body"), styles.ReplicatedParams), plan.get("body")
     report = verify_toy(model, plan, tp)
     assert all(f <= _whole_fraction(model, tp) + 0.01 for f in report.param_fraction), report.param_fraction
+
+
+STREAMS = 4
+
+
+class HyperConnection(nn.Module):
+    """Mixes ``STREAMS`` copies of the residual into one branch input and returns the per-stream
+    weights of the branch's output: ``(post, x)``, both per position. Raw weights (``F.linear`` on
+    parameters): kept whole."""
+
+    def __init__(self):
+        super().__init__()
+        self.fn = nn.Parameter(torch.randn(2 * STREAMS, STREAMS * DIM) / (STREAMS * DIM) ** 0.5)
+        self.base = nn.Parameter(0.1 * torch.randn(2 * STREAMS))
+
+    def forward(self, streams):
+        flat = streams.flatten(2)
+        mixes = F.linear(flat, self.fn) * torch.rsqrt(flat.pow(2).mean(-1, keepdim=True) + 1e-6) + self.base
+        pre, post = torch.sigmoid(mixes).split(STREAMS, dim=-1)
+        return post, (pre.unsqueeze(-1) * streams).sum(dim=2)
+
+
+class HyperLayer(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.attn_hc, self.mlp_hc = HyperConnection(), HyperConnection()
+        self.ln_1, self.ln_2 = nn.LayerNorm(DIM), nn.LayerNorm(DIM)
+        self.attn, self.mlp = CausalSelfAttention(), MLP()
+
+    def forward(self, streams):
+        post, x = self.attn_hc(streams)
+        streams = post.unsqueeze(-1) * self.attn(self.ln_1(x)).unsqueeze(-2) + streams
+        post, x = self.mlp_hc(streams)
+        return post.unsqueeze(-1) * self.mlp(self.ln_2(x)).unsqueeze(-2) + streams
+
+
+class HyperModel(nn.Module):
+    """The residual kept as ``STREAMS`` copies, ``(b, t, streams, dim)``, collapsed before the head."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.embed = nn.Embedding(VOCAB, DIM)
+        self.layers = nn.ModuleList(HyperLayer() for _ in range(2))
+        self.norm, self.head = nn.LayerNorm(DIM), nn.Linear(DIM, VOCAB, bias=False)
+
+    def forward(self, ids):
+        streams = self.embed(ids).unsqueeze(2).expand(-1, -1, STREAMS, -1).contiguous()
+        for layer in self.layers:
+            streams = layer(streams)
+        return self.head(self.norm(streams.mean(dim=2)))
+
+
+@pytest.mark.parametrize("sequence_parallel", [False, True], ids=["plain", "sp"])
+@pytest.mark.parametrize("tp", [2, 4])
+def test_hyper_connections_run_on_the_sequence_shard(tp, sequence_parallel):
+    """Would catch a whole module with raw weights that returns two per-position values the stream
+    reads (a hyper-connection's branch input and output weights) handing them back whole: the next
+    norm read the whole sequence as its shard (twice the length), or a plain tensor met the
+    sequence-sharded stream."""
+    model = HyperModel()
+    plan = synthesize(model, example_inputs=(example_tokens(),), tp_size=tp, sequence_parallel=sequence_parallel)
+    assert "layers.*.attn.c_attn" in plan and "layers.*.mlp.c_fc" in plan, sorted(plan)
+    report = verify_toy(model, plan, tp)
+    assert all(f <= _whole_fraction(model, tp) + 0.01 for f in report.param_fraction), report.param_fraction
+
+
+class NormedRoutedBlock(RoutedBlock):
+    """:class:`RoutedBlock` whose router reads the block input through a norm of the block's own."""
+
+    def __init__(self):
+        super().__init__()
+        self.router_norm = nn.LayerNorm(DIM)
+
+    def forward(self, x):
+        b, t, d = x.shape
+        flat = x.reshape(-1, d)
+        scores = self.router(self.router_norm(flat))
+        routed = flat.repeat(scores.shape[1], 1) * scores.transpose(0, 1).reshape(-1, 1)
+        out = self.experts(routed).sum(dim=0)
+        return (self.shared(flat) + out).view(b, t, d)
+
+
+class NormedRoutedLayer(RoutedLayer):
+    def __init__(self):
+        super().__init__()
+        self.moe = NormedRoutedBlock()
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+def test_norm_inside_a_block_gathered_at_entry_stays_whole(tp):
+    """Would catch a norm inside a MoE block that is gathered whole at entry keeping the
+    sequence-parallel style it got before the block was: it read the block's whole input as its
+    sequence shard (twice the length, or a plain tensor met a DTensor)."""
+    model = Stack(lambda: NormedRoutedLayer())
+    plan = synthesize(model, example_inputs=(example_tokens(),), tp_size=tp, sequence_parallel=True)
+    assert "layers.*.moe.router_norm" not in plan, plan.get("layers.*.moe.router_norm")
+    verify_toy(model, plan, tp)

@@ -385,9 +385,11 @@ class GatherSequenceInput(ParallelStyle):
 
     Keyword Args:
         sequence_dim (int): the sequence dimension of the sharded inputs. Default: 1.
-        reshard_output (bool): the module's (first) output is the residual stream itself (a whole
-            decoder block kept replicated): return it as a ``Shard(sequence_dim)`` DTensor, this
-            rank's slice of the whole-sequence result. Default: False.
+        reshard_output (bool | str): the module's (first) output is the residual stream itself (a
+            whole decoder block kept replicated): return it as a ``Shard(sequence_dim)`` DTensor,
+            this rank's slice of the whole-sequence result; ``"all"``: every output whose batch
+            and sequence sizes are the stream's (a hyper-connection's branch input and its output
+            weights). Default: False.
         use_local_output (bool): pass the gathered inputs on as plain tensors; ``False`` keeps
             them ``Replicate()`` DTensors (only where every reader is a column Linear). Default: True.
 
@@ -424,16 +426,32 @@ class GatherSequenceInput(ParallelStyle):
                     return whole.redistribute(placements=[Shard(self.sequence_dim)])
                 return value
 
+            leading: list = []  # (batch, sequence) sizes of the gathered stream, per call
+
+            def record(mod, args, kwargs):
+                values = [v for v in (*args, *kwargs.values()) if isinstance(v, torch.Tensor)]
+                if values:
+                    leading[:] = [tuple(values[0].shape[: self.sequence_dim + 1])]
+
+            def per_position(value):
+                return isinstance(value, torch.Tensor) and leading and \
+                    tuple(value.shape[: self.sequence_dim + 1]) == leading[0]
+
             def hook(mod, args, out):
                 if type(out) in (tuple, list) and out:  # (hidden, attentions...), as a tuple or a list
+                    if self.reshard_output == "all":
+                        return type(out)([slice_back(v) if per_position(v) else v for v in out])
                     return type(out)([slice_back(out[0]), *out[1:]])
                 return slice_back(out)
+
+            if self.reshard_output == "all":
+                module.register_forward_pre_hook(record, with_kwargs=True, prepend=True)
 
             module.register_forward_hook(hook)
         return module
 
     def __repr__(self) -> str:
-        extra = ", reshard_output=True" if self.reshard_output else ""
+        extra = f", reshard_output={self.reshard_output!r}" if self.reshard_output else ""
         extra += "" if self.use_local_output else ", use_local_output=False"
         return f"{self.__class__.__name__}(sequence_dim={self.sequence_dim}{extra})"
 

@@ -69,7 +69,7 @@ def _vocab_embedding(role: Role, loss_parallel: bool) -> ParallelStyle:
 
 def _seq_gather(role: Role, loss_parallel: bool) -> ParallelStyle:
     if role.seq_output:
-        return styles.GatherSequenceInput(reshard_output=True)
+        return styles.GatherSequenceInput(reshard_output="all" if role.all_outputs else True)
     return styles.GatherSequenceInput(use_local_output=not role.dtensor_output)
 
 

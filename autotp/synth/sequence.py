@@ -453,12 +453,16 @@ def replicated_blocks(g: nx.DiGraph, region: set[str], roles: dict[str, Role]) -
     would mix the ``Shard(1)`` DTensor with plain tensors.
     """
     linear_modules: dict[str, list[str]] = {}
+    computing = {d["module"] for n, d in g.nodes(data=True)
+                 if d["kind"] == "call" and not _weight_matmul(g, n) and d["op"] not in SINKS | PASSTHROUGH}
     for name in g.nodes:
         if g.nodes[name]["kind"] == "call" and _weight_matmul(g, name):
-            # A Linear's own module is the Linear; a raw-weight product (``einsum`` on a parameter)
-            # runs in the module that holds the weight, which counts too.
+            # A Linear's own module is the Linear; a raw-weight product (``einsum`` on a parameter,
+            # ``F.linear`` on one in a module that computes more) runs in the module that holds the
+            # weight, which counts too.
             stack = g.nodes[name]["stack"]
-            for module in stack[:-1] if is_linear(g, name) else stack:
+            own = is_linear(g, name) and g.nodes[name]["module"] not in computing
+            for module in stack[:-1] if own else stack:
                 linear_modules.setdefault(module, []).append(module_of(g, name))
     found = {}
     # Modules the stream starts in (the body holding the token embedding) are not entered by it.
@@ -468,16 +472,21 @@ def replicated_blocks(g: nx.DiGraph, region: set[str], roles: dict[str, Role]) -
             continue
         for module in g.nodes[name]["stack"]:
             owners = linear_modules.get(module)
-            if not owners or module in roles or module in starts or any(module.startswith(f + ".") for f in found):
+            # A module that runs raw weights itself has the role its kept-whole product gave it.
+            taken = module in roles and kind_of(roles, module) != "replicate"
+            if not owners or taken or module in starts or any(module.startswith(f + ".") for f in found):
                 continue
             if all(kind_of(roles, o, Kind.REPLICATE) == "replicate" for o in owners):
                 # A whole decoder block (GPT-2's Conv1D layers) returns the stream itself: its
-                # output is sliced back to the sequence shard.
-                returns_stream = bool(set(module_outputs(g, module)[0]) & region)
+                # output is sliced back to the sequence shard; every stream-shaped output where
+                # the stream reads several (a hyper-connection's branch input and weights).
+                returns = set(module_outputs(g, module)[0]) & region
                 found[module] = Role("seq_gather", "kept whole (its Linears cannot be sharded) and reads the "
                                      "sequence-sharded stream: gathered once at entry"
-                                     + ("; its output is the stream, sliced back" if returns_stream else ""),
-                                     (name, module), seq_output=returns_stream)
+                                     + ("; its output is the stream, sliced back" if len(returns) == 1 else "")
+                                     + ("; its per-position outputs are read by the stream, each sliced back"
+                                        if len(returns) > 1 else ""),
+                                     (name, module), seq_output=bool(returns), all_outputs=len(returns) > 1)
                 break
     return found
 
@@ -767,6 +776,15 @@ def sequence_parallel_roles(g: nx.DiGraph, flow: Flow, roles: dict[str, Role], g
     out.update(gathers_before_masks(g, region, out, masked))
     out.update(joining_modules(g, flow, region, out))
     out.update(shared_gathers(g, region, out))
+    # A module gathered at entry sees the whole sequence: norms and parameters inside it that an
+    # earlier step made sequence parallel (before the block around them was gathered) stay whole.
+    whole_inside = {m for m, r in out.items() if r.kind == "seq_gather"}
+    for module in [m for m, r in out.items() if r.kind in ("seq_norm", "seq_norm_gather", "seq_params")
+                   and any(m.startswith(w + ".") for w in whole_inside)]:
+        if module in roles:
+            out[module] = roles[module]
+        else:
+            del out[module]
     # Modules whose inputs are gathered whole at entry: the Linears inside read them whole.
     # (``LinearParams`` gathers its module's inputs: the code around raw weights reads every position.)
     gathered = {m for m, r in out.items() if r.kind in ("seq_norm_gather", "seq_gather", "linear_params")} | masked
