@@ -481,6 +481,10 @@ def replicated_blocks(g: nx.DiGraph, region: set[str], roles: dict[str, Role]) -
                 # output is sliced back to the sequence shard; every stream-shaped output where
                 # the stream reads several (a hyper-connection's branch input and weights).
                 returns = set(module_outputs(g, module)[0]) & region
+                if module in roles and not returns:
+                    # Raw weights of its own, its outputs not the stream (a router feeding experts):
+                    # it keeps its role, its input gathered by the final pass.
+                    continue
                 found[module] = Role("seq_gather", "kept whole (its Linears cannot be sharded) and reads the "
                                      "sequence-sharded stream: gathered once at entry"
                                      + ("; its output is the stream, sliced back" if len(returns) == 1 else "")
