@@ -24,7 +24,13 @@ from __future__ import annotations
 from torch import nn
 from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle
 
-from autotp.styles import HeadParams, HeadShardedNorm, PackedColwiseParallel, SequenceParallelAllGather
+from autotp.styles import (
+    HeadParams,
+    HeadShardedNorm,
+    PackedColwiseParallel,
+    SequenceParallelAllGather,
+    SharedReplicatedInput,
+)
 from handwritten_plans._blocks import row_output, shared_input, vocab_head
 from handwritten_plans.gemma3 import text_prefix
 from handwritten_plans.llama import decoder_plan
@@ -38,7 +44,8 @@ def linear_attention(layer: str, model: nn.Module, *, sequence_parallel: bool) -
     parts = (key_dim, key_dim, value_dim)
     mixer = f"{layer}.linear_attn"
     # The mixer zeroes its input's padded positions (a plain mask) before the projections: it gets
-    # the norm's output as a plain tensor (whole sequence under SP), and each column wraps it.
+    # the norm's output as a plain tensor (whole sequence under SP); the layer shares one wrapper
+    # of the masked value among the columns (see parallelize_qwen3_5).
     return {
         f"{mixer}.in_proj_qkv": PackedColwiseParallel(sizes=parts),
         **{f"{mixer}.in_proj_{p}": ColwiseParallel() for p in "zba"},
@@ -53,11 +60,9 @@ def parallelize_qwen3_5(model: nn.Module, sequence_parallel: bool = False) -> di
     """Plan for ``Qwen3_5ForCausalLM`` and ``Qwen3_5ForConditionalGeneration`` (vision replicated).
 
     Plain TP: 2 all-reduces per layer of either kind (the linear-attention mixer's ``out_proj`` and
-    the MLP's; the full attention's ``o_proj`` and the MLP's), + 1 at the embedding; backward, 3
-    more per linear-attention layer (its 4 columns reduce their input gradients apart). SP: per
-    layer 2 all-gathers (the pre-norms) and 2 reduce-scatters, + 1 of each at the head and the
-    embedding; backward, a linear-attention layer all-reduces its columns' 4 input gradients where
-    a full-attention layer reduce-scatters once.
+    the MLP's; the full attention's ``o_proj`` and the MLP's), + 1 at the embedding; the backward
+    the same. SP: per layer 2 all-gathers (the pre-norms) and 2 reduce-scatters, + 1 of each at the
+    head and the embedding, in each direction.
     """
     prefix = text_prefix(model)
     layer = f"{prefix}.layers.*"
@@ -67,12 +72,16 @@ def parallelize_qwen3_5(model: nn.Module, sequence_parallel: bool = False) -> di
         "lm_head": vocab_head(sequence_parallel=sequence_parallel),
     } | linear_attention(layer, model, sequence_parallel=sequence_parallel)
     # Only the full-attention layers' pre-norm hands its readers (q/k/v) one shared DTensor; the
-    # linear-attention layers' output stays plain (under SP, all-gathered to the whole sequence).
+    # linear-attention layers' output stays plain (under SP, all-gathered to the whole sequence,
+    # its gradient taken as the columns' partial sums) and the layer shares the masked value.
     del plan[f"{layer}.input_layernorm"]
     types = model.config.get_text_config().layer_types
+    columns = tuple(f"linear_attn.in_proj_{p}" for p in ("a", "b", "qkv", "z"))
     for i, kind in enumerate(types):
         if kind == "full_attention":
             plan[f"{prefix}.layers.{i}.input_layernorm"] = shared_input(sequence_parallel=sequence_parallel)
-        elif sequence_parallel:
-            plan[f"{prefix}.layers.{i}.input_layernorm"] = SequenceParallelAllGather(use_local_output=True)
+            continue
+        plan[f"{prefix}.layers.{i}"] = SharedReplicatedInput(columns=columns, partial_grad=sequence_parallel)
+        if sequence_parallel:
+            plan[f"{prefix}.layers.{i}.input_layernorm"] = SequenceParallelAllGather(partial_grad=True)
     return plan

@@ -12,7 +12,7 @@ from functools import partial
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_module
 from torch.distributed.tensor.parallel import SequenceParallel
 from torch.distributed.tensor.parallel.style import ParallelStyle
 from torch.distributed.tensor.placement_types import Placement
@@ -33,28 +33,47 @@ class SequenceParallelAllGather(SequenceParallel):
     all-reduce its own input gradient (3 for q/k/v where 1 reduce-scatter suffices). Only use it
     where every reader of the output accepts a DTensor (torch's Linear styles do).
 
+    With ``partial_grad`` the output is a plain tensor whose gradient is taken as this rank's
+    partial sum and reduce-scattered: for readers that cannot take a DTensor (a padding mask
+    multiplies it first) but whose every path ends in column projections that hand back partial
+    gradients (:class:`SharedReplicatedInput` with ``partial_grad``). Any other reader would add a
+    whole gradient to partial ones, and the sum would be wrong: the synthesizer proves there is none.
+
     Keyword Args:
         sequence_dim (int): the sequence dimension of the input. Default: 1.
         use_local_output (bool): return a plain tensor instead of the ``Replicate()`` DTensor.
             Default: True.
+        partial_grad (bool): the plain output's gradient is a partial sum, reduce-scattered.
+            Default: False.
 
     Example::
         >>> plan = {"model.layers.*.input_layernorm": SequenceParallelAllGather(use_local_output=False)}
     """
 
-    def __init__(self, *, sequence_dim: int = 1, use_local_output: bool = True):
+    def __init__(self, *, sequence_dim: int = 1, use_local_output: bool = True, partial_grad: bool = False):
         super().__init__(sequence_dim=sequence_dim, use_local_output=use_local_output)
+        self.partial_grad = partial_grad
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        local = "partial" if self.partial_grad else self.use_local_output
+        return distribute_module(module, device_mesh, self._replicate_module_fn,
+                                 partial(self._prepare_input_fn, self.sequence_sharding),
+                                 partial(self._prepare_output_fn, local))
 
     @staticmethod
     def _prepare_output_fn(use_local_output, mod, outputs, device_mesh):
+        # use_local_output: True, False, or "partial" (a plain tensor with a partial-sum gradient)
         if isinstance(outputs, DTensor):
             outputs = outputs.redistribute(placements=[Replicate()])
+            if use_local_output == "partial":
+                return outputs.to_local(grad_placements=[Partial()])
             return outputs.to_local() if use_local_output else outputs
         return outputs
 
     def __repr__(self) -> str:
-        flag = "" if self.use_local_output else "use_local_output=False"
-        return f"{self.__class__.__name__}({flag})"
+        flags = ", ".join(f for f, on in (("use_local_output=False", not self.use_local_output),
+                                          ("partial_grad=True", self.partial_grad)) if on)
+        return f"{self.__class__.__name__}({flags})"
 
 
 class ReplicatedOutput(ParallelStyle):
@@ -102,16 +121,22 @@ class SharedReplicatedInput(ParallelStyle):
     gradients are summed, and ``from_local``'s backward all-reduces the sum once. A column reading
     another tensor gets its own wrapper, so sharing never changes values.
 
+    With ``partial_grad`` the wrapper's backward hands the summed gradient back unreduced, as this
+    rank's partial sum: for a value whose reduction happens further back (a sequence-parallel norm
+    whose all-gather reduce-scatters it, :class:`SequenceParallelAllGather` with ``partial_grad``).
+
     Keyword Args:
         columns (tuple[str, ...]): the column-parallel children, relative to the module.
+        partial_grad (bool): leave the input gradient a partial sum. Default: False.
 
     Example::
         >>> plan = {"model.layers.*.self_attn": SharedReplicatedInput(columns=("q_proj", "k_proj", "v_proj"))}
     """
 
-    def __init__(self, *, columns: tuple[str, ...]):
+    def __init__(self, *, columns: tuple[str, ...], partial_grad: bool = False):
         super().__init__()
         self.columns = tuple(columns)
+        self.partial_grad = partial_grad
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         shared: dict[int, tuple[torch.Tensor, DTensor]] = {}  # id -> (tensor, its DTensor), one call's
@@ -122,7 +147,9 @@ class SharedReplicatedInput(ParallelStyle):
                 return None
             hit = shared.get(id(value))
             if hit is None or hit[0] is not value:
-                hit = (value, DTensor.from_local(value, device_mesh, (Replicate(),), run_check=False))
+                dtensor = (_ReplicatedWithPartialGrad.apply(value, device_mesh) if self.partial_grad else
+                           DTensor.from_local(value, device_mesh, (Replicate(),), run_check=False))
+                hit = (value, dtensor)
                 shared[id(value)] = hit
             return (hit[1], *args[1:])
 
@@ -133,7 +160,23 @@ class SharedReplicatedInput(ParallelStyle):
         return module
 
     def __repr__(self) -> str:
-        return f"{self.__class__.__name__}(columns={self.columns!r})"
+        flag = ", partial_grad=True" if self.partial_grad else ""
+        return f"{self.__class__.__name__}(columns={self.columns!r}{flag})"
+
+
+class _ReplicatedWithPartialGrad(torch.autograd.Function):
+    """``DTensor.from_local(local, mesh, (Replicate(),))`` whose backward returns this rank's partial
+    sum of the gradient, unreduced (a whole gradient is split into equal shares)."""
+
+    @staticmethod
+    def forward(ctx, local, device_mesh):
+        return DTensor.from_local(local, device_mesh, (Replicate(),), run_check=False)
+
+    @staticmethod
+    def backward(ctx, grad):
+        if isinstance(grad, DTensor):
+            grad = grad.redistribute(placements=[Partial()] * grad.device_mesh.ndim).to_local()
+        return grad, None
 
 
 class ReplicatedModule(ParallelStyle):

@@ -10,8 +10,11 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_module, distribute_tensor
 from torch.distributed.tensor.parallel.style import ParallelStyle
+from torch.overrides import TorchFunctionMode
+from torch.utils._pytree import tree_leaves
 
 from autotp.styles.base import LocalParamsStyle
+
 
 class ReplicatedWithGradAllReduce(LocalParamsStyle):
     """Keep a module's parameters replicated and all-reduce their gradients.
@@ -51,6 +54,13 @@ class WidthShardedNorm(ParallelStyle):
     ``Shard(shard_dim)``, the weight ``Shard(0)`` like its input, the mean of squares becomes a
     partial sum that DTensor all-reduces (a ``(batch, seq, 1)`` statistic), and the result is exact
     and stays sharded (returned local).
+
+    In backward that statistic's gradient is a partial sum as well (each rank sums ``grad * x`` over
+    its own slice of the width). Left to DTensor, the partial gradient is broadcast back over the
+    width first and reduce-scattered there: a collective the size of the activation per norm, where
+    the forward paid one of the statistic's size. Each statistic is therefore made whole right
+    where it is computed, with its gradient all-reduced at the same small size
+    (:class:`_ReduceStatistics`): the backward then costs what the forward does.
 
     Keyword Args:
         shard_dim (int): the sharded (normalised) dimension of the input. Default: -1.
@@ -96,13 +106,59 @@ class WidthShardedNorm(ParallelStyle):
         return outputs.to_local()
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
-        return distribute_module(
+        module = distribute_module(
             module,
             device_mesh,
             self._partition_fn,
             partial(self._prepare_input_fn, self.shard_dim),
             partial(self._prepare_output_fn, self.shard_dim),
         )
+        modes: list[_ReduceStatistics] = []
+
+        def enter(mod, args):
+            modes.append(_ReduceStatistics())
+            modes[-1].__enter__()
+
+        def leave(mod, args, output):
+            modes.pop().__exit__(None, None, None)
+
+        # Inside distribute_module's hooks: the mode sees the DTensors its input hook made.
+        module.register_forward_pre_hook(enter)
+        module.register_forward_hook(leave, prepend=True)
+        return module
 
     def __repr__(self) -> str:
         return f"{self.__class__.__name__}(shard_dim={self.shard_dim})"
+
+
+class _ReduceStatistics(TorchFunctionMode):
+    """Reduce each partial statistic of a width-sharded norm where it is made, in both directions.
+
+    A call on DTensors that returns a ``Partial()`` DTensor smaller than its largest input (a sum
+    or mean over the sharded width) is redistributed to ``Replicate()`` at once (the all-reduce
+    DTensor would issue at its next use anyway) and passed through :class:`_AllReduceGrad`, so
+    that its gradient, partial over the width, is all-reduced at the statistic's size.
+    """
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if not (isinstance(out, DTensor) and any(p.is_partial() for p in out.placements)):
+            return out
+        largest = max((t.numel() for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)), default=0)
+        if out.numel() >= largest:
+            return out
+        return _AllReduceGrad.apply(out.redistribute(placements=[Replicate()] * out.device_mesh.ndim))
+
+
+class _AllReduceGrad(torch.autograd.Function):
+    """Identity on a replicated DTensor; its gradient, if partial, is all-reduced."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        if isinstance(grad, DTensor) and any(p.is_partial() for p in grad.placements):
+            grad = grad.redistribute(placements=[Replicate()] * grad.device_mesh.ndim)
+        return grad

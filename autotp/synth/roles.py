@@ -95,6 +95,9 @@ class Role:
             the down projection): added by one rank only, so the reduction counts them once.
         weight_in_out: of a Linear-like role, the weight is stored ``(in, out)`` (transformers'
             ``Conv1D``), so its sharded dims are swapped.
+        partial_grad: of a ``seq_norm_gather``, its plain gathered output's gradient is a partial
+            sum, reduce-scattered; of a ``shared_entry``, the columns' summed input gradient is
+            handed back unreduced (every path from such a norm ends in such columns).
         all_outputs: of a ``seq_gather`` with ``seq_output``, the stream reads several of the
             module's outputs (a hyper-connection's branch input and output weights): each
             per-position output is sliced back, not only the first.
@@ -126,6 +129,7 @@ class Role:
     rows: tuple[str, ...] = ()
     once: tuple[str, ...] = ()
     all_outputs: bool = False
+    partial_grad: bool = False
 
     def __post_init__(self):
         if self.kind not in ROLE_KINDS:

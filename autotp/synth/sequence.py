@@ -777,7 +777,18 @@ def sequence_parallel_roles(g: nx.DiGraph, flow: Flow, roles: dict[str, Role], g
                               "the whole output sliced back to the sequence-sharded stream", (block,), seq_output=True)
     out.update({m: replace(r, seq_output=True) for m, r in out.items()
                 if r.kind == "experts" and any(m.startswith(block + ".") for block in partial)})
-    out.update(gathers_before_masks(g, region, out, masked))
+    gathered_masks = gathers_before_masks(g, region, out, masked)
+    out.update(gathered_masks)
+    # A masked module whose norm now gathers its input reads whole plain tensors: parameters of its
+    # own that met the stream there stay plain too (as replicated DTensors they met the plain mask).
+    fed = {module for norm, role in gathered_masks.items() if role.kind == "seq_norm_gather"
+           for module in role.evidence[-1:]}
+    for module in fed:
+        if kind_of(out, module) == "seq_params":
+            if module in roles:
+                out[module] = roles[module]
+            else:
+                del out[module]
     out.update(joining_modules(g, flow, region, out))
     out.update(shared_gathers(g, region, out))
     # A module gathered at entry sees the whole sequence: norms and parameters inside it that an

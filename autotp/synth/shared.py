@@ -43,7 +43,7 @@ import networkx as nx
 
 from autotp.synth.analysis import Flow, is_linear, module_of
 from autotp.synth.graph import common_module, param_modules, refs
-from autotp.synth.ops import RESHAPES, SELECTIONS, SELECTIONS_WITH_VALUES
+from autotp.synth.ops import RESHAPES, SELECTIONS, SELECTIONS_WITH_VALUES, SINKS
 from autotp.synth.ops import ELEMENTWISE, PASSTHROUGH
 from autotp.synth.roles import Role, kind_of
 from autotp.synth.sequence import expert_blocks, inner_rows, module_outputs
@@ -148,30 +148,46 @@ def shared_inputs(g: nx.DiGraph, roles: dict[str, Role]) -> dict[str, Role]:
 
 
 def shared_entries(g: nx.DiGraph, roles: dict[str, Role]) -> dict[str, Role]:
-    """Plain TP: modules whose column Linears read one tensor from outside the module directly.
+    """Plain TP: column Linears that read one tensor that is not a shared norm's output.
 
-    The module is the innermost one holding those Linears and must have no role of its own; the
-    tensor's producer keeps it plain (the residual add reads it too), so the sharing happens at
-    the Linears' entry, for one call of the module.
+    OLMo2's q/k/v read the residual stream as it enters their module (the residual add reads it
+    too, so its producer keeps it plain); a linear-attention mixer's projections read its input
+    after a padding mask multiplies it, inside the mixer. The sharing scope is the innermost
+    module holding those Linears, or the nearest module above it without a role of its own (a
+    mixer whose own parameters have a style); the tensor is shared for one call of that scope.
+    Sharing is by identity (:class:`~autotp.styles.SharedReplicatedInput`), so it never changes
+    values: only the number of reductions of the input gradient.
     """
     found: dict[str, Role] = {}
+    covered = {f"{m}.{c}" for m, r in roles.items() if r.kind == "shared_entry" for c in r.names}
     for name, data in g.nodes(data=True):
         if data["kind"] != "call" or not data["shape"]:
             continue
-        readers = [s for s in g.successors(name) if _column_reader(g, roles, s)]
+        readers = [s for s in g.successors(name) if _column_reader(g, roles, s) and module_of(g, s) not in covered]
         if len(readers) < 2:
             continue
-        module = common_module([g.nodes[r]["stack"] for r in readers])
-        if not module or module in roles or module in found or module in data["stack"]:
-            continue
+        stacks = [g.nodes[r]["stack"] for r in readers]
         owners = sorted({module_of(g, r) for r in readers})
-        if len(owners) < 2 or not all(o.startswith(module + ".") for o in owners):
+        module = _sharing_scope(common_module(stacks), stacks[0], roles, found)
+        if not module or len(owners) < 2 or not all(o.startswith(module + ".") for o in owners):
             continue
         columns = tuple(o[len(module) + 1:] for o in owners)
-        found[module] = Role("shared_entry", f"its column Linears ({', '.join(columns)}) read one tensor from outside "
-                             "it with no norm before them: they share one Replicate() DTensor of it, so their "
+        found[module] = Role("shared_entry", f"its column Linears ({', '.join(columns)}) read one tensor that "
+                             "no shared norm hands them: they share one Replicate() DTensor of it, so their "
                              "input gradients are summed and all-reduced once", (name, *owners), names=columns)
     return found
+
+
+def _sharing_scope(module: str, stack: tuple[str, ...], roles: dict[str, Role], found: dict[str, Role]) -> str:
+    """``module``, or the nearest module above it in ``stack`` that has no role (its pre-hooks can
+    then hold the shared value); empty where there is none or it shares another tensor already."""
+    above = [m for m in stack if module == m or module.startswith(m + ".")]
+    for candidate in reversed(above):
+        if candidate in found:
+            return ""
+        if candidate not in roles:
+            return candidate
+    return ""
 
 
 def expert_inputs(g: nx.DiGraph, roles: dict[str, Role], *, sequence_parallel: bool,
@@ -363,6 +379,74 @@ def dtensor_gathers(g: nx.DiGraph, roles: dict[str, Role]) -> dict[str, Role]:
     return found
 
 
+def partial_gathers(g: nx.DiGraph, roles: dict[str, Role]) -> dict[str, Role]:
+    """SP: gathering norms whose plain output reaches column Linears only through values they cannot
+    hand a DTensor (a padding mask multiplies it first): the columns hand their input gradients
+    back as partial sums and the norm's all-gather reduce-scatters their sum once.
+
+    Every path from the norm's output must end in a column Linear, through casts, reshapes and
+    elementwise ops whose other operands no parameter reaches (a partial gradient stays partial
+    through any op whose forward values every rank shares; an operand with a gradient of its own
+    would get a partial one). The columns share a scope (:func:`_sharing_scope`) where their
+    wrappers are installed; a norm whose columns find none keeps its plain gather.
+
+    Returns:
+        New roles: the norm with ``partial_grad``, and one ``shared_entry`` with ``partial_grad``
+        per norm.
+    """
+    found: dict[str, Role] = {}
+    for module, role in sorted(roles.items()):
+        if role.kind != "seq_norm_gather" or role.seq_output or role.dtensor_output:
+            continue
+        outputs, _ = module_outputs(g, module)
+        readers = _partial_readers(g, roles, outputs[0]) if len(outputs) == 1 else None
+        if not readers:
+            continue
+        stacks = [g.nodes[r]["stack"] for r in readers]
+        owners = sorted({module_of(g, r) for r in readers})
+        scope = _sharing_scope(common_module(stacks), stacks[0], roles, found)
+        if not scope or not all(o.startswith(scope + ".") for o in owners):
+            continue
+        columns = tuple(o[len(scope) + 1:] for o in owners)
+        found[scope] = Role("shared_entry", f"its column Linears ({', '.join(columns)}) read {module}'s gathered "
+                            "output through values that cannot be DTensors (a padding mask): each hands its "
+                            "input gradient back as a partial sum, reduce-scattered once by the gather",
+                            (outputs[0], *owners), names=columns, partial_grad=True)
+        found[module] = replace(role, partial_grad=True, reason=role.reason + f"; its readers ({', '.join(owners)}) "
+                                "return partial input gradients: the all-gather's backward reduce-scatters their sum")
+    return found
+
+
+def _partial_readers(g: nx.DiGraph, roles: dict[str, Role], start: str, limit: int = 64) -> list[str] | None:
+    """The column Linear nodes every path from ``start`` ends in, or None where a path ends elsewhere
+    or passes an op whose other operands carry a gradient of their own (:func:`partial_gathers`)."""
+    columns, todo, seen = [], [start], {start}
+    while todo:
+        node = todo.pop()
+        for reader in g.successors(node):
+            if reader in seen:
+                continue
+            seen.add(reader)
+            data = g.nodes[reader]
+            if data["op"] in SINKS:
+                continue
+            if _column_reader(g, roles, reader):
+                columns.append(reader)
+                continue
+            if data["kind"] != "call" or data["op"] not in _CARRY | RESHAPES or len(seen) > limit:
+                return None
+            others = [r.name for r in refs(data["args"], data["kwargs"]) if r.name != node and g.nodes[r.name]["shape"]]
+            if any(_reaches_from_param(g, other) for other in others):
+                return None
+            todo.append(reader)
+    return columns
+
+
+def _reaches_from_param(g: nx.DiGraph, name: str) -> bool:
+    """Whether a parameter (a value with a gradient) is among ``name``'s ancestors or is ``name``."""
+    return any(g.nodes[n]["kind"] == "param" for n in (name, *nx.ancestors(g, name)))
+
+
 def _upstream(g: nx.DiGraph, name: str, limit: int = 4) -> list[str]:
     """``name`` and the nodes it comes from through single-input scalings, casts and reshapes."""
     chain = [name]
@@ -492,6 +576,13 @@ def shared_input_roles(g: nx.DiGraph, flow: Flow, roles: dict[str, Role], *,
     if sequence_parallel:
         changed = dtensor_gathers(g, out)
         changed.update(expert_inputs(g, out, sequence_parallel=True, groups=groups))
+        changed.update(partial_gathers(g, {**out, **changed}))
+        # Columns still reading a plain whole tensor (a gathered value scaled by a learned vector)
+        # share one wrapper of it: one all-reduce of their summed gradient.
+        dtensors = {m for m, r in {**out, **changed}.items() if r.dtensor_output}
+        for module, role in shared_entries(g, {**out, **changed}).items():
+            if not any(dtensors & set(g.nodes[n]["stack"]) for n in _upstream(g, role.evidence[0])):
+                changed[module] = role
     else:
         stream = {m for m, r in blocks.items() if r.kind == "stream_block"}
         changed = {m: r for m, r in shared_inputs(g, out).items()
