@@ -265,3 +265,53 @@ def test_selected_weight_needs_every_read_to_be_a_product():
 
     assert selected_weight(_loop_graph(), "w0") == ("W", False)
     assert selected_weight(_loop_graph(read_weight=True), "w0") is None
+
+
+class TypedRouter(nn.Module):
+    """A raw-weight router whose top-k reads a routing bias of its block (no gradient) and whose
+    routing weights take the input's dtype (``type_as(x)``: x lends only its dtype)."""
+
+    def __init__(self):
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(EXPERTS, DIM) * DIM ** -0.5)
+
+    def forward(self, x, bias):
+        scores = torch.sigmoid(F.linear(x, self.weight).float())
+        _, index = torch.topk(scores + bias, TOP_K, dim=-1)
+        top = scores.gather(1, index)
+        return (top / top.sum(-1, keepdim=True)).type_as(x), index
+
+
+class BiasedMoE(MoE):
+    def __init__(self, experts: type[nn.Module]):
+        super().__init__(experts)
+        self.router = TypedRouter()
+        self.routing_bias = nn.Parameter(0.1 * torch.randn(EXPERTS), requires_grad=False)
+
+    def forward(self, x):
+        b, t, d = x.shape
+        x = x.reshape(-1, d)
+        weights, index = self.router(x, self.routing_bias)
+        return self.experts(x, index, weights).reshape(b, t, d)
+
+
+@pytest.mark.parametrize("tp_size", [2, 4])
+def test_router_inside_a_moe_block_reduces_the_block_input_once_under_sequence_parallel(tp_size):
+    """The block takes whole tokens at entry; its router, reading them, must not gather them again
+    nor slice its routing weights back onto the stream (``type_as(x)`` made them look like the
+    stream): then it runs its backward on the experts' partial gradients and the block's input
+    gradient is reduce-scattered once. Would catch the router's own all-reduces (backward: 3 more
+    collectives per layer than the forward)."""
+    torch.manual_seed(0)
+    model = Model(LoopExperts).eval()
+    for block in model.layers:
+        block.mlp = BiasedMoE(LoopExperts)
+    tokens = example_tokens()[:, :8]
+    plan = autotp.synthesize(model, example_inputs=(tokens,), tp_size=tp_size, sequence_parallel=True)
+    report = verify(model, plan, tp_size=tp_size, inputs=(tokens,))
+    assert report.ok, str(report)
+    assert isinstance(plan["layers.*.mlp.router"], styles.PartialGradRouter), plan.get("layers.*.mlp.router")
+    swap = {"reduce_scatter_tensor": "all_gather_into_tensor", "all_gather_into_tensor": "reduce_scatter_tensor"}
+    assert report.collectives_backward == {swap.get(op, op): n for op, n in report.collectives.items()}
+    assert report.comm_volume_backward == report.comm_volume
+    assert max(report.param_fraction) <= megatron_bound(model, tp_size) + 0.01, report.param_fraction

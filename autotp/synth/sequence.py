@@ -444,8 +444,12 @@ def _in_block(g: nx.DiGraph, name: str, blocks: set[str]) -> bool:
     return bool(blocks & set(g.nodes[name]["stack"]))
 
 
-def replicated_blocks(g: nx.DiGraph, region: set[str], roles: dict[str, Role]) -> dict[str, Role]:
+def replicated_blocks(g: nx.DiGraph, region: set[str], roles: dict[str, Role],
+                      blocks: set[str] = frozenset()) -> dict[str, Role]:
     """Outermost modules that run Linears, all kept whole, and read the stream themselves.
+
+    Modules inside a MoE ``blocks`` entry are not among them: the block takes whole tokens at
+    entry (its dispatch indexes every token), so its router reads them whole already.
 
     A module kept replicated (Qwen3.5's linear attention: conv1d, gated delta rule) must see the
     whole sequence: its inputs are gathered once at entry; its output is wrapped where it meets the
@@ -475,6 +479,8 @@ def replicated_blocks(g: nx.DiGraph, region: set[str], roles: dict[str, Role]) -
             # A module that runs raw weights itself has the role its kept-whole product gave it.
             taken = module in roles and kind_of(roles, module) != "replicate"
             if not owners or taken or module in starts or any(module.startswith(f + ".") for f in found):
+                continue
+            if any(module.startswith(b + ".") for b in blocks):
                 continue
             if all(kind_of(roles, o, Kind.REPLICATE) == "replicate" for o in owners):
                 # A whole decoder block (GPT-2's Conv1D layers) returns the stream itself: its
@@ -757,7 +763,7 @@ def sequence_parallel_roles(g: nx.DiGraph, flow: Flow, roles: dict[str, Role], g
     if root_joins(g, flow, region, groups):
         region, slicing = start_at_layers(g, region, groups)
         out.update(slicing)
-    out.update(replicated_blocks(g, region, out))
+    out.update(replicated_blocks(g, region, out, blocks))
     out.update(sequence_norms(g, region, out, groups))
     out.update(rotary_modules(g, flow, out))
     for block in blocks:

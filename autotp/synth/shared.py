@@ -581,8 +581,11 @@ def shared_input_roles(g: nx.DiGraph, flow: Flow, roles: dict[str, Role], *,
         # share one wrapper of it: one all-reduce of their summed gradient.
         dtensors = {m for m, r in {**out, **changed}.items() if r.dtensor_output}
         for module, role in shared_entries(g, {**out, **changed}).items():
-            if not any(dtensors & set(g.nodes[n]["stack"]) for n in _upstream(g, role.evidence[0])):
-                changed[module] = role
+            if any(dtensors & set(g.nodes[n]["stack"]) for n in _upstream(g, role.evidence[0])):
+                continue  # a gathering norm hands them a DTensor already
+            if any(owner.startswith(d + ".") for owner in role.evidence[1:] for d in dtensors):
+                continue  # a module around them gathers its input to a DTensor at entry
+            changed[module] = role
     else:
         stream = {m for m, r in blocks.items() if r.kind == "stream_block"}
         changed = {m: r for m, r in shared_inputs(g, out).items()
