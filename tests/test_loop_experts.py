@@ -315,3 +315,41 @@ def test_router_inside_a_moe_block_reduces_the_block_input_once_under_sequence_p
     assert report.collectives_backward == {swap.get(op, op): n for op, n in report.collectives.items()}
     assert report.comm_volume_backward == report.comm_volume
     assert max(report.param_fraction) <= megatron_bound(model, tp_size) + 0.01, report.param_fraction
+
+
+class ParallelMoEBlock(nn.Module):
+    """Attention and a MoE block side by side on one norm's output, summed into the residual."""
+
+    def __init__(self, experts):
+        super().__init__()
+        self.norm = nn.LayerNorm(DIM)
+        self.attn, self.mlp = Attention(), MoE(experts)
+
+    def forward(self, x):
+        h = self.norm(x)
+        return x + self.attn(h) + self.mlp(h)
+
+
+@pytest.mark.parametrize("sequence_parallel", [False, True], ids=["plain", "sp"])
+@pytest.mark.parametrize("tp_size", [2, 4])
+def test_moe_block_beside_attention_reduces_their_shared_input_once(tp_size, sequence_parallel):
+    """The norm's output is read by the MoE block and, beside it, by the attention's q/k/v: all of
+    them take one DTensor of it, so its gradient is reduced once per layer (plain: one all-reduce;
+    SP: one reduce-scatter). Would catch the attention's columns keeping the block input plain
+    (backward: the router's, the experts' and the attention's input gradients reduced apart)."""
+    torch.manual_seed(0)
+    model = Model(LoopExperts).eval()
+    model.layers = nn.ModuleList(ParallelMoEBlock(LoopExperts) for _ in range(2))
+    tokens = example_tokens()[:, :8]
+    plan = autotp.synthesize(model, example_inputs=(tokens,), tp_size=tp_size, sequence_parallel=sequence_parallel)
+    report = verify(model, plan, tp_size=tp_size, inputs=(tokens,))
+    assert report.ok, str(report)
+    assert isinstance(plan["layers.*.mlp.router"], styles.PartialGradRouter), plan.get("layers.*.mlp.router")
+    layers = len(model.layers)
+    if sequence_parallel:  # one all-gather per layer + the head's; its mirror in backward
+        assert report.collectives_backward.get("reduce_scatter_tensor") == layers + 1, report.collectives_backward
+        assert "all_reduce" not in report.collectives_backward, report.collectives_backward
+    else:  # the norm's output reduced once per layer, + the head's input
+        assert report.collectives_backward == {"all_reduce": layers + 1}, report.collectives_backward
+    assert report.comm_volume_backward <= report.comm_volume
+    assert max(report.param_fraction) <= megatron_bound(model, tp_size) + 0.01, report.param_fraction

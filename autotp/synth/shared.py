@@ -218,7 +218,8 @@ def expert_inputs(g: nx.DiGraph, roles: dict[str, Role], *, sequence_parallel: b
         entry = entries.pop()
         producer = g.nodes[entry]["stack"][-1] if g.nodes[entry]["stack"] else ""
         outputs, readers = module_outputs(g, producer) if producer else ([], [])
-        if outputs != [entry] or not set(readers) <= inside:
+        # Column Linears beside the block (a parallel block's attention) take the DTensor as well.
+        if outputs != [entry] or not all(r in inside or _column_reader(g, roles, r) for r in readers):
             continue
         if sequence_parallel:
             role = roles.get(producer)
@@ -332,9 +333,11 @@ def _block_readers(g: nx.DiGraph, roles: dict[str, Role], block: str, entry: str
     while todo:
         for reader in g.successors(todo.pop()):
             data = g.nodes[reader]
+            if _column_reader(g, roles, reader):
+                continue  # takes the DTensor, inside the block (a shared expert) or beside it
             if block not in data["stack"]:
                 return None  # leaves the block as a DTensor
-            if experts & set(data["stack"]) or _column_reader(g, roles, reader):
+            if experts & set(data["stack"]):
                 continue
             below = [m for m in data["stack"] if m.startswith(block + ".")]
             if below:
