@@ -19,9 +19,10 @@ from torch import nn
 from autotp import styles
 from autotp.synth import synthesize
 from autotp.verifier import verify
-from synth_toy import DIM, VOCAB, example_tokens
+from synth_toy import DIM, MLP, example_tokens
+from test_sp_stream import MaskedModel
 
-HEADS, LAYERS = 4, 2
+HEADS, LAYERS = 4, 2  # LAYERS: MaskedModel's
 
 
 class MaskedGatedMixer(nn.Module):
@@ -49,15 +50,6 @@ class MaskedGatedMixer(nn.Module):
         return self.out_proj(mixed)
 
 
-class MLP(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.up, self.down = nn.Linear(DIM, 2 * DIM), nn.Linear(2 * DIM, DIM)
-
-    def forward(self, x):
-        return self.down(F.gelu(self.up(x)))
-
-
 class Layer(nn.Module):
     def __init__(self, learned_scale: bool):
         super().__init__()
@@ -69,20 +61,8 @@ class Layer(nn.Module):
         return x + self.mlp(self.norm_2(x))
 
 
-class Model(nn.Module):
-    def __init__(self, learned_scale: bool = False):
-        super().__init__()
-        torch.manual_seed(0)
-        self.embed = nn.Embedding(VOCAB, DIM)
-        self.layers = nn.ModuleList(Layer(learned_scale) for _ in range(LAYERS))
-        self.norm = nn.LayerNorm(DIM)
-        self.head = nn.Linear(DIM, VOCAB, bias=False)
-
-    def forward(self, ids, mask):
-        x = self.embed(ids)
-        for layer in self.layers:
-            x = layer(x, mask)
-        return self.head(self.norm(x))
+def Model(learned_scale: bool = False) -> MaskedModel:  # noqa: N802 (a model constructor)
+    return MaskedModel(lambda: Layer(learned_scale))
 
 
 def _inputs():
