@@ -104,6 +104,15 @@ def _raw_kind(g, node: str, style: ParallelStyle | None) -> str | None:
     return "column" if leaf in style.columns else "row" if leaf in style.rows else None
 
 
+def _slices_entries(style: ParallelStyle | None) -> bool:
+    """Whether ``style`` (or a style it wraps) is :class:`~autotp.styles.ShardedInputs`."""
+    while style is not None:
+        if isinstance(style, styles.ShardedInputs):
+            return True
+        style = getattr(style, "wrapped", None)
+    return False
+
+
 def _starts_shard(style: ParallelStyle | None) -> bool:
     """Column styles whose output stays sharded (a gathered output ends the shard at once)."""
     return isinstance(style, ColwiseParallel) and tuple(style.output_layouts) != (Replicate(),)
@@ -135,6 +144,12 @@ def _graph_findings(model: nn.Module, resolved: dict, example_inputs, tp_size: i
         findings.append(Finding(linears[root], f"its column-sharded output meets {where(node)}: {reason}",
                                 "replicate this Linear, gather its output, or shard what follows it exactly",
                                 "breaks_shard"))
+    for source, module in sorted(flow.entry_shards):
+        if not _slices_entries(resolved.get(module, (None, None))[1]):
+            findings.append(Finding(module, f"its sharded heads meet a value made outside it that holds every head "
+                                    f"({g.nodes[source]['shape']}), handed over whole",
+                                    "slice that argument to the module's heads at entry (ShardedInputs), or "
+                                    "replicate the head projections", "entry_not_sliced"))
     for root, reason in {**mixed_parts(flow), **bad_packs(flow), **endless_shards(flow)}.items():
         findings.append(Finding(linears[root], f"column-sharded, but {reason}",
                                 "pair it with a row-parallel Linear or gather its output", "unclosed_column"))

@@ -21,7 +21,7 @@ _REQUIRED = {
     "sizes": (6, 2), "kv_heads": 2, "head_dim": 4, "heads": 8, "width": 4, "names": ("num_heads",),
     "wrapped": ColwiseParallel(output_layouts=Replicate()), "output_layouts": Shard(1),
     "desired_output_layouts": Replicate(), "shard_dims": {"w1": 0}, "columns": ("w1",),
-    "base": ColwiseParallel(),
+    "base": ColwiseParallel(), "inputs": ((1, 0), ("bias", 1)),
 }
 _OPTIONAL = {
     "input_layouts": Shard(1), "output_layouts": Partial(), "desired_input_layouts": Replicate(),
@@ -29,7 +29,7 @@ _OPTIONAL = {
     "sequence_dim": 0, "shard_dim": 1, "shard_dims": {"w1": 0}, "packed": {"w1": 3}, "attribute": "groups",
     "reshard_output": True, "sizes": (3, 3, 2), "stream": "hidden_states",
     "reduce": ("lam",), "counts": ("n_heads",), "columns": ("w1",), "rows": ("w2",),
-    "reduce_grad_features": ((4, 8),), "once": ("b2",),
+    "reduce_grad_features": ((4, 8),), "once": ("b2",), "style": ColwiseParallel(),
 }
 # Where one option name means another thing in another style: its sample there.
 _PER_CLASS = {"HeadParams": {"packed": {"w1": (3, 3)}}, "LinearParams": {"packed": {"w1": (3, 3)}},

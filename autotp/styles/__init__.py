@@ -22,6 +22,8 @@ options, static ``_prepare_input_fn`` / ``_prepare_output_fn``, and a comment on
   (3-D parameters) sharded on their FFN dim, and the reductions around them and around MLA.
 - :class:`SharedReplicatedInput`: column projections reading one tensor at a module's entry share
   one ``Replicate()`` DTensor of it (no norm before them), so their input gradient is reduced once.
+- :class:`ShardedInputs`: a module takes values made outside it (a per-head bias built at the root)
+  cut to its own heads at entry.
 - :class:`PartialGradRouter`: a router kept whole that runs backward on the experts' partial
   gradients, so the MoE block's input gradient is reduced once.
 - :class:`GatherSequenceInput`, :class:`SequenceParallelMoEBlock`, :class:`PartialExpertsParallel`:
@@ -43,6 +45,7 @@ from autotp.styles.attention import KVHeadCounts, ReplicatedKVColwise, RotaryEmb
 from autotp.styles.base import packed_row_order
 from autotp.styles.boundaries import (
     AllReduceOutput,
+    ShardedInputs,
     GradAllReduceOutputSlice,
     OwnedOutput,
     ReplicatedModule,
@@ -98,6 +101,7 @@ __all__ = [
     "SequenceParallelAllGather",
     "SharedReplicatedInput",
     "ShardCounts",
+    "ShardedInputs",
     "VocabParallelEmbedding",
     "WidthShardedNorm",
     "packed_row_order",

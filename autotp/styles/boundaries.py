@@ -17,6 +17,7 @@ from torch.distributed.tensor.parallel import SequenceParallel
 from torch.distributed.tensor.parallel.style import ParallelStyle
 from torch.distributed.tensor.placement_types import Placement
 
+from autotp.errors import PlanError
 from autotp.styles.embedding import VocabParallelEmbedding  # noqa: F401 (doctest)
 from autotp.styles.base import all_reduce_backward, all_reduce_forward, reduce_feature_grads, to_local
 
@@ -373,6 +374,69 @@ def _owned(out):
     if isinstance(out, tuple) and out and isinstance(out[0], torch.Tensor) and not isinstance(out[0], DTensor):
         return (out[0].clone(), *out[1:])
     return out
+
+
+class ShardedInputs(ParallelStyle):
+    """A module takes some of its call's arguments as this rank's slice along one dim (its heads).
+
+    A per-head bias made once outside the sharded region (ALiBi's slopes times the distances,
+    ``(heads, t, t)``, built at the model's root and handed to every layer's attention) holds every
+    head; the module's heads are sharded, so it needs the rows of its own heads only. Each listed
+    argument (by position, or by keyword) is replicated on every rank and is cut here to the
+    rank's contiguous block on ``dim``: as a ``Replicate()`` DTensor redistributed to
+    ``Shard(dim)``, so a bias with a gradient of its own gets it whole again (an all-gather in
+    backward); a constant one costs nothing. Then ``style``, if given, is applied as usual.
+
+    An argument that is missing from a call, or whose size on ``dim`` tp does not divide, raises:
+    the module would otherwise broadcast the whole bias against its own heads.
+
+    Keyword Args:
+        inputs (tuple[tuple[int | str, int], ...]): ``(position or keyword, dim)`` per argument.
+        style (ParallelStyle, optional): the module's own style. Default: None.
+
+    Example::
+        >>> plan = {"layers.*.attn": ShardedInputs(inputs=((1, 0),))}  # attn(x, bias): bias (heads, t, t)
+    """
+
+    def __init__(self, *, inputs: tuple, style: ParallelStyle | None = None):
+        super().__init__()
+        self.inputs = tuple((key, int(dim)) for key, dim in inputs)
+        self.style = style
+
+    @property
+    def wrapped(self) -> ParallelStyle:
+        """The module's own style, for code that finds a wrapper's parameter layout (absent: none)."""
+        if self.style is None:
+            raise AttributeError("wrapped")
+        return self.style
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        if self.style is not None:
+            module = self.style._apply(module, device_mesh)
+        inputs = self.inputs
+
+        def pre_hook(mod, args, kwargs):
+            args = list(args)
+            for key, dim in inputs:
+                holder, present = (args, key < len(args)) if isinstance(key, int) else (kwargs, key in kwargs)
+                value = holder[key] if present else None
+                if not isinstance(value, torch.Tensor) or isinstance(value, DTensor):
+                    raise PlanError(f"{type(mod).__name__}: ShardedInputs expects a plain tensor as argument {key!r} "
+                                    f"of each call, to cut it to this rank's heads on dim {dim}, and got "
+                                    f"{type(value).__name__}; synthesize the plan on inputs that call it the same way")
+                if value.shape[dim] % device_mesh.size():
+                    raise PlanError(f"{type(mod).__name__}: argument {key!r} has {value.shape[dim]} entries on dim {dim}, "
+                                    f"which tp={device_mesh.size()} does not divide")
+                whole = DTensor.from_local(value, device_mesh, [Replicate()], run_check=False)
+                holder[key] = whole.redistribute(placements=[Shard(dim)]).to_local()
+            return tuple(args), kwargs
+
+        module.register_forward_pre_hook(pre_hook, with_kwargs=True, prepend=True)
+        return module
+
+    def __repr__(self) -> str:
+        extra = f", style={self.style!r}" if self.style is not None else ""
+        return f"{self.__class__.__name__}(inputs={self.inputs!r}{extra})"
 
 
 class AllReduceOutput(ParallelStyle):

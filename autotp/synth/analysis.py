@@ -21,6 +21,7 @@ import networkx as nx
 
 from autotp.synth.graph import Ref, param_modules, refs
 from autotp.synth.experts import bias_breaks, expert_bias, partial_sum_breaks, selected_weight
+from autotp.synth.entries import stray_entry_reads
 from autotp.synth.params import reading_module, stray_param_reads
 from autotp.synth.ops import FIRST_VALUE_ONLY, GROUPED_MATMULS, NO_VALUES, SCALINGS, SELECTING_PRODUCTS, STACKED_MATMULS, WRITE_VIEWS, WRITES
 from autotp.synth.ops import (ATTENTION, ELEMENTWISE, MATMULS, PASSTHROUGH, SINKS, VIEW_LIKE, Break, Given, Out, Parts,
@@ -89,6 +90,10 @@ class Flow:
     broadcast_modules: dict = field(default_factory=dict)  # broadcast source node -> its module, when not a Linear
     expert_biases: dict = field(default_factory=dict)  # per-expert bias parameter -> dim sharded with the experts
     expert_bias_columns: dict = field(default_factory=dict)  # per-expert bias parameter -> the columns it met
+    entry_shards: dict = field(default_factory=dict)  # (value made outside a module, module) -> dim sliced at entry
+    entry_uses: dict = field(default_factory=dict)  # (value, module) -> {(operand, node)} that met the heads
+    entry_origins: dict = field(default_factory=dict)  # (value, module) -> the candidates whose shard met it
+    module_alone: bool = False  # the graph is one module exported alone (see propagate)
 
     def sharded(self, name: str) -> bool:
         """Whether ``name``'s output (or an element of it) is sharded."""
@@ -124,6 +129,30 @@ class Flow:
         origins = frozenset().union(*(shard.origins for shard in self.meeting))
         previous = self.factory_shards.get(found[0], (found[1], frozenset()))[1]
         self.factory_shards[found[0]] = (found[1], previous | origins)
+        return True
+
+    def shard_entry(self, other: str, dim: int) -> bool:
+        """Whether replicated operand ``other`` comes, through one-tensor ops inside the module that
+        decides here, from a value made outside it (a per-head bias built at the root and passed
+        in), which that module can take sliced to its heads on entry
+        (:mod:`autotp.synth.entries`). Recorded in ``entry_shards``; a value sliced on two dims, or
+        for two modules, cannot be. Shards joined from pieces or folded into rows hold no contiguous
+        block of heads: refused."""
+        from autotp.synth.entries import entry_source
+
+        if not self.deciding or any(shard.pieces or shard.fold for shard in self.meeting):
+            return False
+        found = entry_source(self.g, other, dim, self.deciding, at_root=self.module_alone)
+        if found is None:
+            return False
+        source, module, source_dim = found
+        key = (source, module)  # one value may enter several modules (each layer kind's attention)
+        if self.entry_shards.get(key, source_dim) != source_dim:
+            return False
+        self.entry_shards[key] = source_dim
+        self.entry_uses.setdefault(key, set()).add((other, self.deciding))
+        origins = frozenset().union(*(shard.origins for shard in self.meeting))
+        self.entry_origins[key] = self.entry_origins.get(key, frozenset()) | origins
         return True
 
     def grouped(self, groups: int) -> None:
@@ -713,7 +742,7 @@ def _written(flow: Flow, name: str, data) -> None:
 
 
 def propagate(g: nx.DiGraph, active: set[str], unit_heads: frozenset = frozenset(),
-              whole: dict[str, str] | None = None) -> Flow:
+              whole: dict[str, str] | None = None, *, module_alone: bool = False) -> Flow:
     """Follow the shard of every active candidate Linear through ``g`` (one pass, program order).
 
     Args:
@@ -722,10 +751,13 @@ def propagate(g: nx.DiGraph, active: set[str], unit_heads: frozenset = frozenset
         unit_heads: candidates whose views may split off a single head (see :func:`analyse`).
         whole: Linear nodes whose weight must stay whole (read outside their module, tied
             differently): neither a column nor a row; a shard reaching one breaks, with the reason.
+        module_alone: ``g`` is one module exported alone (the shape proof): its inputs may be
+            values its caller slices to its heads (:meth:`Flow.shard_entry`).
     Returns:
         The :class:`Flow`: node states, rows, heads, splits and the candidates that broke.
     """
-    flow, owners = Flow(g, unit_heads=frozenset(unit_heads), whole=dict(whole or {})), param_modules(g)
+    flow = Flow(g, unit_heads=frozenset(unit_heads), whole=dict(whole or {}), module_alone=module_alone)
+    owners = param_modules(g)
     for name in sorted(g.nodes, key=lambda n: g.nodes[n]["order"]):
         data = g.nodes[name]
         if data["kind"] == "output":
@@ -1031,6 +1063,7 @@ def _fixpoint(g: nx.DiGraph, dropped: dict[str, str], unit_heads: frozenset,
         bad.update({r: reason for r, reason in partial_sum_breaks(g, flow.rows, module_of).items() if r not in bad})
         bad.update({r: reason for r, reason in bias_breaks(flow).items() if r not in bad})
         bad.update({r: reason for r, reason in stray_param_reads(flow).items() if r not in bad})
+        bad.update({r: reason for r, reason in stray_entry_reads(flow).items() if r not in bad})
         bad.update({r: reason for r, reason in same_weight(g, bad, active).items() if r not in bad})
         yielded.update({r: mine for r, mine in flow.yielded.items() if r in bad})
         if not bad:

@@ -30,7 +30,9 @@ def style_for(role: Role, *, loss_parallel: bool = True) -> ParallelStyle | None
     """The ParallelStyle that realises ``role``, returning a copy where the caller writes the output."""
     style = _style_for(role, loss_parallel=loss_parallel)
     if style is not None and role.owned_output:
-        return styles.OwnedOutput(style)
+        style = styles.OwnedOutput(style)
+    if role.entry_inputs:
+        style = styles.ShardedInputs(inputs=role.entry_inputs, style=style)
     return style
 
 
@@ -117,6 +119,7 @@ _STYLES: dict[str, Callable[[Role, bool], ParallelStyle | None]] = {
     "linear_params": lambda role, lp: LinearParams(
         shard_dims=dict(role.param_dims), columns=role.columns, rows=role.rows, reduce=role.grad_reduced,
         counts=role.names, packed=dict(role.param_packed), seq_output=role.seq_output),
+    "entry_shard": lambda role, lp: None,  # the ShardedInputs wrapper alone (see style_for)
     "replicate": lambda role, lp: _replicated_at_sequence_edge(role),
 }
 

@@ -158,9 +158,25 @@ def _local_copy(module: nn.Module, roles: dict[str, Role], names: tuple[str, ...
             _shrink(local.get_submodule(name), role, tp)
         if role.kind == "width_norm":  # at tp=1 too
             _as_width_norm(local.get_submodule(name))
+        if role.entry_inputs:  # at tp=1 too, so that both traces hold the same ops
+            _slice_entries(local.get_submodule(name), role.entry_inputs, tp)
     if tp > 1:
         _divide(local, names, tp)
     return local
+
+
+def _slice_entries(module: nn.Module, inputs: tuple, tp: int) -> None:
+    """``module`` takes these arguments (position or keyword, dim) as this rank's slice, as
+    :class:`~autotp.styles.ShardedInputs` hands them over."""
+    def hook(mod, args, kwargs):
+        args = list(args)
+        for key, dim in inputs:
+            holder = args if isinstance(key, int) else kwargs
+            if (key < len(args)) if isinstance(key, int) else key in kwargs:
+                holder[key] = holder[key].narrow(dim, 0, holder[key].shape[dim] // tp)
+        return tuple(args), kwargs
+
+    module.register_forward_pre_hook(hook, with_kwargs=True, prepend=True)
 
 
 def _as_width_norm(module: nn.Module) -> None:
@@ -279,7 +295,7 @@ def shapes_are_local(g: nx.DiGraph, local: nx.DiGraph, roles: dict[str, Role], t
     """
     active = {n for n in g.nodes if is_linear(g, n) and (kind_of(roles, module_of(g, n)) in _STARTS
                                                           or _raw_column(g, n, roles))}
-    flow = propagate(g, active)
+    flow = propagate(g, active, module_alone=True)
     order = lambda graph: sorted(graph.nodes, key=lambda n: graph.nodes[n]["order"])  # noqa: E731
     # Copies may vanish at per-rank shapes (``contiguous`` of a tensor with one head is a no-op).
     nodes = [n for n in order(g) if g.nodes[n]["op"] not in PASSTHROUGH]
@@ -288,7 +304,8 @@ def shapes_are_local(g: nx.DiGraph, local: nx.DiGraph, roles: dict[str, Role], t
         return False
     # Per-head parameters, viewed to meet the heads, and constant tensors sized to meet them.
     factories = {node: dim for node, (dim, _) in flow.factory_shards.items()}
-    params = {**factories, **chain_dims(g, {**flow.param_shards, **factories})}
+    entries = {node: dim for (node, _), dim in flow.entry_shards.items()}  # inputs sliced at entry
+    params = {**factories, **chain_dims(g, {**flow.param_shards, **factories, **entries})}
     for name, local_name in zip(nodes, local_nodes):
         shape, local_shape = g.nodes[name]["shape"], local.nodes[local_name]["shape"]
         state = flow.state.get(name)

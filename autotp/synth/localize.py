@@ -29,6 +29,7 @@ import torch
 from torch import nn
 
 from autotp.synth.analysis import Flow, Shard, module_of
+from autotp.synth.entries import resolve_entries, with_entries
 from autotp.synth.graph import Ref, common_module
 from autotp.synth.ops import FIXED_SIZE_CUTS
 from autotp.synth.local_run import capture_inputs, run_local, shapes_are_local, trace_local
@@ -49,6 +50,8 @@ class Localization:
 
     counts: dict[str, tuple[str, ...]] = field(default_factory=dict)
     unlocal: dict[str, str] = field(default_factory=dict)  # linear node -> reason
+    # module -> (argument, dim) of values made outside it that it takes sliced to its heads
+    entries: dict[str, tuple] = field(default_factory=dict)
 
 
 def inner_roles(roles: dict[str, Role], fqn: str) -> dict[str, Role]:
@@ -56,8 +59,8 @@ def inner_roles(roles: dict[str, Role], fqn: str) -> dict[str, Role]:
     that change a shape when it runs alone at per-rank widths."""
     prefix = fqn + "." if fqn else ""
     found = {m[len(prefix):]: r for m, r in roles.items() if m.startswith(prefix) and r.kind != "replicate"}
-    if fqn in roles and roles[fqn].kind in ("head_params", "linear_params"):
-        found[""] = roles[fqn]  # its per-head parameters (or raw Linear weights) are per-rank too
+    if fqn in roles and (roles[fqn].kind in ("head_params", "linear_params") or roles[fqn].entry_inputs):
+        found[""] = roles[fqn]  # its per-head parameters (or raw Linear weights, or sliced inputs) are per-rank too
     return found
 
 
@@ -194,6 +197,11 @@ def localize(model: nn.Module, example_inputs, g: nx.DiGraph, flow: Flow, roles:
         A :class:`Localization`.
     """
     result = Localization()
+    # Values made outside a module that meet its heads: placed among its call's arguments, and
+    # sliced there in the per-rank runs below as the plan will slice them.
+    result.entries, unplaced = resolve_entries(model, example_inputs, g, flow, groups)
+    result.unlocal.update(unplaced)
+    roles = with_entries(roles, result.entries)
     by_module: dict[str, list[str]] = {}
     for root, nodes in fixed_size_roots(g, flow).items():
         by_module.setdefault(cutting_module(g, root, nodes), []).append(root)

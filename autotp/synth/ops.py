@@ -360,7 +360,8 @@ def _broadcast_ok(g, name, other, out_dim, out_ndim, ctx) -> bool:
     if out_dim < offset or shape[out_dim - offset] == 1 or _broadcast_of(g, other, out_dim - offset):
         return ctx.broadcast_grad_ok(other)
     return ctx.shards_along(other, name) or ctx.shard_param(other, out_dim - offset) \
-        or ctx.sized_with(other, out_dim - offset) or ctx.expert_bias(other, out_dim - offset)
+        or ctx.sized_with(other, out_dim - offset) or ctx.expert_bias(other, out_dim - offset) \
+        or ctx.shard_entry(other, out_dim - offset)
 
 
 def _broadcast_of(g, name, dim) -> bool:
@@ -666,7 +667,7 @@ def _attention(g, name, dims, ctx):
     elif isinstance(mask, Ref) and g.nodes[mask.name]["shape"]:
         shape = g.nodes[mask.name]["shape"]
         at = dim - (ndim - len(shape))  # the mask broadcasts from the end
-        if at >= 0 and shape[at] != 1:
+        if at >= 0 and shape[at] != 1 and not ctx.shard_entry(mask.name, at):
             return Break(f"attention mask holds all {shape[at]} heads of the sharded dim {dim} (a per-head bias "
                          "made outside the sharded region)")
         if not ctx.broadcast_grad_ok(mask.name):

@@ -39,7 +39,8 @@ from autotp.synth.ops import ELEMENTWISE, PASSTHROUGH, SINKS, VIEW_LIKE
 from autotp.synth.roles import Role
 
 # One-tensor ops through which a parameter's dims can be followed back from a consumer.
-_SINGLE_INPUT = PASSTHROUGH | VIEW_LIKE | ELEMENTWISE | {"unsqueeze", "squeeze", "expand", "transpose", "permute", "t", "slice"}
+SINGLE_INPUT = PASSTHROUGH | VIEW_LIKE | ELEMENTWISE | {"unsqueeze", "squeeze", "expand", "transpose", "permute", "t", "slice",
+                                                        "narrow"}
 
 
 def readers(g: nx.DiGraph, name: str) -> int:
@@ -47,21 +48,21 @@ def readers(g: nx.DiGraph, name: str) -> int:
     return sum(1 for succ in g.successors(name) if g.nodes[succ]["op"] not in SINKS)
 
 
-def _source_dim(g: nx.DiGraph, name: str, dim: int) -> int | None:
+def source_dim(g: nx.DiGraph, name: str, dim: int) -> int | None:
     """The dim of node ``name``'s (only tensor) input that its output dim ``dim`` comes from whole.
 
     >>> from autotp.synth.graph import add_node
     >>> g = nx.DiGraph()
     >>> _ = add_node(g, "p", "placeholder", kind="param", param="m.s", shape=(4,))
     >>> _ = add_node(g, "v", "view", (Ref("p"), [1, -1, 1, 1]), shape=(1, 4, 1, 1))
-    >>> _source_dim(g, "v", 1)
+    >>> source_dim(g, "v", 1)
     0
 
     A dim split into (heads, head size), or merged with the dims inside it, is that dim too: a
     block of whole heads is a block of the source dim.
 
     >>> _ = add_node(g, "h", "view", (Ref("p"), [1, 2, 2]), shape=(1, 2, 2))
-    >>> _source_dim(g, "h", 1), _source_dim(g, "h", 2)
+    >>> source_dim(g, "h", 1), source_dim(g, "h", 2)
     (0, None)
     """
     data = g.nodes[name]
@@ -94,13 +95,13 @@ def _source_dim(g: nx.DiGraph, name: str, dim: int) -> int | None:
         return b if dim == a else a if dim == b else dim
     if op == "permute":
         return data["args"][1][dim] % len(out_shape)
-    source_dim = dim - (len(out_shape) - len(in_shape))  # expand, and broadcasting of one tensor
-    if source_dim < 0 or in_shape[source_dim] != out_shape[dim]:
+    at = dim - (len(out_shape) - len(in_shape))  # expand, and broadcasting of one tensor
+    if at < 0 or in_shape[at] != out_shape[dim]:
         return None
-    return source_dim
+    return at
 
 
-def _value_refs(data) -> list[Ref]:
+def value_refs(data) -> list[Ref]:
     """The inputs whose values an op reads: ``type_as(x, other)`` reads ``x`` and only the dtype of
     ``other`` (a norm's ``weight.type_as(hidden)``)."""
     if data["op"] == "type_as":
@@ -164,7 +165,7 @@ def factory_dim(g: nx.DiGraph, name: str, dim: int) -> tuple[str, int] | None:
     if found is None:
         return None
     data = g.nodes[found[0]]
-    if data["kind"] != "call" or data["op"] not in CONSTANT_FACTORIES or _value_refs(data):
+    if data["kind"] != "call" or data["op"] not in CONSTANT_FACTORIES or value_refs(data):
         return None
     return found
 
@@ -174,13 +175,13 @@ def _chain_source(g: nx.DiGraph, name: str, dim: int) -> tuple[str, int] | None:
     becomes there; None if the chain is not such."""
     while g.nodes[name]["kind"] == "call":
         data = g.nodes[name]
-        inputs = _value_refs(data)
+        inputs = value_refs(data)
         if not inputs and data["op"] in CONSTANT_FACTORIES:
             break
-        if data["op"] not in _SINGLE_INPUT or len(inputs) != 1 or not isinstance(data["args"][0], Ref):
+        if data["op"] not in SINGLE_INPUT or len(inputs) != 1 or not isinstance(data["args"][0], Ref):
             return None
         source = inputs[0].name
-        dim = _source_dim(g, name, dim)
+        dim = source_dim(g, name, dim)
         if dim is None:
             return None
         name = source
@@ -200,10 +201,10 @@ def chain_dims(g: nx.DiGraph, param_shards: dict[str, int]) -> dict[str, int]:
             node, dim = todo.pop()
             for succ in g.successors(node):
                 data = g.nodes[succ]
-                if succ in found or data["op"] in SINKS or data["op"] not in _SINGLE_INPUT \
-                        or len(_value_refs(data)) != 1 or not data["shape"]:
+                if succ in found or data["op"] in SINKS or data["op"] not in SINGLE_INPUT \
+                        or len(value_refs(data)) != 1 or not data["shape"]:
                     continue
-                dims = [d for d in range(len(data["shape"])) if _source_dim(g, succ, d) == dim]
+                dims = [d for d in range(len(data["shape"])) if source_dim(g, succ, d) == dim]
                 if len(dims) == 1:
                     found[succ] = dims[0]
                     todo.append((succ, dims[0]))

@@ -27,6 +27,7 @@ from torch import nn
 from autotp.errors import MeshError, working_tp_sizes
 from autotp.synth.analysis import Flow, analyse, module_of
 from autotp.synth.assign import assign_roles, foreign_reads, mutated_outputs, tie_conflicts, tied_embedding_modules
+from autotp.synth.entries import with_entries
 from autotp.synth.graph import build_graph
 from autotp.synth.kvheads import replicate_kv
 from autotp.synth.localize import localize
@@ -56,6 +57,8 @@ class Analysis:
         kv_handled: k/v projection nodes replicated per kv head (not checked for divisibility).
         copies: grouped parts held as one group's copy per rank, by traced module FQN
             (:mod:`autotp.synth.groups`); the analysis is then that of the expanded model.
+        entries: per module, the arguments of its call (position or keyword, dim) made outside it
+            that meet its heads and are sliced to them on entry (:mod:`autotp.synth.entries`).
     """
 
     graph: nx.DiGraph
@@ -69,6 +72,7 @@ class Analysis:
     counts: dict[str, tuple[str, ...]] = field(default_factory=dict)
     kv_handled: frozenset = frozenset()
     copies: dict = field(default_factory=dict)
+    entries: dict = field(default_factory=dict)
 
 
 def run(model: nn.Module, *, example_inputs=None, sequence_parallel: bool = False,
@@ -113,7 +117,8 @@ def constraint_fixpoint(g: nx.DiGraph, groups: LayerGroups, model: nn.Module, ex
             unlocal = {**unlocal, **new}
             continue
         log.debug("constraints converged after %d rounds", round_)
-        return Analysis(g, flow, roles, groups, model, example_inputs, tp_size, counts=dict(local.counts))
+        return Analysis(g, flow, roles, groups, model, example_inputs, tp_size, counts=dict(local.counts),
+                        entries=dict(local.entries))
     raise AssertionError("unreachable")  # itertools.count never ends
 
 
@@ -153,6 +158,12 @@ def shared_inputs(a: Analysis) -> Analysis:
     """Inputs shared by several column projections (and parallel blocks) are reduced once."""
     return replace(a, roles=shared_input_roles(a.graph, a.flow, a.roles, sequence_parallel=a.sequence_parallel,
                                                groups=a.groups))
+
+
+def sliced_entries(a: Analysis) -> Analysis:
+    """Modules that take a value made outside them (a per-head bias built at the root) sliced to
+    their heads on entry; after the passes that give those modules roles of their own."""
+    return replace(a, roles=with_entries(a.roles, a.entries))
 
 
 def divisibility(a: Analysis) -> Analysis:
@@ -209,7 +220,8 @@ def untraced_linears(a: Analysis) -> Analysis:
 
 # The passes after the fixpoint, in order.
 POST_PASSES: tuple[Callable[[Analysis], Analysis], ...] = (
-    shard_counts, kv_replication, sequence_parallel, shared_inputs, divisibility, owned_outputs, untraced_linears,
+    shard_counts, kv_replication, sequence_parallel, shared_inputs, sliced_entries, divisibility, owned_outputs,
+    untraced_linears,
 )
 
 

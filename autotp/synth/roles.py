@@ -40,6 +40,8 @@ ROLE_KINDS = {
                         "by all heads): that span's gradient is all-reduced",
     "gathered_column": "Linear the traced forward never calls (an image patch projection in a text run): "
                        "column-sharded with its output all-gathered, right for any input the ranks share",
+    "entry_shard": "module that takes a value made outside it (a per-head bias built at the root) sliced to its "
+                   "heads on entry",
     "replicate": "kept whole on every rank",
 }
 
@@ -95,6 +97,8 @@ class Role:
             the down projection): added by one rank only, so the reduction counts them once.
         weight_in_out: of a Linear-like role, the weight is stored ``(in, out)`` (transformers'
             ``Conv1D``), so its sharded dims are swapped.
+        entry_inputs: of any role, ``(argument position or keyword, dim)`` of the module's call:
+            values made outside it that meet its heads, sliced to this rank's heads on entry.
         partial_grad: of a ``seq_norm_gather``, its plain gathered output's gradient is a partial
             sum, reduce-scattered; of a ``shared_entry``, the columns' summed input gradient is
             handed back unreduced (every path from such a norm ends in such columns).
@@ -130,6 +134,7 @@ class Role:
     once: tuple[str, ...] = ()
     all_outputs: bool = False
     partial_grad: bool = False
+    entry_inputs: tuple = ()
 
     def __post_init__(self):
         if self.kind not in ROLE_KINDS:
