@@ -22,7 +22,7 @@ from __future__ import annotations
 import networkx as nx
 from torch import nn
 
-from autotp.synth.graph import Ref
+from autotp.synth.graph import Ref, made_from_params
 from autotp.synth.ops import SINKS
 from autotp.synth.params import SINGLE_INPUT, source_dim, value_refs
 from autotp.synth.roles import Role
@@ -55,7 +55,7 @@ def entry_source(g: nx.DiGraph, name: str, dim: int, deciding: str, *,
     source = g.nodes[name]
     if source["kind"] in ("param", "buffer") or not source["shape"] or (not module and source["kind"] != "input"):
         return None
-    if any(g.nodes[n]["kind"] == "param" for n in nx.ancestors(g, name)):
+    if made_from_params(g, name):
         return None  # a value with a gradient of its own: its slice's backward would all-gather it
     return name, module, dim
 

@@ -328,6 +328,19 @@ def param_modules(g: nx.DiGraph, kind: str = "param") -> set[str]:
     return {d["param"].rpartition(".")[0] for _, d in g.nodes(data=True) if d["kind"] == kind}
 
 
+def made_from_params(g: nx.DiGraph, name: str) -> bool:
+    """Whether node ``name`` is a parameter or computed from one: a value with a gradient of its own.
+
+    >>> g = nx.DiGraph()
+    >>> _ = add_node(g, "w", "placeholder", kind="param", param="m.w", shape=(4,))
+    >>> _ = add_node(g, "ids", "placeholder", kind="input", shape=(4,))
+    >>> _ = add_node(g, "s", "mul", (Ref("w"), 2.0), shape=(4,))
+    >>> made_from_params(g, "s"), made_from_params(g, "ids")
+    (True, False)
+    """
+    return any(g.nodes[n]["kind"] == "param" for n in (name, *nx.ancestors(g, name)))
+
+
 def common_module(stacks) -> str:
     """The innermost module every one of ``stacks`` (module FQNs, outermost first) runs inside.
 

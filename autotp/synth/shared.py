@@ -42,7 +42,7 @@ from dataclasses import replace
 import networkx as nx
 
 from autotp.synth.analysis import Flow, is_linear, module_of
-from autotp.synth.graph import common_module, param_modules, refs
+from autotp.synth.graph import common_module, made_from_params, param_modules, refs
 from autotp.synth.ops import RESHAPES, SELECTIONS, SELECTIONS_WITH_VALUES, SINKS
 from autotp.synth.ops import ELEMENTWISE, PASSTHROUGH
 from autotp.synth.roles import Role, kind_of
@@ -439,15 +439,10 @@ def _partial_readers(g: nx.DiGraph, roles: dict[str, Role], start: str, limit: i
             if data["kind"] != "call" or data["op"] not in _CARRY | RESHAPES or len(seen) > limit:
                 return None
             others = [r.name for r in refs(data["args"], data["kwargs"]) if r.name != node and g.nodes[r.name]["shape"]]
-            if any(_reaches_from_param(g, other) for other in others):
+            if any(made_from_params(g, other) for other in others):
                 return None
             todo.append(reader)
     return columns
-
-
-def _reaches_from_param(g: nx.DiGraph, name: str) -> bool:
-    """Whether a parameter (a value with a gradient) is among ``name``'s ancestors or is ``name``."""
-    return any(g.nodes[n]["kind"] == "param" for n in (name, *nx.ancestors(g, name)))
 
 
 def _upstream(g: nx.DiGraph, name: str, limit: int = 4) -> list[str]:
