@@ -193,3 +193,57 @@ def test_a_grouped_convolution_of_a_packed_projection_stays_exact(gated):
     torch.manual_seed(0)
     plan, _ = _verified(SSMStack(mixer=lambda: GroupedConvMixer(gated=gated)), 2)
     assert "layers.*.mixer.in_proj" not in plan, plan
+
+
+BLOCKS, BLOCK = 8, INNER // 8
+
+
+class BlockDiagonalGate(nn.Module):
+    """in_proj -> a gate computed per block of channels by ``baddbmm(bias, x, W)`` with ``W`` of
+    shape (blocks, block, block) (a block-diagonal Linear, one matrix per head) -> out_proj. With
+    ``across``, the gate is one full (inner, inner) matrix applied by ``baddbmm`` instead: it mixes
+    every channel."""
+
+    def __init__(self, across: bool = False):
+        super().__init__()
+        self.across, self.blocks = across, BLOCKS
+        self.in_proj = nn.Linear(DIM, INNER, bias=False)
+        shape = (1, INNER, INNER) if across else (BLOCKS, BLOCK, BLOCK)
+        self.gate_weight = nn.Parameter(torch.randn(shape) / BLOCK**0.5)
+        self.gate_bias = nn.Parameter(torch.randn(shape[0], shape[2]))
+        self.out_proj = nn.Linear(INNER, DIM, bias=False)
+
+    def forward(self, h):
+        b, t, _ = h.shape
+        x = self.in_proj(h)
+        if self.across:
+            weight = self.gate_weight.expand(b, -1, -1)
+            gate = torch.baddbmm(self.gate_bias[:, None, :], x, weight)
+        else:
+            blocks = x.reshape(b * t, self.blocks, -1).permute(1, 0, 2)  # (blocks, b * t, block)
+            gate = torch.baddbmm(self.gate_bias[:, None, :], blocks, self.gate_weight)
+            gate = gate.permute(1, 0, 2).reshape(b, t, -1)
+        return self.out_proj(torch.sigmoid(gate) * x)
+
+
+@pytest.mark.parametrize("sequence_parallel", [False, True], ids=["plain", "sp"])
+@pytest.mark.parametrize("tp", [2, 4])
+def test_a_block_diagonal_baddbmm_is_sharded_with_its_blocks(tp, sequence_parallel):
+    """The per-block weight and bias meet the block-sharded input on their block dim: both are
+    sharded with it, and the mixer's projections are a column / row pair."""
+    torch.manual_seed(0)
+    plan, report = _verified(SSMStack(mixer=BlockDiagonalGate), tp, sequence_parallel)
+    mixer = plan["layers.*.mixer"]
+    assert mixer.shard_dims == {"gate_bias": 0, "gate_weight": 0} and mixer.counts == ("blocks",), plan
+    assert all(abs(f - 1 / tp) < 0.01 for f in report.param_fraction), report.param_fraction
+
+
+def test_a_baddbmm_mixing_every_channel_stays_whole():
+    """Default-deny: the channel-sharded input is the contracted dim of the product, so the mixer's
+    projections stay whole, the plan stays exact, and the reason names the contraction."""
+    torch.manual_seed(0)
+    model = SSMStack(mixer=lambda: BlockDiagonalGate(across=True))
+    plan, _ = _verified(model, 2)
+    assert "layers.*.mixer.in_proj" not in plan, plan
+    records = {r.key: r for r in explain(model, example_inputs=(example_tokens(),), tp_size=2)}
+    assert "over the sharded dim" in records["layers.*.mixer.in_proj"].reason, records["layers.*.mixer.in_proj"]

@@ -67,6 +67,25 @@ class ReadsBiasWhole(Attention):
         return y * (1 + bias.clamp(min=-10).mean())
 
 
+class RowsAttention(nn.Module):
+    """Heads merged with the batch into the rows of batched matmuls: q, k, v ``(b * heads, t, hd)``,
+    scores ``baddbmm(bias, q, k^T)`` with the root's bias ``(b * heads, 1, t)``."""
+
+    def __init__(self):
+        super().__init__()
+        self.heads = HEADS
+        self.q, self.k, self.v, self.o = (nn.Linear(DIM, DIM, bias=False) for _ in range(4))
+
+    def forward(self, x, bias):
+        b, t, _ = x.shape
+        q, k, v = (p(x).view(b, t, self.heads, -1).transpose(1, 2).reshape(b * self.heads, t, -1)
+                   for p in (self.q, self.k, self.v))
+        causal = torch.full((t, t), float("-inf"), device=x.device).triu(1)
+        scores = torch.baddbmm(bias, q, k.transpose(1, 2), alpha=(DIM // HEADS) ** -0.5) + causal
+        y = torch.bmm(scores.softmax(-1), v).view(b, self.heads, t, -1)
+        return self.o(y.transpose(1, 2).reshape(b, t, -1))
+
+
 class Block(nn.Module):
     def __init__(self, attention: nn.Module):
         super().__init__()
@@ -110,6 +129,30 @@ class AlibiModel(nn.Module):
         for layer in self.layers:
             x = layer(x, bias)
         return self.head(self.norm(x))
+
+
+class RowsAlibiModel(AlibiModel):
+    """The bias made per row of the merged ``(batch, heads)`` dim, ``(b * heads, 1, t)``;
+    ``attention``: the layers' attention class."""
+
+    def __init__(self, attention=None):
+        super().__init__([attention or RowsAttention] * 2)
+
+    def forward(self, ids):
+        b, t = ids.shape
+        per_head = self.slopes[:, None] * torch.arange(t, device=ids.device).float()[None]  # (heads, t)
+        bias = per_head[None].expand(b, HEADS, t).reshape(b * HEADS, 1, t)
+        x = self.embed(ids)
+        for layer in self.layers:
+            x = layer(x, bias)
+        return self.head(self.norm(x))
+
+
+class RowsReadWhole(RowsAttention):
+    """Also scales its output by the bias's mean over every row."""
+
+    def forward(self, x, bias):
+        return super().forward(x, bias) * (1 + bias.mean())
 
 
 def _bound(model: nn.Module, tp: int) -> float:
@@ -192,3 +235,25 @@ def test_checker_flags_a_plan_that_hands_the_bias_over_whole():
     unsliced = {key: style for key, style in plan.items() if not isinstance(style, styles.ShardedInputs)}
     kinds = {f.kind for f in check_plan(model, unsliced, tp_size=2, example_inputs=(tokens,))}
     assert "entry_not_sliced" in kinds, kinds
+
+
+@pytest.mark.parametrize("sequence_parallel", [False, True], ids=["tp", "sp"])
+@pytest.mark.parametrize("tp", [2, 4])
+def test_root_bias_merged_with_the_batch_is_sliced_per_row(tp, sequence_parallel):
+    """The bias's rows are (batch, head) pairs like the attention's: sliced as ``(-1, heads, 1)`` on
+    the heads. Would catch the attention kept whole, or a contiguous cut of the rows (the first
+    batch's heads on rank 0: wrong logits)."""
+    model = RowsAlibiModel()
+    plan, report = _synthesize_and_verify(model, tp, sequence_parallel)
+    style = plan["layers.*.attn"]
+    assert isinstance(style, styles.ShardedInputs) and style.inputs == ((1, 0, HEADS, 1),), style
+    assert max(report.param_fraction) <= _bound(model, tp) + 0.01, report.param_fraction
+
+
+def test_root_bias_merged_with_the_batch_read_whole_keeps_the_attention_whole():
+    """Default-deny: the attention also reads every row of the bias (its mean): sliced, each rank
+    would take its own rows' mean, so the attention stays whole and the plan exact."""
+    model = RowsAlibiModel(RowsReadWhole)
+    plan, _ = _synthesize_and_verify(model, 2, False)
+    assert not any(isinstance(style, styles.ShardedInputs) for style in plan.values()), plan
+    assert "layers.*.attn.q" not in plan, plan

@@ -387,11 +387,16 @@ class ShardedInputs(ParallelStyle):
     ``Shard(dim)``, so a bias with a gradient of its own gets it whole again (an all-gather in
     backward); a constant one costs nothing. Then ``style``, if given, is applied as usual.
 
+    Where the heads are merged with the batch into ``dim`` (``(b * heads, 1, t)`` for a batched
+    matmul's rows), the argument is given as ``(key, dim, heads, inner)``: ``dim`` is viewed as
+    ``(-1, heads, inner)``, cut on the heads, and merged back.
+
     An argument that is missing from a call, or whose size on ``dim`` tp does not divide, raises:
     the module would otherwise broadcast the whole bias against its own heads.
 
     Keyword Args:
-        inputs (tuple[tuple[int | str, int], ...]): ``(position or keyword, dim)`` per argument.
+        inputs (tuple[tuple, ...]): ``(position or keyword, dim)`` or ``(position or keyword, dim,
+            heads, inner)`` per argument.
         style (ParallelStyle, optional): the module's own style. Default: None.
 
     Example::
@@ -400,7 +405,9 @@ class ShardedInputs(ParallelStyle):
 
     def __init__(self, *, inputs: tuple, style: ParallelStyle | None = None):
         super().__init__()
-        self.inputs = tuple((key, int(dim)) for key, dim in inputs)
+        self.inputs = tuple((key, *(int(d) for d in rest)) for key, *rest in inputs)
+        if any(len(entry) not in (2, 4) for entry in self.inputs):
+            raise PlanError(f"ShardedInputs: each input is (key, dim) or (key, dim, heads, inner), got {inputs!r}")
         self.style = style
 
     @property
@@ -417,18 +424,22 @@ class ShardedInputs(ParallelStyle):
 
         def pre_hook(mod, args, kwargs):
             args = list(args)
-            for key, dim in inputs:
+            for key, dim, *fold in inputs:
                 holder, present = (args, key < len(args)) if isinstance(key, int) else (kwargs, key in kwargs)
                 value = holder[key] if present else None
                 if not isinstance(value, torch.Tensor) or isinstance(value, DTensor):
                     raise PlanError(f"{type(mod).__name__}: ShardedInputs expects a plain tensor as argument {key!r} "
                                     f"of each call, to cut it to this rank's heads on dim {dim}, and got "
                                     f"{type(value).__name__}; synthesize the plan on inputs that call it the same way")
-                if value.shape[dim] % device_mesh.size():
+                heads = fold[0] if fold else value.shape[dim]
+                if heads % device_mesh.size() or (fold and value.shape[dim] % (fold[0] * fold[1])):
                     raise PlanError(f"{type(mod).__name__}: argument {key!r} has {value.shape[dim]} entries on dim {dim}, "
-                                    f"which tp={device_mesh.size()} does not divide")
-                whole = DTensor.from_local(value, device_mesh, [Replicate()], run_check=False)
-                holder[key] = whole.redistribute(placements=[Shard(dim)]).to_local()
+                                    f"not {'rows of ' + str(fold[0]) + ' heads' if fold else 'heads'} that "
+                                    f"tp={device_mesh.size()} divides")
+                cut = value.unflatten(dim, (-1, *fold)) if fold else value
+                whole = DTensor.from_local(cut, device_mesh, [Replicate()], run_check=False)
+                cut = whole.redistribute(placements=[Shard(dim + 1 if fold else dim)]).to_local()
+                holder[key] = cut.flatten(dim, dim + 2) if fold else cut
             return tuple(args), kwargs
 
         module.register_forward_pre_hook(pre_hook, with_kwargs=True, prepend=True)

@@ -136,16 +136,27 @@ class Flow:
         decides here, from a value made outside it (a per-head bias built at the root and passed
         in), which that module can take sliced to its heads on entry
         (:mod:`autotp.synth.entries`). Recorded in ``entry_shards``; a value sliced on two dims, or
-        for two modules, cannot be. Shards joined from pieces or folded into rows hold no contiguous
-        block of heads: refused."""
+        for two modules, cannot be. Shards joined from pieces hold no block of heads: refused.
+
+        Heads folded into a merged dim (``(b, heads) -> b * heads`` rows of a batched matmul) meet
+        the value's dim of the same size row for row: it is sliced as ``(-1, heads, inner)`` on the
+        heads, which keeps the rows of the same indices as the shard's, recorded as ``(dim, heads,
+        inner)``."""
         from autotp.synth.entries import entry_source
 
-        if not self.deciding or any(shard.pieces or shard.fold for shard in self.meeting):
+        folds = {shard.fold for shard in self.meeting}
+        if not self.deciding or any(shard.pieces for shard in self.meeting) or len(folds) > 1:
             return False
         found = entry_source(self.g, other, dim, self.deciding, at_root=self.module_alone)
         if found is None:
             return False
         source, module, source_dim = found
+        fold = folds.pop()
+        if fold is not None:
+            sizes, k = fold
+            if self.g.nodes[source]["shape"][source_dim] != math.prod(sizes):
+                return False
+            source_dim = (source_dim, sizes[k], math.prod(sizes[k + 1:]))
         key = (source, module)  # one value may enter several modules (each layer kind's attention)
         if self.entry_shards.get(key, source_dim) != source_dim:
             return False

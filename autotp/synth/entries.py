@@ -116,7 +116,7 @@ def resolve_entries(model: nn.Module, example_inputs, g: nx.DiGraph, flow,
         shape = tuple(g.nodes[source]["shape"])
         keys = _keys_of_shape(captured.get(module), shape) if module else []
         if len(keys) == 1:
-            entries.setdefault(module, []).append((keys[0], dim))
+            entries.setdefault(module, []).append((keys[0], *dim) if isinstance(dim, tuple) else (keys[0], dim))
             continue
         why = (f"{module or 'the root'} takes a value of shape {shape} that meets its heads, but "
                + (f"{len(keys)} of its arguments have that shape" if keys else "no argument of its call is it")
@@ -142,7 +142,7 @@ def with_entries(roles: dict[str, Role], entries: dict[str, tuple]) -> dict[str,
     out = dict(roles)
     for module, inputs in entries.items():
         role = out.get(module)
-        what = ", ".join(f"argument {k}" if isinstance(k, int) else f"keyword {k!r}" for k, _ in inputs)
+        what = ", ".join(f"argument {k}" if isinstance(k, int) else f"keyword {k!r}" for k, *_ in inputs)
         note = f"takes {what} (made outside it, holding every head) sliced to its own heads on entry"
         if role is None:
             out[module] = Role("entry_shard", note, (module,), entry_inputs=inputs)

@@ -17,7 +17,7 @@ import logging
 import networkx as nx
 import torch
 from torch import nn
-from torch._subclasses.fake_tensor import FakeTensorMode
+from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from autotp.synth.analysis import Shard, is_linear, module_of, propagate
@@ -102,6 +102,10 @@ def _meta_copy(module: nn.Module) -> nn.Module:
     memo = {id(t): nn.Parameter(torch.empty(t.shape, dtype=t.dtype, device="meta"), requires_grad=False)
             for t in module.parameters()}
     memo.update({id(t): torch.empty(t.shape, dtype=t.dtype, device="meta") for t in module.buffers()})
+    # A fake tensor the model's own trace left in an attribute (a recurrent block's saved state,
+    # restored only when analysis ends) is not copied: a deep copy of one corrupts memory when freed.
+    memo.update({id(value): None for m in module.modules() for value in vars(m).values()
+                 if isinstance(value, FakeTensor)})
     return copy.deepcopy(module, memo)
 
 
@@ -170,10 +174,13 @@ def _slice_entries(module: nn.Module, inputs: tuple, tp: int) -> None:
     :class:`~autotp.styles.ShardedInputs` hands them over."""
     def hook(mod, args, kwargs):
         args = list(args)
-        for key, dim in inputs:
+        for key, dim, *fold in inputs:
             holder = args if isinstance(key, int) else kwargs
             if (key < len(args)) if isinstance(key, int) else key in kwargs:
-                holder[key] = holder[key].narrow(dim, 0, holder[key].shape[dim] // tp)
+                value = holder[key].unflatten(dim, (-1, *fold)) if fold else holder[key]
+                at = dim + 1 if fold else dim
+                value = value.narrow(at, 0, value.shape[at] // tp)
+                holder[key] = value.flatten(dim, dim + 2) if fold else value
         return tuple(args), kwargs
 
     module.register_forward_pre_hook(hook, with_kwargs=True, prepend=True)
@@ -304,8 +311,17 @@ def shapes_are_local(g: nx.DiGraph, local: nx.DiGraph, roles: dict[str, Role], t
         return False
     # Per-head parameters, viewed to meet the heads, and constant tensors sized to meet them.
     factories = {node: dim for node, (dim, _) in flow.factory_shards.items()}
-    entries = {node: dim for (node, _), dim in flow.entry_shards.items()}  # inputs sliced at entry
-    params = {**factories, **chain_dims(g, {**flow.param_shards, **factories, **entries})}
+    entries, cuts = {}, {}  # inputs sliced at entry; the ops that slice merged heads
+    for (node, _), dim in flow.entry_shards.items():
+        if isinstance(dim, tuple):  # unflatten -> narrow -> flatten (_slice_entries) of the heads
+            path = _slicing_ops(g, node)
+            if path is None:
+                return False
+            cuts.update({path[1]: dim[0] + 1, path[2]: dim[0]})
+            entries[path[2]] = dim[0]
+        else:
+            entries[node] = dim
+    params = {**factories, **cuts, **chain_dims(g, {**flow.param_shards, **factories, **entries})}
     for name, local_name in zip(nodes, local_nodes):
         shape, local_shape = g.nodes[name]["shape"], local.nodes[local_name]["shape"]
         state = flow.state.get(name)
@@ -316,6 +332,18 @@ def shapes_are_local(g: nx.DiGraph, local: nx.DiGraph, roles: dict[str, Role], t
                 and not _broadcast_to_heads(g, name, shape, local_shape, tp):
             return False
     return True
+
+
+def _slicing_ops(g: nx.DiGraph, node: str) -> list[str] | None:
+    """The ``unflatten``, ``narrow``, ``flatten`` nodes by which :func:`_slice_entries` cuts input
+    ``node``'s merged heads, or None."""
+    path, at = [], node
+    for op in ("unflatten", "narrow", "flatten"):
+        found = [s for s in g.successors(at) if g.nodes[s]["op"] == op]
+        if len(found) != 1:
+            return None
+        path.append(at := found[0])
+    return path
 
 
 def _broadcast_to_heads(g: nx.DiGraph, name: str, shape, local_shape, tp: int) -> bool:

@@ -682,6 +682,10 @@ def _matmul(g, name, dims, ctx):
     channels sharded), the other operand then read whole by every rank: its gradient is each
     rank's share, which :meth:`~autotp.synth.analysis.Flow.broadcast_grad_ok` must accept."""
     a, b = g.nodes[name]["args"][:2]
+    return _product(g, name, dims, ctx, a, b)
+
+
+def _product(g, name, dims, ctx, a, b):
     out_ndim = _ndim(g, name)
     if out_ndim < 2 or min(_ndim(g, a.name), _ndim(g, b.name)) < 2:
         return Break("matmul of a sharded vector")
@@ -708,6 +712,26 @@ def _matmul(g, name, dims, ctx):
         elif not _broadcast_ok(g, name, ref.name, out_dim, out_ndim, ctx):
             return Break("matmul of a sharded batch dim with a replicated one")
     return Out(out_dim)
+
+
+def _baddbmm(g, name, dims, ctx):
+    """``baddbmm(input, batch1, batch2)``: ``input`` plus the batched product, read as the matmul
+    rule for the two matrices, then the elementwise rule for the sum with ``input``."""
+    source, a, b = (_arg(g, name, i, key) for i, key in enumerate(("input", "batch1", "batch2")))
+    product = {ref.name: dims[ref.name] for ref in (a, b) if isinstance(ref, Ref) and ref.name in dims}
+    if not product:
+        return Break("baddbmm adds a sharded tensor to a product of replicated ones")
+    result = _product(g, name, product, ctx, a, b)
+    if not isinstance(result, Out) or not isinstance(source, Ref):
+        return result
+    out_ndim = _ndim(g, name)
+    if source.name in dims:
+        if out_ndim - _ndim(g, source.name) + dims[source.name] != result.dim:
+            return Break(f"baddbmm adds a tensor sharded on another dim than the product's {result.dim}")
+    elif not _broadcast_ok(g, name, source.name, result.dim, out_ndim, ctx):
+        return Break(f"baddbmm adds the full-size tensor {source.name} {g.nodes[source.name]['shape']} to a "
+                     f"product sharded on dim {result.dim}")
+    return Out(result.dim)
 
 
 def _einsum(g, name, dims, ctx):
@@ -826,6 +850,7 @@ RULES = {
     **{op: _fused_norm for op in FUSED_NORMS},
     **{op: _attention for op in ATTENTION},
     **{op: _matmul for op in MATMULS},
+    "baddbmm": _baddbmm,
     **{op: _new_like for op in NEW_LIKE},
     **{op: _conv for op in CONVOLUTIONS},
     **{op: _pad for op in PADS},

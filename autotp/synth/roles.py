@@ -97,8 +97,9 @@ class Role:
             the down projection): added by one rank only, so the reduction counts them once.
         weight_in_out: of a Linear-like role, the weight is stored ``(in, out)`` (transformers'
             ``Conv1D``), so its sharded dims are swapped.
-        entry_inputs: of any role, ``(argument position or keyword, dim)`` of the module's call:
-            values made outside it that meet its heads, sliced to this rank's heads on entry.
+        entry_inputs: of any role, ``(argument position or keyword, dim)`` of the module's call
+            (``(..., dim, heads, inner)`` where the heads are merged into ``dim``): values made
+            outside it that meet its heads, sliced to this rank's heads on entry.
         partial_grad: of a ``seq_norm_gather``, its plain gathered output's gradient is a partial
             sum, reduce-scattered; of a ``shared_entry``, the columns' summed input gradient is
             handed back unreduced (every path from such a norm ends in such columns).
