@@ -91,6 +91,9 @@ def tiny_collectives(model_type: str, tp: int = 2) -> dict:
         except Exception as error:  # a family the tiny run cannot take: recorded, the rest goes on
             out[source] = {"error": one_line(error)}
             continue
+        if not report.param_fraction:  # the sharded run itself failed: its error is the result
+            out[source] = {"ok": False, "error": report.error or str(report)}
+            continue
         out[source] = {"ok": report.ok, "fraction": round(max(report.param_fraction), 4),
                        "forward": dict(report.collectives), "backward": dict(report.collectives_backward),
                        **({"error": report.error} if report.error else {})}

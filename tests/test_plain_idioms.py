@@ -121,6 +121,26 @@ class FixedWidthMerge(RepeatInterleaveGQA):
         return self.wo(y.transpose(1, 2).reshape(b, t, self.d_model))
 
 
+class MergedRowsAttention(nn.Module):
+    """Sequence-first multi-head attention with the heads merged into the batch rows of ``bmm``
+    (``view(t, b * heads, hd).transpose(0, 1)``), a causal mask made without a device, and a
+    merge-back ``view(t, b, -1)``; ``input_width``: the merge-back takes the input's width instead."""
+
+    def __init__(self, input_width: bool = False):
+        super().__init__()
+        self.input_width, self.num_heads = input_width, HEADS
+        self.q, self.k, self.v, self.o = (nn.Linear(DIM, HEADS * HD) for _ in range(4))
+
+    def forward(self, x):
+        x = x.transpose(0, 1)  # (t, b, c)
+        t, b, c = x.shape
+        q, k, v = (p(x).contiguous().view(t, b * self.num_heads, -1).transpose(0, 1) for p in (self.q, self.k, self.v))
+        mask = torch.triu(torch.full((t, t), float("-inf")), 1)
+        weights = F.softmax(torch.bmm(q, k.transpose(1, 2)) * HD**-0.5 + mask, dim=-1)
+        y = torch.bmm(weights, v).transpose(0, 1).contiguous().view(t, b, c if self.input_width else -1)
+        return self.o(y).transpose(0, 1)
+
+
 class GatedMLP(nn.Module):
     def __init__(self):
         super().__init__()
@@ -308,6 +328,7 @@ IDIOMS = {
     "head_major_qkv_split": dict(attention=HeadMajorQKVSplit),
     "fixed_width_merge": dict(attention=FixedWidthMerge),
     "strided_gate_up": dict(mlp=StridedGateUp),
+    "merged_rows_attention": dict(attention=MergedRowsAttention),
     "raw_param_attention": dict(attention=RawParamAttention),
     "raw_qkv_linear_out": dict(attention=RawQKVLinearOut),
     "raw_param_einsum_mlp": dict(mlp=RawParamEinsumMLP),
@@ -387,5 +408,15 @@ def test_raw_weight_read_elsewhere_stays_whole():
     model = Decoder(mlp=RawWeightReadTwice)
     roles = analyse_model(model, example_inputs=(tokens(),), tp_size=2).roles
     assert roles["layers.0.mlp"].kind == "replicate", roles["layers.0.mlp"]
+    plan, report = run(model, 2)
+    assert report.ok, str(report)
+
+
+def test_merge_back_to_the_inputs_width_stays_whole():
+    """``view(t, b, c)`` with ``c`` read from the input: per rank the attention's output holds
+    ``c / tp`` features, which no attribute can make ``c``; the attention stays whole, plan exact."""
+    model = Decoder(attention=lambda: MergedRowsAttention(input_width=True))
+    roles = analyse_model(model, example_inputs=(tokens(),), tp_size=2).roles
+    assert roles["layers.0.attn.q"].kind == "replicate" and "fixed sizes" in roles["layers.0.attn.q"].reason
     plan, report = run(model, 2)
     assert report.ok, str(report)

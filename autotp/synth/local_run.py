@@ -266,7 +266,8 @@ def run_local(module: nn.Module, inputs: tuple[tuple, dict], roles: dict[str, Ro
         local.get_submodule(name).register_forward_hook(watch(index))
     args, kwargs = inputs
     try:
-        with torch.no_grad(), recorder:
+        # Tensors the module makes without a device (``torch.full((t, t), -inf)``) are made on meta too.
+        with torch.no_grad(), torch.device("meta"), recorder:
             out = local(*args, **kwargs)
     except Exception as error:  # a wrong guess usually fails on a shape: that is the answer
         log.debug("local run of %s with %s divided failed: %s", type(module).__name__, names, error)
@@ -286,7 +287,7 @@ def trace_local(module: nn.Module, inputs, roles: dict[str, Role], names: tuple[
     local = _local_copy(module, roles, names, tp)
     args, kwargs = inputs
     try:
-        with torch.no_grad():
+        with torch.no_grad(), torch.device("meta"):
             return build_graph(torch.export.export(local, args, kwargs, strict=False))
     except Exception as error:  # cannot trace alone: cannot confirm
         log.debug("export of %s alone failed: %s", type(module).__name__, error)

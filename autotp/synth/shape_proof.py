@@ -79,6 +79,8 @@ def shaped_sizes(g: nx.DiGraph, flow: Flow, roots: list[str]) -> set[int]:
             state, shape = flow.state.get(node), g.nodes[node]["shape"]
             if g.nodes[node]["op"] in VIEW_LIKE and isinstance(state, Shard) and shape:
                 values.add(shape[state.dim])
+                if state.fold:  # heads merged with the batch into rows: the head count sizes the view
+                    values.add(state.fold[0][state.fold[1]])
             if isinstance(state, Shard) and state.pieces:  # a cat's pieces, cut back at fixed widths
                 values.update(width for _, width in state.pieces)
         values.update(end - start for start, end in set(flow.splits.get(root, ())))
