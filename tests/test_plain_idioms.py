@@ -420,3 +420,19 @@ def test_merge_back_to_the_inputs_width_stays_whole():
     assert roles["layers.0.attn.q"].kind == "replicate" and "fixed sizes" in roles["layers.0.attn.q"].reason
     plan, report = run(model, 2)
     assert report.ok, str(report)
+
+
+def test_head_counts_sizing_the_kv_repeat_take_their_per_rank_values():
+    """tp=8 over 4 kv heads: each rank holds one kv head, replicated, and one query head. The
+    attention sizes its repeat by three counts (``n_kv_head``, ``n_rep``, ``n_head``), all of which
+    must take their per-rank values (1, 1, 1): would catch the ratio alone set (the reshape to
+    ``n_head`` heads fails at apply) or the attention refused."""
+    from autotp import styles
+
+    model = Decoder(attention=ExpandReshapeCountsGQA)
+    plan, report = run(model, 8)
+    assert report.ok, str(report)
+    style = plan["layers.*.attn"]
+    assert isinstance(style, styles.KVHeadCounts) and style.kv_attributes == ("n_kv_head",), style
+    assert {style.attribute, *style.head_attributes} == {"n_rep", "n_head"}, style
+    assert max(report.param_fraction) < 0.2, report.param_fraction  # k/v one head per rank, the rest 1/8

@@ -488,7 +488,8 @@ def test_kv_replication_pass_repeats_kv_heads_and_sets_the_per_rank_ratio(by_att
         assert (role.kind, role.kv_heads, role.head_dim) == ("kv_column", 2, 8)
     counts = out.roles.get(f"{LAYER}.attn")
     if by_attribute:
-        assert counts.kind == "kv_head_counts" and counts.names == ("num_key_value_groups",) and counts.heads == 4
+        assert counts.kind == "kv_head_counts" and counts.kv_counts == (("num_key_value_groups", "ratio"),) \
+            and counts.heads == 4
     else:
         assert counts is None  # the module repeats from the shapes: nothing to set
     divisibility(out)  # the kv roots, replicated per head, are not checked for divisibility
@@ -507,7 +508,7 @@ def test_kv_replication_pass_refuses_an_attention_whose_ratio_no_attribute_holds
     repeat twice. Would catch a plan whose attention then fails (or repeats the wrong heads) on
     every rank; the error carries its parts as fields, as ``check_plan`` reads them."""
     a = _gqa_analysis(4, by_attribute=False, repeat=(2,))
-    with pytest.raises(MeshError, match=r"layers\.0\.attn: tp=4 exceeds its 2 kv heads .* grouped-query ratio; "
+    with pytest.raises(MeshError, match=r"layers\.0\.attn: tp=4 exceeds its 2 kv heads .* grouped-query ratio .*; "
                        "use tp <= 2") as error:
         kv_replication(a)
     assert error.value.module == f"{LAYER}.attn" and error.value.fix.startswith("use tp <= 2")

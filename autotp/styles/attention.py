@@ -186,25 +186,38 @@ def _sum_kv_shards(grad: DTensor, kv_heads: int, head_dim: int) -> DTensor:
 
 
 class KVHeadCounts(ParallelStyle):
-    """Set an attention module's grouped-query ratio for the heads one rank holds.
+    """Set an attention module's grouped-query counts for the heads one rank holds.
 
     When tp exceeds the kv heads, a rank holds ``heads / tp`` query heads and one kv head, so its
     local ratio is ``heads / tp``, not the global ``heads / kv_heads``; code that repeats kv heads
-    by the stored ratio (``num_key_value_groups`` in transformers) must see the local one.
+    by the stored ratio (``num_key_value_groups`` in transformers) must see the local one. Code that
+    also sizes its views by the head counts (``view(b, t, self.n_kv_heads, hd)``, ``expand(...,
+    self.n_kv_heads, self.n_rep, hd).reshape(b, t, self.n_heads, hd)``) needs those per rank too: 1
+    kv head and ``heads / tp`` query heads.
 
     Keyword Args:
         heads (int): query heads of the module.
-        attribute (str): the ratio attribute. Default: ``"num_key_value_groups"``.
+        attribute (str | None): the ratio attribute. Default: ``"num_key_value_groups"``.
+        kv_attributes (tuple[str, ...]): attributes holding the kv head count, set to 1.
+        head_attributes (tuple[str, ...]): attributes holding the query head count, set to heads / tp.
     """
 
-    def __init__(self, *, heads: int, attribute: str = "num_key_value_groups"):
+    def __init__(self, *, heads: int, attribute: str | None = "num_key_value_groups",
+                 kv_attributes: tuple[str, ...] = (), head_attributes: tuple[str, ...] = ()):
         super().__init__()
         self.heads = heads
         self.attribute = attribute
+        self.kv_attributes, self.head_attributes = tuple(kv_attributes), tuple(head_attributes)
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
-        setattr(module, self.attribute, self.heads // device_mesh.size())
+        local = self.heads // device_mesh.size()
+        for name in ((self.attribute,) if self.attribute else ()) + self.head_attributes:
+            setattr(module, name, local)
+        for name in self.kv_attributes:
+            setattr(module, name, 1)
         return module
 
     def __repr__(self) -> str:
-        return f"{self.__class__.__name__}(heads={self.heads}, attribute={self.attribute!r})"
+        extra = "".join(f", {k}={v!r}" for k, v in (("kv_attributes", self.kv_attributes),
+                                                    ("head_attributes", self.head_attributes)) if v)
+        return f"{self.__class__.__name__}(heads={self.heads}, attribute={self.attribute!r}{extra})"

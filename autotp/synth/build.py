@@ -56,6 +56,15 @@ def _row(role: Role, loss_parallel: bool) -> ParallelStyle:
     return RowwiseParallel()
 
 
+def _kv_head_counts(role: Role, loss_parallel: bool) -> ParallelStyle:
+    # The ratio and the query heads both become heads / tp per rank: one ratio attribute is named
+    # as such (the common case, ``num_key_value_groups``), any other is set with the head counts.
+    ratios = [n for n, k in role.kv_counts if k == "ratio"]
+    return styles.KVHeadCounts(heads=role.heads, attribute=ratios[0] if ratios else None,
+                               kv_attributes=tuple(n for n, k in role.kv_counts if k == "kv"),
+                               head_attributes=tuple(ratios[1:] + [n for n, k in role.kv_counts if k == "heads"]))
+
+
 def _head(role: Role, loss_parallel: bool) -> ParallelStyle:
     # The head keeps its vocab-sharded logits as a DTensor for loss parallel.
     if loss_parallel:
@@ -88,7 +97,7 @@ _STYLES: dict[str, Callable[[Role, bool], ParallelStyle | None]] = {
     "gathered_column": lambda role, lp: ColwiseParallel(output_layouts=Replicate()),
     "kv_column": lambda role, lp: styles.ReplicatedKVColwise(kv_heads=role.kv_heads, head_dim=role.head_dim,
                                                              **_seq_in(role)),
-    "kv_head_counts": lambda role, lp: styles.KVHeadCounts(heads=role.heads, attribute=role.names[0]),
+    "kv_head_counts": _kv_head_counts,
     "packed_column": lambda role, lp: styles.PackedColwiseParallel(sizes=role.sizes, **_seq_in(role)),
     "row": _row,
     "head": _head,

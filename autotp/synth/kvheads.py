@@ -3,13 +3,16 @@
 With ``kv_heads < tp`` (a multiple of it), a column split would cut kv heads in pieces. Each rank
 instead holds the one kv head its ``heads / tp`` query heads read
 (:class:`~autotp.styles.ReplicatedKVColwise`), and the attention's grouped-query ratio becomes the
-per-rank ``heads / tp`` (:class:`~autotp.styles.KVHeadCounts`). Which attribute holds that ratio is
-found as :mod:`autotp.synth.localize` finds head counts: integer attributes of the attention module
-equal to ``heads / kv_heads``, confirmed by running the module alone at per-rank shapes.
+per-rank ``heads / tp`` (:class:`~autotp.styles.KVHeadCounts`). Which attributes hold that ratio
+(and, in code that sizes its views by them, the kv and query head counts) is found as
+:mod:`autotp.synth.localize` finds head counts: integer attributes of the attention module equal
+to ``heads / kv_heads``, ``kv_heads`` or ``heads``, confirmed by running the module alone at
+per-rank shapes (:func:`kv_counts`).
 """
 
 from __future__ import annotations
 
+import itertools
 import logging
 
 import networkx as nx
@@ -40,22 +43,41 @@ def kv_roots(g: nx.DiGraph, flow: Flow, roles: dict[str, Role], tp: int) -> dict
     return found
 
 
-def ratio_attribute(module: nn.Module, inputs, roles: dict[str, Role], ratio: int, local_ratio: int,
-                    tp: int) -> str | None:
-    """The integer attribute of ``module`` equal to ``ratio`` that, set to ``local_ratio``, lets the
-    module run at per-rank shapes with its global output shapes; ``""`` if it runs so with none
-    changed (grouped-query repeat from shapes), None if neither."""
+# Per-rank values of the attention's counts when each rank holds one kv head and heads / tp query
+# heads: the grouped-query ratio and the query heads become heads / tp, the kv heads 1.
+KV_COUNT_KINDS = ("ratio", "kv", "heads")
+
+
+def kv_counts(module: nn.Module, inputs, roles: dict[str, Role], heads: int, kv: int,
+              tp: int) -> tuple[tuple[str, str], ...] | None:
+    """The integer attributes of ``module`` that must take their per-rank values (``(name, kind)``,
+    a kind of :data:`KV_COUNT_KINDS`) for it to run at per-rank shapes with its global output
+    shapes: the fewest that do, a lone grouped-query ratio (``num_key_value_groups``) first; ``()``
+    if it runs so with none changed (grouped-query repeat from shapes), None if no set does.
+
+    An attribute equal to the ratio, the kv heads or the query heads is a candidate for each of
+    those it equals (``n_rep`` and ``n_kv_heads`` are both 2 with 4 heads over 2 kv heads), so the
+    search tries each reading, up to :data:`MAX_KV_COUNTS` attributes at once.
+    """
     reference = run_local(module, inputs, roles, [], (), 1)
     if reference is None:
         return None
-    for name in sorted(n for n, v in vars(module).items() if is_count(v) and v == ratio):
-        result = run_local(module, inputs, roles, [], (), tp, {name: local_ratio})
-        if result is not None and result[0] == reference[0]:
-            return name
-    bare = run_local(module, inputs, roles, [], (), tp)
-    # No attribute, yet the module runs at per-rank shapes: it repeats kv heads from the shapes
-    # (``enable_gqa=True``), and nothing needs setting.
-    return "" if bare is not None and bare[0] == reference[0] else None
+    globals_ = {"ratio": heads // kv, "kv": kv, "heads": heads}
+    locals_ = {"ratio": heads // tp, "kv": 1, "heads": heads // tp}
+    readings = [(name, kind) for name, value in sorted(vars(module).items()) if is_count(value)
+                for kind in KV_COUNT_KINDS if value == globals_[kind] and locals_[kind] != value]
+    names = sorted({name for name, _ in readings})
+    for count in range(0, min(MAX_KV_COUNTS, len(names)) + 1):
+        for chosen in itertools.combinations(names, count):
+            for kinds in itertools.product(*([k for n, k in readings if n == name] for name in chosen)):
+                assign = {name: locals_[kind] for name, kind in zip(chosen, kinds)}
+                result = run_local(module, inputs, roles, [], (), tp, assign)
+                if result is not None and result[0] == reference[0]:
+                    return tuple(zip(chosen, kinds))
+    return None
+
+
+MAX_KV_COUNTS = 3
 
 
 def replicate_kv(model: nn.Module, example_inputs, g: nx.DiGraph, flow: Flow, roles: dict[str, Role],
@@ -92,15 +114,17 @@ def _ratio_roles(model, example_inputs, roles, kv_roles, attention, tp, groups) 
         inner = inner_roles({**roles, **kv_roles}, fqn)
         with collapsed(model, groups):
             module = model.get_submodule(fqn)
-            name = None
+            counts = None
             if fqn in captured:
-                name = ratio_attribute(module, captured[fqn], inner, heads // kv, heads // tp, tp)
-        if name is None:
-            raise MeshError(module=fqn, found=f"tp={tp} exceeds its {kv} kv heads and no integer attribute "
-                            f"equal to heads / kv_heads = {heads // kv} sets its grouped-query ratio",
+                counts = kv_counts(module, captured[fqn], inner, heads, kv, tp)
+        if counts is None:
+            raise MeshError(module=fqn, found=f"tp={tp} exceeds its {kv} kv heads and no integer attributes set to "
+                            f"their per-rank values (the grouped-query ratio heads / kv_heads = {heads // kv}, the "
+                            f"kv heads {kv}, the query heads {heads}) let it run at per-rank shapes",
                             fix=f"use tp <= {kv} or write the plan by hand with KVHeadCounts")
-        if not name:
+        if not counts:
             continue
-        out[fqn] = Role("kv_head_counts", f"tp={tp} > {kv} kv heads: {name} becomes the per-rank ratio "
-                        f"heads / tp = {heads // tp}", (fqn,), names=(name,), heads=heads)
+        said = ", ".join(f"{name} ({kind}) becomes {1 if kind == 'kv' else heads // tp}" for name, kind in counts)
+        out[fqn] = Role("kv_head_counts", f"tp={tp} > {kv} kv heads: {said} per rank", (fqn,),
+                        kv_counts=tuple(counts), heads=heads)
     return out

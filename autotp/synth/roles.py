@@ -78,8 +78,10 @@ class Role:
         param_parts: of ``experts``, (parameter name, number of fused parts) pairs.
         param_packed: of ``head_params``, (parameter name, part widths along its sharded dim) pairs:
             parameters sharded with a packed Linear's parts, each rank holding its share of each.
-        names: of ``shard_counts``, the attribute paths divided by tp; of ``kv_head_counts``, the
-            grouped-query ratio attribute; of ``shared_entry``, the column Linears (relative names).
+        names: of ``shard_counts``, the attribute paths divided by tp; of ``shared_entry``, the
+            column Linears (relative names).
+        kv_counts: of ``kv_head_counts``, ``(attribute, kind)`` pairs, kind ``"ratio"`` / ``"kv"`` /
+            ``"heads"`` (its per-rank value: heads / tp, 1, heads / tp).
         kv_heads, head_dim: of ``kv_column``, its kv heads and head size.
         heads: of ``kv_head_counts``, the query heads of the attention.
         owned_output: the calling code modifies the output in place, so the style returns a copy
@@ -136,6 +138,7 @@ class Role:
     all_outputs: bool = False
     partial_grad: bool = False
     entry_inputs: tuple = ()
+    kv_counts: tuple = ()
 
     def __post_init__(self):
         if self.kind not in ROLE_KINDS:
