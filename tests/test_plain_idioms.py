@@ -121,6 +121,26 @@ class FixedWidthMerge(RepeatInterleaveGQA):
         return self.wo(y.transpose(1, 2).reshape(b, t, self.d_model))
 
 
+class QKVMajorUnbind(nn.Module):
+    """One fused projection viewed as ``(b, t, 3, heads, hd)`` and cut into q, k, v by ``unbind`` on
+    the parts dim; ``permuted``: first permuted to ``(3, b, heads, t, hd)`` and unbound on dim 0."""
+
+    def __init__(self, permuted: bool = False):
+        super().__init__()
+        self.permuted, self.n_heads, self.head_dim = permuted, HEADS, HD
+        self.qkv, self.o = nn.Linear(DIM, 3 * HEADS * HD, bias=False), nn.Linear(HEADS * HD, DIM, bias=False)
+
+    def forward(self, x):
+        b, t, _ = x.shape
+        qkv = self.qkv(x).view(b, t, 3, self.n_heads, self.head_dim)
+        if self.permuted:
+            q, k, v = qkv.permute(2, 0, 3, 1, 4).unbind(0)
+        else:
+            q, k, v = (part.transpose(1, 2) for part in qkv.unbind(2))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.o(y.transpose(1, 2).reshape(b, t, -1))
+
+
 class MergedRowsAttention(nn.Module):
     """Sequence-first multi-head attention with the heads merged into the batch rows of ``bmm``
     (``view(t, b * heads, hd).transpose(0, 1)``), a causal mask made without a device, and a
@@ -329,6 +349,8 @@ IDIOMS = {
     "fixed_width_merge": dict(attention=FixedWidthMerge),
     "strided_gate_up": dict(mlp=StridedGateUp),
     "merged_rows_attention": dict(attention=MergedRowsAttention),
+    "qkv_major_unbind": dict(attention=QKVMajorUnbind),
+    "qkv_major_permute_unbind": dict(attention=lambda: QKVMajorUnbind(permuted=True)),
     "raw_param_attention": dict(attention=RawParamAttention),
     "raw_qkv_linear_out": dict(attention=RawQKVLinearOut),
     "raw_param_einsum_mlp": dict(mlp=RawParamEinsumMLP),
@@ -436,3 +458,30 @@ def test_head_counts_sizing_the_kv_repeat_take_their_per_rank_values():
     assert isinstance(style, styles.KVHeadCounts) and style.kv_attributes == ("n_kv_head",), style
     assert {style.attribute, *style.head_attributes} == {"n_rep", "n_head"}, style
     assert max(report.param_fraction) < 0.2, report.param_fraction  # k/v one head per rank, the rest 1/8
+
+
+class TiedLinearHead(Decoder):
+    """The logits computed by the model's own code on the embedding's weight:
+    ``F.linear(norm(x), self.embed.weight)``, no head module."""
+
+    def forward(self, tokens):
+        x = self.embed(tokens)
+        for layer in self.layers:
+            x = layer(x)
+        return F.linear(self.norm(x), self.embed.weight)
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+@pytest.mark.parametrize("sequence_parallel", [False, True], ids=["tp", "sp"])
+def test_a_head_on_the_tied_embedding_in_the_models_own_code(tp, sequence_parallel):
+    """Under sequence parallel the final norm's output reaches ``F.linear`` with a plain weight in
+    code no style wraps: it is all-gathered to a plain tensor there (the plan crashed on a
+    sequence-sharded DTensor before). The embedding and its tied reader stay whole; the blocks are
+    sharded."""
+    model = TiedLinearHead()
+    plan, report = run(model, tp, sequence_parallel)
+    assert report.ok, str(report)
+    assert "layers.*.attn.wq" in plan and type(plan.get("embed")).__name__ != "VocabParallelEmbedding", plan
+    if sequence_parallel:
+        assert type(plan["norm"]).__name__ == "SequenceParallelAllGather" and plan["norm"].use_local_output, plan
+        assert report.comm_volume_backward <= report.comm_volume, report

@@ -327,6 +327,13 @@ def _view(g, name, dims, ctx):
     if in_shape != g.nodes[src]["shape"]:
         ctx.unfold(name)
     e = view_dim(in_shape, out_shape, dim, unit_heads=ctx.unit_heads_of(src))
+    parts = _parts_view(g, name, in_shape, out_shape, dim, e)
+    span = ctx.span(src)
+    if parts and like is None and span is not None and span[1] - span[0] == in_shape[dim] and not ctx.pieces(src):
+        # Cuts of the candidates' outputs (a packed projection), each part sharded on its next dim;
+        # the state kept is the first part's, as every reader takes one part alone.
+        width = in_shape[dim] // parts
+        return Split(e + 1, tuple((i * width, (i + 1) * width) for i in range(parts)), False)
     if e is None:
         group = fold_group(in_shape, out_shape, dim) or split_fold_group(in_shape, out_shape, dim)
         if group is not None and like is None:
@@ -339,6 +346,49 @@ def _view(g, name, dims, ctx):
     if isinstance(like, Ref) and like.name not in dims:
         return Break(f"{g.nodes[name]['op']} takes the full shape of a replicated tensor")
     return Out(e, intact=out_shape[e] == in_shape[dim] and ctx.intact(src))
+
+
+def _parts_view(g, name, in_shape, out_shape, dim, e) -> int:
+    """The number of parts, where view ``name`` splits the sharded ``dim`` into ``(parts, inner...)``
+    at output dim ``e`` and every reader takes single parts along ``e`` (``qkv.view(b, t, 3, heads,
+    hd).unbind(2)``, or through a ``permute`` first): the features are then parts side by side, a
+    packed projection's, each sharded on its own next dim (its heads); else 0."""
+    if e is None or e + 1 >= len(out_shape) or out_shape[e] < 2 or out_shape[e + 1] < 2:
+        return 0
+    inner = in_shape[dim] // out_shape[e]
+    if in_shape[dim] % out_shape[e] or not any(math.prod(out_shape[e + 1:k]) == inner
+                                               for k in range(e + 2, len(out_shape) + 1)):
+        return 0
+    return out_shape[e] if _parts_taken(g, name, e) else 0
+
+
+def _parts_taken(g, name, dim) -> bool:
+    """Whether every reader of ``name`` takes single indices along ``dim`` (``unbind``, ``select``),
+    followed through copies, transposes and permutes that move it."""
+    todo, seen = [(name, dim)], set()
+    while todo:
+        node, d = todo.pop()
+        readers = [s for s in g.successors(node) if g.nodes[s]["op"] not in SINKS]
+        if not readers or (node, d) in seen:
+            return False
+        seen.add((node, d))
+        for reader in readers:
+            data, ndim = g.nodes[reader], _ndim(g, node)
+            op, args = data["op"], data["args"]
+            if op in ("unbind", "select"):
+                at = args[1] if len(args) > 1 else data["kwargs"].get("dim", 0)
+                if not isinstance(at, int) or _norm(at, ndim) != d:
+                    return False
+            elif op in PASSTHROUGH and args and isinstance(args[0], Ref) and args[0].name == node:
+                todo.append((reader, d))
+            elif op == "permute":
+                todo.append((reader, [_norm(x, ndim) for x in args[1]].index(d)))
+            elif op == "transpose" and len(args) > 2:
+                a, b = (_norm(x, ndim) for x in args[1:3])
+                todo.append((reader, b if d == a else a if d == b else d))
+            else:
+                return False
+    return True
 
 
 def _passthrough(g, name, dims, ctx):

@@ -554,14 +554,35 @@ def sequence_norms(g: nx.DiGraph, region: set[str], roles: dict[str, Role], grou
             consumers = {"column" if _in_block(g, r, blocks) else
                          kind_of(roles, module_of(g, r), Kind.REPLICATE) if is_linear(g, r)
                          else "other" for r in readers}
-            readers_text = ", ".join(sorted({module_of(g, r) for r in readers}))
-            if consumers and consumers <= _GATHERING:
+            readers_text = ", ".join(sorted({module_of(g, r) or "the root" for r in readers}))
+            if _root_product(g, readers):
+                found[module] = Role("seq_norm_gather", "norm on the sequence-sharded residual stream whose output the "
+                                     "model's own code multiplies by a weight it holds whole (a head on a tied "
+                                     "embedding, F.linear(x, embed.weight)): all-gathered to a plain tensor",
+                                     ("residual", module, readers_text))
+            elif consumers and consumers <= _GATHERING:
                 found[module] = Role("seq_norm_gather", "norm on the sequence-sharded residual stream, read only "
                                      "by column Linears: all-gathered once", ("residual", module, readers_text))
             else:
                 found[module] = Role("seq_norm", "norm on the sequence-sharded residual stream; its output "
                                      "stays sharded", ("residual", module, readers_text))
     return found
+
+
+def _root_product(g: nx.DiGraph, readers) -> bool:
+    """Whether code outside every module (the model's own forward) multiplies what ``readers`` read,
+    through ops of its own, by a weight: no style sits between that code and the value, so it must
+    get a plain whole tensor (a sequence-sharded DTensor would meet the plain weight)."""
+    seen, todo = set(), [r for r in readers if not g.nodes[r]["stack"]]
+    while todo:
+        name = todo.pop()
+        if name in seen or g.nodes[name]["kind"] != "call" or g.nodes[name]["stack"]:
+            continue
+        seen.add(name)
+        if g.nodes[name]["op"] in WEIGHT_PRODUCTS or _weight_matmul(g, name):
+            return True
+        todo.extend(g.successors(name))
+    return False
 
 
 def _readers_past_casts(g: nx.DiGraph, name: str) -> set[str]:
