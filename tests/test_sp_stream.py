@@ -118,10 +118,13 @@ def test_stream_modules_are_exact_under_sequence_parallel(mixer, tp, sequence_pa
 class RootPositionTable(nn.Module):
     """Token embeddings plus a sinusoidal position table that is no module (a buffer indexed in the
     model's own code, as CTRL does), scaled in place: the stream cannot be a sequence-sharded
-    DTensor before the first block, since the plain table meets it at the root."""
+    DTensor before the first block, since the plain table meets it at the root. ``learned``: the
+    table is a parameter of the model itself, sliced (``self.pos[:, :t]``), which no style wraps."""
 
-    def __init__(self):
+    def __init__(self, learned: bool = False):
         super().__init__()
+        self.learned = learned
+        self.pos = nn.Parameter(0.02 * torch.randn(1, 64, DIM)) if learned else None
         torch.manual_seed(0)
         self.embed = nn.Embedding(VOCAB, DIM)
         position = torch.arange(64.0)[:, None] / 10000 ** (torch.arange(0, DIM, 2.0) / DIM)
@@ -133,18 +136,22 @@ class RootPositionTable(nn.Module):
     def forward(self, ids):
         x = self.embed(ids)
         x *= DIM ** 0.5
-        x = x + self.table[torch.arange(ids.shape[1], device=ids.device)]
+        if self.learned:
+            x = x + self.pos[:, : ids.shape[1]]
+        else:
+            x = x + self.table[torch.arange(ids.shape[1], device=ids.device)]
         for layer in self.layers:
             x = layer(x)
         return self.head(self.norm(x))
 
 
+@pytest.mark.parametrize("learned", [False, True], ids=["buffer", "own_parameter"])
 @pytest.mark.parametrize("tp", [2, 4])
-def test_stream_starts_at_the_first_block_when_the_root_adds_a_plain_table(tp):
+def test_stream_starts_at_the_first_block_when_the_root_adds_a_plain_table(tp, learned):
     """Would catch the embedding handing out a sequence-sharded DTensor that the root's plain
     position table then meets (the forward raised "got mixed torch.Tensor and DTensor"), or the
     block slicing a stream that is already sharded (logits off)."""
-    model = RootPositionTable()
+    model = RootPositionTable(learned)
     plan = synthesize(model, example_inputs=(example_tokens(),), tp_size=tp, sequence_parallel=True)
     assert isinstance(plan["layers.*"], styles.SliceSequenceInput), plan.get("layers.*")
     report = verify_toy(model, plan, tp)

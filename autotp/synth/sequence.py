@@ -729,8 +729,9 @@ def layer_of(stack, groups) -> str | None:
 
 def root_joins(g: nx.DiGraph, flow: Flow, region: set[str], groups) -> list[str]:
     """Stream nodes outside every layer that combine the stream with a plain tensor computed in
-    the same code (``embeds + pos_table[positions]`` with a table that is no module): a
-    ``Shard(1)`` DTensor cannot meet it, and no module boundary is there to wrap it."""
+    the same code (``embeds + pos_table[positions]`` with a table that is no module, or a slice of a
+    parameter of the model's own, ``self.pos[:, :t]``): a ``Shard(1)`` DTensor cannot meet it, and
+    no module boundary is there to wrap it."""
     found = []
     for name in sorted(region, key=lambda n: g.nodes[n]["order"]):
         data = g.nodes[name]
@@ -743,8 +744,10 @@ def root_joins(g: nx.DiGraph, flow: Flow, region: set[str], groups) -> list[str]
             behind = g.nodes[_behind_pointwise(g, ref.name)]
             if behind["kind"] != "call" or [m for m in behind["stack"] if m not in data["stack"]]:
                 continue
-            # Computed from parameters (a norm's ``1 + weight``), it is a DTensor under its module's style.
-            if not any(g.nodes[n]["kind"] == "param" for n in nx.ancestors(g, ref.name)):
+            # Computed from a module's parameters (a norm's ``1 + weight``), it is a DTensor under
+            # that module's style; the root's own parameters (a learned position table ``self.pos``)
+            # get no style and stay plain.
+            if not any(g.nodes[n]["kind"] == "param" and "." in g.nodes[n]["param"] for n in nx.ancestors(g, ref.name)):
                 found.append(name)
                 break
     return found
