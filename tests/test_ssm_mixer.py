@@ -23,7 +23,7 @@ from autotp.synth.analysis import analyse, part_sizes
 from autotp.synth.graph import Ref, add_node
 from autotp.synth.ops import Break, _pad
 from autotp.verifier import verify
-from synth_toy import DIM, VOCAB, example_tokens
+from synth_toy import DIM, MLP, VOCAB, example_tokens
 
 HEADS, HEAD_DIM, GROUPS, STATE, KERNEL = 8, 8, 4, 4, 3
 
@@ -118,11 +118,27 @@ class SSMBlock(nn.Module):
         return x + self.mixer(self.norm(x))
 
 
+class SideBySideBlock(nn.Module):
+    """A mixer and an MLP side by side on one norm, their sum added to the stream; with ``tail`` a
+    sequential MLP follows on a second norm (a hybrid layer: parallel mixer and attention, then the
+    feed-forward)."""
+
+    def __init__(self, mixer=ConvScanMixer, tail: bool = True):
+        super().__init__()
+        self.norm, self.mixer, self.mlp = nn.RMSNorm(DIM), mixer(), MLP()
+        self.tail_norm, self.tail = (nn.RMSNorm(DIM), MLP()) if tail else (None, None)
+
+    def forward(self, x):
+        h = self.norm(x)
+        x = x + (self.mixer(h) + self.mlp(h))
+        return x if self.tail is None else x + self.tail(self.tail_norm(x))
+
+
 class SSMStack(nn.Module):
-    def __init__(self, layers: int = 2, mixer=ConvScanMixer):
+    def __init__(self, layers: int = 2, mixer=ConvScanMixer, block=SSMBlock):
         super().__init__()
         self.embed = nn.Embedding(VOCAB, DIM)
-        self.layers = nn.ModuleList(SSMBlock(mixer) for _ in range(layers))
+        self.layers = nn.ModuleList(block(mixer) for _ in range(layers))
         self.norm = nn.RMSNorm(DIM)
         self.head = nn.Linear(DIM, VOCAB, bias=False)
 
@@ -171,6 +187,49 @@ def test_conv_linear_attention_is_sharded_and_exact(attention_model, tp, sequenc
     """Would catch: the conv over packed q|k|v sharded contiguously, the per-head decay left whole
     or cut unlike the decay-rate Linear's heads, or the causal (t, t) mask read as head-mixing."""
     _verify_near_one_over_tp(attention_model, tp, sequence_parallel)
+
+
+def _copied_fraction(model, tp: int) -> float:
+    """1/tp of the parameters, plus what each rank holds beyond that of one-group B and C (their
+    in_proj rows and conv channels, held whole by every rank)."""
+    total = sum(p.numel() for p in model.parameters())
+    copied = len(model.layers) * 2 * STATE * (DIM + KERNEL + 1)
+    return (total / tp + copied * (1 - 1 / tp)) / total
+
+
+@pytest.mark.parametrize("sequence_parallel", [False, True], ids=["plain", "sp"])
+@pytest.mark.parametrize("tp", [2, 4])
+@pytest.mark.parametrize("tail", [True, False], ids=["tail", "no_tail"])
+def test_mixer_beside_an_mlp_with_one_state_group_is_sharded_and_exact(tp, sequence_parallel, tail):
+    """A scaled packed projection (a per-feature buffer times in_proj before the split) with B and C
+    in one group, in a layer whose mixer and MLP run side by side. Would catch: the sum of the two
+    branches kept a DTensor stream (plain TP) that a sequential MLP's reduced output is then added
+    to (the sharded run raised), the scale not expanded and packed like the projection's rows, or
+    the mixer kept whole (it was, at 0.9 of the parameters per rank on a hybrid model)."""
+    torch.manual_seed(0)
+    model = SSMStack(mixer=lambda: ConvScanMixer(groups=1), block=lambda mixer: SideBySideBlock(mixer, tail))
+    plan = synthesize(model, example_inputs=(example_tokens(),), tp_size=tp, sequence_parallel=sequence_parallel)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        report = verify(model, plan, tp_size=tp, inputs=(example_tokens(),))
+    assert report.ok, str(report)
+    expected = _copied_fraction(model, tp)
+    assert all(abs(f - expected) < 0.01 for f in report.param_fraction), (report.param_fraction, expected)
+    if not sequence_parallel:  # one reduction for both branches only where nothing plain joins the stream later
+        assert (type(plan.get("layers.*")).__name__ == "ReplicatedStream") is not tail
+
+
+def test_plain_output_after_side_by_side_branches_keeps_one_reduction_per_branch():
+    """Default-deny for the one-reduction stream: where a sequential MLP's reduced (plain) output
+    joins the stream after the side-by-side branches, the layer does not run on a DTensor stream
+    and each branch reduces its own output. Would catch the stream block kept there (plain tp=2:
+    the sharded run raised on the tail's residual add), with groups tp divides (no copies)."""
+    torch.manual_seed(0)
+    model = SSMStack(block=SideBySideBlock)
+    plan = synthesize(model, example_inputs=(example_tokens(),), tp_size=2)
+    assert "layers.*" not in plan
+    assert {type(plan[f"layers.*.{m}"]).__name__ for m in ("mixer.out_proj", "mlp.c_proj")} == {"RowwiseParallel"}
+    _verify_near_one_over_tp(model, 2, False)
 
 
 def test_conv_weight_is_packed_with_the_parts_it_convolves(model):

@@ -373,18 +373,5 @@ def group_copies(analysis, run) -> object:
     roots = {module_of(a.graph, p.root) for p in parts}
     if any(b.roles.get(m) is None or b.roles[m].kind not in ("column", "packed_column") for m in roots):
         return a
-    if _partial_inside_local(b.roles):
-        log.info("group copies: a row inside a module run on local tensors keeps its output Partial; kept whole")
-        return a
     return replace(b, model=a.model, copies=copies)
 
-
-def _partial_inside_local(roles) -> bool:
-    """Whether a row whose output stays ``Partial()`` (a parallel block's branch) lies inside a
-    module whose style runs it on local tensors (``head_params``): that style hands back a local
-    partial sum, which the block's sum then mixes with DTensors (measured on a hybrid block with a
-    mixer and an attention side by side, plain tp=2: the sharded run raised). Refused until the
-    two styles compose."""
-    local = [m for m, r in roles.items() if r.kind in ("head_params", "linear_params")]
-    return any(r.kind == "row" and r.partial_output and any(m.startswith(l + ".") for l in local)
-               for m, r in roles.items())

@@ -28,7 +28,8 @@ This pass finds, from the graph:
   them (attention and MLP side by side: GPT-J, Phi, Cohere) leave their outputs ``Partial()`` and
   the sum is reduced once per layer. Under plain TP the decoder layer then runs on a
   ``Replicate()`` DTensor stream (:class:`~autotp.styles.ReplicatedStream`), with its norms'
-  parameters replicated DTensors.
+  parameters replicated DTensors; not where another row's reduced, plain output returns to that
+  stream (a sequential MLP after the branches): there each branch reduces its own output.
 
 Long because the three shared-input patterns (a norm read by several columns, a module entry,
 a MoE block's input) and parallel blocks share their reader tests.
@@ -521,7 +522,8 @@ def parallel_blocks(g: nx.DiGraph, flow: Flow, roles: dict[str, Role], *, sequen
                                         f"{[m for m in modules if m != module][0]}'s before one reduction")
             if not sequence_parallel:
                 stream = _stream_norms(g, roles, layer)
-                if stream is None:  # cannot make the stream a DTensor here: keep separate reductions
+                if stream is None or _plain_returns(g, roles, layer, set(rows) - inner, modules):
+                    # cannot make the stream a DTensor here: keep separate reductions
                     for module in modules:
                         found.pop(module)
                     continue
@@ -532,6 +534,19 @@ def parallel_blocks(g: nx.DiGraph, flow: Flow, roles: dict[str, Role], *, sequen
                     found[norm] = Role("stream_params", "applies its parameters to the block's Replicate() "
                                        "DTensor stream: replicated DTensors", (layer, norm))
     return found
+
+
+def _plain_returns(g: nx.DiGraph, roles: dict[str, Role], layer: str, returning: set[str],
+                   branches: list[str]) -> list[str]:
+    """Modules of ``layer`` besides the ``branches`` whose reduced output, a plain tensor under plain
+    TP, returns to the residual stream: rows not inside a branch (``returning``, not
+    :func:`~autotp.synth.sequence.inner_rows`) and grouped experts. In a stream block the stream is a
+    DTensor, and adding a plain tensor to it raises: a sequential MLP after a parallel mixer and
+    attention (``x = x + mixer(n(x)) + attn(n(x)); x = x + mlp(n2(x))``) keeps one reduction per
+    branch."""
+    rows = {module_of(g, r) for r in returning if layer in g.nodes[r]["stack"]}
+    experts = {m for m, r in roles.items() if r.kind == "experts" and m.startswith(layer + ".")}
+    return sorted((rows | experts) - set(branches))
 
 
 def _stream_norms(g: nx.DiGraph, roles: dict[str, Role], layer: str) -> list[str] | None:
