@@ -202,3 +202,18 @@ def test_group_read_by_more_than_its_broadcast_is_not_a_grouped_part():
     from autotp.synth.groups import grouped_parts
 
     assert grouped_parts(_grouped_graph(extra_reader=True), 2) == []
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+def test_group_copies_are_proven_on_a_meta_model(tp):
+    """A model on meta (a real size planned without weights) has no values for the equivalence
+    proof: the mixer alone is made real with random weights, on random inputs of its shapes. The
+    plan must be the one the same model gets on the CPU; would catch the mixer kept whole on meta
+    (real-size Bamba and Falcon-H1 stayed at 0.67 / 0.90 of the parameters per rank at tp=2)."""
+    make = lambda: _model(lambda: GroupedScanMixer(groups=1, norm_group=HEADS * HEAD_DIM))  # noqa: E731
+    on_cpu = synthesize(make(), example_inputs=(example_tokens(),), tp_size=tp)
+    with torch.device("meta"):
+        meta = make()
+    on_meta = synthesize(meta, example_inputs=(example_tokens().to("meta"),), tp_size=tp)
+    assert isinstance(on_meta["layers.*.mixer.in_proj"], GroupCopies), on_meta
+    assert {k: repr(v) for k, v in on_meta.items()} == {k: repr(v) for k, v in on_cpu.items()}

@@ -39,6 +39,7 @@ from torch import nn
 from autotp.errors import AutoTPError
 from autotp.synth.analysis import Shard, is_linear, module_of, propagate
 from autotp.synth.graph import Ref
+from autotp.synth.local_run import capture_inputs
 from autotp.synth.localize import candidate_names, cutting_module
 from autotp.synth.ops import PASSTHROUGH, VIEW_LIKE
 from autotp.synth.params import reading_module
@@ -237,8 +238,13 @@ def _prove(model, example_inputs, g, flow, fqn: str, parts: list[GroupedPart], t
     values = _attribute_values(g, flow, parts, tp)
     target = model.get_submodule(_first(groups, fqn)) if fqn else model
     candidates = candidate_names(target, set(values))
-    inputs = _captured(model, target, example_inputs)
-    if inputs is None:
+    if fqn and any(p.is_meta for p in target.parameters()):
+        # A model on meta (a real size, planned without weights) has no values to compare: the
+        # module alone is made real with random weights, on random inputs of the shapes it gets.
+        target, inputs = _materialized(target), _random_like(capture_inputs(model, example_inputs, {fqn}, groups).get(fqn))
+    else:
+        inputs = _captured(model, target, example_inputs)
+    if inputs is None or target is None:
         return None
     with torch.no_grad():
         reference = _logits(target(*inputs[0], **inputs[1]))
@@ -277,6 +283,44 @@ def _captured(model: nn.Module, target: nn.Module, example_inputs):
     finally:
         handle.remove()
     return found[0] if found else None
+
+
+def _materialized(module: nn.Module) -> nn.Module | None:
+    """A float32 CPU copy of meta ``module`` with random parameters and floating buffers (integer
+    buffers zero); None if it cannot be made."""
+    try:
+        real = copy.deepcopy(module).to_empty(device="cpu").float()
+    except Exception as error:  # noqa: BLE001 - cannot materialise: cannot prove
+        log.debug("group copies: cannot materialise %s: %s", type(module).__name__, error)
+        return None
+    generator = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for tensor in list(real.parameters()) + list(real.buffers()):
+            if tensor.is_floating_point():
+                tensor.copy_(0.1 * torch.randn(tensor.shape, generator=generator))
+            else:
+                tensor.zero_()
+    return real
+
+
+def _random_like(call):
+    """Real CPU inputs of the shapes of captured meta ``(args, kwargs)``: floats random, others
+    zero; None if nothing was captured."""
+    if call is None:
+        return None
+    generator = torch.Generator().manual_seed(1)
+
+    def real(value):
+        if isinstance(value, torch.Tensor):
+            if value.is_floating_point():
+                return torch.randn(value.shape, generator=generator)
+            return torch.zeros(value.shape, dtype=value.dtype)
+        if isinstance(value, (tuple, list)):
+            return type(value)(real(v) for v in value)
+        return value
+
+    args, kwargs = call
+    return real(tuple(args)), {k: real(v) for k, v in kwargs.items()}
 
 
 def _same_output(target: nn.Module, local: dict[str, Copies], tp: int, inputs, reference) -> bool:
