@@ -141,6 +141,25 @@ class QKVMajorUnbind(nn.Module):
         return self.o(y.transpose(1, 2).reshape(b, t, -1))
 
 
+class FusedKVParts(nn.Module):
+    """Grouped-query attention whose k and v come from one projection viewed as ``(b, t, 2,
+    kv_heads, hd)``, permuted and unbound; the kv heads repeated by ``repeat_interleave``."""
+
+    def __init__(self):
+        super().__init__()
+        self.n_heads, self.n_kv = HEADS, KV_HEADS
+        self.q, self.o = nn.Linear(DIM, HEADS * HD), nn.Linear(HEADS * HD, DIM)
+        self.kv = nn.Linear(DIM, 2 * KV_HEADS * HD)
+
+    def forward(self, x):
+        b, t, _ = x.shape
+        q = self.q(x).view(b, t, self.n_heads, HD).transpose(1, 2)
+        k, v = self.kv(x).view(b, t, 2, self.n_kv, HD).permute(2, 0, 3, 1, 4)
+        k, v = (u.repeat_interleave(self.n_heads // self.n_kv, dim=1) for u in (k, v))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.o(y.transpose(1, 2).reshape(b, t, -1))
+
+
 class MergedRowsAttention(nn.Module):
     """Sequence-first multi-head attention with the heads merged into the batch rows of ``bmm``
     (``view(t, b * heads, hd).transpose(0, 1)``), a causal mask made without a device, and a
@@ -350,6 +369,7 @@ IDIOMS = {
     "strided_gate_up": dict(mlp=StridedGateUp),
     "merged_rows_attention": dict(attention=MergedRowsAttention),
     "qkv_major_unbind": dict(attention=QKVMajorUnbind),
+    "fused_kv_parts": dict(attention=FusedKVParts),
     "qkv_major_permute_unbind": dict(attention=lambda: QKVMajorUnbind(permuted=True)),
     "raw_param_attention": dict(attention=RawParamAttention),
     "raw_qkv_linear_out": dict(attention=RawQKVLinearOut),
@@ -485,3 +505,15 @@ def test_a_head_on_the_tied_embedding_in_the_models_own_code(tp, sequence_parall
     if sequence_parallel:
         assert type(plan["norm"]).__name__ == "SequenceParallelAllGather" and plan["norm"].use_local_output, plan
         assert report.comm_volume_backward <= report.comm_volume, report
+
+
+def test_fused_kv_parts_with_fewer_heads_than_ranks_stay_whole():
+    """tp=8 over 4 kv heads viewed into parts: each part's heads do not split over the ranks. The
+    projection is kept whole with the reason (as the cut alone left it before parts were read),
+    not the whole plan refused, and the plan is exact."""
+    model = Decoder(attention=FusedKVParts)
+    roles = analyse_model(model, example_inputs=(tokens(),), tp_size=8).roles
+    assert roles["layers.0.attn.kv"].kind == "replicate" and "tp=8 does not divide" in roles["layers.0.attn.kv"].reason
+    plan, report = run(model, 8)
+    assert report.ok, str(report)
+    assert type(plan["layers.*.mlp.gate"]).__name__ == "ColwiseParallel", plan  # the MLP still sharded

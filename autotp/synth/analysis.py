@@ -70,6 +70,7 @@ class Flow:
     heads: dict = field(default_factory=dict)  # root -> output node's sharded input
     splits: dict = field(default_factory=dict)  # root -> list of (start, end)
     split_nodes: dict = field(default_factory=dict)  # root -> nodes that cut its output into parts
+    part_views: set = field(default_factory=set)  # roots whose parts a view puts on a dim of their own
     width_norms: dict = field(default_factory=dict)  # module -> node that reduces
     extent: dict = field(default_factory=dict)  # root -> gcd of every sharded extent it reached
     roots: set = field(default_factory=set)  # candidates that started a shard this pass
@@ -379,6 +380,12 @@ class Flow:
         sharded one at position ``k`` among them (see :class:`Shard`)."""
         value = self.state[src]
         return Shard(dim, value.origins, False, src, None, None, (tuple(sizes), k))
+
+    def viewed_into_parts(self, src: str) -> None:
+        """``src``'s candidates are cut into parts by a view (:func:`~autotp.synth.ops._parts_view`)."""
+        value = self.state.get(src)
+        if isinstance(value, Shard):
+            self.part_views |= value.origins
 
     def unfold(self, name: str) -> None:
         """Record that view ``name`` splits a folded dim back (its output is an ordinary shard)."""

@@ -333,6 +333,7 @@ def _view(g, name, dims, ctx):
         # Cuts of the candidates' outputs (a packed projection), each part sharded on its next dim;
         # the state kept is the first part's, as every reader takes one part alone.
         width = in_shape[dim] // parts
+        ctx.viewed_into_parts(src)
         return Split(e + 1, tuple((i * width, (i + 1) * width) for i in range(parts)), False)
     if e is None:
         group = fold_group(in_shape, out_shape, dim) or split_fold_group(in_shape, out_shape, dim)

@@ -110,6 +110,11 @@ def constraint_fixpoint(g: nx.DiGraph, groups: LayerGroups, model: nn.Module, ex
             whole = {**whole, **ties}
             forced = {**forced, **tied_embedding_modules(g, whole)}
             continue
+        indivisible = {n: reason for n, reason in _indivisible_parts(g, flow, tp_size).items() if n not in unlocal}
+        if indivisible:  # before the shape proofs: their modules run without these shards
+            log.info("constraints, round %d: parts tp does not divide at %s", round_, sorted(indivisible))
+            unlocal = {**unlocal, **indivisible}
+            continue
         local = localize(model, example_inputs, g, flow, roles, tp_size or 2, groups)
         new = {n: reason for n, reason in local.unlocal.items() if n not in unlocal}
         if new:  # fused outputs cut with global sizes: keep those Linears whole
@@ -120,6 +125,16 @@ def constraint_fixpoint(g: nx.DiGraph, groups: LayerGroups, model: nn.Module, ex
         return Analysis(g, flow, roles, groups, model, example_inputs, tp_size, counts=dict(local.counts),
                         entries=dict(local.entries))
     raise AssertionError("unreachable")  # itertools.count never ends
+
+
+def _indivisible_parts(g: nx.DiGraph, flow, tp_size: int | None) -> dict[str, str]:
+    """Candidates cut into parts by a view whose heads tp does not divide (a fused k / v with
+    fewer kv heads than ranks): kept whole, as the cut alone would leave them, rather than the
+    whole plan refused."""
+    if not tp_size:
+        return {}
+    return {root: f"its output is viewed into parts of {flow.extent[root]} heads each, which tp={tp_size} does "
+                  "not divide; kept whole" for root in flow.part_views if flow.extent.get(root, 0) % tp_size}
 
 
 # --- post-passes: each Analysis -> Analysis -------------------------------------------------------
