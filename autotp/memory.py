@@ -39,6 +39,7 @@ def param_bytes_per_rank(model: nn.Module, plan: Plan, tp_size: int) -> tuple[in
     (192, 256)
     """
     shard_dims = _shard_dims_by_param(model, plan)
+    expanded = _expanded_sizes(model, plan, tp_size)
     per_rank = total = 0
     for param in model.parameters():  # yields each tied parameter once
         nbytes = param.numel() * param.element_size()
@@ -48,8 +49,22 @@ def param_bytes_per_rank(model: nn.Module, plan: Plan, tp_size: int) -> tuple[in
             per_rank += nbytes
         else:
             size = param.shape[dim]
-            per_rank += nbytes // size * math.ceil(size / tp_size)
+            per_rank += nbytes // size * math.ceil(expanded.get(id(param), size) / tp_size)
     return per_rank, total
+
+
+def _expanded_sizes(model: nn.Module, plan: Plan, tp_size: int) -> dict[int, int]:
+    """``{id(parameter): size of its dim 0 after expansion}`` for the parameters a
+    :class:`~autotp.styles.GroupCopies` copies per group before it shards them."""
+    modules = dict(model.named_modules())
+    found = {}
+    for fqn, (_, style) in resolve(model, plan).items():
+        sizes = getattr(style, "expanded_sizes", None)
+        params = dict(modules[fqn].named_parameters())
+        for path, size in (sizes(tp_size) if sizes is not None else {}).items():
+            if path in params:
+                found[id(params[path])] = size
+    return found
 
 
 def _shard_dims_by_param(model: nn.Module, plan: Plan) -> dict[int, int]:

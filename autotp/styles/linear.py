@@ -300,8 +300,19 @@ class GroupCopies(ParallelStyle):
         self.values = dict(values or {})
 
     def sharded_param_dims(self, module: nn.Module) -> dict[str, int]:
-        found = getattr(self.base, "sharded_param_dims", None)
-        return found(module) if found is not None else {}
+        from autotp.plan import sharded_param_dims
+
+        return sharded_param_dims(module, self.base) if self.base is not None else {}
+
+    def expanded_sizes(self, tp: int) -> dict[str, int]:
+        """The size of each copied parameter's dim 0 once expanded at ``tp`` (its per-rank share
+        is that over tp): each grouped part of ``G`` groups becomes ``tp`` groups.
+
+        >>> GroupCopies(base=None, rows={"weight": (0, 20, ((16, 20, 1),))}).expanded_sizes(4)
+        {'weight': 32}
+        """
+        return {path: width + sum((end - start) // groups * (tp - groups) for start, end, groups in parts)
+                for path, (_, width, parts) in self.rows.items()}
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         from autotp.synth.groups import Copies, copy_index, expand_module
