@@ -517,3 +517,31 @@ def test_fused_kv_parts_with_fewer_heads_than_ranks_stay_whole():
     plan, report = run(model, 8)
     assert report.ok, str(report)
     assert type(plan["layers.*.mlp.gate"]).__name__ == "ColwiseParallel", plan  # the MLP still sharded
+
+
+class TorchMHA(nn.Module):
+    """``nn.MultiheadAttention`` called as ``attn(h, h, h, attn_mask=...)``: its head size comes from
+    the input's width, so no count divides it per rank and it stays whole."""
+
+    def __init__(self):
+        super().__init__()
+        self.attn = nn.MultiheadAttention(DIM, HEADS, batch_first=True)
+
+    def forward(self, x):
+        t = x.shape[1]
+        mask = torch.triu(torch.full((t, t), float("-inf"), device=x.device), 1)
+        return self.attn(x, x, x, attn_mask=mask, need_weights=False)[0]
+
+
+@pytest.mark.parametrize("sequence_parallel", [False, True], ids=["tp", "sp"])
+def test_a_whole_module_taking_the_stream_three_times(sequence_parallel):
+    """Under sequence parallel the whole attention takes the sequence-sharded stream as three
+    arguments: each is gathered (once, the same tensor), where a one-argument layout raised
+    ("module inputs and input_layouts should have same length"). The MLP stays sharded."""
+    model = Decoder(attention=TorchMHA)
+    plan, report = run(model, 2, sequence_parallel)
+    assert report.ok, str(report)
+    assert type(plan["layers.*.mlp.gate"]).__name__ == "ColwiseParallel", plan
+    if sequence_parallel:
+        # Per layer: one gather into the attention, one for the MLP; one before the head.
+        assert report.collectives["all_gather_into_tensor"] == 2 * len(model.layers) + 1, report.collectives

@@ -91,6 +91,8 @@ class ReplicatedOutput(ParallelStyle):
 
     The module's own parameters stay plain tensors. Only use it where every reader of the output
     accepts a DTensor (torch's Linear styles do; a replicated Linear with plain weights does not).
+    Of a tuple output (``nn.MultiheadAttention``'s ``(output, weights)``), the first element is
+    the output.
 
     Example::
         >>> plan = {"model.layers.*.input_layernorm": ReplicatedOutput()}
@@ -98,6 +100,8 @@ class ReplicatedOutput(ParallelStyle):
 
     @staticmethod
     def _prepare_output_fn(mod, inputs, outputs, device_mesh):
+        if isinstance(outputs, tuple) and outputs:
+            return (ReplicatedOutput._prepare_output_fn(mod, inputs, outputs[0], device_mesh), *outputs[1:])
         if isinstance(outputs, torch.Tensor) and not isinstance(outputs, DTensor):
             return DTensor.from_local(outputs, device_mesh, (Replicate(),), run_check=False)
         return outputs
@@ -534,7 +538,16 @@ class GatherSequenceInput(ParallelStyle):
         gather = partial(self._gather, self.sequence_dim, self.use_local_output)
 
         def pre_hook(mod, args, kwargs):
-            return tuple(gather(a) for a in args), {k: gather(v) for k, v in kwargs.items()}
+            done: dict[int, object] = {}  # one tensor passed several times (attn(h, h, h)) is gathered once
+
+            def once(value):
+                if isinstance(value, DTensor):
+                    if id(value) not in done:
+                        done[id(value)] = gather(value)
+                    return done[id(value)]
+                return value
+
+            return tuple(once(a) for a in args), {k: once(v) for k, v in kwargs.items()}
 
         module.register_forward_pre_hook(pre_hook, with_kwargs=True)
         if self.reshard_output:

@@ -7,8 +7,6 @@ from collections.abc import Callable
 from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
-    PrepareModuleInput,
-    PrepareModuleInputOutput,
     PrepareModuleOutput,
     RowwiseParallel,
     SequenceParallel,
@@ -152,16 +150,14 @@ def _replicated_at_sequence_edge(role: Role) -> ParallelStyle | None:
     if role.seq_output:
         return PrepareModuleOutput(output_layouts=Replicate(), desired_output_layouts=Shard(1),
                                    use_local_output=False)
+    # Every sequence-sharded argument is gathered (a module called as ``attn(h, h, h)`` takes the
+    # stream three times: a layout per argument would have to match each call's arity).
     if role.seq_join and role.seq_input:  # a whole Linear between two points of the stream
-        return PrepareModuleInputOutput(input_layouts=Shard(1), desired_input_layouts=Replicate(),
-                                        use_local_input=True, output_layouts=Replicate(),
-                                        desired_output_layouts=Replicate(), use_local_output=False)
-    if role.seq_join:
-        return PrepareModuleOutput(output_layouts=Replicate(), desired_output_layouts=Replicate(),
-                                   use_local_output=False)
+        return styles.GatherSequenceInput(reshard_output=True)
+    if role.seq_join:  # its (first) output a Replicate() DTensor that the sharded stream can meet
+        return styles.ReplicatedOutput()
     if role.seq_input:
-        return PrepareModuleInput(input_layouts=Shard(1), desired_input_layouts=Replicate(),
-                                  use_local_output=True)
+        return styles.GatherSequenceInput()
     return None
 
 
