@@ -1,9 +1,10 @@
 """Plain-PyTorch decoder LMs written the ways people write them, for synthesis fuzzing.
 
 A :class:`BlockSpec` picks one idiom per choice point: how q/k/v are projected (separate, one fused
-Linear cut by ``chunk`` / ``split`` / ``unbind``), how the width is split into heads (a fixed count
-with an inferred size, a fixed size with an inferred count, both fixed, ``unflatten``), how
-attention is computed (``scaled_dot_product_attention``, matmuls, einsum), how heads merge back
+Linear cut by ``chunk`` / ``split`` / ``unbind``, or viewed into parts and permuted), how the width
+is split into heads (a fixed count with an inferred size, a fixed size with an inferred count, both
+fixed, ``unflatten``), how attention is computed (``scaled_dot_product_attention``, matmuls, einsum,
+``baddbmm`` / ``bmm`` on heads merged with the batch into rows), how heads merge back
 (inferred width, a fixed width, ``flatten``), which parameter of the attention module itself meets
 the heads (none, a shared lambda vector, a per-head scale, a per-head softmax sink, a per-feature
 bias), and whether the head is tied to the embedding. None of these is any one model's code.
@@ -23,9 +24,9 @@ from torch import nn
 
 VOCAB, SEQ = 128, 11
 
-PROJECTIONS = ("separate", "chunk", "split", "unbind_parts", "unbind_heads")
+PROJECTIONS = ("separate", "chunk", "split", "unbind_parts", "unbind_heads", "permute_parts")
 HEAD_SPLITS = ("count", "size", "both", "unflatten", "reshape_count")
-ATTENTIONS = ("sdpa", "matmul", "einsum")
+ATTENTIONS = ("sdpa", "matmul", "einsum", "bmm_rows")
 MERGES = ("inferred", "fixed", "flatten")
 HEAD_PARAMS = ("none", "lambda", "scale", "sink", "feature_bias")
 MLPS = ("gelu", "swiglu", "fused_swiglu")
@@ -85,6 +86,8 @@ class SpecAttention(nn.Module):
         b, t, _ = x.shape
         if kind == "unbind_parts":  # (b, t, 3, heads, hd): parts outermost
             return qkv.view(b, t, 3, self.n_heads, -1).unbind(2)
+        if kind == "permute_parts":  # the same, permuted to (3, b, t, heads, hd) first
+            return qkv.view(b, t, 3, self.n_heads, -1).permute(2, 0, 1, 3, 4).unbind(0)
         return qkv.view(b, t, self.n_heads, 3, -1).unbind(3)  # heads outermost, q|k|v inside each
 
     def split_heads(self, z, b, t):
@@ -114,6 +117,12 @@ class SpecAttention(nn.Module):
                                                is_causal=True)
             return y.transpose(1, 2)
         t = q.shape[1]
+        if kind == "bmm_rows" and param != "sink":  # heads merged with the batch into bmm rows
+            b, _, _, d = q.shape
+            rows = lambda z: z.transpose(1, 2).reshape(b * self.n_heads, t, d)  # noqa: E731
+            causal = torch.full((t, t), float("-inf")).triu(1)  # made without a device
+            scores = torch.baddbmm(causal, rows(q), rows(k).transpose(1, 2), alpha=self.head_dim ** -0.5)
+            return torch.bmm(scores.softmax(-1), rows(v)).view(b, self.n_heads, t, d).transpose(1, 2)
         if kind == "einsum":
             scores = torch.einsum("bqhd,bkhd->bhqk", q, k)
         else:
