@@ -106,3 +106,18 @@ def test_sp_plans_with_shared_experts_and_inner_rows_are_exact(name):
 
     model = build_model(name, tiny=True, tp=2, device="cpu")
     _verify(model, synthesize(model, sequence_parallel=True, tp_size=2), 2)
+
+
+def test_sp_norm_read_by_several_whole_linears_gathers_once():
+    """MLA's query and kv down-projections are kept whole and both read the pre-attention norm's
+    output: under sequence parallel the norm all-gathers it once, as a plain tensor, where each
+    down-projection gathered it again (7 all-gathers in a 2-layer forward, now 5: one per block
+    input, one before the head). Would catch the norm left sharded (a gather per reader) or a
+    gradient off (the readers' whole input gradients summed)."""
+    from autotp.models import build_model
+
+    model = build_model("deepseek_v3", tiny=True, tp=2, device="cpu")
+    plan = synthesize(model, sequence_parallel=True, tp_size=2)
+    assert type(plan["model.layers.*.input_layernorm"]).__name__ == "SequenceParallelAllGather", plan
+    report = _verify(model, plan, 2)
+    assert report.collectives["all_gather_into_tensor"] == 5, report.collectives

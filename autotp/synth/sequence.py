@@ -24,6 +24,8 @@ from autotp.synth.roles import Kind, Role, kind_of
 
 # Linear roles that take a replicated input and can share one all-gather before them.
 _GATHERING = frozenset({"column", "packed_column", "kv_column"})
+# Roles of Linears kept whole on every rank: their input gradient is whole and the same on every rank.
+_WHOLE_READERS = frozenset({"replicate", "broadcast_source"})
 # Hops from a parameter-free module's output to a sharded op for it to count as a position table.
 _ROTARY_HOPS = 4
 
@@ -559,6 +561,12 @@ def sequence_norms(g: nx.DiGraph, region: set[str], roles: dict[str, Role], grou
                 found[module] = Role("seq_norm_gather", "norm on the sequence-sharded residual stream whose output the "
                                      "model's own code multiplies by a weight it holds whole (a head on a tied "
                                      "embedding, F.linear(x, embed.weight)): all-gathered to a plain tensor",
+                                     ("residual", module, readers_text))
+            elif len({module_of(g, r) for r in readers}) > 1 and consumers <= _WHOLE_READERS:
+                # Several Linears kept whole (MLA's q and kv down-projections) would each gather the
+                # stream: one gather here, to a plain tensor whose gradient every reader gives whole.
+                found[module] = Role("seq_norm_gather", "norm on the sequence-sharded residual stream read by "
+                                     "several Linears kept whole: all-gathered once to a plain tensor",
                                      ("residual", module, readers_text))
             elif consumers and consumers <= _GATHERING:
                 found[module] = Role("seq_norm_gather", "norm on the sequence-sharded residual stream, read only "
