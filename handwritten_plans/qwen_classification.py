@@ -9,10 +9,9 @@ indexes global positions.
 from __future__ import annotations
 
 from torch import nn
-from torch.distributed.tensor import Replicate, Shard
-from torch.distributed.tensor.parallel import ParallelStyle, PrepareModuleInput
+from torch.distributed.tensor.parallel import ParallelStyle
 
-from autotp.styles import HeadShardedNorm
+from autotp.styles import GatherSequenceInput, HeadShardedNorm
 from handwritten_plans.llama import decoder_plan
 
 
@@ -26,7 +25,5 @@ def parallelize_qwen_classification(model: nn.Module, sequence_parallel: bool = 
     if hasattr(model.model.layers[0].self_attn, "q_norm"):
         plan |= {f"model.layers.*.self_attn.{n}": HeadShardedNorm() for n in ("q_norm", "k_norm")}
     if sequence_parallel:
-        plan["score"] = PrepareModuleInput(
-            input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),), use_local_output=True
-        )
+        plan["score"] = GatherSequenceInput()  # the stream arrives as a Shard(1) DTensor
     return plan
