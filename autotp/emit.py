@@ -292,16 +292,15 @@ def emit_python(model: nn.Module, plan: Plan, *, name: str = "plan", sequence_pa
 def _style_expression(model: nn.Module, key: str, style: ParallelStyle, names: set[str]) -> tuple[str, str]:
     """``(expression, the size part of it)`` building ``style`` for plan key ``key``."""
     names.add(type(style).__name__)
-    parts, sized = [], []
+    parts, comments, sized = [], [], []
     for option, value in style_options(style).items():
         expr = size_expression(model, key, option, value) if option in SIZE_OPTIONS else None
-        text = expr if expr is not None else render(value, names)
-        if option in SIZE_OPTIONS and expr is None:
-            text += f"  # a fixed size: no size of {type(model).__name__} gives {value!r}"
-        parts.append(f"{option}={text}")
+        parts.append(f"{option}={expr if expr is not None else render(value, names)}")
+        comments.append(f"  # a fixed size: no size of {type(model).__name__} gives {value!r}"
+                        if option in SIZE_OPTIONS and expr is None else "")
         sized.append(expr or "")
-    if any("#" in p for p in parts):  # a comment must end its line
-        inner = "".join(f"\n            {p}," for p in parts)
+    if any(comments):  # a comment must end its line, after the argument's comma
+        inner = "".join(f"\n            {p},{c}" for p, c in zip(parts, comments))
         return f"{type(style).__name__}({inner}\n        )", " ".join(sized)
     return f"{type(style).__name__}({', '.join(parts)})", " ".join(sized)
 

@@ -92,6 +92,21 @@ def test_emitted_sizes_are_expressions_of_the_model():
     assert "3072" not in text and "8192" not in text
 
 
+def test_fixed_sizes_of_a_model_without_a_config_are_commented_after_their_comma():
+    """A plain-PyTorch model has no config to write sizes from: each fixed size is written as a
+    number with a comment, which must follow the argument's comma (a comma after the comment was
+    commented out, and the emitted text did not parse when a fixed size was not the last option:
+    ``ReplicatedKVColwise(kv_heads=..., head_dim=...)``)."""
+    from torch import nn
+
+    from autotp.styles import ReplicatedKVColwise
+
+    model = nn.Sequential(nn.Linear(16, 8))
+    plan = {"0": ReplicatedKVColwise(kv_heads=2, head_dim=4)}
+    text = emit.emit_python(model, plan)  # raises unless the text rebuilds the plan
+    assert "kv_heads=2,  # a fixed size" in text and "head_dim=4,  # a fixed size" in text
+
+
 def _emit(capsys, tmp_path, *args) -> str:
     assert main(["plan", *args, "--emit", "python"]) == 0
     path = tmp_path / "plans.py"
