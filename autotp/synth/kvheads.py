@@ -46,6 +46,8 @@ def kv_roots(g: nx.DiGraph, flow: Flow, roles: dict[str, Role], tp: int) -> dict
 # Per-rank values of the attention's counts when each rank holds one kv head and heads / tp query
 # heads: the grouped-query ratio and the query heads become heads / tp, the kv heads 1.
 KV_COUNT_KINDS = ("ratio", "kv", "heads")
+# How many attributes one search sets together.
+MAX_KV_COUNTS = 3
 
 
 def kv_counts(module: nn.Module, inputs, roles: dict[str, Role], heads: int, kv: int,
@@ -75,9 +77,6 @@ def kv_counts(module: nn.Module, inputs, roles: dict[str, Role], heads: int, kv:
                 if result is not None and result[0] == reference[0]:
                     return tuple(zip(chosen, kinds))
     return None
-
-
-MAX_KV_COUNTS = 3
 
 
 def replicate_kv(model: nn.Module, example_inputs, g: nx.DiGraph, flow: Flow, roles: dict[str, Role],

@@ -110,7 +110,7 @@ def constraint_fixpoint(g: nx.DiGraph, groups: LayerGroups, model: nn.Module, ex
             whole = {**whole, **ties}
             forced = {**forced, **tied_embedding_modules(g, whole)}
             continue
-        indivisible = {n: reason for n, reason in _indivisible_parts(g, flow, tp_size).items() if n not in unlocal}
+        indivisible = {n: reason for n, reason in _indivisible_parts(flow, tp_size).items() if n not in unlocal}
         if indivisible:  # before the shape proofs: their modules run without these shards
             log.info("constraints, round %d: parts tp does not divide at %s", round_, sorted(indivisible))
             unlocal = {**unlocal, **indivisible}
@@ -127,7 +127,7 @@ def constraint_fixpoint(g: nx.DiGraph, groups: LayerGroups, model: nn.Module, ex
     raise AssertionError("unreachable")  # itertools.count never ends
 
 
-def _indivisible_parts(g: nx.DiGraph, flow, tp_size: int | None) -> dict[str, str]:
+def _indivisible_parts(flow: Flow, tp_size: int | None) -> dict[str, str]:
     """Candidates cut into parts by a view whose heads tp does not divide (a fused k / v with
     fewer kv heads than ranks): kept whole, as the cut alone would leave them, rather than the
     whole plan refused."""
