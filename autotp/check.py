@@ -188,7 +188,8 @@ def _graph_findings(model: nn.Module, resolved: dict, example_inputs, tp_size: i
             findings.append(Finding(module, problem, fix, f"{role.kind}_style"))
     findings += _param_findings(g, flow, style_of, {**{m: None for m in linears.values()}, **demanded})
     roles = _plan_roles(style_of, set(linears.values()))
-    findings += _reshape_findings(model, g, flow, roles, style_of, (groups, example_inputs), tp_size)
+    views = {fqn: view for fqn, (_, style) in resolved.items() if (view := _width_view(style)) is not None}
+    findings += _reshape_findings(model, g, flow, roles, style_of, (groups, example_inputs), tp_size, views)
     return findings
 
 
@@ -250,12 +251,24 @@ def _plan_roles(style_of: dict, linear_modules: set[str]) -> dict:
     return roles
 
 
-def _reshape_findings(model: nn.Module, g, flow, roles: dict, style_of: dict, context, tp_size: int) -> list[Finding]:
+def _width_view(style: ParallelStyle | None) -> tuple | None:
+    """``(inputs, readers)`` of the :class:`~autotp.styles.LocalWidthInputs` ``style`` is or wraps."""
+    while style is not None:
+        if isinstance(style, styles.LocalWidthInputs):
+            return style.inputs, style.readers
+        style = getattr(style, "wrapped", None)
+    return None
+
+
+def _reshape_findings(model: nn.Module, g, flow, roles: dict, style_of: dict, context, tp_size: int,
+                      views: dict | None = None) -> list[Finding]:
     """Modules that, run alone at per-rank widths with the attributes the plan divides, reshape a
     column shard into other shapes than the global ones with the heads divided (a fixed head count
-    with an inferred head size): the per-rank shape proof of :mod:`autotp.synth.localize`."""
+    with an inferred head size): the per-rank shape proof of :mod:`autotp.synth.localize`. ``views``:
+    per module, the arguments it sees at per-rank width and their readers (its ``LocalWidthInputs``)."""
+    views = views or {}
     from autotp.synth.local_run import capture_inputs
-    from autotp.synth.localize import candidate_names, inner_roles
+    from autotp.synth.localize import candidate_names, inner_roles, with_width_view
     from autotp.synth.shape_proof import (head_names, runs_into_other_shapes, shape_proof, shaped_roots,
                                           shaped_sizes)
     from autotp.synth.trace import collapsed
@@ -271,8 +284,9 @@ def _reshape_findings(model: nn.Module, g, flow, roles: dict, style_of: dict, co
         style, sizes = style_of.get(fqn), shaped_sizes(g, flow, roots)
         if fqn not in captured or any(v % tp_size for v in sizes):
             continue
+        view = views.get(fqn)
         names = style.names if isinstance(style, styles.ShardCounts) else style.counts if isinstance(style, HeadParams) else ()
-        inner = inner_roles(roles, fqn)
+        inner = inner_roles(roles, fqn) if view is None else with_width_view(inner_roles(roles, fqn), view)
         with collapsed(model, groups):
             module = model.get_submodule(fqn)
             if not runs_into_other_shapes(module, captured[fqn], inner, tp_size, tuple(names)):

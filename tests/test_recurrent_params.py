@@ -247,3 +247,58 @@ def test_a_baddbmm_mixing_every_channel_stays_whole():
     assert "layers.*.mixer.in_proj" not in plan, plan
     records = {r.key: r for r in explain(model, example_inputs=(example_tokens(),), tp_size=2)}
     assert "over the sharded dim" in records["layers.*.mixer.in_proj"].reason, records["layers.*.mixer.in_proj"]
+
+
+HEADS, CHUNK = 4, 4
+
+
+class DecayedChunkState(nn.Module):
+    """Linear attention over chunks: a ``(b, heads, d, d)`` state made with ``torch.ones``, scaled
+    by a per-head rate, ``ones(...) * exp(-rate) * 0.01``, and decayed by it at each chunk,
+    ``state * exp(-rate) + k^T v``; with ``stray_read`` the initial state is also summed over every
+    head into the output."""
+
+    def __init__(self, stray_read: bool = False):
+        super().__init__()
+        self.heads, self.head_dim, self.inner, self.stray_read = HEADS, INNER // HEADS, INNER, stray_read
+        self.qkv = nn.Linear(DIM, 3 * INNER, bias=False)
+        self.rate = nn.Parameter(torch.rand(HEADS, 1, 1))
+        self.out = nn.Linear(INNER, DIM, bias=False)
+
+    def forward(self, h):
+        b, t, _ = h.shape
+        q, k, v = (z.view(b, t, self.heads, self.head_dim).transpose(1, 2) for z in self.qkv(h).split(self.inner, -1))
+        decay = torch.exp(-self.rate.sigmoid() * CHUNK)
+        first = torch.ones(b, self.heads, self.head_dim, self.head_dim) * decay * 0.01  # a tree of two leaves
+        state, outputs = first, []
+        for start in range(0, t, CHUNK):
+            qc, kc, vc = (z[:, :, start:start + CHUNK] for z in (q, k, v))
+            outputs.append(qc @ state + (qc @ kc.transpose(-1, -2)).tril() @ vc)
+            state = state * decay + kc.transpose(-1, -2) @ vc
+        out = self.out(torch.cat(outputs, dim=2).transpose(1, 2).reshape(b, t, -1))
+        return out + first.sum((1, 2, 3))[:, None, None] if self.stray_read else out
+
+
+@pytest.mark.parametrize("sequence_parallel", [False, True], ids=["plain", "sp"])
+@pytest.mark.parametrize("tp", [2, 4])
+def test_a_state_decayed_by_a_per_head_rate_is_sharded_with_the_heads(tp, sequence_parallel):
+    """``zeros(...) * exp(-rate)`` meets the heads as one operand computed from a constant and a
+    parameter: the rate is sharded with the heads and the zeros made at the per-rank head count.
+    Would catch the mixer kept whole again (the state holds every head) or a rate left whole."""
+    torch.manual_seed(0)
+    plan, report = _verified(SSMStack(mixer=DecayedChunkState), tp, sequence_parallel)
+    mixer = plan["layers.*.mixer"]
+    assert mixer.shard_dims == {"rate": 0} and mixer.counts == ("heads", "inner"), plan
+    assert all(abs(f - 1 / tp) < 0.01 for f in report.param_fraction), report.param_fraction
+
+
+def test_a_decayed_state_also_read_whole_keeps_the_mixer_exact():
+    """Default-deny: the initial state is also summed over every head, so making it per rank would
+    hand that reader a slice (a partial sum, off by the other ranks' heads). The mixer's projections
+    stay whole, the plan stays exact, and the reason names the reader."""
+    torch.manual_seed(0)
+    model = SSMStack(mixer=lambda: DecayedChunkState(stray_read=True))
+    plan, _ = _verified(model, 2)
+    assert "layers.*.mixer.qkv" not in plan, plan
+    records = {r.key: r for r in explain(model, example_inputs=(example_tokens(),), tp_size=2)}
+    assert "reads it whole" in records["layers.*.mixer.qkv"].reason, records["layers.*.mixer.qkv"]

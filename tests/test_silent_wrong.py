@@ -208,8 +208,8 @@ def test_per_head_sink_and_scale_are_sharded_with_the_heads(tp_size):
 
 
 class SizeFromInputAttention(CountViewAttention):
-    """Head size from the replicated input's width (``c // self.n_heads``): no attribute division
-    makes the per-rank shapes right, so the projections must stay whole."""
+    """Head size from the replicated input's width (``c // self.n_heads``): only with the input
+    seen at its per-rank width (and ``n_heads`` divided) are the per-rank shapes right."""
 
     def forward(self, x):
         b, t, c = x.shape
@@ -218,15 +218,15 @@ class SizeFromInputAttention(CountViewAttention):
         return self.out(y.transpose(1, 2).reshape(b, t, c))
 
 
-def test_sizes_from_the_input_width_keep_the_projections_whole_with_the_reason():
-    """Would catch a shape proof that accepts a module it could not make per-rank."""
-    from autotp import explain
-
-    model = SpecLM(SPEC, SizeFromInputAttention)
-    records = {r.key: r for r in explain(model, example_inputs=(tokens(),), tp_size=2)}
-    assert records["blocks.*.attn.q"].role == "replicate"
-    assert "reshapes its sharded output with fixed sizes" in records["blocks.*.attn.q"].reason
-    _synthesize_and_verify(SizeFromInputAttention, 2)
+@pytest.mark.parametrize("tp_size", [2, 4])
+def test_sizes_from_the_input_width_are_read_per_rank_by_every_projection(tp_size):
+    """Would catch the input's width read globally by the code (a view error, or heads of the wrong
+    size) or the stand-in reaching one of the three projections (NaN)."""
+    _, plan = _synthesize_and_verify(SizeFromInputAttention, tp_size)
+    assert _sharded_projections(plan, "q", "k", "v", "out")
+    style = plan["blocks.*.attn"]
+    assert isinstance(style, styles.LocalWidthInputs) and style.readers == ("k", "q", "v")
+    assert style.style.names == ("n_heads",)
 
 
 @pytest.mark.parametrize("attention", [CountViewAttention, SharedLambdaAttention, SinkScaleAttention],

@@ -16,7 +16,7 @@ from autotp.synth import explain, synthesize
 from handwritten_plans import plan_for
 from autotp.verifier import verify
 from synth_models import shardable_model, tiny_model
-from synth_toy import NanoGPT, SizeFromInputAttention, TitanLlama, example_tokens
+from synth_toy import NanoGPT, TitanLlama, example_tokens
 
 
 @pytest.mark.parametrize("family", ["llama", "mistral", "qwen2", "qwen3", "phi3"])
@@ -146,17 +146,6 @@ def test_nanogpt_fused_c_attn_packed_and_tied_head_vocab_sharded():
     assert isinstance(plan["wte"], styles.VocabParallelEmbedding)
     assert plan["lm_head"].output_layouts == (Shard(-1),)
     assert "wpe" not in plan  # looked up by positions computed in the model
-
-
-def test_nanogpt_widths_from_input_size_keep_c_attn_whole_with_reason():
-    """nanoGPT's original ``C // n_head`` / ``view(B, T, C)`` read the global width: no attribute
-    fixes that, so c_attn and c_proj stay replicated, and explain says why."""
-    model = NanoGPT(attention=SizeFromInputAttention)
-    plan = synthesize(model, example_inputs=(example_tokens(),))
-    assert not any(key.startswith("h.*.attn") for key in plan)
-    assert isinstance(plan["h.*.mlp.c_fc"], ColwiseParallel)
-    reasons = {r.key: r.reason for r in explain(model, example_inputs=(example_tokens(),))}
-    assert "cut with fixed sizes" in reasons["h.*.attn.c_attn"] and "n_embd, n_head" in reasons["h.*.attn.c_attn"]
 
 
 class _SoftmaxFeedForward(TitanLlama().layers[0].feed_forward.__class__):

@@ -16,6 +16,8 @@ options, static ``_prepare_input_fn`` / ``_prepare_output_fn``, and a comment on
 - :class:`PackedColwiseParallel`: a column-parallel Linear whose output is split into parts
   (fused ``qkv_proj`` / ``gate_up_proj``), sharded part by part.
 - :class:`ShardCounts`: divide a module's head counts by tp, for code that sizes slices from them.
+- :class:`LocalWidthInputs`: a module that reads its widths from an input's size (nanoGPT's ``C = x.size(-1)``)
+  sees that input at its per-rank width; its column Linears read the real one.
 - :class:`ReplicatedKVColwise`, :class:`KVHeadCounts`: tp larger than the number of kv heads; each
   rank holds the one kv head its query heads read, copies' gradients summed.
 - :class:`ExpertsParallel`, :class:`AllReduceOutput`, :class:`GradAllReduceOutputSlice`: MoE experts
@@ -41,7 +43,7 @@ Modules, by concern: :mod:`~autotp.styles.linear` (packed, ``(in, out)`` and par
 and :mod:`~autotp.styles.base` (what they share). Every style is importable from ``autotp.styles``.
 """
 
-from autotp.styles.attention import KVHeadCounts, ReplicatedKVColwise, RotaryEmbedParallel, ShardCounts
+from autotp.styles.attention import KVHeadCounts, LocalWidthInputs, ReplicatedKVColwise, RotaryEmbedParallel, ShardCounts
 from autotp.styles.base import packed_row_order
 from autotp.styles.boundaries import (
     AllReduceOutput,
@@ -79,6 +81,7 @@ __all__ = [
     "SequenceParallelMoEBlock",
     "HeadParams",
     "LinearParams",
+    "LocalWidthInputs",
     "KVHeadCounts",
     "ReplicatedKVColwise",
     "AllReduceOutput",

@@ -96,6 +96,101 @@ class ShardCounts(ParallelStyle):
         return f"{self.__class__.__name__}(names={self.names})"
 
 
+class LocalWidthInputs(ParallelStyle):
+    """A module whose code reads its widths from an input's size sees that input at its per-rank width.
+
+    nanoGPT-style attention computes its sizes from its input, ``B, T, C = x.size()``, then
+    ``view(B, T, self.n_head, C // self.n_head)`` and merges back with ``view(B, T, C)``. With the
+    heads sharded, the rank holds ``C / tp`` features of each part, and no attribute can make
+    ``C // n_head`` the head size: ``C`` is read from the replicated input. Here each listed argument
+    is handed to the module's code as a size-only stand-in of width ``C / tp`` (a NaN scalar expanded
+    to the per-rank shape: no memory, and any arithmetic on it shows as NaN rather than a plausible
+    number), and the listed ``readers`` (the column Linears that read the argument directly, the
+    only readers the synthesizer allows) get the real argument back when they are called with the
+    stand-in. ``style`` (the module's :class:`ShardCounts`, dividing ``n_head``) is applied first.
+
+    Keyword Args:
+        inputs (tuple): positions or keywords of the arguments read for their width.
+        readers (tuple[str, ...]): submodules (relative names) that read those arguments' values.
+        style (ParallelStyle, optional): the module's own style. Default: None.
+
+    Example::
+        >>> plan = {"h.*.attn": LocalWidthInputs(inputs=(0,), readers=("c_attn",),
+        ...                                       style=ShardCounts(names=("n_head", "n_embd")))}
+    """
+
+    def __init__(self, *, inputs: tuple, readers: tuple[str, ...], style: ParallelStyle | None = None):
+        super().__init__()
+        self.inputs, self.readers, self.style = tuple(inputs), tuple(readers), style
+        if not self.inputs or not self.readers:
+            from autotp.errors import PlanError
+
+            raise PlanError(f"LocalWidthInputs: needs at least one input and one reader, got inputs={inputs!r}, "
+                            f"readers={readers!r}")
+
+    @property
+    def wrapped(self) -> ParallelStyle:
+        """The module's own style, for code that finds a wrapper's parameter layout (absent: none)."""
+        if self.style is None:
+            raise AttributeError("wrapped")
+        return self.style
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        if self.style is not None:
+            module = self.style._apply(module, device_mesh)
+        width_view(module, self.inputs, self.readers, device_mesh.size(), guard=True)
+        return module
+
+    def __repr__(self) -> str:
+        extra = f", style={self.style!r}" if self.style is not None else ""
+        return f"{self.__class__.__name__}(inputs={self.inputs!r}, readers={self.readers!r}{extra})"
+
+
+def width_view(module: nn.Module, inputs: tuple, readers: tuple[str, ...], tp: int, *, guard: bool = False) -> None:
+    """Hooks that give ``module``'s code the arguments ``inputs`` at width ``/ tp`` and its ``readers``
+    the real ones (:class:`LocalWidthInputs`; the per-rank shape proof runs the same hooks).
+
+    ``guard``: the stand-in holds NaN (a float argument), so a read the analysis did not foresee
+    shows in the output; without it (meta runs) an empty scalar.
+    """
+    calls: list[dict[int, torch.Tensor]] = []  # per active call: id(stand-in) -> real argument
+
+    def enter(mod, args, kwargs):
+        args, swapped = list(args), {}
+        for key in inputs:
+            holder, present = (args, key < len(args)) if isinstance(key, int) else (kwargs, key in kwargs)
+            value = holder[key] if present else None
+            if not isinstance(value, torch.Tensor):
+                continue
+            width = value.shape[-1]
+            if width % tp:
+                from autotp.errors import PlanError
+
+                raise PlanError(f"{type(mod).__name__}: argument {key!r} has width {width}, which tp={tp} does not "
+                                "divide; its code reads the per-rank width from it")
+            base = to_local(value)
+            fill = float("nan") if guard and base.is_floating_point() else 0
+            stand_in = base.new_full((), fill).expand(*value.shape[:-1], width // tp)
+            swapped[id(stand_in)] = (stand_in, value)
+            holder[key] = stand_in
+        calls.append(swapped)
+        return tuple(args), kwargs
+
+    def leave(mod, args, output):
+        if calls:
+            calls.pop()
+
+    def read(mod, args, kwargs):
+        swapped = calls[-1] if calls else {}
+        real = lambda v: swapped[id(v)][1] if id(v) in swapped and swapped[id(v)][0] is v else v  # noqa: E731
+        return tuple(real(a) for a in args), {k: real(v) for k, v in kwargs.items()}
+
+    module.register_forward_pre_hook(enter, with_kwargs=True)
+    module.register_forward_hook(leave, always_call=True)
+    for name in readers:
+        module.get_submodule(name).register_forward_pre_hook(read, with_kwargs=True, prepend=True)
+
+
 def expand_kv_rows(tensor: torch.Tensor, kv_heads: int, head_dim: int, tp_size: int) -> torch.Tensor:
     """Repeat each kv head's rows ``tp / kv_heads`` times: row block r is the head rank r reads.
 

@@ -22,7 +22,7 @@ import networkx as nx
 from autotp.synth.graph import Ref, param_modules, refs
 from autotp.synth.experts import bias_breaks, expert_bias, partial_sum_breaks, selected_weight
 from autotp.synth.entries import stray_entry_reads
-from autotp.synth.params import reading_module, stray_param_reads
+from autotp.synth.params import reading_module, stray_param_reads, stray_tree_reads
 from autotp.synth.ops import FIRST_VALUE_ONLY, GROUPED_MATMULS, NO_VALUES, SCALINGS, SELECTING_PRODUCTS, STACKED_MATMULS, WRITE_VIEWS, WRITES
 from autotp.synth.ops import (ATTENTION, ELEMENTWISE, MATMULS, PASSTHROUGH, SINKS, VIEW_LIKE, Break, Given, Out, Parts,
                               Split, apply_rule)
@@ -59,6 +59,27 @@ class Shard:
     fold: tuple[tuple[int, ...], int] | None = None
 
 
+def _tree_nodes(g: nx.DiGraph, name: str, dim: int, leaves: set[str]) -> dict[str, int]:
+    """The nodes of the pointwise tree ending at ``name`` above its ``leaves`` (chains), with the
+    dim of each that lines up with ``dim`` at ``name``."""
+    from autotp.synth.params import source_dim, value_refs
+
+    found, todo = {}, [(name, dim)]
+    while todo:
+        node, at = todo.pop()
+        if node in leaves or node in found:
+            continue
+        found[node] = at
+        data = g.nodes[node]
+        inputs = value_refs(data)
+        for ref in inputs:
+            shape, out = g.nodes[ref.name]["shape"] or (), data["shape"] or ()
+            inner = source_dim(g, node, at) if len(inputs) == 1 else at - (len(out) - len(shape))
+            if inner is not None and 0 <= inner < len(shape) and shape[inner] == out[at]:
+                todo.append((ref.name, inner))
+    return found
+
+
 @dataclass
 class Flow:
     """The result of one propagation, and the context the op rules query while it runs."""
@@ -81,6 +102,9 @@ class Flow:
     param_spans: dict = field(default_factory=dict)  # parameter placeholder -> {(origins, span, pieces)} it met
     piece_cuts: set = field(default_factory=set)  # nodes that cut a joined shard back into pieces, or unfold one
     factory_shards: dict = field(default_factory=dict)  # constant factory node -> (dim, origins it met)
+    tree_dims: dict = field(default_factory=dict)  # pointwise node on parameters / constants -> dim sharded with the heads
+    tree_uses: dict = field(default_factory=dict)  # such a node -> {(node, dim)} where it met the heads
+    tree_origins: dict = field(default_factory=dict)  # such a node -> {origins of the shards it met}
     conv_groups: dict = field(default_factory=dict)  # candidate -> group counts of the grouped convolutions it met
     writes: dict = field(default_factory=dict)  # in-place write node -> the tensor it wrote a shard into
     meeting: tuple = ()  # the sharded inputs of the node a rule is deciding (for shard_param)
@@ -116,6 +140,44 @@ class Flow:
         self.param_uses.setdefault(found[0], set()).add((other, self.deciding))
         for shard in self.meeting:  # a part cut from a packed output: the parameter is packed alike
             self.param_spans.setdefault(found[0], set()).add((shard.origins, shard.span, shard.pieces))
+        return True
+
+    def shard_tree(self, other: str, dim: int) -> bool:
+        """Whether replicated operand ``other`` is computed by pointwise ops from parameters, buffers
+        and constant tensors alone (``torch.zeros(b, heads, dk, dv) * exp(-self.slope * n)``, a decayed
+        initial state), each of which can meet the shard on its own: every chain at a leaf is sharded
+        (:meth:`shard_param`) or made at the per-rank size (:meth:`sized_with`) on the dim that lines
+        up with ``dim``. All or nothing: a leaf that cannot leaves every leaf as it was. The tree's
+        nodes are recorded in ``tree_dims`` (the shape proof divides them); each may be read
+        elsewhere only where it meets the heads too (:func:`~autotp.synth.params.stray_tree_reads`)."""
+        from autotp.synth.params import tree_leaves
+
+        leaves = tree_leaves(self.g, other, dim)
+        if not leaves:
+            return False
+        nodes = _tree_nodes(self.g, other, dim, {chain for chain, _, _ in leaves})
+        if any(self.tree_dims.get(node, at) != at for node, at in nodes.items()):
+            return False
+        from autotp.synth.params import factory_dim, param_dim
+
+        for chain, at, _ in leaves:  # feasible first, so a refusal records nothing
+            found = param_dim(self.g, chain, at) or factory_dim(self.g, chain, at)
+            if found is None or self.param_shards.get(found[0], found[1]) != found[1] or \
+                    self.factory_shards.get(found[0], (found[1],))[0] != found[1]:
+                return False
+        deciding = self.deciding
+        try:
+            for chain, at, parent in leaves:
+                self.deciding = parent
+                if not (self.shard_param(chain, at) or self.sized_with(chain, at)):
+                    raise AssertionError(f"tree leaf {chain} passed the check and then failed")  # unreachable
+        finally:
+            self.deciding = deciding
+        self.tree_dims.update(nodes)
+        self.tree_uses.setdefault(other, set()).add((self.deciding, dim))
+        origins = frozenset().union(*(shard.origins for shard in self.meeting))
+        for node in nodes:
+            self.tree_origins.setdefault(node, set()).add(origins)
         return True
 
     def sized_with(self, other: str, dim: int) -> bool:
@@ -1081,6 +1143,7 @@ def _fixpoint(g: nx.DiGraph, dropped: dict[str, str], unit_heads: frozenset,
         bad.update({r: reason for r, reason in partial_sum_breaks(g, flow.rows, module_of).items() if r not in bad})
         bad.update({r: reason for r, reason in bias_breaks(flow).items() if r not in bad})
         bad.update({r: reason for r, reason in stray_param_reads(flow).items() if r not in bad})
+        bad.update({r: reason for r, reason in stray_tree_reads(flow).items() if r not in bad})
         bad.update({r: reason for r, reason in stray_entry_reads(flow).items() if r not in bad})
         bad.update({r: reason for r, reason in same_weight(g, bad, active).items() if r not in bad})
         yielded.update({r: mine for r, mine in flow.yielded.items() if r in bad})

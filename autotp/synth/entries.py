@@ -114,7 +114,7 @@ def resolve_entries(model: nn.Module, example_inputs, g: nx.DiGraph, flow,
     unplaced: dict[str, str] = {}
     for (source, module), dim in sorted(flow.entry_shards.items()):
         shape = tuple(g.nodes[source]["shape"])
-        keys = _keys_of_shape(captured.get(module), shape) if module else []
+        keys = keys_of_shape(captured.get(module), shape) if module else []
         if len(keys) == 1:
             entries.setdefault(module, []).append((keys[0], *dim) if isinstance(dim, tuple) else (keys[0], dim))
             continue
@@ -126,7 +126,7 @@ def resolve_entries(model: nn.Module, example_inputs, g: nx.DiGraph, flow,
     return {m: tuple(sorted(set(v), key=str)) for m, v in entries.items()}, unplaced
 
 
-def _keys_of_shape(call, shape: tuple) -> list:
+def keys_of_shape(call, shape: tuple) -> list:
     if call is None:
         return []
     args, kwargs = call

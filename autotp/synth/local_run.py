@@ -20,10 +20,11 @@ from torch import nn
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from autotp.styles.attention import width_view
 from autotp.synth.analysis import Shard, is_linear, module_of, propagate
 from autotp.synth.graph import build_graph
 from autotp.synth.ops import FIXED_SIZE_CUTS
-from autotp.synth.ops import PASSTHROUGH
+from autotp.synth.ops import ELEMENTWISE, PASSTHROUGH
 from autotp.synth.params import chain_dims, reading_module
 from autotp.synth.roles import WEIGHT_DIMS, Role, kind_of
 from autotp.synth.trace import LayerGroups, collapsed, example_args
@@ -164,6 +165,8 @@ def _local_copy(module: nn.Module, roles: dict[str, Role], names: tuple[str, ...
             _as_width_norm(local.get_submodule(name))
         if role.entry_inputs:  # at tp=1 too, so that both traces hold the same ops
             _slice_entries(local.get_submodule(name), role.entry_inputs, tp)
+        if role.width_view:  # at tp=1 too (LocalWidthInputs: the stand-in's ops in both traces)
+            width_view(local.get_submodule(name), *role.width_view, tp)
     if tp > 1:
         _divide(local, names, tp)
     return local
@@ -310,6 +313,11 @@ def shapes_are_local(g: nx.DiGraph, local: nx.DiGraph, roles: dict[str, Role], t
     local_nodes = [n for n in order(local) if local.nodes[n]["op"] not in PASSTHROUGH]
     if [g.nodes[n]["op"] for n in nodes] != [local.nodes[n]["op"] for n in local_nodes]:
         return False
+    # The same numbers where they are values, not sizes: a scale computed from a width the module
+    # reads per rank (``C ** -0.5`` of an input seen at C / tp, ``self.n_embd ** -0.5`` of a divided
+    # attribute) would change the math with every shape right.
+    if any(_numbers(g.nodes[n]) != _numbers(local.nodes[m]) for n, m in zip(nodes, local_nodes)):
+        return False
     # Per-head parameters, viewed to meet the heads, and constant tensors sized to meet them.
     factories = {node: dim for node, (dim, _) in flow.factory_shards.items()}
     entries, cuts = {}, {}  # inputs sliced at entry; the ops that slice merged heads
@@ -322,7 +330,7 @@ def shapes_are_local(g: nx.DiGraph, local: nx.DiGraph, roles: dict[str, Role], t
             entries[path[2]] = dim[0]
         else:
             entries[node] = dim
-    params = {**factories, **cuts, **chain_dims(g, {**flow.param_shards, **factories, **entries})}
+    params = {**factories, **cuts, **chain_dims(g, {**flow.param_shards, **factories, **entries}), **flow.tree_dims}
     for name, local_name in zip(nodes, local_nodes):
         shape, local_shape = g.nodes[name]["shape"], local.nodes[local_name]["shape"]
         state = flow.state.get(name)
@@ -333,6 +341,18 @@ def shapes_are_local(g: nx.DiGraph, local: nx.DiGraph, roles: dict[str, Role], t
                 and not _broadcast_to_heads(g, name, shape, local_shape, tp):
             return False
     return True
+
+
+def _numbers(data) -> list:
+    """The numbers an op computes with: its float arguments (never sizes) and, of a pointwise op,
+    its integers too (``x / 64``); NaN compared as a string."""
+    found = []
+    for value in (*data["args"], *data["kwargs"].values()):
+        if isinstance(value, float):
+            found.append("nan" if value != value else value)
+        elif isinstance(value, int) and not isinstance(value, bool) and data["op"] in ELEMENTWISE:
+            found.append(value)
+    return found
 
 
 def _slicing_ops(g: nx.DiGraph, node: str) -> list[str] | None:

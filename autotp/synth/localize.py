@@ -13,8 +13,12 @@ The traced graph shows only the constants, not where they came from. This pass:
    subset whose cuts are exactly the per-rank parts (and whose outputs keep their global shapes) is
    the answer, realised by :class:`~autotp.styles.ShardCounts`.
 
-When no subset works (widths taken from ``x.size()``, module constants), the fused Linear is
-reported with the reason and stays replicated: never a plan that runs and computes the wrong thing.
+When no subset works, the search is repeated once more where the module's code may read its
+widths from an input (nanoGPT's ``B, T, C = x.size()``, ``C // self.n_head``): an input that only
+its column Linears read (:func:`width_view_of`) is given to the code at its per-rank width while
+those Linears read the real one (:class:`~autotp.styles.LocalWidthInputs`). When that fails too
+(module constants), the fused Linear is reported with the reason and stays replicated: never a
+plan that runs and computes the wrong thing.
 """
 
 from __future__ import annotations
@@ -22,19 +26,21 @@ from __future__ import annotations
 import copy
 import itertools
 import logging
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import networkx as nx
 import torch
 from torch import nn
 
-from autotp.synth.analysis import Flow, Shard, module_of
-from autotp.synth.entries import resolve_entries, with_entries
+from autotp.synth.analysis import Flow, Shard, is_linear, module_of
+from autotp.synth.entries import keys_of_shape, resolve_entries, with_entries
 from autotp.synth.graph import Ref, common_module
 from autotp.synth.ops import FIXED_SIZE_CUTS
 from autotp.synth.local_run import capture_inputs, run_local, shapes_are_local, trace_local
 from autotp.synth.ops import VIEW_LIKE
-from autotp.synth.roles import Role
+from autotp.synth.params import value_refs
+from autotp.synth.ops import SINKS
+from autotp.synth.roles import Role, kind_of
 from autotp.synth.trace import LayerGroups, collapsed
 
 log = logging.getLogger(__name__)
@@ -52,6 +58,60 @@ class Localization:
     unlocal: dict[str, str] = field(default_factory=dict)  # linear node -> reason
     # module -> (argument, dim) of values made outside it that it takes sliced to its heads
     entries: dict[str, tuple] = field(default_factory=dict)
+    # module -> ((argument, ...), (column Linear, ...)): arguments its code reads at per-rank width
+    widths: dict[str, tuple] = field(default_factory=dict)
+
+
+# Roles of Linears that may read an argument the module's code sees at per-rank width: they take
+# a replicated input whole (the stand-in is swapped back to the real value before them).
+_WIDTH_READERS = frozenset({"column", "packed_column", "kv_column"})
+
+
+def width_view_of(g: nx.DiGraph, roles: dict[str, Role], fqn: str, call) -> tuple | None:
+    """``((argument, ...), (reader, ...))`` for module ``fqn`` called with ``call`` (its captured
+    ``(args, kwargs)``): the floating-point arguments it takes from outside whose every read inside
+    it is the input of a column Linear (relative names in ``reader``), each found among the call's
+    arguments by its shape alone; None if there is none.
+
+    Only such an argument can be handed to the module's code as a size-only stand-in
+    (:class:`~autotp.styles.LocalWidthInputs`): its code reads nothing from it but its size, and
+    the Linears get the real value. A read by anything else (a residual add, a norm, a cast before
+    the Linear) keeps the argument out.
+    """
+    if not fqn or call is None:
+        return None
+    inside = lambda n: g.nodes[n]["kind"] == "call" and fqn in g.nodes[n]["stack"]  # noqa: E731
+    reads: dict[str, set[str]] = {}
+    for name in g.nodes:
+        if not inside(name) or g.nodes[name]["op"] in SINKS:
+            continue
+        for ref in value_refs(g.nodes[name]):
+            if not inside(ref.name) and g.nodes[ref.name]["kind"] in ("call", "input"):
+                reads.setdefault(ref.name, set()).add(name)
+    keys, readers = [], set()
+    for value, nodes in sorted(reads.items(), key=lambda item: g.nodes[item[0]]["order"]):
+        modules = {module_of(g, n) for n in nodes}
+        if not all(is_linear(g, n) and g.nodes[n]["args"][0] == Ref(value) and sum(
+                r == Ref(value) for r in value_refs(g.nodes[n])) == 1 for n in nodes) or any(
+                kind_of(roles, m) not in _WIDTH_READERS or not m.startswith(fqn + ".") for m in modules):
+            continue
+        found = keys_of_shape(call, tuple(g.nodes[value]["shape"] or ()))
+        if len(found) != 1:
+            continue
+        args, kwargs = call
+        argument = args[found[0]] if isinstance(found[0], int) else kwargs[found[0]]
+        if not argument.is_floating_point():
+            continue
+        keys.append(found[0])
+        readers |= {m[len(fqn) + 1:] for m in modules}
+    return (tuple(keys), tuple(sorted(readers))) if keys else None
+
+
+def with_width_view(roles: dict[str, Role], view: tuple) -> dict[str, Role]:
+    """Inner ``roles`` (relative names) with the module itself (``""``) reading ``view``."""
+    own = roles.get("")
+    own = Role("shard_counts", "its code reads widths from its inputs") if own is None else own
+    return {**roles, "": replace(own, width_view=view)}
 
 
 def inner_roles(roles: dict[str, Role], fqn: str) -> dict[str, Role]:
@@ -59,7 +119,8 @@ def inner_roles(roles: dict[str, Role], fqn: str) -> dict[str, Role]:
     that change a shape when it runs alone at per-rank widths."""
     prefix = fqn + "." if fqn else ""
     found = {m[len(prefix):]: r for m, r in roles.items() if m.startswith(prefix) and r.kind != "replicate"}
-    if fqn in roles and (roles[fqn].kind in ("head_params", "linear_params") or roles[fqn].entry_inputs):
+    if fqn in roles and (roles[fqn].kind in ("head_params", "linear_params") or roles[fqn].entry_inputs
+                         or roles[fqn].width_view):
         found[""] = roles[fqn]  # its per-head parameters (or raw Linear weights, or sliced inputs) are per-rank too
     return found
 
@@ -217,6 +278,11 @@ def localize(model: nn.Module, example_inputs, g: nx.DiGraph, flow: Flow, roles:
             names = None
             if fqn in captured:
                 names = find_names(module, captured[fqn], inner, fused, candidates, tp)
+                view = width_view_of(g, roles, fqn, captured[fqn]) if names is None else None
+                if view is not None:
+                    names = find_names(module, captured[fqn], with_width_view(inner, view), fused, candidates, tp)
+                    if names is not None:
+                        result.widths[fqn] = view
         if names is None:
             tried = ", ".join(candidates) or "none found"
             for root in roots:

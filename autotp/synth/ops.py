@@ -412,7 +412,7 @@ def _broadcast_ok(g, name, other, out_dim, out_ndim, ctx) -> bool:
         return ctx.broadcast_grad_ok(other)
     return ctx.shards_along(other, name) or ctx.shard_param(other, out_dim - offset) \
         or ctx.sized_with(other, out_dim - offset) or ctx.expert_bias(other, out_dim - offset) \
-        or ctx.shard_entry(other, out_dim - offset)
+        or ctx.shard_entry(other, out_dim - offset) or ctx.shard_tree(other, out_dim - offset)
 
 
 def _broadcast_of(g, name, dim) -> bool:

@@ -33,7 +33,7 @@ from dataclasses import replace
 
 import networkx as nx
 
-from autotp.synth.graph import Ref, common_module, refs
+from autotp.synth.graph import Ref, common_module, made_from_params, refs
 from autotp.synth.ops import CONSTANT_FACTORIES, SPLITS
 from autotp.synth.ops import ELEMENTWISE, PASSTHROUGH, SINKS, VIEW_LIKE
 from autotp.synth.roles import Role
@@ -168,6 +168,73 @@ def factory_dim(g: nx.DiGraph, name: str, dim: int) -> tuple[str, int] | None:
     if data["kind"] != "call" or data["op"] not in CONSTANT_FACTORIES or value_refs(data):
         return None
     return found
+
+
+# Deepest pointwise tree :func:`tree_leaves` follows.
+MAX_TREE_DEPTH = 6
+
+
+def tree_leaves(g: nx.DiGraph, name: str, dim: int, depth: int = MAX_TREE_DEPTH) -> list | None:
+    """``[(chain, dim, parent), ...]``: the chains of one-tensor ops on a parameter, buffer or constant
+    factory (:func:`param_dim`, :func:`factory_dim`) that node ``name``, a tree of pointwise ops over
+    such chains only, is computed from, each with its dim that lines up with ``dim`` and the tree
+    node that reads it; None if ``name`` is no such tree (a single chain is not a tree: the callers
+    try chains first). Its nodes may be read elsewhere: :func:`stray_tree_reads` checks those reads
+    once the pass has seen them all.
+
+    An operand broadcast along ``dim`` (size 1 or absent there) takes no part, unless it has a
+    gradient (made from parameters): every rank would then hold a partial one.
+    """
+    data = g.nodes[name]
+    inputs = value_refs(data)
+    if depth == 0 or data["kind"] != "call" or not data["shape"]:
+        return None
+    if data["op"] not in ELEMENTWISE or len(inputs) < 2:
+        if data["op"] not in SINGLE_INPUT or len(inputs) != 1 or not isinstance(data["args"][0], Ref):
+            return None
+        at = source_dim(g, name, dim)
+        return None if at is None else tree_leaves(g, inputs[0].name, at, depth - 1)
+    found = []
+    for ref in inputs:
+        shape = g.nodes[ref.name]["shape"]
+        if shape is None:
+            return None
+        at = dim - (len(data["shape"]) - len(shape))
+        if at < 0 or shape[at] == 1:
+            if made_from_params(g, ref.name):
+                return None
+            continue
+        if shape[at] != data["shape"][dim]:
+            return None
+        chain = param_dim(g, ref.name, at) or factory_dim(g, ref.name, at)
+        if chain is not None:
+            found.append((ref.name, at, name))
+            continue
+        below = tree_leaves(g, ref.name, at, depth - 1)
+        if below is None:
+            return None
+        found += below
+    return found or None
+
+
+def stray_tree_reads(flow) -> dict[str, str]:
+    """Candidates whose shard met a pointwise tree over parameters and constants
+    (:meth:`~autotp.synth.analysis.Flow.shard_tree`) one of whose nodes some op reads whole: every
+    reader of a tree node must be a node of a tree too or one of the meetings recorded for it."""
+    g, bad = flow.g, {}
+    for node in flow.tree_dims:
+        met = {reader for reader, _ in flow.tree_uses.get(node, ())}
+        stray = [s for s in g.successors(node) if g.nodes[s]["op"] not in SINKS and s not in flow.tree_dims
+                 and s not in met]
+        if not stray:
+            continue
+        succ = min(stray, key=lambda s: g.nodes[s]["order"])
+        reason = (f"a value computed from parameters and constants would be made per rank where it meets the "
+                  f"heads, but {g.nodes[succ]['op']} in {g.nodes[succ]['module'] or 'the root'} reads it whole")
+        for origins in flow.tree_origins.get(node, ()):
+            for origin in origins:
+                bad.setdefault(origin, reason)
+    return bad
 
 
 def _chain_source(g: nx.DiGraph, name: str, dim: int) -> tuple[str, int] | None:

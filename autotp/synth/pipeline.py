@@ -59,6 +59,8 @@ class Analysis:
             (:mod:`autotp.synth.groups`); the analysis is then that of the expanded model.
         entries: per module, the arguments of its call (position or keyword, dim) made outside it
             that meet its heads and are sliced to them on entry (:mod:`autotp.synth.entries`).
+        widths: per module, the arguments its code reads its widths from (``C = x.size(-1)``) and
+            the column Linears that read their values (:class:`~autotp.styles.LocalWidthInputs`).
     """
 
     graph: nx.DiGraph
@@ -73,6 +75,7 @@ class Analysis:
     kv_handled: frozenset = frozenset()
     copies: dict = field(default_factory=dict)
     entries: dict = field(default_factory=dict)
+    widths: dict = field(default_factory=dict)
 
 
 def run(model: nn.Module, *, example_inputs=None, sequence_parallel: bool = False,
@@ -123,7 +126,7 @@ def constraint_fixpoint(g: nx.DiGraph, groups: LayerGroups, model: nn.Module, ex
             continue
         log.debug("constraints converged after %d rounds", round_)
         return Analysis(g, flow, roles, groups, model, example_inputs, tp_size, counts=dict(local.counts),
-                        entries=dict(local.entries))
+                        entries=dict(local.entries), widths=dict(local.widths))
     raise AssertionError("unreachable")  # itertools.count never ends
 
 
@@ -151,6 +154,12 @@ def shard_counts(a: Analysis) -> Analysis:
             continue
         roles[module] = Role("shard_counts", f"its attributes {', '.join(names)} size the cuts of a fused "
                              "output; divided by tp, the cuts are the per-rank parts", (module,), names=names)
+    for module, view in a.widths.items():
+        note = (f"its code reads widths from its argument(s) {', '.join(map(str, view[0]))}, which it sees at the "
+                f"per-rank width while {', '.join(view[1])} read the real value")
+        current = roles.get(module) or Role("shard_counts", note, (module,))
+        roles[module] = replace(current, width_view=view, reason=current.reason if current.reason == note
+                                else f"{current.reason}; {note}")
     return replace(a, roles=roles)
 
 

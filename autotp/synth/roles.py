@@ -105,6 +105,9 @@ class Role:
         partial_grad: of a ``seq_norm_gather``, its plain gathered output's gradient is a partial
             sum, reduce-scattered; of a ``shared_entry``, the columns' summed input gradient is
             handed back unreduced (every path from such a norm ends in such columns).
+        width_view: of any role, ``((argument position or keyword, ...), (reader, ...))``: the module's
+            code reads its widths from those arguments' sizes (``C = x.size(-1)``), so it sees them at
+            the per-rank width, and the column Linears ``reader`` (relative names) read the real ones.
         all_outputs: of a ``seq_gather`` with ``seq_output``, the stream reads several of the
             module's outputs (a hyper-connection's branch input and output weights): each
             per-position output is sliced back, not only the first.
@@ -139,6 +142,7 @@ class Role:
     partial_grad: bool = False
     entry_inputs: tuple = ()
     kv_counts: tuple = ()
+    width_view: tuple = ()
 
     def __post_init__(self):
         if self.kind not in ROLE_KINDS:

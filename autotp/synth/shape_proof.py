@@ -22,6 +22,7 @@ from autotp.synth.analysis import Flow, Shard, module_of
 from autotp.synth.ops import FIXED_SIZE_CUTS
 from autotp.synth.local_run import capture_inputs, run_local, shapes_are_local, trace_local
 from autotp.synth.localize import MAX_NAMES, Localization, candidate_names, cutting_module, inner_roles
+from autotp.synth.localize import width_view_of, with_width_view
 from autotp.synth.ops import NEW_LIKE, VIEW_LIKE
 from autotp.synth.roles import Role, kind_of
 from autotp.synth.trace import LayerGroups, collapsed
@@ -115,6 +116,8 @@ def localize_shapes(model: nn.Module, example_inputs, g: nx.DiGraph, flow: Flow,
                                             f"per-rank shapes stopped before it ({captured.failed}); kept whole")
             continue  # never called by the forward: nothing to prove
         inner = inner_roles(roles, fqn)
+        if fqn in result.widths:  # its fused cuts were proven with it: so are its shapes
+            inner = with_width_view(inner, result.widths[fqn])
         values = shaped_sizes(g, flow, roots)
         if any(v % tp for v in values):
             continue  # tp does not divide the heads: check_divisible names the module and the sizes
@@ -136,9 +139,15 @@ def localize_shapes(model: nn.Module, example_inputs, g: nx.DiGraph, flow: Flow,
                 continue  # already per-rank (or cannot run alone: the verifier judges the numbers)
             candidates = candidate_names(module, {v for v in values if v > 1})
             names = head_names(module, captured[fqn], inner, candidates, tp, verdict, known, traces)
+            view = width_view_of(g, roles, fqn, captured[fqn]) if not names and fqn not in result.widths else None
+            if view is not None:  # sizes read from an input (``C = x.size(-1)``): the last resort
+                widened = with_width_view(inner, view)
+                names = head_names(module, captured[fqn], widened, candidates, tp, verdict, known, {})
+                if names is not None:
+                    result.widths[fqn] = view
         if names:
             result.counts[fqn] = names
-        else:
+        elif names is None or fqn not in result.widths:
             tried = ", ".join(candidates) or "none found"
             for root in roots:
                 result.unlocal[root] = (
@@ -206,7 +215,9 @@ def head_names(module: nn.Module, inputs, roles: dict[str, Role], candidates: li
     """The smallest set of ``candidates`` with which ``module`` runs at per-rank widths, keeps its
     main output's global shape, and has every intermediate shape the per-rank one; or None."""
     traced = None
-    for count in range(1, min(MAX_NAMES, len(candidates)) + 1):
+    # With no names the module was judged already; with an input seen at per-rank width, not yet.
+    first = 0 if "" in roles and roles[""].width_view else 1
+    for count in range(first, min(MAX_NAMES, len(candidates)) + 1):
         for names in itertools.combinations(candidates, count):
             result = run_local(module, inputs, roles, [], known + names, tp)
             if result is None or _main(result[0]) != main:
