@@ -21,6 +21,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.tensor import Shard
 
 from autotp import check_plan
 from autotp.synth import synthesize
@@ -505,6 +506,41 @@ def test_a_head_on_the_tied_embedding_in_the_models_own_code(tp, sequence_parall
     if sequence_parallel:
         assert type(plan["norm"]).__name__ == "SequenceParallelAllGather" and plan["norm"].use_local_output, plan
         assert report.comm_volume_backward <= report.comm_volume, report
+
+
+class ProjectedTiedHead(Decoder):
+    """Embeddings narrower than the blocks, projected in and out, and the head tied to the
+    embedding: ``head(project_out(norm(x)))`` with ``head.weight = embed.weight``."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Embedding(VOCAB, DIM // 2)
+        self.project_in, self.project_out = nn.Linear(DIM // 2, DIM, bias=False), nn.Linear(DIM, DIM // 2, bias=False)
+        self.head = nn.Linear(DIM // 2, VOCAB, bias=False)
+        self.head.weight = self.embed.weight
+
+    def forward(self, tokens):
+        x = self.project_in(self.embed(tokens))
+        for layer in self.layers:
+            x = layer(x)
+        return self.head(self.project_out(self.norm(x)))
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+@pytest.mark.parametrize("sequence_parallel", [False, True], ids=["tp", "sp"])
+def test_a_tied_head_after_a_projection_shards_the_vocabulary(tp, sequence_parallel):
+    """``project_out`` column-parallel would make the tied head a row (its weight split on the other
+    dim than the embedding's): the projection stays whole instead, and the tied weight is sharded
+    over the vocabulary by both users. Would catch both kept whole again (the largest matrix on
+    every rank). Under SP the stream starts sharded at the layers (the projection's output is
+    replicated); the plan crashed there before."""
+    model = ProjectedTiedHead()
+    plan, report = run(model, tp, sequence_parallel)
+    assert report.ok, str(report)
+    assert type(plan["embed"]).__name__ == "VocabParallelEmbedding", plan
+    assert "Colwise" not in type(plan.get("project_out")).__name__, plan  # whole (gathered under SP)
+    assert plan["head"].output_layouts == (Shard(-1),), plan
+    assert max(report.param_fraction) < 1 / tp + 0.12, report.param_fraction
 
 
 def test_fused_kv_parts_with_fewer_heads_than_ranks_stay_whole():

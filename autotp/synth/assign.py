@@ -189,7 +189,10 @@ def tie_conflicts(g: nx.DiGraph, roles: dict[str, Role], flow: Flow | None = Non
     """Linear nodes whose tied weight another user shards differently: node -> reason.
 
     A row Linear is kept whole only if its input is: with ``flow``, the column Linears its input
-    shard comes from (OPT's ``project_out`` before a tied head) are returned as well.
+    shard comes from (OPT's ``project_out`` before a tied head) are returned as well. Where such a
+    row is the user that disagrees, those columns alone are returned first: kept whole, they hand
+    the tied user a replicated input, and it shards the weight like the others (a tied head after a
+    small projection is sharded over the vocabulary with its embedding, rather than both whole).
     """
     users: dict[str, list[tuple[str, str]]] = {}
     for name, weight in weight_uses(g):
@@ -201,6 +204,12 @@ def tie_conflicts(g: nx.DiGraph, roles: dict[str, Role], flow: Flow | None = Non
         dims = {WEIGHT_DIMS.get(kind_of(roles, module)) for _, module in nodes}  # None: kept whole
         if len(dims) > 1:
             names = ", ".join(m for _, m in nodes)
+            origins = {o: why for name, module in nodes if kind_of(roles, module) == "row"
+                       for o, why in _shard_origins(g, flow, name, names).items()}
+            if origins:
+                conflicts.update({o: f"its output reaches a Linear whose weight is tied ({names}); kept whole so "
+                                     "that the tied users shard the weight alike" for o in origins})
+                continue
             for name, _ in nodes:
                 if is_linear(g, name):
                     conflicts[name] = f"its weight {g.nodes[weight]['param']} is tied ({names}) and the users would shard it differently"

@@ -69,12 +69,18 @@ def residual_region(g: nx.DiGraph, flow: Flow, blocks: set[str] = frozenset()) -
 def stream_embeddings(g: nx.DiGraph, flow: Flow, from_rows: set[str]) -> list[str]:
     """Token-embedding lookups whose output meets what the rows return: the residual stream's
     start. Another table looked up by the token ids (Gemma4's per-layer inputs) feeds Linears
-    first and stays replicated. Without rows, every token embedding counts."""
+    first and stays replicated. Without rows, every token embedding counts. A Linear kept whole
+    between a lookup and the rows (an input projection from narrower embeddings, ``project_in``)
+    starts the stream in its place; :func:`root_whole_linears` then moves the start to the layers."""
     found = []
     for name, data in g.nodes(data=True):
         if data["op"] == "embedding" and reads_model_input(g, data["args"][1].name):
-            if not from_rows or _downstream(g, flow, [name]) & from_rows:
+            reach = _downstream(g, flow, [name])
+            if not from_rows or reach & from_rows:
                 found.append(name)
+                continue
+            found += sorted({s for n in reach for s in g.successors(n) if is_linear(g, s) and s not in flow.roots
+                             and s not in flow.rows and _downstream(g, flow, [s]) & from_rows})
     return found
 
 
@@ -761,6 +767,18 @@ def root_joins(g: nx.DiGraph, flow: Flow, region: set[str], groups) -> list[str]
     return found
 
 
+def root_whole_linears(g: nx.DiGraph, region: set[str], roles: dict[str, Role], groups) -> list[str]:
+    """Linears kept whole on the stream outside every layer before the first one (an input projection
+    from a narrower embedding, ``project_in(embed(ids))``): their output, the stream the first layer
+    reads, is replicated, so the stream starts sharded at the layers' entry instead."""
+    in_layers = [g.nodes[n]["order"] for n in region if layer_of(g.nodes[n]["stack"], groups) is not None]
+    if not in_layers:
+        return []
+    first = min(in_layers)
+    return sorted(n for n in region if g.nodes[n]["order"] < first and layer_of(g.nodes[n]["stack"], groups) is None
+                  and is_linear(g, n) and kind_of(roles, module_of(g, n)) in (None, "replicate"))
+
+
 def start_at_layers(g: nx.DiGraph, region: set[str], groups) -> tuple[set[str], dict[str, Role]]:
     """Move the stream's start from the embeddings to the first layers' entry (see
     :func:`root_joins`): the region without the nodes before those layers, and a ``seq_slice``
@@ -792,7 +810,7 @@ def sequence_parallel_roles(g: nx.DiGraph, flow: Flow, roles: dict[str, Role], g
     partial = partial_blocks(g, roles, blocks, inner_rows(g, flow))
     region = residual_region(g, flow, blocks)
     out = dict(roles)
-    if root_joins(g, flow, region, groups):
+    if root_joins(g, flow, region, groups) or root_whole_linears(g, region, roles, groups):
         region, slicing = start_at_layers(g, region, groups)
         out.update(slicing)
     out.update(replicated_blocks(g, region, out, blocks))
