@@ -450,3 +450,41 @@ def test_norm_inside_a_block_gathered_at_entry_stays_whole(tp):
     plan = synthesize(model, example_inputs=(example_tokens(),), tp_size=tp, sequence_parallel=True)
     assert "layers.*.moe.router_norm" not in plan, plan.get("layers.*.moe.router_norm")
     verify_toy(model, plan, tp)
+
+
+class RootLoopModel(nn.Module):
+    """The layers are the mixers and norms themselves, in lists of their own, and the model's own
+    loop adds the residual and multiplies the stream by the padding mask after every layer."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.embed = nn.Embedding(VOCAB, DIM)
+        self.attns = nn.ModuleList(CausalSelfAttention() for _ in range(2))
+        self.norms_1 = nn.ModuleList(nn.LayerNorm(DIM) for _ in range(2))
+        self.mlps = nn.ModuleList(MLP() for _ in range(2))
+        self.norms_2 = nn.ModuleList(nn.LayerNorm(DIM) for _ in range(2))
+        self.head = nn.Linear(DIM, VOCAB, bias=False)
+
+    def forward(self, ids):
+        mask = (ids != 0).unsqueeze(-1).to(torch.float32)
+        x = self.embed(ids) * mask
+        for attn, norm_1, mlp, norm_2 in zip(self.attns, self.norms_1, self.mlps, self.norms_2):
+            x = norm_1(x + attn(x))
+            x = norm_2(x + mlp(x))
+            x = x * mask
+        return self.head(x)
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+def test_stream_masked_by_the_root_between_layers_stays_replicated(tp):
+    """Would catch a sequence-parallel plan for a stream that the model's own loop multiplies by a
+    plain mask between its layers: no module boundary is there to hand the stream over, and the
+    forward raised "got mixed torch.Tensor and DTensor" (at the first norm, sliced at entry, whose
+    weight stayed plain). The plan is the plain-TP one, which runs."""
+    model = RootLoopModel()
+    plan = synthesize(model, example_inputs=(example_tokens(),), tp_size=tp, sequence_parallel=True)
+    plain = synthesize(model, example_inputs=(example_tokens(),), tp_size=tp)
+    assert repr(plan) == repr(plain), (plan, plain)
+    report = verify_toy(model, plan, tp)
+    assert "reduce_scatter_tensor" not in report.collectives, report.collectives

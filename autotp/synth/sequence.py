@@ -783,6 +783,28 @@ def start_at_layers(g: nx.DiGraph, region: set[str], groups) -> tuple[set[str], 
     return kept, roles
 
 
+def unshardable_stream(g: nx.DiGraph, flow: Flow, roles: dict[str, Role], groups=None) -> str | None:
+    """Why the residual stream cannot be sequence-sharded anywhere, or None where it can.
+
+    The model's own code (outside every layer) that combines the stream with a plain tensor before
+    the first layer is handled by starting the stream at that layer (:func:`start_at_layers`). Such
+    code between layers (XLM's root loop: ``tensor = norm(tensor + attn(tensor)) ...;
+    tensor *= mask``, its layers being the norms and mixers themselves) meets the stream where no
+    module boundary can hand it over sharded or whole: the stream stays replicated, as under plain
+    TP, and the plan is the plain one.
+    """
+    blocks = expert_blocks(roles, groups) | dispatch_blocks(g, roles) | routed_blocks(g, roles)
+    region = residual_region(g, flow, blocks)
+    if not root_joins(g, flow, region, groups):
+        return None
+    region, _ = start_at_layers(g, region, groups)
+    joins = root_joins(g, flow, region, groups)
+    if not joins:
+        return None
+    return (f"the model's own code combines the stream with a plain tensor between its layers (at {joins[0]}), "
+            "where no module boundary can keep it sequence-sharded: the stream stays replicated (plain TP)")
+
+
 def sequence_parallel_roles(g: nx.DiGraph, flow: Flow, roles: dict[str, Role], groups=None) -> dict[str, Role]:
     """Roles under sequence parallel: add seq norms and rotary, and mark sequence-sharded ends.
     ``groups``: the trace's layer groups (a MoE block is recognised across the layers it stands for)."""
