@@ -488,3 +488,70 @@ def test_stream_masked_by_the_root_between_layers_stays_replicated(tp):
     assert repr(plan) == repr(plain), (plan, plain)
     report = verify_toy(model, plan, tp)
     assert "reduce_scatter_tensor" not in report.collectives, report.collectives
+
+
+class TopKGate(nn.Linear):
+    """Per-position weights of the top-k features, zero elsewhere (the top-k keeps it whole)."""
+
+    def __init__(self, top_k: int = 8):
+        super().__init__(DIM, DIM, bias=False)
+        self.top_k = top_k
+
+    def forward(self, x):
+        logits = super().forward(x)
+        top, index = logits.topk(self.top_k, dim=-1)
+        return torch.zeros_like(logits).scatter(-1, index, torch.sigmoid(top))
+
+
+class GatedLayer(GPTBlock):
+    """A block whose own code scales its output by a whole gate child."""
+
+    def __init__(self):
+        super().__init__()
+        self.gate = TopKGate()
+
+    def forward(self, x):
+        x = super().forward(x)
+        return x * self.gate(x)
+
+
+class GatedBody(nn.Module):
+    """The token embedding, scaled by a whole gate child in the body's own code, then the layers."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Embedding(VOCAB, DIM)
+        self.gate = TopKGate()
+        self.layers = nn.ModuleList(GatedLayer() for _ in range(2))
+
+    def forward(self, ids):
+        x = self.embed(ids)
+        x = x * self.gate(x)
+        for layer in self.layers:
+            x = layer(x)
+        return {"hidden": x}  # as transformers' bodies return a ModelOutput
+
+
+class GatedBodyModel(nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.body, self.norm, self.head = GatedBody(), nn.LayerNorm(DIM), nn.Linear(DIM, VOCAB, bias=False)
+
+    def forward(self, ids):
+        return self.head(self.norm(self.body(ids)["hidden"]))
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+def test_gated_body_holding_the_embedding_and_gated_layers_runs_whole(tp):
+    """A body scaled by a whole gate child is gathered whole at entry (as a routed MoE block is).
+    Would catch the token table inside it still starting a sequence-sharded stream (a whole gate
+    Linear read it: "aten.mm.default got mixed torch.Tensor and DTensor"), or a gated layer inside
+    it gathered again and its whole output sliced to the sequence shard within the whole body, or
+    the body's output, a dict, handed on whole (the norm read it as its shard: twice the length)."""
+    model = GatedBodyModel()
+    plan = synthesize(model, example_inputs=(example_tokens(),), tp_size=tp, sequence_parallel=True)
+    assert isinstance(plan.get("body"), styles.GatherSequenceInput), plan.get("body")
+    assert "body.layers.*.attn.c_attn" in plan, sorted(plan)
+    assert not isinstance(plan.get("body.layers.*"), styles.GatherSequenceInput), plan.get("body.layers.*")
+    verify_toy(model, plan, tp)

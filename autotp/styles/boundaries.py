@@ -553,8 +553,10 @@ class GatherSequenceInput(ParallelStyle):
         if self.reshard_output:
             def slice_back(value):
                 if isinstance(value, torch.Tensor) and not isinstance(value, DTensor):
-                    whole = DTensor.from_local(value, device_mesh, [Replicate()], run_check=False)
-                    return whole.redistribute(placements=[Shard(self.sequence_dim)])
+                    value = DTensor.from_local(value, device_mesh, [Replicate()], run_check=False)
+                if isinstance(value, DTensor) and value.placements == (Replicate(),):
+                    # A Replicate() DTensor too (an inner module's output wrapped to meet the stream).
+                    return value.redistribute(placements=[Shard(self.sequence_dim)])
                 return value
 
             leading: list = []  # (batch, sequence) sizes of the gathered stream, per call
@@ -573,6 +575,11 @@ class GatherSequenceInput(ParallelStyle):
                     if self.reshard_output == "all":
                         return type(out)([slice_back(v) if per_position(v) else v for v in out])
                     return type(out)([slice_back(out[0]), *out[1:]])
+                if isinstance(out, dict) and out:  # a transformers ModelOutput: its first field
+                    for key in list(out) if self.reshard_output == "all" else list(out)[:1]:
+                        if self.reshard_output != "all" or per_position(out[key]):
+                            out[key] = slice_back(out[key])
+                    return out
                 return slice_back(out)
 
             if self.reshard_output == "all":

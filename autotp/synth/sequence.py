@@ -62,7 +62,9 @@ def residual_region(g: nx.DiGraph, flow: Flow, blocks: set[str] = frozenset()) -
         starts += [r for r in module_outputs(g, block)[1]
                    if g.nodes[r]["kind"] == "call" and not is_linear(g, r) and r not in starts]
     from_rows = _downstream(g, flow, starts)
-    embeddings = stream_embeddings(g, flow, from_rows)
+    # A table looked up inside a block gathered whole at entry starts no stream: the block's code
+    # runs on the whole sequence, and its output, sliced back, is where the stream starts.
+    embeddings = [e for e in stream_embeddings(g, flow, from_rows) if not _in_block(g, e, blocks)]
     return from_rows | _downstream(g, flow, embeddings)
 
 
@@ -662,6 +664,8 @@ def joining_modules(g: nx.DiGraph, flow: Flow, region: set[str], roles: dict[str
                 outer = [m for m in data["stack"] if m not in stack]
             if not outer:
                 continue
+            if any(kind_of(roles, m) == "seq_gather" and roles[m].seq_output for m in outer[:-1]):
+                continue  # made inside a block gathered at entry, whose style slices its output back
             module = outer[-1]  # innermost: the module whose output this node is
             role = roles.get(module, Role("replicate", "runs whole on every rank"))
             if role.kind == "replicate" and not role.seq_output and not role.seq_input:
@@ -783,6 +787,16 @@ def start_at_layers(g: nx.DiGraph, region: set[str], groups) -> tuple[set[str], 
     return kept, roles
 
 
+def outermost(modules: set[str]) -> set[str]:
+    """``modules`` without those inside another of them: a block gathered whole at entry runs every
+    module inside on the whole sequence, so one inside it must not gather (nor slice its output) again.
+
+    >>> sorted(outermost({"model", "model.layers.0", "head"}))
+    ['head', 'model']
+    """
+    return {m for m in modules if not any(m.startswith(o + ".") for o in modules)}
+
+
 def unshardable_stream(g: nx.DiGraph, flow: Flow, roles: dict[str, Role], groups=None) -> str | None:
     """Why the residual stream cannot be sequence-sharded anywhere, or None where it can.
 
@@ -808,7 +822,7 @@ def unshardable_stream(g: nx.DiGraph, flow: Flow, roles: dict[str, Role], groups
 def sequence_parallel_roles(g: nx.DiGraph, flow: Flow, roles: dict[str, Role], groups=None) -> dict[str, Role]:
     """Roles under sequence parallel: add seq norms and rotary, and mark sequence-sharded ends.
     ``groups``: the trace's layer groups (a MoE block is recognised across the layers it stands for)."""
-    blocks = expert_blocks(roles, groups) | dispatch_blocks(g, roles) | routed_blocks(g, roles)
+    blocks = outermost(expert_blocks(roles, groups) | dispatch_blocks(g, roles) | routed_blocks(g, roles))
     masked = {m for m in masked_blocks(g, flow, residual_region(g, flow, blocks))
               if not any(m == b or m.startswith(b + ".") for b in blocks)}
     partial = partial_blocks(g, roles, blocks, inner_rows(g, flow))
