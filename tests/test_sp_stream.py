@@ -555,3 +555,39 @@ def test_gated_body_holding_the_embedding_and_gated_layers_runs_whole(tp):
     assert "body.layers.*.attn.c_attn" in plan, sorted(plan)
     assert not isinstance(plan.get("body.layers.*"), styles.GatherSequenceInput), plan.get("body.layers.*")
     verify_toy(model, plan, tp)
+
+
+class TimeMajorAttention(CausalSelfAttention):
+    """:class:`CausalSelfAttention` on a sequence-first ``(t, b, d)`` input."""
+
+    def forward(self, x):
+        return super().forward(x.transpose(0, 1)).transpose(0, 1)
+
+
+class TimeMajorModel(nn.Module):
+    """Token ids transposed before the lookup: the stream is ``(t, b, d)`` until the head. An
+    attention block, then one with a raw-weight mixer kept whole (gathered at entry)."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.embed = nn.Embedding(VOCAB, DIM)
+        self.layers = nn.ModuleList(layer() for layer in (lambda: GPTBlock(TimeMajorAttention), lambda: Block("raw")))
+        self.norm, self.head = nn.LayerNorm(DIM), nn.Linear(DIM, VOCAB, bias=False)
+
+    def forward(self, ids):
+        x = self.embed(ids.transpose(0, 1).contiguous())
+        for layer in self.layers:
+            x = layer(x)
+        return self.head(self.norm(x).permute(1, 0, 2))
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+def test_sequence_first_stream_stays_replicated(tp):
+    """Would catch sequence-parallel styles sharding dim 1 of a sequence-first stream, the batch
+    (two rows over four ranks at tp=4: the forward raised, as XLNet's did). The plan is the plain-TP one."""
+    model = TimeMajorModel()
+    plan = synthesize(model, example_inputs=(example_tokens(),), tp_size=tp, sequence_parallel=True)
+    plain = synthesize(model, example_inputs=(example_tokens(),), tp_size=tp)
+    assert repr(plan) == repr(plain), (plan, plain)
+    verify_toy(model, plan, tp)

@@ -797,6 +797,23 @@ def outermost(modules: set[str]) -> set[str]:
     return {m for m in modules if not any(m.startswith(o + ".") for o in modules)}
 
 
+def time_major_tables(g: nx.DiGraph, flow: Flow, region: set[str]) -> list[str]:
+    """Token-embedding lookups of the stream whose output is sequence-first: ``(t, b, d)`` for
+    ``(b, t)`` token ids (XLNet transposes its ids before the lookup). The sequence-parallel styles
+    shard dim 1, the batch there."""
+    found = []
+    for name in stream_embeddings(g, flow, region):
+        shape = g.nodes[name]["shape"]
+        ids = g.nodes[name]["args"][1].name
+        for source in nx.ancestors(g, ids) | {ids}:
+            given = g.nodes[source]["shape"]
+            if g.nodes[source]["kind"] == "input" and given and len(given) == 2 and given[0] != given[1] \
+                    and shape and tuple(shape[:2]) == (given[1], given[0]):
+                found.append(name)
+                break
+    return found
+
+
 def unshardable_stream(g: nx.DiGraph, flow: Flow, roles: dict[str, Role], groups=None) -> str | None:
     """Why the residual stream cannot be sequence-sharded anywhere, or None where it can.
 
@@ -809,6 +826,9 @@ def unshardable_stream(g: nx.DiGraph, flow: Flow, roles: dict[str, Role], groups
     """
     blocks = expert_blocks(roles, groups) | dispatch_blocks(g, roles) | routed_blocks(g, roles)
     region = residual_region(g, flow, blocks)
+    for table in time_major_tables(g, flow, region):
+        return (f"the token embedding's output ({table}) is sequence-first, (t, b, d): its dim 1 is the batch, "
+                "which sequence-parallel styles would shard: the stream stays replicated (plain TP)")
     if not root_joins(g, flow, region, groups):
         return None
     region, _ = start_at_layers(g, region, groups)
