@@ -591,3 +591,56 @@ def test_sequence_first_stream_stays_replicated(tp):
     plain = synthesize(model, example_inputs=(example_tokens(),), tp_size=tp)
     assert repr(plan) == repr(plain), (plan, plain)
     verify_toy(model, plan, tp)
+
+
+class NormedHyperConnection(HyperConnection):
+    """:class:`HyperConnection` whose weights come from a normed copy of the streams: ``post`` is
+    computed from the stream through a weight only, so only ``x`` carries the stream itself."""
+
+    def forward(self, streams):
+        flat = streams.flatten(2)
+        normed = flat * torch.rsqrt(flat.pow(2).mean(-1, keepdim=True) + 1e-6)
+        pre, post = torch.sigmoid(F.linear(normed, self.fn) + self.base).split(STREAMS, dim=-1)
+        return post, (pre.unsqueeze(-1) * streams).sum(dim=2)
+
+
+class SparseOutMLP(nn.Module):
+    """An MLP (sharded), then the top-k of its output features per position into a last Linear
+    (kept whole): a branch whose output is a whole Linear's, with sharded Linears before it."""
+
+    def __init__(self):
+        super().__init__()
+        self.mlp, self.out = MLP(), nn.Linear(DIM, DIM)
+
+    def forward(self, x):
+        h = self.mlp(x)
+        top, index = h.topk(DIM // 4, dim=-1)
+        return self.out(torch.zeros_like(h).scatter(-1, index, top))
+
+
+class NormedHyperLayer(HyperLayer):
+    def __init__(self):
+        super().__init__()
+        self.attn_hc, self.mlp_hc = NormedHyperConnection(), NormedHyperConnection()
+        self.mlp = SparseOutMLP()
+
+
+class NormedHyperModel(HyperModel):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.layers = nn.ModuleList(NormedHyperLayer() for _ in range(2))
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+def test_hyper_connection_weights_from_a_normed_copy_are_sliced_back(tp):
+    """Would catch a whole hyper-connection slicing back only its first output (``post``, whose
+    value comes from the stream through a weight) and not the branch input ``x`` (the next norm
+    read the whole sequence as its shard: "size of tensor a (32) must match the size of tensor b
+    (16)", as DeepSeek-V4's did), or a whole branch's plain output meeting the sliced ``post``
+    behind an ``unsqueeze`` ("got mixed torch.Tensor and DTensor")."""
+    model = NormedHyperModel()
+    plan = synthesize(model, example_inputs=(example_tokens(),), tp_size=tp, sequence_parallel=True)
+    assert plan["layers.*.attn_hc"].reshard_output == "all", plan["layers.*.attn_hc"]
+    assert "layers.*.attn.c_attn" in plan, sorted(plan)
+    verify_toy(model, plan, tp)

@@ -19,7 +19,7 @@ from autotp.synth.assign import reads_model_input
 from autotp.synth.graph import common_module, param_modules, refs
 from autotp.synth.params import reading_module
 from autotp.synth.ops import DISPATCH, LINEAR_CARRY, MASKING, PRODUCTS, SUMS, WEIGHT_PRODUCTS
-from autotp.synth.ops import ATTENTION, CONVOLUTIONS, ELEMENTWISE, MATMULS, PASSTHROUGH, SINKS
+from autotp.synth.ops import ATTENTION, CONVOLUTIONS, ELEMENTWISE, MATMULS, PASSTHROUGH, RESHAPES, SINKS
 from autotp.synth.roles import Kind, Role, kind_of
 
 # Linear roles that take a replicated input and can share one all-gather before them.
@@ -490,7 +490,7 @@ def replicated_blocks(g: nx.DiGraph, region: set[str], roles: dict[str, Role],
                 # A whole decoder block (GPT-2's Conv1D layers) returns the stream itself: its
                 # output is sliced back to the sequence shard; every stream-shaped output where
                 # the stream reads several (a hyper-connection's branch input and weights).
-                returns = set(module_outputs(g, module)[0]) & region
+                returns = sliced_outputs(g, region, module)
                 if module in roles and not returns:
                     # Raw weights of its own, its outputs not the stream (a router feeding experts):
                     # it keeps its role, its input gathered by the final pass.
@@ -505,6 +505,17 @@ def replicated_blocks(g: nx.DiGraph, region: set[str], roles: dict[str, Role],
     return found
 
 
+
+
+def sliced_outputs(g: nx.DiGraph, region: set[str], module: str) -> set[str]:
+    """The outputs of a whole ``module`` gathered at entry that are sliced back to the sequence
+    shard: the stream's, and every other per-position one (a hyper-connection's ``(post, comb, x)``,
+    where ``post`` and ``comb`` come from a weight on a normed copy of the stream, so the region
+    does not reach them): all meet the stream outside."""
+    outputs = module_outputs(g, module)[0]
+    returns = set(outputs) & region
+    leading = {tuple(g.nodes[n]["shape"][:2]) for n in returns if g.nodes[n]["shape"]}
+    return returns | {n for n in outputs if g.nodes[n]["shape"] and tuple(g.nodes[n]["shape"][:2]) in leading}
 
 
 def _weight_matmul(g: nx.DiGraph, name: str) -> bool:
@@ -679,9 +690,10 @@ def joining_modules(g: nx.DiGraph, flow: Flow, region: set[str], roles: dict[str
 
 
 def _behind_pointwise(g: nx.DiGraph, name: str) -> str:
-    """Follow ``name`` back through casts and pointwise ops of a single tensor input (a scale by a
-    number, or by a parameter: a scale or bias vector): the node whose value it carries."""
-    while g.nodes[name]["kind"] == "call" and g.nodes[name]["op"] in PASSTHROUGH | ELEMENTWISE:
+    """Follow ``name`` back through casts, reshapes (``attn_out.unsqueeze(-2)``) and pointwise ops
+    of a single tensor input (a scale by a number, or by a parameter: a scale or bias vector): the
+    node whose value it carries."""
+    while g.nodes[name]["kind"] == "call" and g.nodes[name]["op"] in PASSTHROUGH | ELEMENTWISE | RESHAPES:
         tensors = [r.name for r in refs(g.nodes[name]["args"], g.nodes[name]["kwargs"])
                    if g.nodes[r.name]["shape"] and g.nodes[r.name]["kind"] != "param"]
         if len(tensors) != 1:
@@ -851,7 +863,11 @@ def sequence_parallel_roles(g: nx.DiGraph, flow: Flow, roles: dict[str, Role], g
     if root_joins(g, flow, region, groups):
         region, slicing = start_at_layers(g, region, groups)
         out.update(slicing)
-    out.update(replicated_blocks(g, region, out, blocks))
+    whole = replicated_blocks(g, region, out, blocks)
+    out.update(whole)
+    # What a whole block hands back sliced is sequence-sharded too, where the region did not reach it.
+    region |= _downstream(g, flow, [s for m in whole for n in sliced_outputs(g, region, m) - region
+                                    for s in g.successors(n) if m not in g.nodes[s]["stack"]])
     out.update(sequence_norms(g, region, out, groups))
     out.update(rotary_modules(g, flow, out))
     for block in blocks:
