@@ -670,8 +670,8 @@ def joining_modules(g: nx.DiGraph, flow: Flow, region: set[str], roles: dict[str
             if isinstance(flow.state.get(ref.name), (Shard, tuple)):  # a TP shard, not a replica
                 continue
             outer = [m for m in data["stack"] if m not in stack]
-            if not outer:  # scaled or cast on the way, in the stream's own module: look behind that
-                data = g.nodes[_behind_pointwise(g, ref.name)]
+            if not outer:  # scaled, cast or reshaped on the way, in the stream's own module: look behind that
+                data = g.nodes[_behind_pointwise(g, ref.name, PASSTHROUGH | ELEMENTWISE | RESHAPES)]
                 outer = [m for m in data["stack"] if m not in stack]
             if not outer:
                 continue
@@ -689,11 +689,11 @@ def joining_modules(g: nx.DiGraph, flow: Flow, region: set[str], roles: dict[str
     return found
 
 
-def _behind_pointwise(g: nx.DiGraph, name: str) -> str:
-    """Follow ``name`` back through casts, reshapes (``attn_out.unsqueeze(-2)``) and pointwise ops
-    of a single tensor input (a scale by a number, or by a parameter: a scale or bias vector): the
-    node whose value it carries."""
-    while g.nodes[name]["kind"] == "call" and g.nodes[name]["op"] in PASSTHROUGH | ELEMENTWISE | RESHAPES:
+def _behind_pointwise(g: nx.DiGraph, name: str, through: frozenset = PASSTHROUGH | ELEMENTWISE) -> str:
+    """Follow ``name`` back through casts and pointwise ops of a single tensor input (a scale by a
+    number, or by a parameter: a scale or bias vector), and any other ``through`` ops: the node
+    whose value it carries."""
+    while g.nodes[name]["kind"] == "call" and g.nodes[name]["op"] in through:
         tensors = [r.name for r in refs(g.nodes[name]["args"], g.nodes[name]["kwargs"])
                    if g.nodes[r.name]["shape"] and g.nodes[r.name]["kind"] != "param"]
         if len(tensors) != 1:
