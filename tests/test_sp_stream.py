@@ -644,3 +644,55 @@ def test_hyper_connection_weights_from_a_normed_copy_are_sliced_back(tp):
     assert plan["layers.*.attn_hc"].reshard_output == "all", plan["layers.*.attn_hc"]
     assert "layers.*.attn.c_attn" in plan, sorted(plan)
     verify_toy(model, plan, tp)
+
+
+class QueryOverStates(nn.Module):
+    """A learned query attending, at each position, over the earlier layers' states and the stream."""
+
+    def __init__(self):
+        super().__init__()
+        self.query = nn.Parameter(0.1 * torch.randn(DIM))
+
+    def forward(self, states, x):
+        stacked = torch.cat([states, x.unsqueeze(-2)], dim=-2)
+        query = self.query.view(1, DIM).expand(*stacked.shape[:-2], 1, DIM)
+        return F.scaled_dot_product_attention(query, stacked, stacked).unbind(-2)
+
+
+class StatesLayer(GPTBlock):
+    def __init__(self):
+        super().__init__()
+        self.mix = QueryOverStates()
+
+    def forward(self, x, states):
+        return super().forward(self.mix(states, x)[0])
+
+
+class StatesModel(nn.Module):
+    """Every layer reads a learned mix of all the states before it: ``(b, t, layers, d)``."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.embed = nn.Embedding(VOCAB, DIM)
+        self.layers = nn.ModuleList(StatesLayer() for _ in range(2))
+        self.norm, self.head = nn.LayerNorm(DIM), nn.Linear(DIM, VOCAB, bias=False)
+
+    def forward(self, ids):
+        x = self.embed(ids)
+        states = x.unsqueeze(-2)
+        for layer in self.layers:
+            x, states = layer(x, states), torch.cat([states, x.unsqueeze(-2)], dim=-2)
+        return self.head(self.norm(x))
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+def test_attention_over_the_stream_with_a_learned_query_runs_whole(tp):
+    """Would catch a module running attention over the sequence-sharded states with a parameter of
+    its own, given replicated DTensor parameters and run on DTensors: DTensor took the sequence for
+    the heads ("Attempted to unbind along the sharded dimension 2", or no sharding strategy for the
+    attention's backward, as Inkling2's did). It is gathered whole at entry, its outputs sliced back."""
+    model = StatesModel()
+    plan = synthesize(model, example_inputs=(example_tokens(),), tp_size=tp, sequence_parallel=True)
+    assert plan["layers.*.mix"].reshard_output == "all", plan["layers.*.mix"]
+    verify_toy(model, plan, tp)

@@ -532,6 +532,9 @@ class GatherSequenceInput(ParallelStyle):
             # Kept a DTensor, the column Linears' Partial() input gradients are summed and the
             # all-gather's backward reduce-scatters them once.
             return value.to_local() if use_local_output else value
+        if isinstance(value, DTensor) and value.placements == (Replicate(),) and use_local_output:
+            # Whole already (a module's output wrapped to meet the stream): plain like the rest.
+            return value.to_local()
         return value
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:

@@ -558,6 +558,15 @@ def sequence_norms(g: nx.DiGraph, region: set[str], roles: dict[str, Role], grou
                     found[module] = Role("seq_params", "applies parameters of its own to the sequence-sharded "
                                          "stream; they are replicated DTensors", ("residual", module))
                 continue
+            if any(g.nodes[n]["op"] in ATTENTION and module in g.nodes[n]["stack"] for n in region):
+                # Attention over the stream's own positions or streams (a learned query attending
+                # over a layer's block states, ``sdpa(query, stacked, stacked)`` on ``(b, t, n, d)``):
+                # DTensor runs it with the sequence as the heads' dim and unbinds or differentiates
+                # it wrongly, so the module runs whole on plain tensors.
+                found[module] = Role("seq_gather", "runs attention on the sequence-sharded stream with parameters "
+                                     "of its own: gathered whole at entry, every per-position output sliced back",
+                                     ("residual", module), seq_output=True, all_outputs=True)
+                continue
             if len(module_inputs(g, module)) > 1:
                 # Several stream tensors in (a residual scaled and added inside): torch's
                 # SequenceParallel keeps only the first input; they arrive as sharded DTensors,
