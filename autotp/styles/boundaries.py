@@ -526,19 +526,20 @@ class GatherSequenceInput(ParallelStyle):
         self.use_local_output = use_local_output
 
     @staticmethod
-    def _gather(sequence_dim, use_local_output, value):
+    def _gather(sequence_dim, use_local_output, whole, value):
         if isinstance(value, DTensor) and value.placements == (Shard(sequence_dim),):
             value = value.redistribute(placements=[Replicate()])
             # Kept a DTensor, the column Linears' Partial() input gradients are summed and the
             # all-gather's backward reduce-scatters them once.
             return value.to_local() if use_local_output else value
-        if isinstance(value, DTensor) and value.placements == (Replicate(),) and use_local_output:
-            # Whole already (a module's output wrapped to meet the stream): plain like the rest.
+        if whole and isinstance(value, DTensor) and value.placements == (Replicate(),) and use_local_output:
+            # A module run whole, its output sliced back: an input that is whole already (a
+            # module's output wrapped to meet the stream) is plain like the rest.
             return value.to_local()
         return value
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
-        gather = partial(self._gather, self.sequence_dim, self.use_local_output)
+        gather = partial(self._gather, self.sequence_dim, self.use_local_output, bool(self.reshard_output))
 
         def pre_hook(mod, args, kwargs):
             done: dict[int, object] = {}  # one tensor passed several times (attn(h, h, h)) is gathered once
