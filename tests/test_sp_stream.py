@@ -450,3 +450,249 @@ def test_norm_inside_a_block_gathered_at_entry_stays_whole(tp):
     plan = synthesize(model, example_inputs=(example_tokens(),), tp_size=tp, sequence_parallel=True)
     assert "layers.*.moe.router_norm" not in plan, plan.get("layers.*.moe.router_norm")
     verify_toy(model, plan, tp)
+
+
+class RootLoopModel(nn.Module):
+    """The layers are the mixers and norms themselves, in lists of their own, and the model's own
+    loop adds the residual and multiplies the stream by the padding mask after every layer."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.embed = nn.Embedding(VOCAB, DIM)
+        self.attns = nn.ModuleList(CausalSelfAttention() for _ in range(2))
+        self.norms_1 = nn.ModuleList(nn.LayerNorm(DIM) for _ in range(2))
+        self.mlps = nn.ModuleList(MLP() for _ in range(2))
+        self.norms_2 = nn.ModuleList(nn.LayerNorm(DIM) for _ in range(2))
+        self.head = nn.Linear(DIM, VOCAB, bias=False)
+
+    def forward(self, ids):
+        mask = (ids != 0).unsqueeze(-1).to(torch.float32)
+        x = self.embed(ids) * mask
+        for attn, norm_1, mlp, norm_2 in zip(self.attns, self.norms_1, self.mlps, self.norms_2):
+            x = norm_1(x + attn(x))
+            x = norm_2(x + mlp(x))
+            x = x * mask
+        return self.head(x)
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+def test_stream_masked_by_the_root_between_layers_stays_replicated(tp):
+    """Would catch a sequence-parallel plan for a stream that the model's own loop multiplies by a
+    plain mask between its layers: no module boundary is there to hand the stream over, and the
+    forward raised "got mixed torch.Tensor and DTensor" (at the first norm, sliced at entry, whose
+    weight stayed plain). The plan is the plain-TP one, which runs."""
+    model = RootLoopModel()
+    plan = synthesize(model, example_inputs=(example_tokens(),), tp_size=tp, sequence_parallel=True)
+    plain = synthesize(model, example_inputs=(example_tokens(),), tp_size=tp)
+    assert repr(plan) == repr(plain), (plan, plain)
+    report = verify_toy(model, plan, tp)
+    assert "reduce_scatter_tensor" not in report.collectives, report.collectives
+
+
+class TopKGate(nn.Linear):
+    """Per-position weights of the top-k features, zero elsewhere (the top-k keeps it whole)."""
+
+    def __init__(self, top_k: int = 8):
+        super().__init__(DIM, DIM, bias=False)
+        self.top_k = top_k
+
+    def forward(self, x):
+        logits = super().forward(x)
+        top, index = logits.topk(self.top_k, dim=-1)
+        return torch.zeros_like(logits).scatter(-1, index, torch.sigmoid(top))
+
+
+class GatedLayer(GPTBlock):
+    """A block whose own code scales its output by a whole gate child."""
+
+    def __init__(self):
+        super().__init__()
+        self.gate = TopKGate()
+
+    def forward(self, x):
+        x = super().forward(x)
+        return x * self.gate(x)
+
+
+class GatedBody(nn.Module):
+    """The token embedding, scaled by a whole gate child in the body's own code, then the layers."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Embedding(VOCAB, DIM)
+        self.gate = TopKGate()
+        self.layers = nn.ModuleList(GatedLayer() for _ in range(2))
+
+    def forward(self, ids):
+        x = self.embed(ids)
+        x = x * self.gate(x)
+        for layer in self.layers:
+            x = layer(x)
+        return {"hidden": x}  # as transformers' bodies return a ModelOutput
+
+
+class GatedBodyModel(nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.body, self.norm, self.head = GatedBody(), nn.LayerNorm(DIM), nn.Linear(DIM, VOCAB, bias=False)
+
+    def forward(self, ids):
+        return self.head(self.norm(self.body(ids)["hidden"]))
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+def test_gated_body_holding_the_embedding_and_gated_layers_runs_whole(tp):
+    """A body scaled by a whole gate child is gathered whole at entry (as a routed MoE block is).
+    Would catch the token table inside it still starting a sequence-sharded stream (a whole gate
+    Linear read it: "aten.mm.default got mixed torch.Tensor and DTensor"), or a gated layer inside
+    it gathered again and its whole output sliced to the sequence shard within the whole body, or
+    the body's output, a dict, handed on whole (the norm read it as its shard: twice the length)."""
+    model = GatedBodyModel()
+    plan = synthesize(model, example_inputs=(example_tokens(),), tp_size=tp, sequence_parallel=True)
+    assert isinstance(plan.get("body"), styles.GatherSequenceInput), plan.get("body")
+    assert "body.layers.*.attn.c_attn" in plan, sorted(plan)
+    assert not isinstance(plan.get("body.layers.*"), styles.GatherSequenceInput), plan.get("body.layers.*")
+    verify_toy(model, plan, tp)
+
+
+class TimeMajorAttention(CausalSelfAttention):
+    """:class:`CausalSelfAttention` on a sequence-first ``(t, b, d)`` input."""
+
+    def forward(self, x):
+        return super().forward(x.transpose(0, 1)).transpose(0, 1)
+
+
+class TimeMajorModel(nn.Module):
+    """Token ids transposed before the lookup: the stream is ``(t, b, d)`` until the head. An
+    attention block, then one with a raw-weight mixer kept whole (gathered at entry)."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.embed = nn.Embedding(VOCAB, DIM)
+        self.layers = nn.ModuleList(layer() for layer in (lambda: GPTBlock(TimeMajorAttention), lambda: Block("raw")))
+        self.norm, self.head = nn.LayerNorm(DIM), nn.Linear(DIM, VOCAB, bias=False)
+
+    def forward(self, ids):
+        x = self.embed(ids.transpose(0, 1).contiguous())
+        for layer in self.layers:
+            x = layer(x)
+        return self.head(self.norm(x).permute(1, 0, 2))
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+def test_sequence_first_stream_stays_replicated(tp):
+    """Would catch sequence-parallel styles sharding dim 1 of a sequence-first stream, the batch
+    (two rows over four ranks at tp=4: the forward raised, as XLNet's did). The plan is the plain-TP one."""
+    model = TimeMajorModel()
+    plan = synthesize(model, example_inputs=(example_tokens(),), tp_size=tp, sequence_parallel=True)
+    plain = synthesize(model, example_inputs=(example_tokens(),), tp_size=tp)
+    assert repr(plan) == repr(plain), (plan, plain)
+    verify_toy(model, plan, tp)
+
+
+class NormedHyperConnection(HyperConnection):
+    """:class:`HyperConnection` whose weights come from a normed copy of the streams: ``post`` is
+    computed from the stream through a weight only, so only ``x`` carries the stream itself."""
+
+    def forward(self, streams):
+        flat = streams.flatten(2)
+        normed = flat * torch.rsqrt(flat.pow(2).mean(-1, keepdim=True) + 1e-6)
+        pre, post = torch.sigmoid(F.linear(normed, self.fn) + self.base).split(STREAMS, dim=-1)
+        return post, (pre.unsqueeze(-1) * streams).sum(dim=2)
+
+
+class SparseOutMLP(nn.Module):
+    """An MLP (sharded), then the top-k of its output features per position into a last Linear
+    (kept whole): a branch whose output is a whole Linear's, with sharded Linears before it."""
+
+    def __init__(self):
+        super().__init__()
+        self.mlp, self.out = MLP(), nn.Linear(DIM, DIM)
+
+    def forward(self, x):
+        h = self.mlp(x)
+        top, index = h.topk(DIM // 4, dim=-1)
+        return self.out(torch.zeros_like(h).scatter(-1, index, top))
+
+
+class NormedHyperLayer(HyperLayer):
+    def __init__(self):
+        super().__init__()
+        self.attn_hc, self.mlp_hc = NormedHyperConnection(), NormedHyperConnection()
+        self.mlp = SparseOutMLP()
+
+
+class NormedHyperModel(HyperModel):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.layers = nn.ModuleList(NormedHyperLayer() for _ in range(2))
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+def test_hyper_connection_weights_from_a_normed_copy_are_sliced_back(tp):
+    """Would catch a whole hyper-connection slicing back only its first output (``post``, whose
+    value comes from the stream through a weight) and not the branch input ``x`` (the next norm
+    read the whole sequence as its shard: "size of tensor a (32) must match the size of tensor b
+    (16)", as DeepSeek-V4's did), or a whole branch's plain output meeting the sliced ``post``
+    behind an ``unsqueeze`` ("got mixed torch.Tensor and DTensor")."""
+    model = NormedHyperModel()
+    plan = synthesize(model, example_inputs=(example_tokens(),), tp_size=tp, sequence_parallel=True)
+    assert plan["layers.*.attn_hc"].reshard_output == "all", plan["layers.*.attn_hc"]
+    assert "layers.*.attn.c_attn" in plan, sorted(plan)
+    verify_toy(model, plan, tp)
+
+
+class QueryOverStates(nn.Module):
+    """A learned query attending, at each position, over the earlier layers' states and the stream."""
+
+    def __init__(self):
+        super().__init__()
+        self.query = nn.Parameter(0.1 * torch.randn(DIM))
+
+    def forward(self, states, x):
+        stacked = torch.cat([states, x.unsqueeze(-2)], dim=-2)
+        query = self.query.view(1, DIM).expand(*stacked.shape[:-2], 1, DIM)
+        return F.scaled_dot_product_attention(query, stacked, stacked).unbind(-2)
+
+
+class StatesLayer(GPTBlock):
+    def __init__(self):
+        super().__init__()
+        self.mix = QueryOverStates()
+
+    def forward(self, x, states):
+        return super().forward(self.mix(states, x)[0])
+
+
+class StatesModel(nn.Module):
+    """Every layer reads a learned mix of all the states before it: ``(b, t, layers, d)``."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.embed = nn.Embedding(VOCAB, DIM)
+        self.layers = nn.ModuleList(StatesLayer() for _ in range(2))
+        self.norm, self.head = nn.LayerNorm(DIM), nn.Linear(DIM, VOCAB, bias=False)
+
+    def forward(self, ids):
+        x = self.embed(ids)
+        states = x.unsqueeze(-2)
+        for layer in self.layers:
+            x, states = layer(x, states), torch.cat([states, x.unsqueeze(-2)], dim=-2)
+        return self.head(self.norm(x))
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+def test_attention_over_the_stream_with_a_learned_query_runs_whole(tp):
+    """Would catch a module running attention over the sequence-sharded states with a parameter of
+    its own, given replicated DTensor parameters and run on DTensors: DTensor took the sequence for
+    the heads ("Attempted to unbind along the sharded dimension 2", or no sharding strategy for the
+    attention's backward, as Inkling2's did). It is gathered whole at entry, its outputs sliced back."""
+    model = StatesModel()
+    plan = synthesize(model, example_inputs=(example_tokens(),), tp_size=tp, sequence_parallel=True)
+    assert plan["layers.*.mix"].reshard_output == "all", plan["layers.*.mix"]
+    verify_toy(model, plan, tp)

@@ -526,16 +526,20 @@ class GatherSequenceInput(ParallelStyle):
         self.use_local_output = use_local_output
 
     @staticmethod
-    def _gather(sequence_dim, use_local_output, value):
+    def _gather(sequence_dim, use_local_output, whole, value):
         if isinstance(value, DTensor) and value.placements == (Shard(sequence_dim),):
             value = value.redistribute(placements=[Replicate()])
             # Kept a DTensor, the column Linears' Partial() input gradients are summed and the
             # all-gather's backward reduce-scatters them once.
             return value.to_local() if use_local_output else value
+        if whole and isinstance(value, DTensor) and value.placements == (Replicate(),) and use_local_output:
+            # A module run whole, its output sliced back: an input that is whole already (a
+            # module's output wrapped to meet the stream) is plain like the rest.
+            return value.to_local()
         return value
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
-        gather = partial(self._gather, self.sequence_dim, self.use_local_output)
+        gather = partial(self._gather, self.sequence_dim, self.use_local_output, bool(self.reshard_output))
 
         def pre_hook(mod, args, kwargs):
             done: dict[int, object] = {}  # one tensor passed several times (attn(h, h, h)) is gathered once
@@ -553,8 +557,10 @@ class GatherSequenceInput(ParallelStyle):
         if self.reshard_output:
             def slice_back(value):
                 if isinstance(value, torch.Tensor) and not isinstance(value, DTensor):
-                    whole = DTensor.from_local(value, device_mesh, [Replicate()], run_check=False)
-                    return whole.redistribute(placements=[Shard(self.sequence_dim)])
+                    value = DTensor.from_local(value, device_mesh, [Replicate()], run_check=False)
+                if isinstance(value, DTensor) and value.placements == (Replicate(),):
+                    # A Replicate() DTensor too (an inner module's output wrapped to meet the stream).
+                    return value.redistribute(placements=[Shard(self.sequence_dim)])
                 return value
 
             leading: list = []  # (batch, sequence) sizes of the gathered stream, per call
@@ -573,6 +579,11 @@ class GatherSequenceInput(ParallelStyle):
                     if self.reshard_output == "all":
                         return type(out)([slice_back(v) if per_position(v) else v for v in out])
                     return type(out)([slice_back(out[0]), *out[1:]])
+                if isinstance(out, dict) and out:  # a transformers ModelOutput: its first field
+                    for key in list(out) if self.reshard_output == "all" else list(out)[:1]:
+                        if self.reshard_output != "all" or per_position(out[key]):
+                            out[key] = slice_back(out[key])
+                    return out
                 return slice_back(out)
 
             if self.reshard_output == "all":

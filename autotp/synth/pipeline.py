@@ -33,7 +33,7 @@ from autotp.synth.kvheads import replicate_kv
 from autotp.synth.localize import localize
 from autotp.synth.params import readers
 from autotp.synth.roles import Role
-from autotp.synth.sequence import sequence_parallel_roles
+from autotp.synth.sequence import sequence_parallel_roles, unshardable_stream
 from autotp.synth.shared import shared_input_roles
 from autotp.synth.trace import LayerGroups, repeated_lists, trace
 from autotp.synth.validate import require_language_model, require_repeated_block
@@ -175,6 +175,10 @@ def sequence_parallel(a: Analysis) -> Analysis:
     """Under sequence parallel: the residual stream sharded on the sequence between blocks."""
     if not a.sequence_parallel:
         return a
+    reason = unshardable_stream(a.graph, a.flow, a.roles, a.groups)
+    if reason is not None:
+        log.warning("sequence parallel: %s", reason)
+        return replace(a, sequence_parallel=False)
     return replace(a, roles=sequence_parallel_roles(a.graph, a.flow, a.roles, a.groups))
 
 

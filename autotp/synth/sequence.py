@@ -19,7 +19,7 @@ from autotp.synth.assign import reads_model_input
 from autotp.synth.graph import common_module, param_modules, refs
 from autotp.synth.params import reading_module
 from autotp.synth.ops import DISPATCH, LINEAR_CARRY, MASKING, PRODUCTS, SUMS, WEIGHT_PRODUCTS
-from autotp.synth.ops import ATTENTION, CONVOLUTIONS, ELEMENTWISE, MATMULS, PASSTHROUGH, SINKS
+from autotp.synth.ops import ATTENTION, CONVOLUTIONS, ELEMENTWISE, MATMULS, PASSTHROUGH, RESHAPES, SINKS
 from autotp.synth.roles import Kind, Role, kind_of
 
 # Linear roles that take a replicated input and can share one all-gather before them.
@@ -62,7 +62,9 @@ def residual_region(g: nx.DiGraph, flow: Flow, blocks: set[str] = frozenset()) -
         starts += [r for r in module_outputs(g, block)[1]
                    if g.nodes[r]["kind"] == "call" and not is_linear(g, r) and r not in starts]
     from_rows = _downstream(g, flow, starts)
-    embeddings = stream_embeddings(g, flow, from_rows)
+    # A table looked up inside a block gathered whole at entry starts no stream: the block's code
+    # runs on the whole sequence, and its output, sliced back, is where the stream starts.
+    embeddings = [e for e in stream_embeddings(g, flow, from_rows) if not _in_block(g, e, blocks)]
     return from_rows | _downstream(g, flow, embeddings)
 
 
@@ -494,7 +496,7 @@ def replicated_blocks(g: nx.DiGraph, region: set[str], roles: dict[str, Role],
                 # A whole decoder block (GPT-2's Conv1D layers) returns the stream itself: its
                 # output is sliced back to the sequence shard; every stream-shaped output where
                 # the stream reads several (a hyper-connection's branch input and weights).
-                returns = set(module_outputs(g, module)[0]) & region
+                returns = sliced_outputs(g, region, module)
                 if module in roles and not returns:
                     # Raw weights of its own, its outputs not the stream (a router feeding experts):
                     # it keeps its role, its input gathered by the final pass.
@@ -509,6 +511,17 @@ def replicated_blocks(g: nx.DiGraph, region: set[str], roles: dict[str, Role],
     return found
 
 
+
+
+def sliced_outputs(g: nx.DiGraph, region: set[str], module: str) -> set[str]:
+    """The outputs of a whole ``module`` gathered at entry that are sliced back to the sequence
+    shard: the stream's, and every other per-position one (a hyper-connection's ``(post, comb, x)``,
+    where ``post`` and ``comb`` come from a weight on a normed copy of the stream, so the region
+    does not reach them): all meet the stream outside."""
+    outputs = module_outputs(g, module)[0]
+    returns = set(outputs) & region
+    leading = {tuple(g.nodes[n]["shape"][:2]) for n in returns if g.nodes[n]["shape"]}
+    return returns | {n for n in outputs if g.nodes[n]["shape"] and tuple(g.nodes[n]["shape"][:2]) in leading}
 
 
 def _weight_matmul(g: nx.DiGraph, name: str) -> bool:
@@ -550,6 +563,15 @@ def sequence_norms(g: nx.DiGraph, region: set[str], roles: dict[str, Role], grou
                        for p in g.nodes if g.nodes[p]["kind"] == "param"):
                     found[module] = Role("seq_params", "applies parameters of its own to the sequence-sharded "
                                          "stream; they are replicated DTensors", ("residual", module))
+                continue
+            if any(g.nodes[n]["op"] in ATTENTION and module in g.nodes[n]["stack"] for n in region):
+                # Attention over the stream's own positions or streams (a learned query attending
+                # over a layer's block states, ``sdpa(query, stacked, stacked)`` on ``(b, t, n, d)``):
+                # DTensor runs it with the sequence as the heads' dim and unbinds or differentiates
+                # it wrongly, so the module runs whole on plain tensors.
+                found[module] = Role("seq_gather", "runs attention on the sequence-sharded stream with parameters "
+                                     "of its own: gathered whole at entry, every per-position output sliced back",
+                                     ("residual", module), seq_output=True, all_outputs=True)
                 continue
             if len(module_inputs(g, module)) > 1:
                 # Several stream tensors in (a residual scaled and added inside): torch's
@@ -663,11 +685,13 @@ def joining_modules(g: nx.DiGraph, flow: Flow, region: set[str], roles: dict[str
             if isinstance(flow.state.get(ref.name), (Shard, tuple)):  # a TP shard, not a replica
                 continue
             outer = [m for m in data["stack"] if m not in stack]
-            if not outer:  # scaled or cast on the way, in the stream's own module: look behind that
-                data = g.nodes[_behind_pointwise(g, ref.name)]
+            if not outer:  # scaled, cast or reshaped on the way, in the stream's own module: look behind that
+                data = g.nodes[_behind_pointwise(g, ref.name, PASSTHROUGH | ELEMENTWISE | RESHAPES)]
                 outer = [m for m in data["stack"] if m not in stack]
             if not outer:
                 continue
+            if any(kind_of(roles, m) == "seq_gather" and roles[m].seq_output for m in outer[:-1]):
+                continue  # made inside a block gathered at entry, whose style slices its output back
             module = outer[-1]  # innermost: the module whose output this node is
             role = roles.get(module, Role("replicate", "runs whole on every rank"))
             if role.kind == "replicate" and not role.seq_output and not role.seq_input:
@@ -680,10 +704,11 @@ def joining_modules(g: nx.DiGraph, flow: Flow, region: set[str], roles: dict[str
     return found
 
 
-def _behind_pointwise(g: nx.DiGraph, name: str) -> str:
+def _behind_pointwise(g: nx.DiGraph, name: str, through: frozenset = PASSTHROUGH | ELEMENTWISE) -> str:
     """Follow ``name`` back through casts and pointwise ops of a single tensor input (a scale by a
-    number, or by a parameter: a scale or bias vector): the node whose value it carries."""
-    while g.nodes[name]["kind"] == "call" and g.nodes[name]["op"] in PASSTHROUGH | ELEMENTWISE:
+    number, or by a parameter: a scale or bias vector), and any other ``through`` ops: the node
+    whose value it carries."""
+    while g.nodes[name]["kind"] == "call" and g.nodes[name]["op"] in through:
         tensors = [r.name for r in refs(g.nodes[name]["args"], g.nodes[name]["kwargs"])
                    if g.nodes[r.name]["shape"] and g.nodes[r.name]["kind"] != "param"]
         if len(tensors) != 1:
@@ -801,10 +826,62 @@ def start_at_layers(g: nx.DiGraph, region: set[str], groups) -> tuple[set[str], 
     return kept, roles
 
 
+def outermost(modules: set[str]) -> set[str]:
+    """``modules`` without those inside another of them: a block gathered whole at entry runs every
+    module inside on the whole sequence, so one inside it must not gather (nor slice its output) again.
+
+    >>> sorted(outermost({"model", "model.layers.0", "head"}))
+    ['head', 'model']
+    """
+    return {m for m in modules if not any(m.startswith(o + ".") for o in modules)}
+
+
+def time_major_tables(g: nx.DiGraph, flow: Flow, region: set[str]) -> list[str]:
+    """Token-embedding lookups of the stream whose output is sequence-first: ``(t, b, d)`` for
+    ``(b, t)`` token ids (XLNet transposes its ids before the lookup). The sequence-parallel styles
+    shard dim 1, the batch there."""
+    found = []
+    for name in stream_embeddings(g, flow, region):
+        shape = g.nodes[name]["shape"]
+        ids = g.nodes[name]["args"][1].name
+        for source in nx.ancestors(g, ids) | {ids}:
+            given = g.nodes[source]["shape"]
+            if g.nodes[source]["kind"] == "input" and given and len(given) == 2 and given[0] != given[1] \
+                    and shape and tuple(shape[:2]) == (given[1], given[0]):
+                found.append(name)
+                break
+    return found
+
+
+def unshardable_stream(g: nx.DiGraph, flow: Flow, roles: dict[str, Role], groups=None) -> str | None:
+    """Why the residual stream cannot be sequence-sharded anywhere, or None where it can.
+
+    The model's own code (outside every layer) that combines the stream with a plain tensor before
+    the first layer is handled by starting the stream at that layer (:func:`start_at_layers`). Such
+    code between layers (XLM's root loop: ``tensor = norm(tensor + attn(tensor)) ...;
+    tensor *= mask``, its layers being the norms and mixers themselves) meets the stream where no
+    module boundary can hand it over sharded or whole: the stream stays replicated, as under plain
+    TP, and the plan is the plain one.
+    """
+    blocks = expert_blocks(roles, groups) | dispatch_blocks(g, roles) | routed_blocks(g, roles)
+    region = residual_region(g, flow, blocks)
+    for table in time_major_tables(g, flow, region):
+        return (f"the token embedding's output ({table}) is sequence-first, (t, b, d): its dim 1 is the batch, "
+                "which sequence-parallel styles would shard: the stream stays replicated (plain TP)")
+    if not root_joins(g, flow, region, groups):
+        return None
+    region, _ = start_at_layers(g, region, groups)
+    joins = root_joins(g, flow, region, groups)
+    if not joins:
+        return None
+    return (f"the model's own code combines the stream with a plain tensor between its layers (at {joins[0]}), "
+            "where no module boundary can keep it sequence-sharded: the stream stays replicated (plain TP)")
+
+
 def sequence_parallel_roles(g: nx.DiGraph, flow: Flow, roles: dict[str, Role], groups=None) -> dict[str, Role]:
     """Roles under sequence parallel: add seq norms and rotary, and mark sequence-sharded ends.
     ``groups``: the trace's layer groups (a MoE block is recognised across the layers it stands for)."""
-    blocks = expert_blocks(roles, groups) | dispatch_blocks(g, roles) | routed_blocks(g, roles)
+    blocks = outermost(expert_blocks(roles, groups) | dispatch_blocks(g, roles) | routed_blocks(g, roles))
     masked = {m for m in masked_blocks(g, flow, residual_region(g, flow, blocks))
               if not any(m == b or m.startswith(b + ".") for b in blocks)}
     partial = partial_blocks(g, roles, blocks, inner_rows(g, flow))
@@ -813,7 +890,11 @@ def sequence_parallel_roles(g: nx.DiGraph, flow: Flow, roles: dict[str, Role], g
     if root_joins(g, flow, region, groups) or root_whole_linears(g, region, roles, groups):
         region, slicing = start_at_layers(g, region, groups)
         out.update(slicing)
-    out.update(replicated_blocks(g, region, out, blocks))
+    whole = replicated_blocks(g, region, out, blocks)
+    out.update(whole)
+    # What a whole block hands back sliced is sequence-sharded too, where the region did not reach it.
+    region |= _downstream(g, flow, [s for m in whole for n in sliced_outputs(g, region, m) - region
+                                    for s in g.successors(n) if m not in g.nodes[s]["stack"]])
     out.update(sequence_norms(g, region, out, groups))
     out.update(rotary_modules(g, flow, out))
     for block in blocks:
