@@ -27,7 +27,7 @@ AT_BOUND = {"llama": "dense GQA", "qwen3": "per-head QK norm", "olmo2": "width Q
             "jamba": "hybrid Mamba + attention + MoE: a scan's state projections broadcast over sharded channels"}
 # Verified, with parts kept whole for a recorded reason.
 PARTLY_REPLICATED = {"deepseek_v3": "MLA: kv_a_proj_with_mqa is sliced",
-                     "opt": "positions looked up by ids computed from the mask; projections around a tied table",
+                     "doge": "a per-head mask computed from a row Linear's output, outside the sharded region",
                      "codegen": "heads split into 4 fixed groups: rebuilt with heads for 2x the ranks",
                      "zamba": "a block tied across two hybrid layers: layer pattern repeated"}
 SUBSET = [*AT_BOUND, *PARTLY_REPLICATED]

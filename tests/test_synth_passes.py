@@ -216,7 +216,7 @@ def test_constraint_fixpoint_keeps_a_foreign_read_whole_in_one_round():
 
 def test_post_passes_run_in_the_documented_order():
     assert [p.__name__ for p in POST_PASSES] == ["shard_counts", "kv_replication", "sequence_parallel",
-                                                  "shared_inputs", "sliced_entries", "divisibility",
+                                                  "shared_inputs", "partial_sums", "sliced_entries", "divisibility",
                                                   "owned_outputs", "untraced_linears"]
 
 
@@ -318,25 +318,31 @@ def square_tie_graph() -> nx.DiGraph:
     return g
 
 
-def test_tie_conflicts_names_each_user_of_a_weight_sharded_two_ways():
+def test_tie_conflicts_keep_the_origin_of_a_tied_rows_shard_whole_first():
     """Would catch a tied weight sharded on its rows by one user and its columns by the other (each
-    copy would then hold a different half of one tensor)."""
+    copy would then hold a different half of one tensor). The row user's input shard comes from the
+    column user: that column is kept whole first (the row then reads a replicated input and may
+    shard the weight as the others do)."""
     g = square_tie_graph()
     flow, roles = _analysed(g)
     assert roles[f"{LAYER}.a"].kind == "column" and roles[f"{LAYER}.b"].kind == "row"
+    conflicts = tie_conflicts(g, roles, flow)
+    assert set(conflicts) == {"a"}
+    assert "whose weight is tied (layers.0.a, layers.0.b)" in conflicts["a"]
+    del flow.state[g.nodes["b"]["args"][0].name]  # no shard reaches the row: both users named
     conflicts = tie_conflicts(g, roles, flow)
     assert set(conflicts) == {"a", "b"}
     assert "its weight layers.0.a.weight is tied (layers.0.a, layers.0.b)" in conflicts["b"]
 
 
-def test_constraint_fixpoint_keeps_conflicting_tied_weights_whole_in_a_second_round(caplog):
+def test_constraint_fixpoint_keeps_conflicting_tied_weights_whole_in_later_rounds(caplog):
     """Would catch the fixpoint returning the first round's roles (a column and a row on one
     weight) instead of analysing again with the tie kept whole, or not saying so in its log."""
     with caplog.at_level("INFO", logger="autotp.synth.pipeline"):
         a = _fixpoint(square_tie_graph())
     assert a.roles[f"{LAYER}.a"].kind == "replicate" and a.roles[f"{LAYER}.b"].kind == "replicate"
     assert "is tied" in a.roles[f"{LAYER}.a"].reason
-    assert "round 1: tied weights kept whole at ['a', 'b']" in caplog.text
+    assert "round 1: tied weights kept whole at ['a']" in caplog.text
 
 
 def test_tied_embedding_modules_keep_the_lookup_of_a_conflicting_weight_whole():
