@@ -28,6 +28,8 @@ options, static ``_prepare_input_fn`` / ``_prepare_output_fn``, and a comment on
   cut to its own heads at entry.
 - :class:`PartialGradRouter`: a router kept whole that runs backward on the experts' partial
   gradients, so the MoE block's input gradient is reduced once.
+- :class:`PartialSumBlock`: a module that adds up row Linears' partial sums (a MoE loop over
+  ``nn.Linear`` experts) reduces them once at its output, and its input gradient once at entry.
 - :class:`GatherSequenceInput`, :class:`SequenceParallelMoEBlock`, :class:`PartialExpertsParallel`:
   under sequence parallel, a module's sequence-sharded inputs gathered once at its entry, and a MoE
   block that takes whole tokens and reduce-scatters its experts' partial sums.
@@ -50,6 +52,7 @@ from autotp.styles.boundaries import (
     ShardedInputs,
     GradAllReduceOutputSlice,
     OwnedOutput,
+    PartialSumBlock,
     ReplicatedModule,
     ReplicatedOutput,
     ReplicatedParams,
@@ -93,6 +96,7 @@ __all__ = [
     "GroupCopies",
     "PackedColwiseParallel",
     "PartialRowwiseParallel",
+    "PartialSumBlock",
     "PartialGradRouter",
     "ColwiseParallelInOut",
     "RowwiseParallelInOut",

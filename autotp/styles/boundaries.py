@@ -169,6 +169,83 @@ class SharedReplicatedInput(ParallelStyle):
         return f"{self.__class__.__name__}(columns={self.columns!r}{flag})"
 
 
+class PartialSumBlock(ParallelStyle):
+    """A module that adds up row Linears' partial sums and returns them: reduced once, at its output.
+
+    A MoE written as a loop over ``nn.Linear`` experts scales each expert's output by its routing
+    weight and adds it into one result (``out.index_add_(0, idx, w[idx, k, None] * expert(x[idx]))``).
+    With the experts' down projections leaving their per-rank partial sums
+    (:class:`~autotp.styles.PartialRowwiseParallel` with ``local=True``) that result is a partial sum
+    too, reduced here once: an all-reduce, or under sequence parallel a reduce-scatter onto the
+    ``Shard(1)`` stream, where each expert would reduce its own tokens (``top_k`` times the bytes).
+
+    The backward mirrors it. Every gradient inside the module is then a per-rank partial sum (the
+    routing weights' from the partial expert outputs, whatever the router computes from them, the
+    column Linears' input gradients, left unreduced here for the ``columns`` listed): the module's
+    floating inputs have their gradient reduced once at entry (a sequence-sharded input is gathered
+    whole and its gradient reduce-scattered), and the parameters of modules kept whole inside it
+    are :class:`~autotp.styles.ReplicatedWithGradAllReduce`.
+
+    Keyword Args:
+        columns (tuple[str, ...]): column-parallel Linears inside the module (relative names).
+        sequence_parallel (bool): the stream is sequence-sharded (``Shard(1)``). Default: False.
+
+    Example::
+        >>> from autotp.styles import PartialRowwiseParallel
+        >>> plan = {"layers.*.moe": PartialSumBlock(columns=("experts.0.w1", "experts.0.w3")),
+        ...         "layers.*.moe.experts.0.w2": PartialRowwiseParallel(local=True)}
+    """
+
+    def __init__(self, *, columns: tuple[str, ...] = (), sequence_parallel: bool = False):
+        super().__init__()
+        self.columns, self.sequence_parallel = tuple(columns), sequence_parallel
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        shared: dict[int, tuple[torch.Tensor, DTensor]] = {}  # one call's column inputs, by id
+
+        def take(value):
+            if isinstance(value, DTensor):
+                if value.placements != (Replicate(),):
+                    value = value.redistribute(placements=[Replicate()])
+                return value.to_local(grad_placements=[Partial()])
+            if isinstance(value, torch.Tensor) and value.is_floating_point():
+                return all_reduce_backward(value, device_mesh)
+            return value
+
+        def enter(mod, args, kwargs):
+            shared.clear()
+            return tuple(take(a) for a in args), {k: take(v) for k, v in kwargs.items()}
+
+        def leave(mod, args, out):
+            shared.clear()
+            if not isinstance(out, torch.Tensor) or isinstance(out, DTensor):
+                raise PlanError(f"{type(mod).__name__}: PartialSumBlock expects one plain tensor, its per-rank "
+                                f"partial sum, as the output, and got {type(out).__name__}")
+            partial_sum = DTensor.from_local(out, device_mesh, [Partial()], run_check=False)
+            if self.sequence_parallel:
+                return partial_sum.redistribute(placements=[Shard(1)])
+            return partial_sum.redistribute(placements=[Replicate()]).to_local()
+
+        def wrap(mod, args):
+            value = args[0] if args else None
+            if not isinstance(value, torch.Tensor) or isinstance(value, DTensor):
+                return None
+            hit = shared.get(id(value))
+            if hit is None or hit[0] is not value:
+                hit = shared[id(value)] = (value, _ReplicatedWithPartialGrad.apply(value, device_mesh))
+            return (hit[1], *args[1:])
+
+        module.register_forward_pre_hook(enter, with_kwargs=True)
+        module.register_forward_hook(leave)
+        for name in self.columns:
+            module.get_submodule(name).register_forward_pre_hook(wrap, prepend=True)
+        return module
+
+    def __repr__(self) -> str:
+        flag = ", sequence_parallel=True" if self.sequence_parallel else ""
+        return f"{self.__class__.__name__}(columns={self.columns!r}{flag})"
+
+
 class _ReplicatedWithPartialGrad(torch.autograd.Function):
     """``DTensor.from_local(local, mesh, (Replicate(),))`` whose backward returns this rank's partial
     sum of the gradient, unreduced (a whole gradient is split into equal shares)."""

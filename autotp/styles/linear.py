@@ -63,20 +63,28 @@ class PartialRowwiseParallel(RowwiseParallel):
     branch to gather it keeps the result for the other (by identity, for the backward pass), so the
     block all-gathers once per layer, mirroring its one reduce-scatter.
 
+    With ``local`` the output is the plain per-rank partial sum (its gradient taken ``Replicate()``),
+    for code that adds it up in plain tensors before one reduction
+    (:class:`~autotp.styles.PartialSumBlock`).
+
+    Keyword Args:
+        local (bool): return the local partial sum, not a ``Partial()`` DTensor. Default: False.
+
     Example::
         >>> plan = {"model.layers.*.mlp.fc2": PartialRowwiseParallel()}
     """
 
-    def __init__(self):
-        super().__init__(output_layouts=Partial(), use_local_output=False)
+    def __init__(self, *, local: bool = False):
+        super().__init__(output_layouts=Partial(), use_local_output=local)
+        self.local = local
 
     @staticmethod
     def _prepare_output_fn(output_layouts, use_local_output, mod, outputs, device_mesh):
         local = outputs.to_local(grad_placements=(Replicate(),))
-        return _PartialFromLocal.apply(local, device_mesh)
+        return local if use_local_output else _PartialFromLocal.apply(local, device_mesh)
 
     def __repr__(self) -> str:
-        return f"{self.__class__.__name__}()"
+        return f"{self.__class__.__name__}({'local=True' if self.local else ''})"
 
 
 # Sequence-sharded gradients already all-gathered, by the gradient's id while it lives (a weak

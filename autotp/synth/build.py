@@ -47,8 +47,8 @@ def _row(role: Role, loss_parallel: bool) -> ParallelStyle:
     # Rows shard weight columns and reduce: all-reduce, or reduce-scatter to Shard(1) when the
     # residual stream is sequence-sharded; one branch of a parallel block stays Partial() and is
     # reduced with the other at their sum.
-    if role.partial_output:
-        return styles.PartialRowwiseParallel()
+    if role.partial_output or role.partial_local:
+        return styles.PartialRowwiseParallel(local=role.partial_local)
     if role.seq_output:
         return RowwiseParallel(output_layouts=Shard(1), use_local_output=False)
     if role.grad_spans:  # output spans broadcast along a sharded dim downstream
@@ -128,6 +128,8 @@ _STYLES: dict[str, Callable[[Role, bool], ParallelStyle | None]] = {
     "linear_params": lambda role, lp: LinearParams(
         shard_dims=dict(role.param_dims), columns=role.columns, rows=role.rows, reduce=role.grad_reduced,
         counts=role.names, packed=dict(role.param_packed), seq_output=role.seq_output),
+    "partial_sum_block": lambda role, lp: styles.PartialSumBlock(columns=role.names, sequence_parallel=role.seq_output),
+    "partial_grad_module": lambda role, lp: styles.ReplicatedWithGradAllReduce(),
     "entry_shard": lambda role, lp: None,  # the ShardedInputs wrapper alone (see style_for)
     "replicate": lambda role, lp: _replicated_at_sequence_edge(role),
 }

@@ -127,6 +127,13 @@ def _picks_experts(g: nx.DiGraph, name: str) -> bool:
 def _partial_sum_walk(g: nx.DiGraph, rows: list[str], module: str) -> tuple[set[str], str | None]:
     """The parameters added to the partial sums of ``rows`` inside ``module`` (biases), and the first
     op that reads a partial sum other than linearly (None if none does)."""
+    _, once, reason = partial_sum_reach(g, rows, module)
+    return once, reason
+
+
+def partial_sum_reach(g: nx.DiGraph, rows: list[str], module: str) -> tuple[set[str], set[str], str | None]:
+    """:func:`_partial_sum_walk` with the nodes holding partial sums: ``(reached, once, reason)``;
+    ``reached`` is complete only where ``reason`` is None."""
     reached, once = set(rows), set()
     inside = sorted((n for n, d in g.nodes(data=True) if d["kind"] == "call" and module in d["stack"]),
                     key=lambda n: g.nodes[n]["order"])
@@ -138,9 +145,9 @@ def _partial_sum_walk(g: nx.DiGraph, rows: list[str], module: str) -> tuple[set[
             continue  # zeros shaped like a partial sum read none of its values
         reason = _nonlinear(g, user, inputs, partial, once)
         if reason:
-            return once, reason
+            return reached, once, reason
         reached.add(user)
-    return once, None
+    return reached, once, None
 
 
 def _nonlinear(g: nx.DiGraph, name: str, inputs: list[str], partial: list[str], once: set[str]) -> str | None:
@@ -148,7 +155,7 @@ def _nonlinear(g: nx.DiGraph, name: str, inputs: list[str], partial: list[str], 
     added to them are collected in ``once``."""
     data, op = g.nodes[name], g.nodes[name]["op"]
     if op in SUMS:
-        for other in (n for n in inputs if n not in partial and g.nodes[n]["op"] not in ZEROS):
+        for other in (n for n in inputs if n not in partial and not _zero_valued(g, n)):
             bias = expert_bias(g, other, len(g.nodes[other]["shape"] or ()) - 1)
             if bias is None:
                 return f"{op} adds {other} to a per-rank partial sum"
@@ -161,11 +168,34 @@ def _nonlinear(g: nx.DiGraph, name: str, inputs: list[str], partial: list[str], 
                 or not (target.name in partial or g.nodes[target.name]["op"] in ZEROS):
             return f"{op} adds a partial sum into a tensor that is not one"
         return None
+    if op in ("index_put", "index_put_"):  # rows of the target replaced by the values: linear in both
+        target, indices, values = data["args"][:3]
+        if any(isinstance(i, Ref) and i.name in partial for i in indices or ()) or not isinstance(values, Ref) \
+                or not (values.name in partial or _zero_valued(g, values.name)) \
+                or not (target.name in partial or _zero_valued(g, target.name)):
+            return f"{op} writes a per-rank partial sum into a tensor that is not one"
+        return None
     if op == "mul" and len(partial) == 1:
         return None  # ``w * y`` as ``y * w``: a product is linear in either factor
     if op not in _LINEAR_IN_FIRST or partial != [inputs[0]]:
         return f"{op} reads a per-rank partial sum other than linearly"
     return None
+
+
+def _zero_valued(g: nx.DiGraph, name: str) -> bool:
+    """Whether ``name`` holds zeros only: a fresh tensor of zeros, or rows, views or copies of one
+    (``out[idx]`` of ``out = zeros_like(x)`` before anything is added into it)."""
+    while g.nodes[name]["kind"] == "call" and g.nodes[name]["op"] in _ZERO_KEEPING:
+        source = g.nodes[name]["args"][0]
+        if not isinstance(source, Ref):
+            return False
+        name = source.name
+    return g.nodes[name]["kind"] == "call" and g.nodes[name]["op"] in ZEROS
+
+
+# Ops whose output is zeros wherever their first input is.
+_ZERO_KEEPING = PASSTHROUGH | VIEW_LIKE | frozenset({"index", "index_select", "select", "slice", "unsqueeze", "squeeze",
+                                                      "transpose", "permute", "expand"})
 
 
 def partial_sum_breaks(g: nx.DiGraph, rows: dict[str, frozenset], module_of) -> dict[str, str]:

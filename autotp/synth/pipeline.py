@@ -34,6 +34,7 @@ from autotp.synth.localize import localize
 from autotp.synth.params import readers
 from autotp.synth.roles import Role
 from autotp.synth.sequence import sequence_parallel_roles, unshardable_stream
+from autotp.synth.partial_sums import partial_sum_blocks
 from autotp.synth.shared import shared_input_roles
 from autotp.synth.trace import LayerGroups, repeated_lists, trace
 from autotp.synth.validate import require_language_model, require_repeated_block
@@ -182,6 +183,12 @@ def sequence_parallel(a: Analysis) -> Analysis:
     return replace(a, roles=sequence_parallel_roles(a.graph, a.flow, a.roles, a.groups))
 
 
+def partial_sums(a: Analysis) -> Analysis:
+    """Modules adding up row Linears' partial sums (a loop over ``nn.Linear`` experts) reduce them once."""
+    return replace(a, roles={**a.roles, **partial_sum_blocks(a.graph, a.flow, a.roles,
+                                                             sequence_parallel=a.sequence_parallel)})
+
+
 def shared_inputs(a: Analysis) -> Analysis:
     """Inputs shared by several column projections (and parallel blocks) are reduced once."""
     return replace(a, roles=shared_input_roles(a.graph, a.flow, a.roles, sequence_parallel=a.sequence_parallel,
@@ -248,7 +255,8 @@ def untraced_linears(a: Analysis) -> Analysis:
 
 # The passes after the fixpoint, in order.
 POST_PASSES: tuple[Callable[[Analysis], Analysis], ...] = (
-    shard_counts, kv_replication, sequence_parallel, shared_inputs, sliced_entries, divisibility, owned_outputs,
+    shard_counts, kv_replication, sequence_parallel, shared_inputs, partial_sums, sliced_entries, divisibility,
+    owned_outputs,
     untraced_linears,
 )
 

@@ -42,6 +42,10 @@ ROLE_KINDS = {
                        "column-sharded with its output all-gathered, right for any input the ranks share",
     "entry_shard": "module that takes a value made outside it (a per-head bias built at the root) sliced to its "
                    "heads on entry",
+    "partial_sum_block": "module adding up row Linears' partial sums (a loop over nn.Linear experts): reduced "
+                         "once at its output, its input gradient once at entry",
+    "partial_grad_module": "module kept whole inside a partial-sum block: its parameters' gradients are partial "
+                           "sums, all-reduced",
     "replicate": "kept whole on every rank",
 }
 
@@ -91,6 +95,8 @@ class Role:
             reduce-scattered once.
         partial_output: of a ``row``, its output stays ``Partial()``: a parallel block adds it to
             another row's before one reduction.
+        partial_local: of a ``row``, its output is the plain per-rank partial sum, added up by a
+            ``partial_sum_block`` around it before one reduction.
         partial_grad_inputs: of ``experts``, the block input arrives as a ``Replicate()`` DTensor and
             the routing weights from a ``router``: their gradients are left partial sums, reduced
             once with the block input's.
@@ -134,6 +140,7 @@ class Role:
     weight_in_out: bool = False
     dtensor_output: bool = False
     partial_output: bool = False
+    partial_local: bool = False
     partial_grad_inputs: bool = False
     columns: tuple[str, ...] = ()
     rows: tuple[str, ...] = ()
