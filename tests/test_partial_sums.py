@@ -24,19 +24,9 @@ from torch import nn
 from autotp import styles
 from autotp.synth import synthesize
 from autotp.verifier import verify
-from synth_toy import DIM, KV_HEADS, VOCAB, TitanAttention, example_tokens
+from synth_toy import DIM, KV_HEADS, VOCAB, TitanAttention, TitanFeedForward, example_tokens
 
 EXPERTS, TOP_K = 4, 2
-
-
-class Expert(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.w1, self.w3 = nn.Linear(DIM, 2 * DIM, bias=False), nn.Linear(DIM, 2 * DIM, bias=False)
-        self.w2 = nn.Linear(2 * DIM, DIM, bias=False)
-
-    def forward(self, x):
-        return self.w2(F.silu(self.w1(x)) * self.w3(x))
 
 
 class LoopMoE(nn.Module):
@@ -46,7 +36,7 @@ class LoopMoE(nn.Module):
         super().__init__()
         self.accumulate = accumulate
         self.gate = nn.Linear(DIM, EXPERTS, bias=False)
-        self.experts = nn.ModuleList(Expert() for _ in range(EXPERTS))
+        self.experts = nn.ModuleList(TitanFeedForward() for _ in range(EXPERTS))
 
     def forward(self, x):
         b, t, d = x.shape

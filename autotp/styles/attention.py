@@ -13,7 +13,7 @@ from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distrib
 from torch.distributed.tensor.parallel import ColwiseParallel
 from torch.distributed.tensor.parallel.style import ParallelStyle
 
-from autotp.styles.base import to_local
+from autotp.styles.base import WrapperStyle, to_local
 
 class RotaryEmbedParallel(ParallelStyle):
     """Make a rotary-embedding module return plain, full-sequence tensors under sequence parallel.
@@ -96,7 +96,7 @@ class ShardCounts(ParallelStyle):
         return f"{self.__class__.__name__}(names={self.names})"
 
 
-class LocalWidthInputs(ParallelStyle):
+class LocalWidthInputs(WrapperStyle):
     """A module whose code reads its widths from an input's size sees that input at its per-rank width.
 
     nanoGPT-style attention computes its sizes from its input, ``B, T, C = x.size()``, then
@@ -128,16 +128,8 @@ class LocalWidthInputs(ParallelStyle):
             raise PlanError(f"LocalWidthInputs: needs at least one input and one reader, got inputs={inputs!r}, "
                             f"readers={readers!r}")
 
-    @property
-    def wrapped(self) -> ParallelStyle:
-        """The module's own style, for code that finds a wrapper's parameter layout (absent: none)."""
-        if self.style is None:
-            raise AttributeError("wrapped")
-        return self.style
-
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
-        if self.style is not None:
-            module = self.style._apply(module, device_mesh)
+        module = self._apply_wrapped(module, device_mesh)
         width_view(module, self.inputs, self.readers, device_mesh.size(), guard=True)
         return module
 

@@ -17,6 +17,22 @@ def to_local(x):
     return x
 
 
+class WrapperStyle(ParallelStyle):
+    """A style that adds hooks around another, ``style`` (optional), applied first; ``wrapped`` names
+    it for code that finds a wrapper's parameter layout (absent: none)."""
+
+    style: ParallelStyle | None = None
+
+    @property
+    def wrapped(self) -> ParallelStyle:
+        if self.style is None:
+            raise AttributeError("wrapped")
+        return self.style
+
+    def _apply_wrapped(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        return module if self.style is None else self.style._apply(module, device_mesh)
+
+
 class LocalParamsStyle(ParallelStyle):
     """Base for styles whose module runs on plain local tensors with DTensor parameters.
 

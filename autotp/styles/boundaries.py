@@ -19,7 +19,7 @@ from torch.distributed.tensor.placement_types import Placement
 
 from autotp.errors import PlanError
 from autotp.styles.embedding import VocabParallelEmbedding  # noqa: F401 (doctest)
-from autotp.styles.base import all_reduce_backward, all_reduce_forward, reduce_feature_grads, to_local
+from autotp.styles.base import WrapperStyle, all_reduce_backward, all_reduce_forward, reduce_feature_grads, to_local
 
 class SequenceParallelAllGather(SequenceParallel):
     """A sequence-parallel norm whose output is all-gathered once, for column-parallel consumers.
@@ -144,24 +144,9 @@ class SharedReplicatedInput(ParallelStyle):
         self.partial_grad = partial_grad
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
-        shared: dict[int, tuple[torch.Tensor, DTensor]] = {}  # id -> (tensor, its DTensor), one call's
-
-        def wrap(mod, args):
-            value = args[0] if args else None
-            if not isinstance(value, torch.Tensor) or isinstance(value, DTensor):
-                return None
-            hit = shared.get(id(value))
-            if hit is None or hit[0] is not value:
-                dtensor = (_ReplicatedWithPartialGrad.apply(value, device_mesh) if self.partial_grad else
-                           DTensor.from_local(value, device_mesh, (Replicate(),), run_check=False))
-                hit = (value, dtensor)
-                shared[id(value)] = hit
-            return (hit[1], *args[1:])
-
+        shared = share_column_inputs(module, self.columns, device_mesh, partial_grad=self.partial_grad)
         module.register_forward_pre_hook(lambda mod, args: shared.clear())
         module.register_forward_hook(lambda mod, args, out: shared.clear())
-        for name in self.columns:
-            module.get_submodule(name).register_forward_pre_hook(wrap, prepend=True)
         return module
 
     def __repr__(self) -> str:
@@ -201,7 +186,7 @@ class PartialSumBlock(ParallelStyle):
         self.columns, self.sequence_parallel = tuple(columns), sequence_parallel
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
-        shared: dict[int, tuple[torch.Tensor, DTensor]] = {}  # one call's column inputs, by id
+        shared = share_column_inputs(module, self.columns, device_mesh, partial_grad=True)
 
         def take(value):
             if isinstance(value, DTensor):
@@ -226,24 +211,37 @@ class PartialSumBlock(ParallelStyle):
                 return partial_sum.redistribute(placements=[Shard(1)])
             return partial_sum.redistribute(placements=[Replicate()]).to_local()
 
-        def wrap(mod, args):
-            value = args[0] if args else None
-            if not isinstance(value, torch.Tensor) or isinstance(value, DTensor):
-                return None
-            hit = shared.get(id(value))
-            if hit is None or hit[0] is not value:
-                hit = shared[id(value)] = (value, _ReplicatedWithPartialGrad.apply(value, device_mesh))
-            return (hit[1], *args[1:])
-
         module.register_forward_pre_hook(enter, with_kwargs=True)
         module.register_forward_hook(leave)
-        for name in self.columns:
-            module.get_submodule(name).register_forward_pre_hook(wrap, prepend=True)
         return module
 
     def __repr__(self) -> str:
         flag = ", sequence_parallel=True" if self.sequence_parallel else ""
         return f"{self.__class__.__name__}(columns={self.columns!r}{flag})"
+
+
+def share_column_inputs(module: nn.Module, columns: tuple[str, ...], device_mesh: DeviceMesh, *,
+                        partial_grad: bool) -> dict:
+    """Pre-hooks on ``module``'s ``columns``: the first to read a plain tensor wraps it as a
+    ``Replicate()`` DTensor (its backward all-reduces, or with ``partial_grad`` hands back this rank's
+    partial sum), and the others reading the same tensor get that DTensor. Returns the dict of
+    wrapped tensors, which the caller clears at each call of ``module``."""
+    shared: dict[int, tuple[torch.Tensor, DTensor]] = {}  # id -> (tensor, its DTensor), one call's
+
+    def wrap(mod, args):
+        value = args[0] if args else None
+        if not isinstance(value, torch.Tensor) or isinstance(value, DTensor):
+            return None
+        hit = shared.get(id(value))
+        if hit is None or hit[0] is not value:
+            dtensor = (_ReplicatedWithPartialGrad.apply(value, device_mesh) if partial_grad else
+                       DTensor.from_local(value, device_mesh, (Replicate(),), run_check=False))
+            hit = shared[id(value)] = (value, dtensor)
+        return (hit[1], *args[1:])
+
+    for name in columns:
+        module.get_submodule(name).register_forward_pre_hook(wrap, prepend=True)
+    return shared
 
 
 class _ReplicatedWithPartialGrad(torch.autograd.Function):
@@ -457,7 +455,7 @@ def _owned(out):
     return out
 
 
-class ShardedInputs(ParallelStyle):
+class ShardedInputs(WrapperStyle):
     """A module takes some of its call's arguments as this rank's slice along one dim (its heads).
 
     A per-head bias made once outside the sharded region (ALiBi's slopes times the distances,
@@ -491,16 +489,8 @@ class ShardedInputs(ParallelStyle):
             raise PlanError(f"ShardedInputs: each input is (key, dim) or (key, dim, heads, inner), got {inputs!r}")
         self.style = style
 
-    @property
-    def wrapped(self) -> ParallelStyle:
-        """The module's own style, for code that finds a wrapper's parameter layout (absent: none)."""
-        if self.style is None:
-            raise AttributeError("wrapped")
-        return self.style
-
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
-        if self.style is not None:
-            module = self.style._apply(module, device_mesh)
+        module = self._apply_wrapped(module, device_mesh)
         inputs = self.inputs
 
         def pre_hook(mod, args, kwargs):
