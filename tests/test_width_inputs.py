@@ -27,7 +27,7 @@ from autotp.check import check_plan
 from autotp.styles.attention import width_view
 from autotp.synth import synthesize
 from autotp.verifier import verify
-from synth_toy import DIM, HEADS, CausalSelfAttention, NanoGPT, SizeFromInputAttention, example_tokens
+from synth_toy import DIM, HEADS, MLP, CausalSelfAttention, NanoGPT, SizeFromInputAttention, example_tokens
 
 MODES = [(2, False), (2, True), (4, False), (4, True)]
 IDS = ["tp2", "tp2-sp", "tp4", "tp4-sp"]
@@ -148,3 +148,53 @@ def test_stand_in_reaches_only_the_readers_and_shows_any_other_read():
     torch.testing.assert_close(sliced, expected)
     assert torch.isnan(total)
     assert not module(x.clone())[0].isnan().any()  # the hooks hold no state between calls
+
+
+class SeparateQKVSizeFromInput(nn.Module):
+    """q, k and v Linears, head size from the input's width (``c // self.n_head``)."""
+
+    def __init__(self):
+        super().__init__()
+        self.n_head = HEADS
+        self.q, self.k, self.v, self.out = (nn.Linear(DIM, DIM) for _ in range(4))
+
+    def forward(self, x):
+        b, t, c = x.size()
+        q, k, v = (p(x).view(b, t, self.n_head, c // self.n_head).transpose(1, 2) for p in (self.q, self.k, self.v))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.out(y.transpose(1, 2).reshape(b, t, c))
+
+
+class PostNormBlock(nn.Module):
+    """Post-norm: the attention reads the residual stream itself, so its three projections share
+    one wrapper of it (placed on this block, the nearest module above them without a style)."""
+
+    def __init__(self):
+        super().__init__()
+        self.ln_1, self.ln_2 = nn.LayerNorm(DIM), nn.LayerNorm(DIM)
+        self.attn, self.mlp = SeparateQKVSizeFromInput(), MLP()
+
+    def forward(self, x):
+        x = self.ln_1(x + self.attn(x))
+        return self.ln_2(x + self.mlp(x))
+
+
+class PostNormGPT(NanoGPT):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.h = nn.ModuleList(PostNormBlock() for _ in range(2))
+
+
+@pytest.mark.parametrize("tp_size", [2, 4])
+def test_the_readers_get_the_input_before_a_wrapper_shared_above_them(tp_size):
+    """The block shares one ``Replicate()`` wrapper of the stream among the attention's projections;
+    the stand-in must be swapped back before that wrapper takes it (TrOCR's post-norm attention:
+    the projections multiplied the stand-in and the plan crashed)."""
+    model = PostNormGPT()
+    plan = synthesize(model, example_inputs=(example_tokens(),), tp_size=tp_size)
+    assert isinstance(plan["h.*.attn"], styles.LocalWidthInputs) and isinstance(plan["h.*"], styles.SharedReplicatedInput)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        report = verify(model, plan, tp_size=tp_size, inputs=(example_tokens(),))
+    assert report.ok, str(report)

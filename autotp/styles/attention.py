@@ -177,10 +177,19 @@ def width_view(module: nn.Module, inputs: tuple, readers: tuple[str, ...], tp: i
         real = lambda v: swapped[id(v)][1] if id(v) in swapped and swapped[id(v)][0] is v else v  # noqa: E731
         return tuple(real(a) for a in args), {k: real(v) for k, v in kwargs.items()}
 
-    module.register_forward_pre_hook(enter, with_kwargs=True)
+    def first_enter(mod, args, kwargs):
+        # The readers' hooks go first among theirs, ahead of any other style's (a wrapper the module
+        # above shares among the same Linears would otherwise take the stand-in): registered at the
+        # first call, once every style of the plan is in place.
+        if not installed:
+            for name in readers:
+                module.get_submodule(name).register_forward_pre_hook(read, with_kwargs=True, prepend=True)
+            installed.append(True)
+        return enter(mod, args, kwargs)
+
+    installed: list[bool] = []
+    module.register_forward_pre_hook(first_enter, with_kwargs=True)
     module.register_forward_hook(leave, always_call=True)
-    for name in readers:
-        module.get_submodule(name).register_forward_pre_hook(read, with_kwargs=True, prepend=True)
 
 
 def expand_kv_rows(tensor: torch.Tensor, kv_heads: int, head_dim: int, tp_size: int) -> torch.Tensor:

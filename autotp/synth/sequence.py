@@ -74,16 +74,15 @@ def stream_embeddings(g: nx.DiGraph, flow: Flow, from_rows: set[str]) -> list[st
     first and stays replicated. Without rows, every token embedding counts. A Linear kept whole
     between a lookup and the rows (an input projection from narrower embeddings, ``project_in``)
     starts the stream in its place; :func:`root_whole_linears` then moves the start to the layers."""
-    found = []
-    for name, data in g.nodes(data=True):
-        if data["op"] == "embedding" and reads_model_input(g, data["args"][1].name):
-            reach = _downstream(g, flow, [name])
-            if not from_rows or reach & from_rows:
-                found.append(name)
-                continue
-            found += sorted({s for n in reach for s in g.successors(n) if is_linear(g, s) and s not in flow.roots
-                             and s not in flow.rows and _downstream(g, flow, [s]) & from_rows})
-    return found
+    lookups = [n for n, d in g.nodes(data=True) if d["op"] == "embedding" and reads_model_input(g, d["args"][1].name)]
+    found = [n for n in lookups if not from_rows or _downstream(g, flow, [n]) & from_rows]
+    if found or not from_rows:
+        return found
+    # No lookup reaches the rows directly (another table's values fed to the layers, Gemma4's
+    # per-layer inputs, do not count once one does).
+    return sorted({s for n in lookups for r in _downstream(g, flow, [n]) for s in g.successors(r)
+                   if is_linear(g, s) and s not in flow.roots and s not in flow.rows
+                   and _downstream(g, flow, [s]) & from_rows})
 
 
 def _downstream(g: nx.DiGraph, flow: Flow, starts: list[str]) -> set[str]:
