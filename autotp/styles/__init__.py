@@ -45,7 +45,8 @@ Modules, by concern: :mod:`~autotp.styles.linear` (packed, ``(in, out)`` and par
 and :mod:`~autotp.styles.base` (what they share). Every style is importable from ``autotp.styles``.
 """
 
-from autotp.styles.attention import KVHeadCounts, LocalWidthInputs, ReplicatedKVColwise, RotaryEmbedParallel, ShardCounts
+from autotp.styles.attention import (KVHeadCounts, LocalWidthInputs, ReplicatedKVColwise, RotaryEmbedParallel,
+                                    ShardCounts)
 from autotp.styles.base import packed_row_order
 from autotp.styles.boundaries import (
     AllReduceOutput,

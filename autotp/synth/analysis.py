@@ -59,27 +59,6 @@ class Shard:
     fold: tuple[tuple[int, ...], int] | None = None
 
 
-def _tree_nodes(g: nx.DiGraph, name: str, dim: int, leaves: set[str]) -> dict[str, int]:
-    """The nodes of the pointwise tree ending at ``name`` above its ``leaves`` (chains), with the
-    dim of each that lines up with ``dim`` at ``name``."""
-    from autotp.synth.params import source_dim, value_refs
-
-    found, todo = {}, [(name, dim)]
-    while todo:
-        node, at = todo.pop()
-        if node in leaves or node in found:
-            continue
-        found[node] = at
-        data = g.nodes[node]
-        inputs = value_refs(data)
-        for ref in inputs:
-            shape, out = g.nodes[ref.name]["shape"] or (), data["shape"] or ()
-            inner = source_dim(g, node, at) if len(inputs) == 1 else at - (len(out) - len(shape))
-            if inner is not None and 0 <= inner < len(shape) and shape[inner] == out[at]:
-                todo.append((ref.name, inner))
-    return found
-
-
 @dataclass
 class Flow:
     """The result of one propagation, and the context the op rules query while it runs."""
@@ -102,7 +81,7 @@ class Flow:
     param_spans: dict = field(default_factory=dict)  # parameter placeholder -> {(origins, span, pieces)} it met
     piece_cuts: set = field(default_factory=set)  # nodes that cut a joined shard back into pieces, or unfold one
     factory_shards: dict = field(default_factory=dict)  # constant factory node -> (dim, origins it met)
-    tree_dims: dict = field(default_factory=dict)  # pointwise node on parameters / constants -> dim sharded with the heads
+    tree_dims: dict = field(default_factory=dict)  # pointwise node on parameters / constants -> dim met by the heads
     tree_uses: dict = field(default_factory=dict)  # such a node -> {(node, dim)} where it met the heads
     tree_origins: dict = field(default_factory=dict)  # such a node -> {origins of the shards it met}
     conv_groups: dict = field(default_factory=dict)  # candidate -> group counts of the grouped convolutions it met
@@ -152,25 +131,19 @@ class Flow:
         elsewhere only where it meets the heads too (:func:`~autotp.synth.params.stray_tree_reads`)."""
         from autotp.synth.params import tree_leaves
 
-        leaves = tree_leaves(self.g, other, dim)
-        if not leaves:
+        nodes: dict[str, int] = {}
+        leaves = tree_leaves(self.g, other, dim, nodes)
+        if not leaves or any(self.tree_dims.get(node, at) != at for node, at in nodes.items()):
             return False
-        nodes = _tree_nodes(self.g, other, dim, {chain for chain, _, _ in leaves})
-        if any(self.tree_dims.get(node, at) != at for node, at in nodes.items()):
+        # Feasible first, so a refusal records nothing; then each leaf meets the shard as a chain.
+        if any(self.param_shards.get(source, at) != at or self.factory_shards.get(source, (at,))[0] != at
+               for _, _, _, (source, at) in leaves):
             return False
-        from autotp.synth.params import factory_dim, param_dim
-
-        for chain, at, _ in leaves:  # feasible first, so a refusal records nothing
-            found = param_dim(self.g, chain, at) or factory_dim(self.g, chain, at)
-            if found is None or self.param_shards.get(found[0], found[1]) != found[1] or \
-                    self.factory_shards.get(found[0], (found[1],))[0] != found[1]:
-                return False
         deciding = self.deciding
         try:
-            for chain, at, parent in leaves:
+            for chain, at, parent, _ in leaves:
                 self.deciding = parent
-                if not (self.shard_param(chain, at) or self.sized_with(chain, at)):
-                    raise AssertionError(f"tree leaf {chain} passed the check and then failed")  # unreachable
+                self.shard_param(chain, at) or self.sized_with(chain, at)
         finally:
             self.deciding = deciding
         self.tree_dims.update(nodes)

@@ -174,13 +174,15 @@ def factory_dim(g: nx.DiGraph, name: str, dim: int) -> tuple[str, int] | None:
 MAX_TREE_DEPTH = 6
 
 
-def tree_leaves(g: nx.DiGraph, name: str, dim: int, depth: int = MAX_TREE_DEPTH) -> list | None:
-    """``[(chain, dim, parent), ...]``: the chains of one-tensor ops on a parameter, buffer or constant
-    factory (:func:`param_dim`, :func:`factory_dim`) that node ``name``, a tree of pointwise ops over
-    such chains only, is computed from, each with its dim that lines up with ``dim`` and the tree
-    node that reads it; None if ``name`` is no such tree (a single chain is not a tree: the callers
-    try chains first). Its nodes may be read elsewhere: :func:`stray_tree_reads` checks those reads
-    once the pass has seen them all.
+def tree_leaves(g: nx.DiGraph, name: str, dim: int, nodes: dict[str, int],
+                depth: int = MAX_TREE_DEPTH) -> list | None:
+    """``[(chain, dim, parent, source), ...]``: the chains of one-tensor ops on a parameter, buffer or
+    constant factory that node ``name``, a tree of pointwise ops over such chains only, is computed
+    from, each with its dim that lines up with ``dim``, the tree node that reads it, and what the
+    chain starts from (:func:`param_dim`, :func:`factory_dim`); None if ``name`` is no such tree (a
+    single chain is not a tree: the callers try chains first). The tree's own nodes are written into
+    ``nodes`` (node -> its dim that lines up), complete only where the result is not None. They may
+    be read elsewhere: :func:`stray_tree_reads` checks those reads once the pass has seen them all.
 
     An operand broadcast along ``dim`` (size 1 or absent there) takes no part, unless it has a
     gradient (made from parameters): every rank would then hold a partial one.
@@ -193,7 +195,9 @@ def tree_leaves(g: nx.DiGraph, name: str, dim: int, depth: int = MAX_TREE_DEPTH)
         if data["op"] not in SINGLE_INPUT or len(inputs) != 1 or not isinstance(data["args"][0], Ref):
             return None
         at = source_dim(g, name, dim)
-        return None if at is None else tree_leaves(g, inputs[0].name, at, depth - 1)
+        nodes[name] = dim
+        return None if at is None else tree_leaves(g, inputs[0].name, at, nodes, depth - 1)
+    nodes[name] = dim
     found = []
     for ref in inputs:
         shape = g.nodes[ref.name]["shape"]
@@ -206,11 +210,11 @@ def tree_leaves(g: nx.DiGraph, name: str, dim: int, depth: int = MAX_TREE_DEPTH)
             continue
         if shape[at] != data["shape"][dim]:
             return None
-        chain = param_dim(g, ref.name, at) or factory_dim(g, ref.name, at)
-        if chain is not None:
-            found.append((ref.name, at, name))
+        source = param_dim(g, ref.name, at) or factory_dim(g, ref.name, at)
+        if source is not None:
+            found.append((ref.name, at, name, source))
             continue
-        below = tree_leaves(g, ref.name, at, depth - 1)
+        below = tree_leaves(g, ref.name, at, nodes, depth - 1)
         if below is None:
             return None
         found += below

@@ -62,11 +62,11 @@ def partial_sum_blocks(g: nx.DiGraph, flow: Flow, roles: dict[str, Role], *,
                 break
     found: dict[str, Role] = {}
     for block, inside in sorted(blocks.items()):
-        reason = _refusal(g, roles, block, inside)
+        modules = _inside_modules(g, block)
+        reason = _refusal(g, roles, block, inside, modules)
         if reason:
             log.debug("partial sums: %s reduces each row (%s)", block, reason)
             continue
-        modules = _inside_modules(g, block)
         columns = sorted(m for m in modules if kind_of(roles, m) in _COLUMNS)
         names = tuple(m[len(block) + 1:] for m in columns)
         found[block] = Role("partial_sum_block", f"adds up the partial sums of {len(inside)} row Linears and "
@@ -88,8 +88,9 @@ def partial_sum_blocks(g: nx.DiGraph, flow: Flow, roles: dict[str, Role], *,
     return found
 
 
-def _refusal(g: nx.DiGraph, roles: dict[str, Role], block: str, rows: list[str]) -> str | None:
-    """Why ``block`` cannot add up ``rows``' partial sums itself (None if it can)."""
+def _refusal(g: nx.DiGraph, roles: dict[str, Role], block: str, rows: list[str], modules: set[str]) -> str | None:
+    """Why ``block`` cannot add up ``rows``' partial sums itself (None if it can); ``modules``: those
+    that run inside it."""
     if not block:
         return "the model's root"
     for row in rows:
@@ -105,9 +106,10 @@ def _refusal(g: nx.DiGraph, roles: dict[str, Role], block: str, rows: list[str])
     leaks = [n for n in reached - set(outputs) if any(block not in g.nodes[s]["stack"] for s in g.successors(n))]
     if leaks:
         return f"a partial sum leaves it at {leaks[0]}"
-    for module in _inside_modules(g, block):
+    row_modules = {module_of(g, r) for r in rows}
+    for module in modules - row_modules:
         kind = kind_of(roles, module)
-        if module not in {module_of(g, r) for r in rows} and kind not in (None, *_INSIDE):
+        if kind not in (None, *_INSIDE):
             return f"{module} has a role of its own ({kind})"
     if _owns_params(g, block):
         return "it reads parameters of its own"
