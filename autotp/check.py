@@ -251,6 +251,17 @@ def _plan_roles(style_of: dict, linear_modules: set[str]) -> dict:
     return roles
 
 
+def _divided_counts(style: ParallelStyle | None) -> tuple[str, ...]:
+    """The attributes ``style`` (or a style it wraps) divides by tp."""
+    while style is not None:
+        if isinstance(style, styles.ShardCounts):
+            return style.names
+        if isinstance(style, HeadParams):
+            return style.counts
+        style = getattr(style, "wrapped", None)
+    return ()
+
+
 def _width_view(style: ParallelStyle | None) -> tuple | None:
     """``(inputs, readers)`` of the :class:`~autotp.styles.LocalWidthInputs` ``style`` is or wraps."""
     while style is not None:
@@ -285,7 +296,7 @@ def _reshape_findings(model: nn.Module, g, flow, roles: dict, style_of: dict, co
         if fqn not in captured or any(v % tp_size for v in sizes):
             continue
         view = views.get(fqn)
-        names = style.names if isinstance(style, styles.ShardCounts) else style.counts if isinstance(style, HeadParams) else ()
+        names = _divided_counts(style)
         inner = inner_roles(roles, fqn) if view is None else with_width_view(inner_roles(roles, fqn), view)
         with collapsed(model, groups):
             module = model.get_submodule(fqn)

@@ -167,7 +167,7 @@ class SeparateQKVSizeFromInput(nn.Module):
 
 class PostNormBlock(nn.Module):
     """Post-norm: the attention reads the residual stream itself, so its three projections share
-    one wrapper of it (placed on this block, the nearest module above them without a style)."""
+    one wrapper of it (placed on the attention, whose own style only divides its head count)."""
 
     def __init__(self):
         super().__init__()
@@ -187,13 +187,15 @@ class PostNormGPT(NanoGPT):
 
 
 @pytest.mark.parametrize("tp_size", [2, 4])
-def test_the_readers_get_the_input_before_a_wrapper_shared_above_them(tp_size):
-    """The block shares one ``Replicate()`` wrapper of the stream among the attention's projections;
-    the stand-in must be swapped back before that wrapper takes it (TrOCR's post-norm attention:
-    the projections multiplied the stand-in and the plan crashed)."""
+def test_the_readers_get_the_input_before_a_shared_wrapper_takes_it(tp_size):
+    """The attention shares one ``Replicate()`` wrapper of the stream among its projections; the
+    stand-in must be swapped back before that wrapper takes it (TrOCR's post-norm attention: the
+    projections multiplied the stand-in and the plan crashed)."""
     model = PostNormGPT()
     plan = synthesize(model, example_inputs=(example_tokens(),), tp_size=tp_size)
-    assert isinstance(plan["h.*.attn"], styles.LocalWidthInputs) and isinstance(plan["h.*"], styles.SharedReplicatedInput)
+    style = plan["h.*.attn"]
+    assert isinstance(style, styles.LocalWidthInputs) and isinstance(style.wrapped, styles.SharedReplicatedInput)
+    assert isinstance(style.wrapped.wrapped, styles.ShardCounts)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         report = verify(model, plan, tp_size=tp_size, inputs=(example_tokens(),))

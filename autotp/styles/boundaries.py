@@ -114,7 +114,7 @@ class ReplicatedOutput(ParallelStyle):
         return f"{self.__class__.__name__}()"
 
 
-class SharedReplicatedInput(ParallelStyle):
+class SharedReplicatedInput(WrapperStyle):
     """Column projections of a module that read one plain tensor share one ``Replicate()`` DTensor of it.
 
     Without a norm before them (OLMo2 normalises after attention and MLP), q, k and v read the
@@ -133,17 +133,21 @@ class SharedReplicatedInput(ParallelStyle):
     Keyword Args:
         columns (tuple[str, ...]): the column-parallel children, relative to the module.
         partial_grad (bool): leave the input gradient a partial sum. Default: False.
+        style (ParallelStyle, optional): a style of the module itself, applied first (a
+            :class:`~autotp.styles.ShardCounts` dividing its head count).
 
     Example::
         >>> plan = {"model.layers.*.self_attn": SharedReplicatedInput(columns=("q_proj", "k_proj", "v_proj"))}
     """
 
-    def __init__(self, *, columns: tuple[str, ...], partial_grad: bool = False):
+    def __init__(self, *, columns: tuple[str, ...], partial_grad: bool = False, style: ParallelStyle | None = None):
         super().__init__()
         self.columns = tuple(columns)
         self.partial_grad = partial_grad
+        self.style = style
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        module = self._apply_wrapped(module, device_mesh)
         shared = share_column_inputs(module, self.columns, device_mesh, partial_grad=self.partial_grad)
         module.register_forward_pre_hook(lambda mod, args: shared.clear())
         module.register_forward_hook(lambda mod, args, out: shared.clear())
@@ -151,7 +155,8 @@ class SharedReplicatedInput(ParallelStyle):
 
     def __repr__(self) -> str:
         flag = ", partial_grad=True" if self.partial_grad else ""
-        return f"{self.__class__.__name__}(columns={self.columns!r}{flag})"
+        inner = f", style={self.style!r}" if self.style is not None else ""
+        return f"{self.__class__.__name__}(columns={self.columns!r}{flag}{inner})"
 
 
 class PartialSumBlock(ParallelStyle):

@@ -31,6 +31,8 @@ def style_for(role: Role, *, loss_parallel: bool = True) -> ParallelStyle | None
         style = styles.OwnedOutput(style)
     if role.entry_inputs:
         style = styles.ShardedInputs(inputs=role.entry_inputs, style=style)
+    if role.shared_columns:
+        style = styles.SharedReplicatedInput(columns=role.shared_columns, partial_grad=role.partial_grad, style=style)
     if role.width_view:
         style = styles.LocalWidthInputs(inputs=role.width_view[0], readers=role.width_view[1], style=style)
     return style

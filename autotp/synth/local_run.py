@@ -12,12 +12,14 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import functools
 import logging
 
 import networkx as nx
 import torch
 from torch import nn
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from autotp.styles.attention import width_view
@@ -27,20 +29,46 @@ from autotp.synth.ops import FIXED_SIZE_CUTS
 from autotp.synth.ops import ELEMENTWISE, PASSTHROUGH
 from autotp.synth.params import chain_dims, reading_module
 from autotp.synth.roles import WEIGHT_DIMS, Role, kind_of
-from autotp.synth.trace import LayerGroups, collapsed, example_args
+from autotp.synth.trace import LayerGroups, collapsed, data_dependent, example_args, on_meta
 
 log = logging.getLogger(__name__)
 
 
 
 def _to_meta(value):
+    return _rebuilt(value, lambda t: torch.empty(t.shape, dtype=t.dtype, device="meta"))
+
+
+def _snapshot(value):
+    """``value`` as it is now: containers and state objects (a kv cache) copied, their tensors
+    shared. A module's inputs are captured before it runs; the forward goes on and may update a
+    cache it was handed, which the module must not meet again when it is run alone."""
+    return _rebuilt(value, lambda t: t)
+
+
+def _rebuilt(value, tensor, depth: int = 0, memo: dict | None = None):
+    """``value`` with ``tensor`` applied to every tensor in it: containers, and plain objects with
+    attributes (a cache and its layers), rebuilt down to a depth of 8; modules and functions shared."""
+    memo = {} if memo is None else memo
+    if id(value) in memo:
+        return memo[id(value)]
     if isinstance(value, torch.Tensor):
-        return torch.empty(value.shape, dtype=value.dtype, device="meta")
-    if isinstance(value, (tuple, list)):
-        return type(value)(_to_meta(v) for v in value)
-    if isinstance(value, dict):
-        return {k: _to_meta(v) for k, v in value.items()}
-    return value
+        result = tensor(value)
+    elif depth > 8 or isinstance(value, (nn.Module, type)) or callable(value):
+        return value
+    elif isinstance(value, (tuple, list)):
+        result = type(value)(_rebuilt(v, tensor, depth + 1, memo) for v in value)
+    elif isinstance(value, dict):
+        result = {k: _rebuilt(v, tensor, depth + 1, memo) for k, v in value.items()}
+    elif getattr(value, "__dict__", None):
+        result = copy.copy(value)
+        memo[id(value)] = result
+        for name, item in vars(value).items():
+            result.__dict__[name] = _rebuilt(item, tensor, depth + 1, memo)
+    else:
+        return value
+    memo[id(value)] = result
+    return result
 
 
 class Captured(dict):
@@ -68,34 +96,51 @@ def capture_inputs(model: nn.Module, example_inputs, fqns: set[str],
     """The inputs each module in ``fqns`` (FQNs traced with ``groups``) gets, as meta tensors, from
     one fake forward."""
     captured: dict[str, tuple[tuple, dict]] = {}
-    failed = None
     args, kwargs = example_args(model, example_inputs)
     with collapsed(model, groups):
         handles = []
         for fqn in fqns:
             def hook(mod, a, k, fqn=fqn):
-                captured.setdefault(fqn, (a, k))
+                captured.setdefault(fqn, _snapshot((a, k)))
             handles.append(model.get_submodule(fqn).register_forward_pre_hook(hook, with_kwargs=True))
         fake_log = logging.getLogger("torch._subclasses.fake_tensor")
         level = fake_log.level
         fake_log.setLevel(logging.CRITICAL)  # a kernel without a fake impl logs before it raises
         try:
-            with torch.no_grad(), _as_traced(), FakeTensorMode(allow_non_fake_inputs=True) as mode:
-                # Inputs as fake tensors too: model code that skips value checks while tracing
-                # (``torch.all(mask == 1)``) recognises them, where a real input would be read.
-                fake = lambda t: mode.from_tensor(t) if isinstance(t, torch.Tensor) else t  # noqa: E731
-                model(*[fake(a) for a in args], **{k: fake(v) for k, v in kwargs.items()})
-        except Exception as error:  # the modules it reached are judged; the others cannot be
-            log.debug("fake forward for localization failed: %s", error)
-            failed = f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"[:200]
+            failed = _fake_forward(model, args, kwargs, real_values=False)
+            if failed is not None and data_dependent(failed) and not on_meta(model):
+                # A value read (``lengths.max().item()``): the branch these inputs take, as export's
+                # retry does; the shapes the proof compares are those of the traced graph's branch.
+                captured.clear()
+                failed = _fake_forward(model, args, kwargs, real_values=True)
         finally:
             fake_log.setLevel(level)
             for handle in handles:
                 handle.remove()
     # Fake tensors belong to the fake mode: keep only their shapes, as plain meta tensors.
     result = Captured({fqn: (_to_meta(a), _to_meta(k)) for fqn, (a, k) in captured.items()})
-    result.failed = failed
+    if failed is not None:
+        result.failed = f"{type(failed).__name__}: {str(failed).splitlines()[0] if str(failed) else ''}"[:200]
     return result
+
+
+def _fake_forward(model: nn.Module, args: tuple, kwargs: dict, *, real_values: bool) -> Exception | None:
+    """One forward of ``model`` on fake tensors, or on the real inputs if ``real_values``; the error
+    that stopped it, if any."""
+    try:
+        with torch.no_grad(), _as_traced():
+            if real_values:
+                model(*args, **kwargs)
+                return None
+            with FakeTensorMode(allow_non_fake_inputs=True) as mode:
+                # Inputs as fake tensors too: model code that skips value checks while tracing
+                # (``torch.all(mask == 1)``) recognises them, where a real input would be read.
+                fake = lambda t: mode.from_tensor(t) if isinstance(t, torch.Tensor) else t  # noqa: E731
+                model(*[fake(a) for a in args], **{k: fake(v) for k, v in kwargs.items()})
+    except Exception as error:  # the modules it reached are judged; the others cannot be
+        log.debug("fake forward for localization failed: %s", error)
+        return error
+    return None
 
 
 def _meta_copy(module: nn.Module) -> nn.Module:
@@ -267,7 +312,7 @@ def run_local(module: nn.Module, inputs: tuple[tuple, dict], roles: dict[str, Ro
 
     for index, name in enumerate(fused):
         local.get_submodule(name).register_forward_hook(watch(index))
-    args, kwargs = inputs
+    args, kwargs = _snapshot(inputs)  # a cache among them is updated by the run: each run gets its own
     try:
         # Tensors the module makes without a device (``torch.full((t, t), -inf)``) are made on meta too.
         with torch.no_grad(), torch.device("meta"), recorder:
@@ -288,13 +333,24 @@ def _shapes(out):
 def trace_local(module: nn.Module, inputs, roles: dict[str, Role], names: tuple[str, ...], tp: int):
     """The analysis graph of a meta copy of ``module`` at per-rank widths (``tp`` 1: global)."""
     local = _local_copy(module, roles, names, tp)
-    args, kwargs = inputs
+    args, kwargs = _snapshot(inputs)
+    bound = {k: v for k, v in kwargs.items() if not _exportable(v)}
+    if bound:  # a cache object: handed to the forward as it is, not as an input of the program
+        local.forward = functools.partial(local.forward, **bound)
+        kwargs = {k: v for k, v in kwargs.items() if k not in bound}
     try:
         with torch.no_grad(), torch.device("meta"):
             return build_graph(torch.export.export(local, args, kwargs, strict=False))
     except Exception as error:  # cannot trace alone: cannot confirm
         log.debug("export of %s alone failed: %s", type(module).__name__, error)
         return None
+
+
+def _exportable(value) -> bool:
+    """Whether ``torch.export`` takes ``value`` as an input: a pytree of tensors and plain scalars."""
+    leaves, _ = pytree.tree_flatten(value)
+    return all(leaf is None or isinstance(leaf, (torch.Tensor, int, float, bool, str, torch.dtype, torch.device))
+               for leaf in leaves)
 
 
 def shapes_are_local(g: nx.DiGraph, local: nx.DiGraph, roles: dict[str, Role], tp: int) -> bool:

@@ -654,6 +654,8 @@ def _cat(g, name, dims, ctx):
             return Break(f"cat along the sharded dim {dim} of sharded and replicated tensors")
         return Given(joined)
     for ref in tensors:
+        if isinstance(ref, Ref) and ref.name not in dims and _empty(g, ref.name):
+            continue  # an empty piece (a cache's first ``cat`` onto ``tensor([])``) adds nothing
         # A replicated piece joins only if it can be sharded the same way (a per-head sink logit)
         # or is the same for every index of the dim (a rope part shared by all heads, expanded).
         if isinstance(ref, Ref) and ref.name not in dims and not ctx.shard_param(ref.name, dim):
@@ -664,6 +666,12 @@ def _cat(g, name, dims, ctx):
                 return Break(f"cat joins the sharded dim {dim} with a replicated tensor expanded along it "
                              f"whose gradient would stay a per-rank partial sum")
     return Out(dim)
+
+
+def _empty(g, name) -> bool:
+    """Whether ``name`` holds no elements (a size-0 dim in its traced shape)."""
+    shape = g.nodes[name]["shape"]
+    return shape is not None and 0 in shape
 
 
 def _from_params(g, name) -> bool:

@@ -114,6 +114,8 @@ class Role:
         width_view: of any role, ``((argument position or keyword, ...), (reader, ...))``: the module's
             code reads its widths from those arguments' sizes (``C = x.size(-1)``), so it sees them at
             the per-rank width, and the column Linears ``reader`` (relative names) read the real ones.
+        shared_columns: of a ``shard_counts``, column Linears inside it (relative names) that read one
+            tensor and share one ``Replicate()`` DTensor of it, as a ``shared_entry``'s ``names`` do.
         all_outputs: of a ``seq_gather`` with ``seq_output``, the stream reads several of the
             module's outputs (a hyper-connection's branch input and output weights): each
             per-position output is sliced back, not only the first.
@@ -150,6 +152,7 @@ class Role:
     entry_inputs: tuple = ()
     kv_counts: tuple = ()
     width_view: tuple = ()
+    shared_columns: tuple[str, ...] = ()
 
     def __post_init__(self):
         if self.kind not in ROLE_KINDS:

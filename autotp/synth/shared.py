@@ -160,7 +160,7 @@ def shared_entries(g: nx.DiGraph, roles: dict[str, Role]) -> dict[str, Role]:
     values: only the number of reductions of the input gradient.
     """
     found: dict[str, Role] = {}
-    covered = {f"{m}.{c}" for m, r in roles.items() if r.kind == "shared_entry" for c in r.names}
+    covered = {f"{m}.{c}" for m, r in roles.items() for c in (r.names if r.kind == "shared_entry" else r.shared_columns)}
     for name, data in g.nodes(data=True):
         if data["kind"] != "call" or not data["shape"]:
             continue
@@ -173,6 +173,11 @@ def shared_entries(g: nx.DiGraph, roles: dict[str, Role]) -> dict[str, Role]:
         if not module or len(owners) < 2 or not all(o.startswith(module + ".") for o in owners):
             continue
         columns = tuple(o[len(module) + 1:] for o in owners)
+        if module in roles:  # its own role divides its head counts: the same style shares the tensor
+            found[module] = replace(roles[module], shared_columns=columns, evidence=(name, *owners), reason=(
+                f"{roles[module].reason}; its column Linears ({', '.join(columns)}) share one Replicate() DTensor "
+                "of the tensor they read, so their input gradients are summed and all-reduced once"))
+            continue
         found[module] = Role("shared_entry", f"its column Linears ({', '.join(columns)}) read one tensor that "
                              "no shared norm hands them: they share one Replicate() DTensor of it, so their "
                              "input gradients are summed and all-reduced once", (name, *owners), names=columns)
@@ -181,13 +186,14 @@ def shared_entries(g: nx.DiGraph, roles: dict[str, Role]) -> dict[str, Role]:
 
 def _sharing_scope(module: str, stack: tuple[str, ...], roles: dict[str, Role], found: dict[str, Role]) -> str:
     """``module``, or the nearest module above it in ``stack`` that has no role (its pre-hooks can
-    then hold the shared value); empty where there is none or it shares another tensor already."""
+    then hold the shared value) or whose role only divides its head counts; empty where there is
+    none or it shares another tensor already."""
     above = [m for m in stack if module == m or module.startswith(m + ".")]
     for candidate in reversed(above):
         if candidate in found:
             return ""
-        if candidate not in roles:
-            return candidate
+        if candidate not in roles or (roles[candidate].kind == "shard_counts" and not roles[candidate].shared_columns):
+            return candidate  # no style of its own, or one that only divides its attributes
     return ""
 
 

@@ -333,7 +333,7 @@ def export_model(model: nn.Module, example_inputs=None) -> torch.export.Exported
     try:
         return _export(model, args, kwargs, real_values=False)
     except Exception as error:  # export raises many unrelated types; all mean "cannot trace"
-        if _data_dependent(error) and not _on_meta(model) and _parameter_free(model, error):
+        if data_dependent(error) and not on_meta(model) and _parameter_free(model, error):
             log.info("export met a data-dependent branch; retrying with real values: %s", error)
             try:
                 return _export(model, args, kwargs, real_values=True)
@@ -354,10 +354,13 @@ def _export(model: nn.Module, args: tuple, kwargs: dict, *, real_values: bool) -
         drop_fake_state(model, before)
 
 
-def _data_dependent(error: BaseException) -> bool:
+def data_dependent(error: BaseException) -> bool:
+    """Whether ``error`` is a branch or read on a tensor's value that fake tensors cannot decide."""
+    from torch._subclasses.fake_tensor import DataDependentOutputException
     from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
 
-    return isinstance(error, GuardOnDataDependentSymNode) or "data-dependent" in str(error)
+    return (isinstance(error, (GuardOnDataDependentSymNode, DataDependentOutputException))
+            or "data-dependent" in str(error))
 
 
 def _parameter_free(model: nn.Module, error: BaseException) -> bool:
@@ -371,7 +374,7 @@ def _parameter_free(model: nn.Module, error: BaseException) -> bool:
     return next(module.parameters(), None) is None
 
 
-def _on_meta(model: nn.Module) -> bool:
+def on_meta(model: nn.Module) -> bool:
     return any(t.is_meta for t in itertools.chain(model.parameters(), model.buffers()))
 
 
@@ -381,7 +384,7 @@ def _trace_error(model: nn.Module, error: BaseException) -> TraceError:
     where = failing_module(model, error)
     inside = f" inside {where}" if where else ""
     hint = ""
-    if _data_dependent(error) and _on_meta(model):
+    if data_dependent(error) and on_meta(model):
         hint = ("The forward branches on a tensor's value, which a meta-device model cannot decide: "
                 "synthesize on a materialised model of the same config (e.g. built tiny on cpu), or ")
     return TraceError(
