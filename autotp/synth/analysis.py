@@ -13,6 +13,7 @@ not tile, mixed parts, endless shards, a side giving way) share the Flow state t
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import logging
 import math
 from dataclasses import dataclass, field
@@ -98,6 +99,8 @@ class Flow:
     entry_uses: dict = field(default_factory=dict)  # (value, module) -> {(operand, node)} that met the heads
     entry_origins: dict = field(default_factory=dict)  # (value, module) -> the candidates whose shard met it
     module_alone: bool = False  # the graph is one module exported alone (see propagate)
+    copied: dict = field(default_factory=dict)  # candidate -> spans of its output held whole on every rank
+    copy_cuts: dict = field(default_factory=dict)  # cutting node -> {element index or None: (root, span)} held whole
 
     def sharded(self, name: str) -> bool:
         """Whether ``name``'s output (or an element of it) is sharded."""
@@ -721,7 +724,8 @@ def _record(flow: Flow, name: str, result, origins: frozenset, prev: str, dims: 
         flow.state[name] = Shard(result.dim, origins, result.intact, prev, span, pieces, fold)
         size = flow.g.nodes[name]["shape"][result.dim]
         for o in origins:
-            flow.extent[o] = math.gcd(flow.extent.get(o, 0), size)
+            if not _holds_copies(flow, o, span):  # parts held whole are not divided: their width says nothing
+                flow.extent[o] = math.gcd(flow.extent.get(o, 0), size)
     elif isinstance(result, Parts):
         flow.state[name] = tuple(Shard(p.dim, origins, p.intact, prev) if p else None for p in result.parts)
     elif isinstance(result, Split):
@@ -730,8 +734,28 @@ def _record(flow: Flow, name: str, result, origins: frozenset, prev: str, dims: 
         for o in origins:
             flow.splits.setdefault(o, []).extend(ranges)
             flow.split_nodes.setdefault(o, []).append(name)
-        shards = [Shard(result.dim, origins, False, prev, r) for r in ranges]
-        flow.state[name] = tuple(shards) if result.tuple_output else shards[0]
+        shards = [None if _held_whole(flow, origins, r) else Shard(result.dim, origins, False, prev, r) for r in ranges]
+        for index, (shard, r) in enumerate(zip(shards, ranges)):
+            if shard is None:  # a part held whole on every rank: replicated from here on
+                flow.copy_cuts.setdefault(name, {})[index if result.tuple_output else None] = (next(iter(origins)), r)
+        if result.tuple_output:
+            flow.state[name] = tuple(shards)
+        elif shards[0] is not None:
+            flow.state[name] = shards[0]
+
+
+def _held_whole(flow: Flow, origins: frozenset, span: tuple[int, int]) -> bool:
+    """Whether the part ``span`` of one candidate's output lies within the spans it holds whole."""
+    if len(origins) != 1:
+        return False
+    spans = flow.copied.get(next(iter(origins)), ())
+    return sum(min(e, span[1]) - max(s, span[0]) for s, e in spans if s < span[1] and span[0] < e) == span[1] - span[0]
+
+
+def _holds_copies(flow: Flow, origin: str, span: tuple[int, int] | None) -> bool:
+    """Whether a shard of ``origin`` over ``span`` (None: unknown) holds parts kept whole per rank."""
+    spans = flow.copied.get(origin, ())
+    return bool(spans) and (span is None or any(s < span[1] and span[0] < e for s, e in spans))
 
 
 def _linear_step(flow: Flow, name: str, data, dims: dict, active: set):
@@ -751,7 +775,7 @@ def _linear_step(flow: Flow, name: str, data, dims: dict, active: set):
     elif x not in dims and name in active:
         flow.state[name] = Shard(len(data["shape"]) - 1, frozenset({name}), True, None, (0, data["shape"][-1]))
         flow.roots.add(name)
-        flow.extent[name] = data["shape"][-1]
+        flow.extent[name] = 0 if name in flow.copied else data["shape"][-1]  # its divided parts set it
 
 
 def _getitem_step(flow: Flow, name: str, data) -> None:
@@ -795,7 +819,8 @@ def _written(flow: Flow, name: str, data) -> None:
 
 
 def propagate(g: nx.DiGraph, active: set[str], unit_heads: frozenset = frozenset(),
-              whole: dict[str, str] | None = None, *, module_alone: bool = False) -> Flow:
+              whole: dict[str, str] | None = None, *, module_alone: bool = False,
+              copied: dict[str, frozenset] | None = None) -> Flow:
     """Follow the shard of every active candidate Linear through ``g`` (one pass, program order).
 
     Args:
@@ -806,10 +831,13 @@ def propagate(g: nx.DiGraph, active: set[str], unit_heads: frozenset = frozenset
             differently): neither a column nor a row; a shard reaching one breaks, with the reason.
         module_alone: ``g`` is one module exported alone (the shape proof): its inputs may be
             values its caller slices to its heads (:meth:`Flow.shard_entry`).
+        copied: candidate -> spans of its output cut off as parts held whole on every rank (the
+            one kv head of a fused multi-query qkv): replicated from the cut on (:func:`copy_leaks`).
     Returns:
         The :class:`Flow`: node states, rows, heads, splits and the candidates that broke.
     """
-    flow = Flow(g, unit_heads=frozenset(unit_heads), whole=dict(whole or {}), module_alone=module_alone)
+    flow = Flow(g, unit_heads=frozenset(unit_heads), whole=dict(whole or {}), module_alone=module_alone,
+                copied=dict(copied or {}))
     owners = param_modules(g)
     for name in sorted(g.nodes, key=lambda n: g.nodes[n]["order"]):
         data = g.nodes[name]
@@ -1037,6 +1065,40 @@ def broadcast_leaks(flow: Flow) -> dict[str, str]:
     return bad
 
 
+def copy_leaks(flow: Flow) -> dict[str, str]:
+    """Candidates with a part held whole on every rank (:attr:`Flow.copied`) whose gradient would
+    not be only per-rank shares: as for :func:`broadcast_leaks`, the values computed from the part,
+    followed until they meet a shard, must reach no Linear, no output and no parameter. Each rank's
+    output gradient of the part is then its heads' share, which the column's input-gradient
+    reduction and the copies' summed weight gradients (:class:`~autotp.styles.GroupCopies`) add up
+    to the whole; a reader outside would be counted once per rank."""
+    g, bad = flow.g, {}
+    for cut, parts in sorted(flow.copy_cuts.items()):
+        for index, (root, span) in sorted(parts.items(), key=lambda item: item[1][1]):
+            starts = [cut] if index is None else [s for s in g.successors(cut) if g.nodes[s]["op"] == "getitem"
+                                                  and g.nodes[s]["args"][1:2] == (index,)]
+            seen, todo, meets, leak = set(starts), list(starts), 0, None
+            while todo and leak is None:
+                for succ in g.successors(todo.pop()):
+                    data = g.nodes[succ]
+                    if succ in seen or data["op"] in SINKS:
+                        continue
+                    seen.add(succ)
+                    if data["kind"] != "call" or is_linear(g, succ) or (not flow.sharded(succ) and any(
+                            g.nodes[p]["kind"] == "param" for p in g.predecessors(succ))):
+                        leak = succ
+                        break
+                    if flow.sharded(succ):
+                        meets += 1
+                    else:
+                        todo.append(succ)
+            if leak is not None or not meets:
+                at = f"{g.nodes[leak]['op']} in {g.nodes[leak]['module'] or 'the root'}" if leak else "nothing sharded"
+                bad.setdefault(root, f"its part {span[0]}:{span[1]}, held whole on every rank, is also read by {at}: "
+                                     "its gradient would be partly whole, partly a per-rank share")
+    return bad
+
+
 def same_weight(g: nx.DiGraph, bad: dict[str, str], active: set[str]) -> dict[str, str]:
     """Candidates that multiply by the weight of a dropped one (a module called twice): one weight
     has one style, so if one call needs it whole, every call keeps it whole."""
@@ -1061,8 +1123,8 @@ def endless_shards(flow: Flow) -> dict[str, str]:
     return {r: "its output is never contracted by a Linear" for r in flow.roots - reached - set(flow.broken)}
 
 
-def analyse(g: nx.DiGraph, forbidden: dict[str, str] | None = None, *,
-            unit_heads: bool = False, whole: dict[str, str] | None = None) -> tuple[Flow, dict[str, str]]:
+def analyse(g: nx.DiGraph, forbidden: dict[str, str] | None = None, *, unit_heads: bool = False,
+            whole: dict[str, str] | None = None, copy_parts: bool = False) -> tuple[Flow, dict[str, str]]:
     """Run :func:`propagate` to a fixpoint, dropping candidates that break.
 
     Args:
@@ -1073,11 +1135,21 @@ def analyse(g: nx.DiGraph, forbidden: dict[str, str] | None = None, *,
             a single head (the k/v of one-kv-head attention, whose shard then has extent 1). Kept
             only for candidates that reach an attention with more heads than that; for a tp size
             is then needed to replicate them per rank (:mod:`autotp.synth.kvheads`).
+        copy_parts: when packed candidates were dropped, try holding some of their parts whole on
+            every rank (:func:`copied_parts`); a tp size is needed to expand those parts.
     Returns:
         The final :class:`Flow` and, for each dropped candidate, why it was dropped.
     """
     whole = dict(whole or {})
     forbidden = {**whole, **(forbidden or {})}
+    flow, dropped = _one_head_reading(g, forbidden, whole, unit_heads)
+    if copy_parts and set(dropped) - set(forbidden):
+        return copied_parts(g, flow, dropped, forbidden, whole)
+    return flow, dropped
+
+
+def _one_head_reading(g: nx.DiGraph, forbidden: dict[str, str], whole: dict[str, str],
+                      unit_heads: bool) -> tuple[Flow, dict[str, str]]:
     flow, dropped = _fixpoint(g, dict(forbidden), frozenset(), whole)
     retry = frozenset(dropped) - set(forbidden)
     if not unit_heads or not retry:
@@ -1098,13 +1170,65 @@ def analyse(g: nx.DiGraph, forbidden: dict[str, str] | None = None, *,
     return flow, dropped
 
 
+# The most finest parts of one packed output among which parts held whole are searched (each
+# proper subset is one trial of the analysis).
+MAX_COPY_PARTS = 4
+
+
+def copied_parts(g: nx.DiGraph, flow: Flow, dropped: dict[str, str], forbidden: dict[str, str],
+                 whole: dict[str, str]) -> tuple[Flow, dict[str, str]]:
+    """Packed candidates kept whole that shard once some of their parts are held whole on every
+    rank: a fused q / k / v whose k and v are one head each (multi-query attention), read by every
+    query head through a broadcast, while the query part is sharded by heads.
+
+    For each dropped candidate cut into at most :data:`MAX_COPY_PARTS` finest parts, the proper
+    subsets of its parts are tried, the narrowest first, until its shard survives the analysis
+    with them held whole (:func:`copy_leaks` asks that each such part meet the shard only as a
+    broadcast). Returns ``(flow, dropped)`` with the choices that held, or the inputs unchanged.
+    """
+    trial_flow = propagate(g, {n for n in g.nodes if is_linear(g, n)} - set(forbidden))
+    choices: dict[str, list[frozenset]] = {}
+    for root in sorted(set(dropped) - set(forbidden), key=lambda n: g.nodes[n]["order"]):
+        width = g.nodes[root]["shape"][-1]
+        ranges = trial_flow.splits.get(root)
+        if not ranges or g.nodes[root].get("weight_in_out") or raw_like(g, root) \
+                or not _tiles(sorted(set(ranges)), 0, width):
+            continue
+        sizes = part_sizes(ranges, width)
+        spans = [(sum(sizes[:i]), sum(sizes[:i + 1])) for i in range(len(sizes))]
+        if not 1 < len(spans) <= MAX_COPY_PARTS:
+            continue
+        # Copies cost memory on every rank: only parts narrower than half the output are held whole.
+        subsets = [frozenset(c) for n in range(1, len(spans)) for c in itertools.combinations(spans, n)
+                   if 2 * sum(e - s for s, e in c) < width]
+        if subsets:
+            choices[root] = sorted(subsets, key=lambda c: (sum(e - s for s, e in c), sorted(c)))
+    chosen: dict[str, frozenset] = {}
+    while choices:
+        trial = {**chosen, **{root: options[0] for root, options in choices.items()}}
+        second, _ = _fixpoint(g, dict(forbidden), flow.unit_heads, whole, trial)
+        for root in list(choices):
+            first, *rest = choices.pop(root)
+            if root in second.roots:
+                chosen[root] = first
+            elif rest:
+                choices[root] = rest
+    if not chosen:
+        return flow, dropped
+    second, second_dropped = _fixpoint(g, dict(forbidden), flow.unit_heads, whole, chosen)
+    if not set(chosen) <= second.roots or len(second.roots) <= len(flow.roots):
+        return flow, dropped
+    log.debug("parts held whole per rank: %s", {r: sorted(s) for r, s in chosen.items()})
+    return second, second_dropped
+
+
 def _fixpoint(g: nx.DiGraph, dropped: dict[str, str], unit_heads: frozenset,
-              whole: dict[str, str]) -> tuple[Flow, dict[str, str]]:
+              whole: dict[str, str], copied: dict[str, frozenset] | None = None) -> tuple[Flow, dict[str, str]]:
     active = {name for name in g.nodes if is_linear(g, name)} - set(dropped)
     rounds, yielded, retried = 0, {}, set()
     while True:
         rounds += 1
-        flow = propagate(g, active, unit_heads, whole)
+        flow = propagate(g, active, unit_heads, whole, copied=copied)
         bad = {r: f"{reason} (at {g.nodes[node]['op']} in {g.nodes[node]['module'] or 'the root'})"
                for r, (reason, node) in flow.broken.items()}
         bad.update(bad_packs(flow))
@@ -1113,6 +1237,7 @@ def _fixpoint(g: nx.DiGraph, dropped: dict[str, str], unit_heads: frozenset,
         bad.update({r: reason for r, reason in packed_groups(flow).items() if r not in bad})
         bad.update({r: reason for r, reason in _raw_limits(flow).items() if r not in bad})
         bad.update({r: reason for r, reason in broadcast_leaks(flow).items() if r not in bad})
+        bad.update({r: reason for r, reason in copy_leaks(flow).items() if r not in bad})
         bad.update({r: reason for r, reason in partial_sum_breaks(g, flow.rows, module_of).items() if r not in bad})
         bad.update({r: reason for r, reason in bias_breaks(flow).items() if r not in bad})
         bad.update({r: reason for r, reason in stray_param_reads(flow).items() if r not in bad})

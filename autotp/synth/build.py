@@ -17,6 +17,7 @@ from autotp import styles
 from autotp.plan import describe_style
 from autotp.styles.raw_linear import LinearParams
 from autotp.synth.roles import Role
+from autotp.synth.copies import row_copies
 from autotp.synth.trace import LayerGroups
 
 
@@ -56,6 +57,16 @@ def _row(role: Role, loss_parallel: bool) -> ParallelStyle:
     if role.grad_spans:  # output spans broadcast along a sharded dim downstream
         return styles.BroadcastRowwiseParallel(reduce_grad_features=role.grad_spans)
     return RowwiseParallel()
+
+
+def _packed_column(role: Role) -> ParallelStyle:
+    style = styles.PackedColwiseParallel(sizes=role.sizes, **_seq_in(role))
+    if not role.copied:
+        return style
+    # Parts held whole on every rank: expanded to tp copies of one group, then packed-column
+    # sharded, so rank r holds its share of each sharded part and a whole copy of each held part.
+    rows = row_copies(role)
+    return styles.GroupCopies(base=style, rows={"weight": (0, *rows), "bias": (0, *rows)})
 
 
 def _kv_head_counts(role: Role, loss_parallel: bool) -> ParallelStyle:
@@ -100,7 +111,7 @@ _STYLES: dict[str, Callable[[Role, bool], ParallelStyle | None]] = {
     "kv_column": lambda role, lp: styles.ReplicatedKVColwise(kv_heads=role.kv_heads, head_dim=role.head_dim,
                                                              **_seq_in(role)),
     "kv_head_counts": _kv_head_counts,
-    "packed_column": lambda role, lp: styles.PackedColwiseParallel(sizes=role.sizes, **_seq_in(role)),
+    "packed_column": lambda role, lp: _packed_column(role),
     "row": _row,
     "head": _head,
     "vocab_embedding": _vocab_embedding,

@@ -373,6 +373,8 @@ def expand_module(module: nn.Module, copies: Copies, tp: int) -> None:
         index = copy_index(width, parts, tp)
         if leaf in owner._parameters:
             param = owner._parameters[leaf]
+            if param is None:  # a Linear without a bias
+                continue
             owner.register_parameter(leaf, nn.Parameter(param.detach().index_select(dim, index),
                                                         requires_grad=param.requires_grad))
         else:

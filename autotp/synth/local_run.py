@@ -26,7 +26,7 @@ from autotp.styles.attention import width_view
 from autotp.synth.analysis import Shard, is_linear, module_of, propagate
 from autotp.synth.graph import build_graph
 from autotp.synth.ops import FIXED_SIZE_CUTS
-from autotp.synth.ops import ELEMENTWISE, PASSTHROUGH
+from autotp.synth.ops import ELEMENTWISE, PASSTHROUGH, VIEW_LIKE
 from autotp.synth.params import chain_dims, reading_module
 from autotp.synth.roles import WEIGHT_DIMS, Role, kind_of
 from autotp.synth.trace import LayerGroups, collapsed, data_dependent, example_args, on_meta
@@ -171,6 +171,8 @@ def _shrink(module: nn.Module, role: Role, tp: int) -> None:
         shape = list(param.shape)
         # A replicated kv projection holds one head per rank, whatever tp is.
         shape[dim] = role.head_dim if role.kind == "kv_column" else shape[dim] // tp
+        if role.copied:  # parts held whole on every rank: the expanded parts' share (autotp.synth.copies)
+            shape[dim] = sum(role.sizes) // tp
         path, _, leaf = name.rpartition(".")
         local = torch.empty(shape, dtype=param.dtype, device="meta")
         setattr(module.get_submodule(path), leaf,
@@ -362,7 +364,9 @@ def shapes_are_local(g: nx.DiGraph, local: nx.DiGraph, roles: dict[str, Role], t
     """
     active = {n for n in g.nodes if is_linear(g, n) and (kind_of(roles, module_of(g, n)) in _STARTS
                                                           or _raw_column(g, n, roles))}
-    flow = propagate(g, active, module_alone=True)
+    copied = {n: frozenset(roles[module_of(g, n)].copied) for n in active if roles.get(module_of(g, n)) is not None
+              and roles[module_of(g, n)].copied}
+    flow = propagate(g, active, module_alone=True, copied=copied)
     order = lambda graph: sorted(graph.nodes, key=lambda n: graph.nodes[n]["order"])  # noqa: E731
     # Copies may vanish at per-rank shapes (``contiguous`` of a tensor with one head is a no-op).
     nodes = [n for n in order(g) if g.nodes[n]["op"] not in PASSTHROUGH]
@@ -387,16 +391,45 @@ def shapes_are_local(g: nx.DiGraph, local: nx.DiGraph, roles: dict[str, Role], t
         else:
             entries[node] = dim
     params = {**factories, **cuts, **chain_dims(g, {**flow.param_shards, **factories, **entries}), **flow.tree_dims}
+    spread: set[str] = set()  # replicated tensors repeated to the per-rank heads
     for name, local_name in zip(nodes, local_nodes):
         shape, local_shape = g.nodes[name]["shape"], local.nodes[local_name]["shape"]
         state = flow.state.get(name)
         dim = state.dim if isinstance(state, Shard) else params.get(name)
         if dim is not None and shape is not None:
-            shape = tuple(s // tp if d == dim else s for d, s in enumerate(shape))
-        if shape != local_shape and not isinstance(state, tuple) and g.nodes[name]["kind"] == "call" \
-                and not _broadcast_to_heads(g, name, shape, local_shape, tp):
-            return False
+            width = _held_width(g, flow, roles, state, tp)
+            shape = tuple((s // tp if width is None else width) if d == dim else s for d, s in enumerate(shape))
+        if shape != local_shape and not isinstance(state, tuple) and g.nodes[name]["kind"] == "call":
+            if not (_broadcast_to_heads(g, name, shape, local_shape, tp) or _spread_view(g, name, shape, local_shape,
+                                                                                          tp, spread)):
+                return False
+            spread.add(name)
     return True
+
+
+def _held_width(g: nx.DiGraph, flow, roles: dict[str, Role], state, tp: int) -> int | None:
+    """The per-rank width of a shard over features that hold parts kept whole on every rank (the
+    fused output before its cut, :mod:`autotp.synth.copies`); None for an ordinary shard."""
+    from autotp.synth.copies import local_point
+
+    if not isinstance(state, Shard) or state.span is None or len(state.origins) != 1:
+        return None
+    role = roles.get(module_of(g, next(iter(state.origins))))
+    if role is None or not role.copied or not any(s < state.span[1] and state.span[0] < e for s, e in role.copied):
+        return None
+    return local_point(role, state.span[1], tp) - local_point(role, state.span[0], tp)
+
+
+def _spread_view(g: nx.DiGraph, name: str, shape, local_shape, tp: int, spread: set[str]) -> bool:
+    """A view of a tensor repeated to the per-rank heads (:func:`_broadcast_to_heads`) that merges
+    its size-1 dim away (``k[:, :, None].expand(b, 1, n, t, d).reshape(b, n, t, d)``): one dim
+    differs, divided by tp."""
+    data = g.nodes[name]
+    source = data["args"][0] if data["op"] in VIEW_LIKE and data["args"] else None
+    if getattr(source, "name", None) not in spread or local_shape is None or len(shape) != len(local_shape):
+        return False
+    differ = [(size, local_size) for size, local_size in zip(shape, local_shape) if size != local_size]
+    return len(differ) == 1 and differ[0][1] * tp == differ[0][0]
 
 
 def _numbers(data) -> list:

@@ -33,6 +33,7 @@ import torch
 from torch import nn
 
 from autotp.synth.analysis import Flow, Shard, is_linear, module_of
+from autotp.synth.copies import local_point
 from autotp.synth.entries import keys_of_shape, resolve_entries, with_entries
 from autotp.synth.graph import Ref, common_module
 from autotp.synth.ops import FIXED_SIZE_CUTS
@@ -142,7 +143,7 @@ def cutting_module(g: nx.DiGraph, root: str, nodes: list[str]) -> str:
 def part_numbers(g: nx.DiGraph, flow: Flow, root: str) -> set[int]:
     """Widths of ``root``'s parts and, where a view splits a part into heads, its head count."""
     numbers = set()
-    for start, end in set(flow.splits[root]):
+    for start, end in set(flow.splits[root]) - set(flow.copied.get(root, ())):  # held whole: not divided
         numbers.add(end - start)
     for node in flow.split_nodes[root]:
         numbers.update(heads for _, heads in head_splits(g, flow, root, node))
@@ -226,7 +227,9 @@ def find_names(module: nn.Module, inputs, roles: dict[str, Role], fused: dict[st
         return None
     # Each global cut at its per-rank place: every part is divided by tp, so every cut point is.
     # (A part cut again is cut on another tensor; the shape proof below checks those cuts.)
-    expected = {i: {(start // tp, end // tp) for start, end in cuts} for i, cuts in reference[1].items()}
+    held = {i: roles.get(name) for i, name in enumerate(names_of)}  # parts held whole are not divided
+    at_rank = lambda i, p: local_point(held[i], p, tp) if held[i] is not None and held[i].copied else p // tp  # noqa: E731
+    expected = {i: {(at_rank(i, start), at_rank(i, end)) for start, end in cuts} for i, cuts in reference[1].items()}
     traced = None
     for count in range(min(MAX_NAMES, len(candidates)) + 1):
         for names in itertools.combinations(candidates, count):

@@ -429,6 +429,31 @@ def _broadcast_of(g, name, dim) -> bool:
     return source is not None and (dim < offset or source[dim - offset] == 1)
 
 
+def _aligned(dim: int, ndim: int, other_ndim: int) -> int | None:
+    """Dim ``dim`` of an ``ndim``-d result in an operand of ``other_ndim`` dims broadcast from the end."""
+    at = dim - (ndim - other_ndim)
+    return at if at >= 0 else None
+
+
+def _same_along(g, name, dim) -> bool:
+    """Whether ``name`` holds the same values at every index of its ``dim`` (None: it lacks the dim):
+    size 1 there, an ``expand`` of size 1 there, or a view that merges a size-1 dim into such an
+    expand (the grouped-query repeat of one kv head, ``k[:, :, None].expand(b, 1, n, t, d).reshape(b,
+    n, t, d)``). The shape proof checks that the per-rank run repeats it to the per-rank heads."""
+    shape = g.nodes[name]["shape"]
+    if dim is None or shape is None or not 0 <= dim < len(shape):
+        return dim is None
+    if shape[dim] == 1 or _broadcast_of(g, name, dim):
+        return True
+    data = g.nodes[name]
+    if data["op"] not in VIEW_LIKE or not data["args"] or not isinstance(data["args"][0], Ref):
+        return False
+    source = g.nodes[data["args"][0].name]["shape"] or ()
+    return any(tuple(source[:at]) == tuple(shape[:dim]) and source[at] == 1 and source[at + 1] == shape[dim]
+               and tuple(source[at + 2:]) == tuple(shape[dim + 1:]) and _same_along(g, data["args"][0].name, at + 1)
+               for at in range(len(source) - 1))
+
+
 def _new_like(g, name, dims, ctx):
     (src, dim), = dims.items()
     in_shape, out_shape = g.nodes[src]["shape"], g.nodes[name]["shape"]
@@ -712,6 +737,11 @@ def _attention(g, name, dims, ctx):
     sharded = {s for s in states if s is not None}
     if len(sharded) == 1 and all(ctx.gives_way_to_heads(ref.name, name) for ref in (q, k, v) if ref.name not in dims):
         states = [next(iter(sharded))] * 3  # the replicated side's candidates are dropped: decided next round
+    elif len(sharded) == 1 and all(_same_along(g, ref.name, _aligned(next(iter(sharded)), ndim, _ndim(g, ref.name)))
+                                   and ctx.broadcast_grad_ok(ref.name) for ref in (q, k, v) if ref.name not in dims):
+        # One kv head read by every query head (multi-query): the same values at each head, so each
+        # rank reads them with its own heads; their gradient is its heads' share (broadcast_grad_ok).
+        states = [next(iter(sharded))] * 3
     if None in states or len(set(states)) > 1:
         return Break("attention mixes sharded and replicated query/key/value")
     dim = states[0]

@@ -27,6 +27,7 @@ from torch import nn
 from autotp.errors import MeshError, working_tp_sizes
 from autotp.synth.analysis import Flow, analyse, module_of
 from autotp.synth.assign import assign_roles, foreign_reads, mutated_outputs, tie_conflicts, tied_embedding_modules
+from autotp.synth.copies import copied_roles
 from autotp.synth.entries import with_entries
 from autotp.synth.graph import build_graph
 from autotp.synth.kvheads import replicate_kv
@@ -104,10 +105,11 @@ def constraint_fixpoint(g: nx.DiGraph, groups: LayerGroups, model: nn.Module, ex
     """
     whole, forced = foreign_reads(g)
     unlocal: dict[str, str] = {}
-    one_kv = tp_size is not None  # one-kv-head k/v can be replicated per rank only for a known tp
+    one_kv = tp_size is not None  # one-kv-head k/v (separate, or parts of a fused output) need a known tp
     for round_ in itertools.count(1):
-        flow, dropped = analyse(g, unlocal, unit_heads=one_kv, whole=whole)
+        flow, dropped = analyse(g, unlocal, unit_heads=one_kv, whole=whole, copy_parts=one_kv)
         roles = assign_roles(g, flow, dropped, forced)
+        roles.update(copied_roles(g, flow, roles, tp_size) if tp_size else {})
         ties = {n: reason for n, reason in tie_conflicts(g, roles, flow).items() if n not in whole}
         if ties:  # keep tied weights whole on every user, and analyse again without them
             log.info("constraints, round %d: tied weights kept whole at %s", round_, sorted(ties))

@@ -111,6 +111,9 @@ class Role:
         partial_grad: of a ``seq_norm_gather``, its plain gathered output's gradient is a partial
             sum, reduce-scattered; of a ``shared_entry``, the columns' summed input gradient is
             handed back unreduced (every path from such a norm ends in such columns).
+        copied: of a ``packed_column``, the features ``[start, end)`` of its output held whole on
+            every rank (:mod:`autotp.synth.copies`); ``sizes`` then holds each such part expanded
+            to tp copies, as :class:`~autotp.styles.GroupCopies` lays them out before the shard.
         width_view: of any role, ``((argument position or keyword, ...), (reader, ...))``: the module's
             code reads its widths from those arguments' sizes (``C = x.size(-1)``), so it sees them at
             the per-rank width, and the column Linears ``reader`` (relative names) read the real ones.
@@ -153,6 +156,7 @@ class Role:
     kv_counts: tuple = ()
     width_view: tuple = ()
     shared_columns: tuple[str, ...] = ()
+    copied: tuple[tuple[int, int], ...] = ()
 
     def __post_init__(self):
         if self.kind not in ROLE_KINDS:
