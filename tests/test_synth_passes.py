@@ -216,8 +216,8 @@ def test_constraint_fixpoint_keeps_a_foreign_read_whole_in_one_round():
 
 def test_post_passes_run_in_the_documented_order():
     assert [p.__name__ for p in POST_PASSES] == ["shard_counts", "kv_replication", "sequence_parallel",
-                                                  "shared_inputs", "partial_sums", "sliced_entries", "divisibility",
-                                                  "owned_outputs", "untraced_linears"]
+                                                  "shared_inputs", "partial_sums", "whole_fronts", "sliced_entries",
+                                                  "divisibility", "owned_outputs", "untraced_linears"]
 
 
 def test_shard_counts_pass_gives_a_counting_role_or_extends_a_params_role():

@@ -94,24 +94,41 @@ class ReplicatedOutput(ParallelStyle):
     Of a tuple output (``nn.MultiheadAttention``'s ``(output, weights)``), the first element is
     the output.
 
+    With ``partial_grad`` the output stays a plain tensor whose gradient is taken as this rank's
+    partial sum and all-reduced: for readers that run their backward on partial gradients (modules
+    kept whole with ``Partial()`` parameter gradients, :class:`~autotp.styles.ReplicatedWithGradAllReduce`,
+    on the way to column projections that hand theirs back unreduced, :class:`SharedReplicatedInput`
+    with ``partial_grad``). The plain-TP twin of :class:`SequenceParallelAllGather` with ``partial_grad``.
+
+    Keyword Args:
+        partial_grad (bool): a plain output whose gradient is a partial sum, all-reduced. Default: False.
+
     Example::
         >>> plan = {"model.layers.*.input_layernorm": ReplicatedOutput()}
     """
 
+    def __init__(self, *, partial_grad: bool = False):
+        super().__init__()
+        self.partial_grad = partial_grad
+
     @staticmethod
-    def _prepare_output_fn(mod, inputs, outputs, device_mesh):
+    def _prepare_output_fn(mod, inputs, outputs, device_mesh, partial_grad=False):
         if isinstance(outputs, tuple) and outputs:
-            return (ReplicatedOutput._prepare_output_fn(mod, inputs, outputs[0], device_mesh), *outputs[1:])
+            return (ReplicatedOutput._prepare_output_fn(mod, inputs, outputs[0], device_mesh, partial_grad),
+                    *outputs[1:])
         if isinstance(outputs, torch.Tensor) and not isinstance(outputs, DTensor):
+            if partial_grad:
+                return all_reduce_backward(outputs, device_mesh) if outputs.is_floating_point() else outputs
             return DTensor.from_local(outputs, device_mesh, (Replicate(),), run_check=False)
         return outputs
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
-        module.register_forward_hook(partial(self._prepare_output_fn, device_mesh=device_mesh))
+        module.register_forward_hook(partial(self._prepare_output_fn, device_mesh=device_mesh,
+                                             partial_grad=self.partial_grad))
         return module
 
     def __repr__(self) -> str:
-        return f"{self.__class__.__name__}()"
+        return f"{self.__class__.__name__}({'partial_grad=True' if self.partial_grad else ''})"
 
 
 class SharedReplicatedInput(WrapperStyle):

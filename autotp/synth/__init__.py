@@ -9,8 +9,9 @@ and then passed through a literal list of passes::
                                                # new constraints (foreign reads, tie conflicts,
                                                # fused outputs cut with global sizes), until none
     for step in POST_PASSES:                   # shard_counts, kv_replication, sequence_parallel,
-        analysis = step(analysis)              # shared_inputs, partial_sums, sliced_entries,
-                                               # divisibility, owned_outputs, untraced_linears
+        analysis = step(analysis)              # shared_inputs, partial_sums, whole_fronts,
+                                               # sliced_entries, divisibility, owned_outputs,
+                                               # untraced_linears
     plan = build_plan(analysis.roles, groups)  # one table maps role kinds to styles
 
 ``synthesize``, ``explain``, ``check_plan`` (``analysis=``) and the CLI share one Analysis.

@@ -121,7 +121,7 @@ _STYLES: dict[str, Callable[[Role, bool], ParallelStyle | None]] = {
     "seq_params": lambda role, lp: styles.ReplicatedParams(),
     "seq_norm_gather": lambda role, lp: styles.SequenceParallelAllGather(use_local_output=not role.dtensor_output,
                                                                          partial_grad=role.partial_grad),
-    "shared_input": lambda role, lp: styles.ReplicatedOutput(),
+    "shared_input": lambda role, lp: styles.ReplicatedOutput(partial_grad=role.partial_grad),
     "whole_module": lambda role, lp: styles.ReplicatedModule(),
     "broadcast_source": lambda role, lp: styles.ReplicatedModule(reduce_grad_features=role.grad_spans),
     "router": lambda role, lp: styles.PartialGradRouter(),

@@ -29,6 +29,7 @@ from autotp.synth.analysis import Flow, analyse, module_of
 from autotp.synth.assign import assign_roles, foreign_reads, mutated_outputs, tie_conflicts, tied_embedding_modules
 from autotp.synth.copies import copied_roles
 from autotp.synth.entries import with_entries
+from autotp.synth.fronts import partial_fronts
 from autotp.synth.graph import build_graph
 from autotp.synth.kvheads import replicate_kv
 from autotp.synth.localize import localize
@@ -197,6 +198,14 @@ def shared_inputs(a: Analysis) -> Analysis:
                                                groups=a.groups))
 
 
+def whole_fronts(a: Analysis) -> Analysis:
+    """Modules kept whole between a norm and column Linears (MLA's low-rank down-projections) run
+    their backward on the columns' partial gradients, reduced once at the norm, where that moves
+    fewer bytes than reducing each column input and rope span."""
+    return replace(a, roles={**a.roles, **partial_fronts(a.graph, a.flow, a.roles,
+                                                         sequence_parallel=a.sequence_parallel)})
+
+
 def sliced_entries(a: Analysis) -> Analysis:
     """Modules that take a value made outside them (a per-head bias built at the root) sliced to
     their heads on entry; after the passes that give those modules roles of their own."""
@@ -257,7 +266,8 @@ def untraced_linears(a: Analysis) -> Analysis:
 
 # The passes after the fixpoint, in order.
 POST_PASSES: tuple[Callable[[Analysis], Analysis], ...] = (
-    shard_counts, kv_replication, sequence_parallel, shared_inputs, partial_sums, sliced_entries, divisibility,
+    shard_counts, kv_replication, sequence_parallel, shared_inputs, partial_sums, whole_fronts, sliced_entries,
+    divisibility,
     owned_outputs,
     untraced_linears,
 )

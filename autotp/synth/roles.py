@@ -28,7 +28,8 @@ ROLE_KINDS = {
     "seq_params": "module holding sharded children whose own parameters act on the sequence-sharded stream",
     "head_params": "module whose own parameters meet a sharded activation: sharded with it, or gradient all-reduced",
     "linear_params": "module whose code uses its raw parameters as column / row Linear weights: sharded like them",
-    "shared_input": "module whose output only column Linears read: a Replicate() DTensor, gradient reduced once",
+    "shared_input": "module whose output only column Linears read: a Replicate() DTensor, gradient reduced once "
+                    "(with partial_grad: a plain output whose partial gradient is all-reduced once)",
     "whole_module": "module kept whole that reads a shared input's DTensor: runs on its local value",
     "shared_entry": "module whose column Linears read one tensor from outside it: they share one Replicate() "
                     "DTensor of it, gradient reduced once",
@@ -44,8 +45,9 @@ ROLE_KINDS = {
                    "heads on entry",
     "partial_sum_block": "module adding up row Linears' partial sums (a loop over nn.Linear experts): reduced "
                          "once at its output, its input gradient once at entry",
-    "partial_grad_module": "module kept whole inside a partial-sum block: its parameters' gradients are partial "
-                           "sums, all-reduced",
+    "partial_grad_module": "module kept whole whose backward runs on partial gradients (inside a partial-sum "
+                           "block, or between a norm and column Linears): its parameters' gradients are partial "
+                           "sums, left Partial()",
     "replicate": "kept whole on every rank",
 }
 
@@ -109,8 +111,10 @@ class Role:
             (``(..., dim, heads, inner)`` where the heads are merged into ``dim``): values made
             outside it that meet its heads, sliced to this rank's heads on entry.
         partial_grad: of a ``seq_norm_gather``, its plain gathered output's gradient is a partial
-            sum, reduce-scattered; of a ``shared_entry``, the columns' summed input gradient is
-            handed back unreduced (every path from such a norm ends in such columns).
+            sum, reduce-scattered; of a ``shared_input``, its plain output's gradient is a partial
+            sum, all-reduced; of a ``shared_entry``, the columns' summed input gradient is handed
+            back unreduced (every path from such a norm ends in such columns, or in a front of
+            ``partial_grad_module`` modules, :mod:`autotp.synth.fronts`).
         copied: of a ``packed_column``, the features ``[start, end)`` of its output held whole on
             every rank (:mod:`autotp.synth.copies`); ``sizes`` then holds each such part expanded
             to tp copies, as :class:`~autotp.styles.GroupCopies` lays them out before the shard.

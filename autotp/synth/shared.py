@@ -60,11 +60,11 @@ _CARRY = PASSTHROUGH | ELEMENTWISE | frozenset({"dropout", "native_dropout"})
 
 
 
-def _has_sharded(roles: dict[str, Role], module: str) -> bool:
+def has_sharded(roles: dict[str, Role], module: str) -> bool:
     return any((m == module or m.startswith(module + ".")) and r.kind != "replicate" for m, r in roles.items())
 
 
-def _column_reader(g: nx.DiGraph, roles: dict[str, Role], reader: str, *, seq_input_ok: bool = False) -> bool:
+def column_reader(g: nx.DiGraph, roles: dict[str, Role], reader: str, *, seq_input_ok: bool = False) -> bool:
     """Whether ``reader`` is a column Linear (one that gathers the stream itself only if allowed)."""
     if not (g.nodes[reader]["kind"] == "call" and is_linear(g, reader)):
         return False
@@ -79,7 +79,7 @@ def _whole_reader(g: nx.DiGraph, roles: dict[str, Role], reader: str, output_sta
         return None
     module = outer[0]
     role = roles.get(module)
-    if (role is not None and role.kind != "replicate") or _has_sharded(roles, module):
+    if (role is not None and role.kind != "replicate") or has_sharded(roles, module):
         return None
     return module
 
@@ -90,7 +90,7 @@ def _readers_ok(g: nx.DiGraph, roles: dict[str, Role], readers: list[str], stack
     tensor (``x * multiplier``) whose own readers are; collects the columns and whole modules."""
     for reader in readers:
         data = g.nodes[reader]
-        if _column_reader(g, roles, reader):
+        if column_reader(g, roles, reader):
             columns.append(module_of(g, reader))
             continue
         whole = _whole_reader(g, roles, reader, stack)
@@ -105,10 +105,10 @@ def _readers_ok(g: nx.DiGraph, roles: dict[str, Role], readers: list[str], stack
     return True
 
 
-def _plain_producer(g: nx.DiGraph, roles: dict[str, Role], module: str, param_owners: set[str]) -> bool:
+def plain_producer(g: nx.DiGraph, roles: dict[str, Role], module: str, param_owners: set[str]) -> bool:
     """Whether ``module`` is a replicated leaf with parameters and no Linear (a norm)."""
     role = roles.get(module)
-    if not module or (role is not None and role.kind not in _PLAIN_PRODUCER) or _has_sharded(roles, module):
+    if not module or (role is not None and role.kind not in _PLAIN_PRODUCER) or has_sharded(roles, module):
         return False
     if any(m.startswith(module + ".") for m in param_owners):
         return False  # holds other parametrised modules: a block, not a norm
@@ -129,7 +129,7 @@ def shared_inputs(g: nx.DiGraph, roles: dict[str, Role]) -> dict[str, Role]:
     param_owners = param_modules(g)
     found: dict[str, Role] = {}
     for module in sorted(param_owners):
-        if not _plain_producer(g, roles, module, param_owners):
+        if not plain_producer(g, roles, module, param_owners):
             continue
         outputs, readers = module_outputs(g, module)
         if len(outputs) != 1 or not readers:
@@ -164,12 +164,12 @@ def shared_entries(g: nx.DiGraph, roles: dict[str, Role]) -> dict[str, Role]:
     for name, data in g.nodes(data=True):
         if data["kind"] != "call" or not data["shape"]:
             continue
-        readers = [s for s in g.successors(name) if _column_reader(g, roles, s) and module_of(g, s) not in covered]
+        readers = [s for s in g.successors(name) if column_reader(g, roles, s) and module_of(g, s) not in covered]
         if len(readers) < 2:
             continue
         stacks = [g.nodes[r]["stack"] for r in readers]
         owners = sorted({module_of(g, r) for r in readers})
-        module = _sharing_scope(common_module(stacks), stacks[0], roles, found)
+        module = sharing_scope(common_module(stacks), stacks[0], roles, found)
         if not module or len(owners) < 2 or not all(o.startswith(module + ".") for o in owners):
             continue
         columns = tuple(o[len(module) + 1:] for o in owners)
@@ -184,7 +184,7 @@ def shared_entries(g: nx.DiGraph, roles: dict[str, Role]) -> dict[str, Role]:
     return found
 
 
-def _sharing_scope(module: str, stack: tuple[str, ...], roles: dict[str, Role], found: dict[str, Role]) -> str:
+def sharing_scope(module: str, stack: tuple[str, ...], roles: dict[str, Role], found: dict[str, Role]) -> str:
     """``module``, or the nearest module above it in ``stack`` that has no role (its pre-hooks can
     then hold the shared value) or whose role only divides its head counts; empty where there is
     none or it shares another tensor already."""
@@ -226,13 +226,13 @@ def expert_inputs(g: nx.DiGraph, roles: dict[str, Role], *, sequence_parallel: b
         producer = g.nodes[entry]["stack"][-1] if g.nodes[entry]["stack"] else ""
         outputs, readers = module_outputs(g, producer) if producer else ([], [])
         # Column Linears beside the block (a parallel block's attention) take the DTensor as well.
-        if outputs != [entry] or not all(r in inside or _column_reader(g, roles, r) for r in readers):
+        if outputs != [entry] or not all(r in inside or column_reader(g, roles, r) for r in readers):
             continue
         if sequence_parallel:
             role = roles.get(producer)
             if role is None or role.kind != "seq_norm_gather" or role.seq_output:
                 continue
-        elif not _plain_producer(g, roles, producer, param_owners):
+        elif not plain_producer(g, roles, producer, param_owners):
             continue
         experts = {m for m, r in roles.items() if r.kind == "experts" and m.startswith(block + ".")}
         parts = _block_readers(g, roles, block, entry, experts)
@@ -340,7 +340,7 @@ def _block_readers(g: nx.DiGraph, roles: dict[str, Role], block: str, entry: str
     while todo:
         for reader in g.successors(todo.pop()):
             data = g.nodes[reader]
-            if _column_reader(g, roles, reader):
+            if column_reader(g, roles, reader):
                 continue  # takes the DTensor, inside the block (a shared expert) or beside it
             if block not in data["stack"]:
                 return None  # leaves the block as a DTensor
@@ -353,7 +353,7 @@ def _block_readers(g: nx.DiGraph, roles: dict[str, Role], block: str, entry: str
                 if role is not None and (role.kind != "replicate" or role.seq_input or role.seq_output
                                          or role.seq_join):
                     return None  # sharded, or a layout change of its own at a sequence edge
-                if _has_sharded(roles, module):
+                if has_sharded(roles, module):
                     return None
                 wholes.add(module)
                 continue
@@ -383,7 +383,7 @@ def dtensor_gathers(g: nx.DiGraph, roles: dict[str, Role]) -> dict[str, Role]:
             readers = [s for s in g.successors(role.evidence[0]) if module in g.nodes[s]["stack"]]
         else:  # the module's own column Linears read the gathered stream
             readers = [n for n in _entry_readers(g, module) if is_linear(g, n)]
-        if readers and all(_column_reader(g, roles, r, seq_input_ok=True) and not (blocks & set(g.nodes[r]["stack"]))
+        if readers and all(column_reader(g, roles, r, seq_input_ok=True) and not (blocks & set(g.nodes[r]["stack"]))
                            for r in readers):
             found[module] = replace(role, dtensor_output=True)
     return found
@@ -397,7 +397,7 @@ def partial_gathers(g: nx.DiGraph, roles: dict[str, Role]) -> dict[str, Role]:
     Every path from the norm's output must end in a column Linear, through casts, reshapes and
     elementwise ops whose other operands no parameter reaches (a partial gradient stays partial
     through any op whose forward values every rank shares; an operand with a gradient of its own
-    would get a partial one). The columns share a scope (:func:`_sharing_scope`) where their
+    would get a partial one). The columns share a scope (:func:`sharing_scope`) where their
     wrappers are installed; a norm whose columns find none keeps its plain gather.
 
     Returns:
@@ -414,7 +414,7 @@ def partial_gathers(g: nx.DiGraph, roles: dict[str, Role]) -> dict[str, Role]:
             continue
         stacks = [g.nodes[r]["stack"] for r in readers]
         owners = sorted({module_of(g, r) for r in readers})
-        scope = _sharing_scope(common_module(stacks), stacks[0], roles, found)
+        scope = sharing_scope(common_module(stacks), stacks[0], roles, found)
         if not scope or not all(o.startswith(scope + ".") for o in owners):
             continue
         columns = tuple(o[len(scope) + 1:] for o in owners)
@@ -440,7 +440,7 @@ def _partial_readers(g: nx.DiGraph, roles: dict[str, Role], start: str, limit: i
             data = g.nodes[reader]
             if data["op"] in SINKS:
                 continue
-            if _column_reader(g, roles, reader):
+            if column_reader(g, roles, reader):
                 columns.append(reader)
                 continue
             if data["kind"] != "call" or data["op"] not in _CARRY | RESHAPES or len(seen) > limit:

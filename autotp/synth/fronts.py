@@ -1,0 +1,252 @@
+"""A branch's whole front runs its backward on partial gradients, reduced once at the branch input.
+
+Multi-head latent attention reads its block input through Linears kept whole: low-rank
+down-projections, a norm on each latent, and a rope key cut from one of them and expanded to every
+head. Only the up-projections (columns) and the attention after them are sharded. In backward each
+column's input gradient is a per-rank partial sum, and so is the rope key's (each rank holds some
+of the heads it was expanded to): the plan reduced each of them apart, the latents' widths summed
+(``q_rank + kv_rank + rope``). Where that is wider than the block input, it is more than the
+forward's one reduction of the branch output.
+
+A backward is linear in its incoming gradient, and every rank runs the front forward on the same
+values, so the front may run its backward on the partial sums as they are: its input gradient is
+then a partial sum too, reduced once where the branch input was made (the norm: all-reduce under
+plain TP, the all-gather's reduce-scatter under SP), and its parameters' gradients are partial sums,
+left ``Partial()`` (:class:`~autotp.styles.ReplicatedWithGradAllReduce`) and reduced where gradients
+are synchronised, as a sequence-parallel norm's are. Megatron-LM's MLA under SP defers its
+down-projections' gradients the same way.
+
+Sound only where (:func:`front`): every path from the branch input ends in a column Linear, or in a
+broadcast span of a Linear of the front whose gradient the analysis would have all-reduced
+(:meth:`~autotp.synth.analysis.Flow.broadcast_from`); every op on the way is replicated and
+in place of nothing, and its other operands are front values, parameters of modules wholly inside
+the front, or values without a gradient (rope tables, masks). Anything else would add a whole
+gradient to partial ones.
+
+Taken only where it moves fewer bytes per token (:func:`cheaper`): one reduction of the branch
+input against one all-reduce per column input and rope span (an all-reduce counts twice its
+input, as a reduce-scatter's input counts once). At real widths (a 7168-wide input, latents of
+1536 + 512 + 64) the latents are the cheaper cut and the plan keeps them.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from dataclasses import dataclass, field, replace
+
+import networkx as nx
+
+from autotp.synth.analysis import Flow, module_of
+from autotp.synth.graph import common_module, made_from_params, param_modules
+from autotp.synth.ops import FIRST_VALUE_ONLY, SINKS
+from autotp.synth.params import value_refs
+from autotp.synth.roles import Role, kind_of
+from autotp.synth.shared import column_reader, plain_producer, sharing_scope
+from autotp.synth.sequence import module_outputs
+
+log = logging.getLogger(__name__)
+
+# Roles of modules kept whole that a front may hold: their styles are replaced by the front's.
+_WHOLE = frozenset({"replicate", "broadcast_source", "shared_input", "whole_module"})
+# Roles of modules around front ops that only change attributes, never values or layouts.
+_PASSIVE = frozenset({"shard_counts", "kv_head_counts"})
+# The most nodes a front may have: an attention's low-rank side is a few dozen per layer.
+_LIMIT = 512
+
+
+@dataclass
+class Front:
+    """The replicated computation between a branch input and the sharded values it feeds.
+
+    Attributes:
+        start: the branch input (the norm's output node).
+        nodes: the front's nodes, ``start`` included.
+        columns: the column Linear modules that read front values.
+        reads: each front value a column reads -> its elements (one reduction each today).
+        spans: each broadcast span start in the front -> its elements (one all-reduce each today).
+        owners: the modules whose parameters front nodes read.
+        modules: every module that runs front nodes (owners, and modules without parameters).
+    """
+
+    start: str
+    nodes: set[str]
+    columns: set[str] = field(default_factory=set)
+    reads: dict[str, int] = field(default_factory=dict)
+    spans: dict[str, int] = field(default_factory=dict)
+    owners: set[str] = field(default_factory=set)
+    modules: set[str] = field(default_factory=set)
+
+
+def _numel(g: nx.DiGraph, name: str) -> int:
+    return math.prod(g.nodes[name]["shape"] or (0,))
+
+
+def _operands(data) -> list[str]:
+    """The inputs whose values (and so gradients) an op reads: not those lending a shape or dtype."""
+    found = value_refs(data)
+    return [found[0].name] if data["op"] in FIRST_VALUE_ONLY and found else [r.name for r in found]
+
+
+def _walk(g: nx.DiGraph, flow: Flow, roles: dict, start: str) -> tuple[Front, list[str]] | None:
+    """Every node reached from ``start`` before a column Linear or a sharded op; with the front
+    values that sharded ops read. None where a path meets anything else."""
+    front, meets, todo = Front(start, {start}), [], [start]
+    while todo:
+        node = todo.pop()
+        for reader in g.successors(node):
+            data = g.nodes[reader]
+            if data["op"] in SINKS or reader in front.nodes:
+                continue
+            if column_reader(g, roles, reader):
+                if data["args"][0].name != node:
+                    return None  # read as a weight, not as the input
+                front.columns.add(module_of(g, reader))
+                front.reads[node] = _numel(g, node)
+            elif flow.sharded(reader):
+                meets.append(node)
+            elif data["kind"] != "call" or data["op"].endswith("_") or len(front.nodes) > _LIMIT:
+                return None  # an output, an in-place write, or no front of an attention's size
+            else:
+                front.nodes.add(reader)
+                todo.append(reader)
+    return front, meets
+
+
+def front(g: nx.DiGraph, flow: Flow, roles: dict, start: str) -> Front | None:
+    """The front that ``start`` feeds, if its backward can run on partial gradients (see the module
+    docstring); None otherwise."""
+    walked = _walk(g, flow, roles, start)
+    if walked is None:
+        return None
+    found, meets = walked
+    for name in found.nodes - {start}:
+        for operand in _operands(g.nodes[name]):
+            if operand in found.nodes:
+                continue
+            if g.nodes[operand]["kind"] == "param":
+                found.owners.add(g.nodes[operand]["param"].rpartition(".")[0])
+            elif made_from_params(g, operand):
+                return None  # a value with a gradient of its own would get a partial one
+        found.modules.update(m for m in g.nodes[name]["stack"] if m not in g.nodes[start]["stack"])
+    spans = {begin: _numel(g, begin) for (source, _), begin in flow.broadcast_starts.items()
+             if source in found.nodes and begin in found.nodes}
+    on_spans = set(spans).union(*(nx.descendants(g, s) for s in spans)) if spans else set()
+    if any(node not in on_spans for node in meets):
+        return None  # a front value meets the shard other than as a broadcast span
+    found.spans = {s: n for s, n in spans.items() if any(m == s or nx.has_path(g, s, m) for m in meets)}
+    return found if _modules_ok(g, roles, found) else None
+
+
+def _modules_ok(g: nx.DiGraph, roles: dict, found: Front) -> bool:
+    """Whether the modules that run front nodes keep values whole (a container of sharded children,
+    the attention module, may only change attributes), the parameters' owners run front nodes
+    only, and their parameters are read by front nodes only (one shared with another reader would
+    mix a whole gradient into the partial ones)."""
+    for module in found.modules | found.owners:
+        role = roles.get(module)
+        if role is not None and (role.kind not in _WHOLE | _PASSIVE or role.seq_input or role.seq_output
+                                 or role.seq_join or role.entry_inputs or role.width_view):
+            return False
+    for owner in found.owners:
+        inside = [n for n, d in g.nodes(data=True) if owner in d["stack"] and d["kind"] == "call"
+                  and d["op"] not in SINKS]
+        params = [n for n, d in g.nodes(data=True) if d["kind"] == "param" and d["param"].rpartition(".")[0] == owner]
+        if any(n not in found.nodes for n in inside):
+            return False
+        if any(s not in found.nodes and g.nodes[s]["op"] not in SINKS for p in params for s in g.successors(p)):
+            return False
+    return True
+
+
+def cheaper(g: nx.DiGraph, found: Front, *, sequence_parallel: bool) -> bool:
+    """Whether one reduction of the branch input moves fewer bytes than today's reductions of the
+    front's column inputs and rope spans (each an all-reduce: twice its input). The branch input
+    is all-reduced under plain TP (twice its size) and reduce-scattered under SP (once)."""
+    today = 2 * (sum(found.reads.values()) + sum(found.spans.values()))
+    once = _numel(g, found.start) * (1 if sequence_parallel else 2)
+    return once < today
+
+
+def partial_fronts(g: nx.DiGraph, flow: Flow, roles: dict[str, Role], *, sequence_parallel: bool) -> dict[str, Role]:
+    """Roles for each branch whose whole front is cheaper to reduce at its input (module docstring).
+
+    Args:
+        g: the dataflow graph.
+        flow: the converged shard propagation (its broadcast spans).
+        roles: every module's role after the shared-input and partial-sum passes.
+        sequence_parallel: whether the residual stream is sequence-sharded.
+
+    Returns:
+        New roles: the norm making the branch input (plain TP ``shared_input``, SP ``seq_norm_gather``,
+        with ``partial_grad``), the front's parameter owners (``partial_grad_module``), its other
+        modules with a style (``replicate``), and one ``shared_entry`` with ``partial_grad`` whose
+        column Linears hand their input gradients back unreduced.
+    """
+    found: dict[str, Role] = {}
+    for entry, start in _entries(g, roles, sequence_parallel=sequence_parallel):
+        if entry in found:
+            continue  # inside a front found already
+        branch = front(g, flow, roles, start)
+        if branch is None or not branch.columns or not cheaper(g, branch, sequence_parallel=sequence_parallel):
+            continue
+        if (branch.modules | branch.owners) & found.keys():
+            continue
+        scope = _scope(g, roles, branch, found)
+        if not scope:
+            continue
+        columns = tuple(sorted(m[len(scope) + 1:] for m in branch.columns))
+        reason = (f"its output feeds modules kept whole ({', '.join(sorted(branch.owners))}) before column Linears "
+                  f"({', '.join(columns)}): their partial input gradients are reduced once here, fewer bytes than "
+                  f"one all-reduce per column input and rope span")
+        found[entry] = (replace(roles[entry], partial_grad=True, reason=f"{roles[entry].reason}; {reason}")
+                        if sequence_parallel else Role("shared_input", reason, (entry, *sorted(branch.columns)),
+                                                       partial_grad=True))
+        found[scope] = Role("shared_entry", f"its column Linears ({', '.join(columns)}) read values computed "
+                            f"whole from {entry}'s output: each hands its input gradient back as a partial sum, "
+                            f"reduced once at {entry}", (start, *sorted(branch.columns)), names=columns,
+                            partial_grad=True)
+        for module in sorted(branch.modules | branch.owners):
+            if module in branch.owners:
+                found[module] = Role("partial_grad_module", f"kept whole between {entry} and column Linears: runs "
+                                     "its backward on their partial gradients, its parameters' gradients left "
+                                     "Partial()", (entry, module))
+            elif kind_of(roles, module) in _WHOLE:
+                found[module] = Role("replicate", f"kept whole between {entry} and column Linears", (entry, module))
+    log.info("partial fronts: %d branches reduce their input gradient once", sum(
+        1 for r in found.values() if r.kind == "shared_entry"))
+    return found
+
+
+def _entries(g: nx.DiGraph, roles: dict[str, Role], *, sequence_parallel: bool) -> list[tuple[str, str]]:
+    """``(norm, its one output)`` for each norm that could make a branch input, in graph order (an
+    outer branch before the fronts inside it): SP, one all-gathered to a plain tensor; plain TP, a
+    replicated norm (or one handing columns a DTensor already)."""
+    param_owners = param_modules(g)
+    found = []
+    for module in param_owners:
+        role = roles.get(module)
+        if sequence_parallel:
+            ok = (role is not None and role.kind == "seq_norm_gather" and not role.seq_output
+                  and not role.dtensor_output and not role.partial_grad)
+        else:
+            ok = (role is not None and role.kind == "shared_input" and not role.partial_grad) or \
+                 plain_producer(g, roles, module, param_owners)
+        outputs = module_outputs(g, module)[0] if ok else []
+        if len(outputs) == 1:
+            found.append((module, outputs[0]))
+    return sorted(found, key=lambda pair: g.nodes[pair[1]]["order"])
+
+
+def _scope(g: nx.DiGraph, roles: dict[str, Role], branch: Front, found: dict[str, Role]) -> str:
+    """The module whose pre-hooks wrap the front's columns' inputs (:func:`~autotp.synth.shared.sharing_scope`);
+    empty where there is none, or a shared entry covers one of them already."""
+    covered = {f"{m}.{c}" for m, r in {**roles, **found}.items() if r.kind == "shared_entry" for c in r.names}
+    if branch.columns & covered:
+        return ""
+    stacks = [g.nodes[n]["stack"] for n in g.nodes if g.nodes[n]["kind"] == "call"
+              and g.nodes[n]["module"] in branch.columns]
+    scope = sharing_scope(common_module(stacks), stacks[0], roles, found) if stacks else ""
+    if not scope or scope in branch.owners or not all(c.startswith(scope + ".") for c in branch.columns):
+        return ""
+    return scope
