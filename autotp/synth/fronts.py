@@ -42,7 +42,7 @@ from autotp.synth.graph import common_module, made_from_params, param_modules
 from autotp.synth.ops import FIRST_VALUE_ONLY, SINKS
 from autotp.synth.params import value_refs
 from autotp.synth.roles import Role, kind_of
-from autotp.synth.shared import column_reader, plain_producer, sharing_scope
+from autotp.synth.shared import column_reader, plain_producer, shared_columns, shared_entry, sharing_scope
 from autotp.synth.sequence import module_outputs
 
 log = logging.getLogger(__name__)
@@ -202,10 +202,10 @@ def partial_fronts(g: nx.DiGraph, flow: Flow, roles: dict[str, Role], *, sequenc
         found[entry] = (replace(roles[entry], partial_grad=True, reason=f"{roles[entry].reason}; {reason}")
                         if sequence_parallel else Role("shared_input", reason, (entry, *sorted(branch.columns)),
                                                        partial_grad=True))
-        found[scope] = Role("shared_entry", f"its column Linears ({', '.join(columns)}) read values computed "
-                            f"whole from {entry}'s output: each hands its input gradient back as a partial sum, "
-                            f"reduced once at {entry}", (start, *sorted(branch.columns)), names=columns,
-                            partial_grad=True)
+        found[scope] = shared_entry(roles, scope, columns, f"its column Linears ({', '.join(columns)}) read values "
+                                    f"computed whole from {entry}'s output: each hands its input gradient back as a "
+                                    f"partial sum, reduced once at {entry}", (start, *sorted(branch.columns)),
+                                    partial_grad=True)
         for module in sorted(branch.modules | branch.owners):
             if module in branch.owners:
                 found[module] = Role("partial_grad_module", f"kept whole between {entry} and column Linears: runs "
@@ -214,7 +214,7 @@ def partial_fronts(g: nx.DiGraph, flow: Flow, roles: dict[str, Role], *, sequenc
             elif kind_of(roles, module) in _WHOLE:
                 found[module] = Role("replicate", f"kept whole between {entry} and column Linears", (entry, module))
     log.info("partial fronts: %d branches reduce their input gradient once", sum(
-        1 for r in found.values() if r.kind == "shared_entry"))
+        1 for r in found.values() if shared_columns(r)))
     return found
 
 
@@ -241,7 +241,7 @@ def _entries(g: nx.DiGraph, roles: dict[str, Role], *, sequence_parallel: bool) 
 def _scope(g: nx.DiGraph, roles: dict[str, Role], branch: Front, found: dict[str, Role]) -> str:
     """The module whose pre-hooks wrap the front's columns' inputs (:func:`~autotp.synth.shared.sharing_scope`);
     empty where there is none, or a shared entry covers one of them already."""
-    covered = {f"{m}.{c}" for m, r in {**roles, **found}.items() if r.kind == "shared_entry" for c in r.names}
+    covered = {f"{m}.{c}" for m, r in {**roles, **found}.items() for c in shared_columns(r)}
     if branch.columns & covered:
         return ""
     stacks = [g.nodes[n]["stack"] for n in g.nodes if g.nodes[n]["kind"] == "call"

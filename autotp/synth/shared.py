@@ -160,7 +160,7 @@ def shared_entries(g: nx.DiGraph, roles: dict[str, Role]) -> dict[str, Role]:
     values: only the number of reductions of the input gradient.
     """
     found: dict[str, Role] = {}
-    covered = {f"{m}.{c}" for m, r in roles.items() for c in (r.names if r.kind == "shared_entry" else r.shared_columns)}
+    covered = {f"{m}.{c}" for m, r in roles.items() for c in shared_columns(r)}
     for name, data in g.nodes(data=True):
         if data["kind"] != "call" or not data["shape"]:
             continue
@@ -173,15 +173,26 @@ def shared_entries(g: nx.DiGraph, roles: dict[str, Role]) -> dict[str, Role]:
         if not module or len(owners) < 2 or not all(o.startswith(module + ".") for o in owners):
             continue
         columns = tuple(o[len(module) + 1:] for o in owners)
-        if module in roles:  # its own role divides its head counts: the same style shares the tensor
-            found[module] = replace(roles[module], shared_columns=columns, evidence=(name, *owners), reason=(
-                f"{roles[module].reason}; its column Linears ({', '.join(columns)}) share one Replicate() DTensor "
-                "of the tensor they read, so their input gradients are summed and all-reduced once"))
-            continue
-        found[module] = Role("shared_entry", f"its column Linears ({', '.join(columns)}) read one tensor that "
-                             "no shared norm hands them: they share one Replicate() DTensor of it, so their "
-                             "input gradients are summed and all-reduced once", (name, *owners), names=columns)
+        found[module] = shared_entry(roles, module, columns, f"its column Linears ({', '.join(columns)}) read one "
+                                     "tensor that no shared norm hands them: they share one Replicate() DTensor of "
+                                     "it, so their input gradients are summed and all-reduced once", (name, *owners))
     return found
+
+
+def shared_entry(roles: dict[str, Role], scope: str, columns: tuple[str, ...], reason: str,
+                 evidence: tuple[str, ...], *, partial_grad: bool = False) -> Role:
+    """The role that shares ``columns``' input at ``scope``: a ``shared_entry``, or the scope's own
+    ``shard_counts`` role with the columns added (one style divides its head counts and shares)."""
+    current = roles.get(scope)
+    if current is not None and current.kind == "shard_counts":
+        return replace(current, shared_columns=columns, partial_grad=partial_grad, evidence=evidence,
+                       reason=f"{current.reason}; {reason}")
+    return Role("shared_entry", reason, evidence, names=columns, partial_grad=partial_grad)
+
+
+def shared_columns(role: Role) -> tuple[str, ...]:
+    """The column Linears (relative names) whose input ``role``'s module shares."""
+    return role.names if role.kind == "shared_entry" else role.shared_columns
 
 
 def sharing_scope(module: str, stack: tuple[str, ...], roles: dict[str, Role], found: dict[str, Role]) -> str:
@@ -418,10 +429,10 @@ def partial_gathers(g: nx.DiGraph, roles: dict[str, Role]) -> dict[str, Role]:
         if not scope or not all(o.startswith(scope + ".") for o in owners):
             continue
         columns = tuple(o[len(scope) + 1:] for o in owners)
-        found[scope] = Role("shared_entry", f"its column Linears ({', '.join(columns)}) read {module}'s gathered "
-                            "output through values that cannot be DTensors (a padding mask): each hands its "
-                            "input gradient back as a partial sum, reduce-scattered once by the gather",
-                            (outputs[0], *owners), names=columns, partial_grad=True)
+        found[scope] = shared_entry(roles, scope, columns, f"its column Linears ({', '.join(columns)}) read "
+                                    f"{module}'s gathered output through values that cannot be DTensors (a padding "
+                                    "mask): each hands its input gradient back as a partial sum, reduce-scattered "
+                                    "once by the gather", (outputs[0], *owners), partial_grad=True)
         found[module] = replace(role, partial_grad=True, reason=role.reason + f"; its readers ({', '.join(owners)}) "
                                 "return partial input gradients: the all-gather's backward reduce-scatters their sum")
     return found
