@@ -98,6 +98,10 @@ class Flow:
     entry_uses: dict = field(default_factory=dict)  # (value, module) -> {(operand, node)} that met the heads
     entry_origins: dict = field(default_factory=dict)  # (value, module) -> the candidates whose shard met it
     module_alone: bool = False  # the graph is one module exported alone (see propagate)
+    per_group: frozenset = frozenset()  # candidates whose views into fixed groups are read per group (group_view)
+    groupable: set = field(default_factory=set)  # candidates whose whole output a view splits into fixed groups
+    group_views: dict = field(default_factory=dict)  # candidate read per group -> (groups, width of a group)
+    row_packs: dict = field(default_factory=dict)  # row Linear -> part widths of its input (a folded shard's)
 
     def sharded(self, name: str) -> bool:
         """Whether ``name``'s output (or an element of it) is sharded."""
@@ -416,6 +420,40 @@ class Flow:
         value = self.state[src]
         return Shard(dim, value.origins, False, src, None, None, (tuple(sizes), k))
 
+    def group_view(self, src: str, dim: int, groups: int) -> Shard | None:
+        """The state of a view that splits ``src``'s whole, uncut shard on ``dim`` into ``(groups,
+        width / groups)`` where its readers keep every group (``qkv.reshape(b, t, G, -1)`` then a
+        split of each group into its own ``[q | v | k]``), for candidates read per group.
+
+        Read plainly, the shard lands on the groups (rank r holds whole groups), which code with a
+        fixed group count ``G`` cannot take at per-rank widths. Read per group, the output is ``G``
+        parts of the Linear (a packed projection's), each rank holding its share of every group:
+        the shard is on the group's own dim, its span group 0's features, and every cut of it
+        below is made in each group alike (:func:`_record`). Tried only for the candidates in
+        ``per_group`` (those whose plain reading failed the per-rank shape proof); every candidate
+        that meets such a view is recorded in ``groupable``."""
+        value = self.state.get(src)
+        width = self.g.nodes[src]["shape"][dim]
+        if not isinstance(value, Shard) or value.span != (0, width) or value.pieces or value.fold or width % groups \
+                or any(self.g.nodes[o]["shape"][-1] != width for o in value.origins):
+            return None  # only a whole output, not one of its parts viewed into heads
+        self.groupable |= value.origins
+        if not value.origins <= self.per_group:
+            return None
+        inner = width // groups
+        for origin in value.origins:
+            self.group_views[origin] = (groups, inner)
+            self.splits.setdefault(origin, []).extend(
+                (value.span[0] + i * inner, value.span[0] + (i + 1) * inner) for i in range(groups))
+            self.split_nodes.setdefault(origin, []).append(self.deciding)
+        return Shard(dim + 1, value.origins, False, src, (value.span[0], value.span[0] + inner))
+
+    def refolded(self, src: str, dim: int) -> Shard:
+        """The state of a view that keeps ``src``'s folded dim whole at ``dim`` (``(b, t, heads,
+        d / 2, 2) -> (b, t, heads, d)`` of folded heads): the same fold."""
+        value = self.state[src]
+        return Shard(dim, value.origins, False, src, None, None, value.fold)
+
     def viewed_into_parts(self, src: str) -> None:
         """``src``'s candidates are cut into parts by a view (:func:`~autotp.synth.ops._parts_view`)."""
         value = self.state.get(src)
@@ -728,7 +766,10 @@ def _record(flow: Flow, name: str, result, origins: frozenset, prev: str, dims: 
         start = flow.span(prev)[0] if flow.span(prev) else 0
         ranges = tuple((start + a, start + b) for a, b in result.ranges)
         for o in origins:
-            flow.splits.setdefault(o, []).extend(ranges)
+            # A candidate read per group (Flow.group_view): the span is group 0's, each group cut alike.
+            groups, inner = flow.group_views.get(o, (1, 0))
+            flow.splits.setdefault(o, []).extend((a + i * inner, b + i * inner) for i in range(groups)
+                                                 for a, b in ranges)
             flow.split_nodes.setdefault(o, []).append(name)
         shards = [Shard(result.dim, origins, False, prev, r) for r in ranges]
         flow.state[name] = tuple(shards) if result.tuple_output else shards[0]
@@ -746,12 +787,38 @@ def _linear_step(flow: Flow, name: str, data, dims: dict, active: set):
                                                f"{flow.whole[name]}", name))
                 return
             flow.rows[name] = flow.state[x].origins
+            packs = _folded_parts(flow.state[x].fold)
+            if packs and _packable_row(g, name):
+                flow.row_packs[name] = packs
             return
         _record(flow, name, Out(dims[x]), flow.state[x].origins, x)  # per-position: shard passes
     elif x not in dims and name in active:
         flow.state[name] = Shard(len(data["shape"]) - 1, frozenset({name}), True, None, (0, data["shape"][-1]))
         flow.roots.add(name)
         flow.extent[name] = data["shape"][-1]
+
+
+def _folded_parts(fold) -> tuple[int, ...] | None:
+    """The parts of a row's input features that hold a folded shard: dims of ``sizes`` merged, the
+    sharded one at position ``k`` (each rank its slice of it for every index of the dims before):
+    ``prod(sizes[:k])`` parts of ``prod(sizes[k:])`` features, each rank a share of every part.
+
+    >>> _folded_parts(((4, 2, 8), 1))
+    (16, 16, 16, 16)
+    """
+    if fold is None:
+        return None
+    sizes, k = fold
+    return (math.prod(sizes[k:]),) * math.prod(sizes[:k])
+
+
+def _packable_row(g: nx.DiGraph, name: str) -> bool:
+    """Whether row ``name`` is an ``nn.Linear``-like product whose weight's input features a packed
+    row style can permute: ``linear`` by an (out, in) weight of its own module."""
+    data = g.nodes[name]
+    weight = weight_of(g, name)
+    return data["op"] == "linear" and weight is not None and (weight.out_dim, weight.in_dim) == (0, 1) \
+        and not raw_like(g, name) and not data.get("raw_weight")
 
 
 def _getitem_step(flow: Flow, name: str, data) -> None:
@@ -795,7 +862,8 @@ def _written(flow: Flow, name: str, data) -> None:
 
 
 def propagate(g: nx.DiGraph, active: set[str], unit_heads: frozenset = frozenset(),
-              whole: dict[str, str] | None = None, *, module_alone: bool = False) -> Flow:
+              whole: dict[str, str] | None = None, *, module_alone: bool = False,
+              per_group: frozenset = frozenset()) -> Flow:
     """Follow the shard of every active candidate Linear through ``g`` (one pass, program order).
 
     Args:
@@ -806,10 +874,12 @@ def propagate(g: nx.DiGraph, active: set[str], unit_heads: frozenset = frozenset
             differently): neither a column nor a row; a shard reaching one breaks, with the reason.
         module_alone: ``g`` is one module exported alone (the shape proof): its inputs may be
             values its caller slices to its heads (:meth:`Flow.shard_entry`).
+        per_group: candidates whose views into fixed groups are read per group (:meth:`Flow.group_view`).
     Returns:
         The :class:`Flow`: node states, rows, heads, splits and the candidates that broke.
     """
-    flow = Flow(g, unit_heads=frozenset(unit_heads), whole=dict(whole or {}), module_alone=module_alone)
+    flow = Flow(g, unit_heads=frozenset(unit_heads), whole=dict(whole or {}), module_alone=module_alone,
+                per_group=frozenset(per_group))
     owners = param_modules(g)
     for name in sorted(g.nodes, key=lambda n: g.nodes[n]["order"]):
         data = g.nodes[name]
@@ -845,6 +915,15 @@ def propagate(g: nx.DiGraph, active: set[str], unit_heads: frozenset = frozenset
         if data["op"] in WRITES:
             _written(flow, name, data)
     return flow
+
+
+def propagate_packed(g: nx.DiGraph, active: set[str], packed: set[str], **options) -> Flow:
+    """:func:`propagate` as a plan shards ``active``: the packed columns among them (``packed``)
+    whose output the plain reading never cuts into parts, but views into fixed groups, are read
+    per group (:meth:`Flow.group_view`), the one reading in which a packed style fits them."""
+    flow = propagate(g, active, **options)
+    uncut = frozenset(r for r in set(packed) & flow.groupable if r not in flow.splits)
+    return propagate(g, active, per_group=uncut, **options) if uncut else flow
 
 
 def bad_packs(flow: Flow) -> dict[str, str]:
@@ -976,6 +1055,8 @@ def _mixed_pieces(flow: Flow) -> dict[str, str]:
                 out = flow.state.get(succ)
                 if succ in flow.piece_cuts or (isinstance(out, Shard) and (out.pieces, out.fold) == (shard.pieces, shard.fold)):
                     continue
+                if succ in flow.row_packs and not shard.pieces:  # a row taking the folded parts (packed)
+                    continue
                 what = "joined with others along the sharded dim" if shard.pieces else "folded into a merged dim"
                 for root in shard.origins:
                     bad.setdefault(root, f"its shard, {what}, meets {data['op']} in {data['module'] or 'the root'}, "
@@ -1061,8 +1142,8 @@ def endless_shards(flow: Flow) -> dict[str, str]:
     return {r: "its output is never contracted by a Linear" for r in flow.roots - reached - set(flow.broken)}
 
 
-def analyse(g: nx.DiGraph, forbidden: dict[str, str] | None = None, *,
-            unit_heads: bool = False, whole: dict[str, str] | None = None) -> tuple[Flow, dict[str, str]]:
+def analyse(g: nx.DiGraph, forbidden: dict[str, str] | None = None, *, unit_heads: bool = False,
+            whole: dict[str, str] | None = None, per_group: frozenset = frozenset()) -> tuple[Flow, dict[str, str]]:
     """Run :func:`propagate` to a fixpoint, dropping candidates that break.
 
     Args:
@@ -1073,18 +1154,19 @@ def analyse(g: nx.DiGraph, forbidden: dict[str, str] | None = None, *,
             a single head (the k/v of one-kv-head attention, whose shard then has extent 1). Kept
             only for candidates that reach an attention with more heads than that; for a tp size
             is then needed to replicate them per rank (:mod:`autotp.synth.kvheads`).
+        per_group: candidates whose views into fixed groups are read per group (:meth:`Flow.group_view`).
     Returns:
         The final :class:`Flow` and, for each dropped candidate, why it was dropped.
     """
     whole = dict(whole or {})
     forbidden = {**whole, **(forbidden or {})}
-    flow, dropped = _fixpoint(g, dict(forbidden), frozenset(), whole)
+    flow, dropped = _fixpoint(g, dict(forbidden), frozenset(), whole, per_group)
     retry = frozenset(dropped) - set(forbidden)
     if not unit_heads or not retry:
         return flow, dropped
     forbidden_now = dict(forbidden or {})
     for _ in range(2):  # the second round drops extent-1 roots that feed no wider attention
-        second, second_dropped = _fixpoint(g, dict(forbidden_now), retry, whole)
+        second, second_dropped = _fixpoint(g, dict(forbidden_now), retry, whole, per_group)
         stray = {r: dropped[r] for r in second.roots & retry
                  if second.extent.get(r) == 1 and wider_attention(second, r) is None}
         if not stray:
@@ -1098,13 +1180,13 @@ def analyse(g: nx.DiGraph, forbidden: dict[str, str] | None = None, *,
     return flow, dropped
 
 
-def _fixpoint(g: nx.DiGraph, dropped: dict[str, str], unit_heads: frozenset,
-              whole: dict[str, str]) -> tuple[Flow, dict[str, str]]:
+def _fixpoint(g: nx.DiGraph, dropped: dict[str, str], unit_heads: frozenset, whole: dict[str, str],
+              per_group: frozenset = frozenset()) -> tuple[Flow, dict[str, str]]:
     active = {name for name in g.nodes if is_linear(g, name)} - set(dropped)
     rounds, yielded, retried = 0, {}, set()
     while True:
         rounds += 1
-        flow = propagate(g, active, unit_heads, whole)
+        flow = propagate(g, active, unit_heads, whole, per_group=per_group)
         bad = {r: f"{reason} (at {g.nodes[node]['op']} in {g.nodes[node]['module'] or 'the root'})"
                for r, (reason, node) in flow.broken.items()}
         bad.update(bad_packs(flow))

@@ -105,8 +105,14 @@ def constraint_fixpoint(g: nx.DiGraph, groups: LayerGroups, model: nn.Module, ex
     whole, forced = foreign_reads(g)
     unlocal: dict[str, str] = {}
     one_kv = tp_size is not None  # one-kv-head k/v can be replicated per rank only for a known tp
+    per_group: dict[str, str] = {}  # candidates read per fixed group, with why their plain reading failed
     for round_ in itertools.count(1):
-        flow, dropped = analyse(g, unlocal, unit_heads=one_kv, whole=whole)
+        flow, dropped = analyse(g, unlocal, unit_heads=one_kv, whole=whole, per_group=frozenset(per_group))
+        broke = {n: _per_group_reason(per_group[n], dropped[n]) for n in per_group if n in dropped and n not in unlocal}
+        if broke:  # read per group, the shard breaks as well: whole, with both reasons
+            log.info("constraints, round %d: no per-group reading at %s", round_, sorted(broke))
+            unlocal = {**unlocal, **broke}
+            continue
         roles = assign_roles(g, flow, dropped, forced)
         ties = {n: reason for n, reason in tie_conflicts(g, roles, flow).items() if n not in whole}
         if ties:  # keep tied weights whole on every user, and analyse again without them
@@ -114,13 +120,20 @@ def constraint_fixpoint(g: nx.DiGraph, groups: LayerGroups, model: nn.Module, ex
             whole = {**whole, **ties}
             forced = {**forced, **tied_embedding_modules(g, whole)}
             continue
-        indivisible = {n: reason for n, reason in _indivisible_parts(flow, tp_size).items() if n not in unlocal}
+        indivisible = {n: _per_group_reason(per_group[n], reason) if n in per_group else reason
+                       for n, reason in _indivisible_parts(flow, tp_size).items() if n not in unlocal}
         if indivisible:  # before the shape proofs: their modules run without these shards
             log.info("constraints, round %d: parts tp does not divide at %s", round_, sorted(indivisible))
             unlocal = {**unlocal, **indivisible}
             continue
         local = localize(model, example_inputs, g, flow, roles, tp_size or 2, groups)
         new = {n: reason for n, reason in local.unlocal.items() if n not in unlocal}
+        regroup = {n: reason for n, reason in new.items() if n in flow.groupable and n not in per_group}
+        if regroup:  # cut inside fixed groups: each rank may hold its share of every group instead
+            log.info("constraints, round %d: outputs read per fixed group at %s", round_, sorted(regroup))
+            per_group = {**per_group, **regroup}
+            continue
+        new = {n: _per_group_reason(per_group[n], reason) if n in per_group else reason for n, reason in new.items()}
         if new:  # fused outputs cut with global sizes: keep those Linears whole
             log.info("constraints, round %d: fused outputs cut with global sizes at %s", round_, sorted(new))
             unlocal = {**unlocal, **new}
@@ -133,12 +146,23 @@ def constraint_fixpoint(g: nx.DiGraph, groups: LayerGroups, model: nn.Module, ex
 
 def _indivisible_parts(flow: Flow, tp_size: int | None) -> dict[str, str]:
     """Candidates cut into parts by a view whose heads tp does not divide (a fused k / v with
-    fewer kv heads than ranks): kept whole, as the cut alone would leave them, rather than the
-    whole plan refused."""
+    fewer kv heads than ranks; fixed groups of too few heads each): kept whole, as the cut alone
+    would leave them, rather than the whole plan refused."""
     if not tp_size:
         return {}
-    return {root: f"its output is viewed into parts of {flow.extent[root]} heads each, which tp={tp_size} does "
-                  "not divide; kept whole" for root in flow.part_views if flow.extent.get(root, 0) % tp_size}
+    found = {root: f"its output is viewed into parts of {flow.extent[root]} heads each, which tp={tp_size} does "
+                   "not divide; kept whole" for root in flow.part_views if flow.extent.get(root, 0) % tp_size}
+    found.update({root: f"its output is viewed into {groups} fixed groups of parts, {flow.extent[root]} heads "
+                        f"each, which tp={tp_size} does not divide (each rank would hold a share of every group); "
+                        "kept whole" for root, (groups, _) in flow.group_views.items()
+                  if root in flow.roots and flow.extent.get(root, 0) % tp_size})
+    return found
+
+
+def _per_group_reason(plain: str, per_group: str) -> str:
+    """Why a candidate read both ways stays whole: its plain reading's reason, then the per-group one."""
+    return f"{plain.removesuffix('; kept whole')}; read per fixed group (each rank a share of every group): " \
+           f"{per_group}"
 
 
 # --- post-passes: each Analysis -> Analysis -------------------------------------------------------
