@@ -341,7 +341,7 @@ def _view(g, name, dims, ctx):
         ctx.viewed_into_parts(src)
         return Split(e + 1, tuple((i * width, (i + 1) * width) for i in range(parts)), False)
     groups = _groups_view(in_shape, out_shape, dim)
-    if groups and like is None and not folded:
+    if groups and like is None and not folded and _cut_inside(g, name, dim + 1):
         grouped = ctx.group_view(src, dim, groups)
         if grouped is not None:
             return Given(grouped)
@@ -385,6 +385,26 @@ def _groups_view(in_shape: tuple, out_shape: tuple, dim: int) -> int:
         return 0
     groups, inner = out_shape[dim], out_shape[dim + 1]
     return groups if groups > 1 and inner > 1 and groups * inner == in_shape[dim] else 0
+
+
+# Ops that cut a dim into pieces (the parts of a group, ``[q | v | k]``) -> the position of their dim.
+_CUT_DIMS = {"split": 2, "split_with_sizes": 2, "chunk": 2, "slice": 1, "narrow": 1, "unbind": 1}
+
+
+def _cut_inside(g, name, dim) -> bool:
+    """Whether every reader of ``name`` (through copies) cuts it along ``dim``: a fused output
+    viewed as groups whose parts are then cut from each group, not heads viewed for attention."""
+    readers = [s for s in g.successors(name) if g.nodes[s]["op"] not in SINKS]
+    for reader in readers:
+        op, args = g.nodes[reader]["op"], g.nodes[reader]["args"]
+        if op in PASSTHROUGH and args and isinstance(args[0], Ref) and args[0].name == name:
+            if not _cut_inside(g, reader, dim):
+                return False
+            continue
+        at = _arg(g, reader, _CUT_DIMS[op], "dim", 0) if op in _CUT_DIMS else None
+        if not isinstance(at, int) or _norm(at, _ndim(g, name)) != dim:
+            return False
+    return bool(readers)
 
 
 def _parts_view(g, name, in_shape, out_shape, dim, e) -> int:

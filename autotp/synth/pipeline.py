@@ -100,18 +100,20 @@ def constraint_fixpoint(g: nx.DiGraph, groups: LayerGroups, model: nn.Module, ex
 
     Constraints: Linears whose weights stay whole (read outside their module, tied weights their
     users would shard differently), embeddings kept whole with them, and column candidates whose
-    fused output is cut with global sizes.
+    fused output is cut with global sizes. A candidate whose output is viewed as fixed groups that
+    its plain reading cannot take per rank (the shape proof fails, or tp does not divide the
+    groups) is read once more per group (each rank a share of every group) before it is kept whole.
     """
     whole, forced = foreign_reads(g)
     unlocal: dict[str, str] = {}
     one_kv = tp_size is not None  # one-kv-head k/v can be replicated per rank only for a known tp
-    per_group: dict[str, str] = {}  # candidates read per fixed group, with why their plain reading failed
+    per_group = _PerGroup()
     for round_ in itertools.count(1):
-        flow, dropped = analyse(g, unlocal, unit_heads=one_kv, whole=whole, per_group=frozenset(per_group))
-        broke = {n: _per_group_reason(per_group[n], dropped[n]) for n in per_group if n in dropped and n not in unlocal}
-        if broke:  # read per group, the shard breaks as well: whole, with both reasons
+        flow, dropped = analyse(g, unlocal, unit_heads=one_kv, whole=whole, per_group=frozenset(per_group.plain))
+        broke = {n: dropped[n] for n in per_group.plain if n in dropped and n not in unlocal}
+        if broke:  # read per group, the shard breaks: back to the plain reading, or whole
             log.info("constraints, round %d: no per-group reading at %s", round_, sorted(broke))
-            unlocal = {**unlocal, **broke}
+            unlocal = {**unlocal, **per_group.give_up(broke)}
             continue
         roles = assign_roles(g, flow, dropped, forced)
         ties = {n: reason for n, reason in tie_conflicts(g, roles, flow).items() if n not in whole}
@@ -120,28 +122,64 @@ def constraint_fixpoint(g: nx.DiGraph, groups: LayerGroups, model: nn.Module, ex
             whole = {**whole, **ties}
             forced = {**forced, **tied_embedding_modules(g, whole)}
             continue
-        indivisible = {n: _per_group_reason(per_group[n], reason) if n in per_group else reason
-                       for n, reason in _indivisible_parts(flow, tp_size).items() if n not in unlocal}
+        if per_group.retry({n: None for n in _misfit_groups(flow, tp_size)}):  # G < tp: try shares of each
+            log.info("constraints, round %d: fewer groups than ranks, read per group at %s", round_, per_group.last)
+            continue
+        indivisible = {n: reason for n, reason in _indivisible_parts(flow, tp_size).items() if n not in unlocal}
         if indivisible:  # before the shape proofs: their modules run without these shards
             log.info("constraints, round %d: parts tp does not divide at %s", round_, sorted(indivisible))
-            unlocal = {**unlocal, **indivisible}
+            unlocal = {**unlocal, **per_group.give_up(indivisible)}
             continue
         local = localize(model, example_inputs, g, flow, roles, tp_size or 2, groups)
         new = {n: reason for n, reason in local.unlocal.items() if n not in unlocal}
-        regroup = {n: reason for n, reason in new.items() if n in flow.groupable and n not in per_group}
-        if regroup:  # cut inside fixed groups: each rank may hold its share of every group instead
-            log.info("constraints, round %d: outputs read per fixed group at %s", round_, sorted(regroup))
-            per_group = {**per_group, **regroup}
+        if per_group.retry({n: reason for n, reason in new.items() if n in flow.groupable}):
+            log.info("constraints, round %d: outputs read per fixed group at %s", round_, per_group.last)
             continue
-        new = {n: _per_group_reason(per_group[n], reason) if n in per_group else reason for n, reason in new.items()}
         if new:  # fused outputs cut with global sizes: keep those Linears whole
             log.info("constraints, round %d: fused outputs cut with global sizes at %s", round_, sorted(new))
-            unlocal = {**unlocal, **new}
+            unlocal = {**unlocal, **per_group.give_up(new)}
             continue
         log.debug("constraints converged after %d rounds", round_)
         return Analysis(g, flow, roles, groups, model, example_inputs, tp_size, counts=dict(local.counts),
                         entries=dict(local.entries), widths=dict(local.widths))
     raise AssertionError("unreachable")  # itertools.count never ends
+
+
+@dataclass
+class _PerGroup:
+    """Candidates read per fixed group (:meth:`~autotp.synth.analysis.Flow.group_view`), each
+    tried once: ``plain`` holds, for each read so now, why its plain reading failed (None: it did
+    not, but tp does not divide its groups), ``last`` the ones the last :meth:`retry` added."""
+
+    plain: dict[str, str | None] = field(default_factory=dict)
+    tried: set[str] = field(default_factory=set)
+    last: list[str] = field(default_factory=list)
+
+    def retry(self, candidates: dict[str, str | None]) -> bool:
+        """Read ``candidates`` not tried yet per group; whether there was any."""
+        self.last = sorted(set(candidates) - self.tried)
+        self.plain.update({n: candidates[n] for n in self.last})
+        self.tried.update(self.last)
+        return bool(self.last)
+
+    def give_up(self, reasons: dict[str, str]) -> dict[str, str]:
+        """The constraints for Linears that ``reasons`` keep whole: those read per group go back to
+        their plain reading when it had not failed (dropped from ``reasons``), else stay whole with
+        both reasons."""
+        out = {}
+        for n, reason in reasons.items():
+            if n not in self.plain:
+                out[n] = reason
+            elif (plain := self.plain.pop(n)) is not None:
+                out[n] = f"{plain.removesuffix('; kept whole')}; read per fixed group (each rank a share of every " \
+                         f"group): {reason}"
+        return out
+
+
+def _misfit_groups(flow: Flow, tp_size: int | None) -> list[str]:
+    """Candidates whose plain reading shards fixed groups (:meth:`~autotp.synth.analysis.Flow.group_view`)
+    that ``tp_size`` does not divide: a rank would hold part of a group."""
+    return [] if not tp_size else [r for r in flow.groupable & flow.roots if flow.extent.get(r, 0) % tp_size]
 
 
 def _indivisible_parts(flow: Flow, tp_size: int | None) -> dict[str, str]:
@@ -157,12 +195,6 @@ def _indivisible_parts(flow: Flow, tp_size: int | None) -> dict[str, str]:
                         "kept whole" for root, (groups, _) in flow.group_views.items()
                   if root in flow.roots and flow.extent.get(root, 0) % tp_size})
     return found
-
-
-def _per_group_reason(plain: str, per_group: str) -> str:
-    """Why a candidate read both ways stays whole: its plain reading's reason, then the per-group one."""
-    return f"{plain.removesuffix('; kept whole')}; read per fixed group (each rank a share of every group): " \
-           f"{per_group}"
 
 
 # --- post-passes: each Analysis -> Analysis -------------------------------------------------------
