@@ -111,14 +111,16 @@ def test_a_literal_head_count_per_group_stays_whole():
     assert type(plan["layers.*.mlp.gate"]).__name__ == "ColwiseParallel", plan  # the MLP still sharded
 
 
-def test_fewer_heads_per_group_than_ranks_stay_whole():
-    """Two heads per group over four ranks: no rank can hold a share of every group's heads. The
-    projection stays whole with the reason, not the whole plan refused, and the plan is exact."""
-    model = Decoder(attention=lambda: GroupedFusedQKV(heads=8))
-    roles = analyse_model(model, example_inputs=(tokens(),), tp_size=4).roles
+@pytest.mark.parametrize(("heads", "tp"), [(8, 4), (16, 8)], ids=["groups-divide-tp", "fewer-groups-than-tp"])
+def test_fewer_heads_per_group_than_ranks_stay_whole(heads, tp):
+    """Too few heads per group for tp: no rank can hold a share of every group's heads (and with
+    fewer groups than ranks, none can hold whole groups either). The projection stays whole with
+    the reason, not the whole plan refused (nor read as kv heads to replicate), and is exact."""
+    model = Decoder(attention=lambda: GroupedFusedQKV(heads=heads))
+    roles = analyse_model(model, example_inputs=(tokens(),), tp_size=tp).roles
     role = roles["layers.0.attn.qkv"]
-    assert role.kind == "replicate" and "tp=4 does not divide" in role.reason, role
-    plan, report = run(model, 4)
+    assert role.kind == "replicate" and f"tp={tp} does not divide" in role.reason, role
+    plan, report = run(model, tp)
     assert report.ok, str(report)
 
 

@@ -99,7 +99,7 @@ class Flow:
     entry_origins: dict = field(default_factory=dict)  # (value, module) -> the candidates whose shard met it
     module_alone: bool = False  # the graph is one module exported alone (see propagate)
     per_group: frozenset = frozenset()  # candidates whose views into fixed groups are read per group (group_view)
-    groupable: set = field(default_factory=set)  # candidates whose whole output a view splits into fixed groups
+    groupable: dict = field(default_factory=dict)  # candidate whose whole output a view splits into groups -> G
     group_views: dict = field(default_factory=dict)  # candidate read per group -> (groups, width of a group)
     row_packs: dict = field(default_factory=dict)  # row Linear -> part widths of its input (a folded shard's)
 
@@ -431,13 +431,13 @@ class Flow:
         the shard is on the group's own dim, its span group 0's features, and every cut of it
         below is made in each group alike (:func:`_record`). Tried only for the candidates in
         ``per_group`` (those whose plain reading failed the per-rank shape proof); every candidate
-        that meets such a view is recorded in ``groupable``."""
+        that meets such a view is recorded in ``groupable`` with ``groups``."""
         value = self.state.get(src)
         width = self.g.nodes[src]["shape"][dim]
         if not isinstance(value, Shard) or value.span != (0, width) or value.pieces or value.fold or width % groups \
                 or any(self.g.nodes[o]["shape"][-1] != width for o in value.origins):
             return None  # only a whole output, not one of its parts viewed into heads
-        self.groupable |= value.origins
+        self.groupable.update(dict.fromkeys(value.origins, groups))
         if not value.origins <= self.per_group:
             return None
         inner = width // groups
@@ -922,7 +922,7 @@ def propagate_packed(g: nx.DiGraph, active: set[str], packed: set[str], **option
     whose output the plain reading never cuts into parts, but views into fixed groups, are read
     per group (:meth:`Flow.group_view`), the one reading in which a packed style fits them."""
     flow = propagate(g, active, **options)
-    uncut = frozenset(r for r in set(packed) & flow.groupable if r not in flow.splits)
+    uncut = frozenset(r for r in set(packed) & set(flow.groupable) if r not in flow.splits)
     return propagate(g, active, per_group=uncut, **options) if uncut else flow
 
 

@@ -113,7 +113,7 @@ def constraint_fixpoint(g: nx.DiGraph, groups: LayerGroups, model: nn.Module, ex
         broke = {n: dropped[n] for n in per_group.plain if n in dropped and n not in unlocal}
         if broke:  # read per group, the shard breaks: back to the plain reading, or whole
             log.info("constraints, round %d: no per-group reading at %s", round_, sorted(broke))
-            unlocal = {**unlocal, **per_group.give_up(broke)}
+            unlocal = {**unlocal, **per_group.give_up(broke, broke=True)}
             continue
         roles = assign_roles(g, flow, dropped, forced)
         ties = {n: reason for n, reason in tie_conflicts(g, roles, flow).items() if n not in whole}
@@ -122,7 +122,7 @@ def constraint_fixpoint(g: nx.DiGraph, groups: LayerGroups, model: nn.Module, ex
             whole = {**whole, **ties}
             forced = {**forced, **tied_embedding_modules(g, whole)}
             continue
-        if per_group.retry({n: None for n in _misfit_groups(flow, tp_size)}):  # G < tp: try shares of each
+        if per_group.retry(_misfit_groups(flow, tp_size), misfit=True):  # G < tp: try shares of each
             log.info("constraints, round %d: fewer groups than ranks, read per group at %s", round_, per_group.last)
             continue
         indivisible = {n: reason for n, reason in _indivisible_parts(flow, tp_size).items() if n not in unlocal}
@@ -148,38 +148,49 @@ def constraint_fixpoint(g: nx.DiGraph, groups: LayerGroups, model: nn.Module, ex
 @dataclass
 class _PerGroup:
     """Candidates read per fixed group (:meth:`~autotp.synth.analysis.Flow.group_view`), each
-    tried once: ``plain`` holds, for each read so now, why its plain reading failed (None: it did
-    not, but tp does not divide its groups), ``last`` the ones the last :meth:`retry` added."""
+    tried once: ``plain`` holds, for each read so now, why its plain reading fails; ``misfit``
+    those whose plain reading failed only because tp does not divide their groups (it may still
+    hold a group per rank, as a k / v replicated per kv head does); ``last`` the ones the last
+    :meth:`retry` added."""
 
-    plain: dict[str, str | None] = field(default_factory=dict)
+    plain: dict[str, str] = field(default_factory=dict)
+    misfit: set[str] = field(default_factory=set)
     tried: set[str] = field(default_factory=set)
     last: list[str] = field(default_factory=list)
 
-    def retry(self, candidates: dict[str, str | None]) -> bool:
-        """Read ``candidates`` not tried yet per group; whether there was any."""
+    def retry(self, candidates: dict[str, str], *, misfit: bool = False) -> bool:
+        """Read ``candidates`` (-> why their plain reading fails) not tried yet per group; whether
+        there was any."""
         self.last = sorted(set(candidates) - self.tried)
         self.plain.update({n: candidates[n] for n in self.last})
         self.tried.update(self.last)
+        if misfit:
+            self.misfit.update(self.last)
         return bool(self.last)
 
-    def give_up(self, reasons: dict[str, str]) -> dict[str, str]:
-        """The constraints for Linears that ``reasons`` keep whole: those read per group go back to
-        their plain reading when it had not failed (dropped from ``reasons``), else stay whole with
-        both reasons."""
+    def give_up(self, reasons: dict[str, str], *, broke: bool = False) -> dict[str, str]:
+        """The constraints for the Linears ``reasons`` keep whole. Those read per group stay whole
+        with both readings' reasons, except where the per-group shard ``broke`` and the plain
+        reading had failed only on its groups: that reading is taken back (nothing added)."""
         out = {}
         for n, reason in reasons.items():
             if n not in self.plain:
                 out[n] = reason
-            elif (plain := self.plain.pop(n)) is not None:
+                continue
+            plain = self.plain.pop(n)
+            if not (broke and n in self.misfit):
                 out[n] = f"{plain.removesuffix('; kept whole')}; read per fixed group (each rank a share of every " \
                          f"group): {reason}"
         return out
 
 
-def _misfit_groups(flow: Flow, tp_size: int | None) -> list[str]:
+def _misfit_groups(flow: Flow, tp_size: int | None) -> dict[str, str]:
     """Candidates whose plain reading shards fixed groups (:meth:`~autotp.synth.analysis.Flow.group_view`)
-    that ``tp_size`` does not divide: a rank would hold part of a group."""
-    return [] if not tp_size else [r for r in flow.groupable & flow.roots if flow.extent.get(r, 0) % tp_size]
+    that ``tp_size`` does not divide (a rank would hold part of a group), with that reason."""
+    if not tp_size:
+        return {}
+    return {r: f"its output is viewed as {groups} fixed groups, which tp={tp_size} does not divide"
+            for r, groups in flow.groupable.items() if r in flow.roots and groups % tp_size}
 
 
 def _indivisible_parts(flow: Flow, tp_size: int | None) -> dict[str, str]:
