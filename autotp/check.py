@@ -120,7 +120,7 @@ def _starts_shard(style: ParallelStyle | None) -> bool:
 
 def _graph_findings(model: nn.Module, resolved: dict, example_inputs, tp_size: int = 2,
                     analysis=None) -> list[Finding]:
-    from autotp.synth.analysis import bad_packs, endless_shards, mixed_parts, is_linear, part_sizes, propagate
+    from autotp.synth.analysis import bad_packs, endless_shards, mixed_parts, is_linear, part_sizes, propagate_packed
     from autotp.synth.assign import expert_roles, norm_roles
     from autotp.synth.graph import build_graph
     from autotp.synth.trace import trace
@@ -134,7 +134,8 @@ def _graph_findings(model: nn.Module, resolved: dict, example_inputs, tp_size: i
     linears = {n: g.nodes[n]["module"] for n in g.nodes if is_linear(g, n)}
     active = {n for n, module in linears.items()
               if _starts_shard(style_of.get(module)) or _raw_kind(g, n, style_of.get(module)) == "column"}
-    flow = propagate(g, active)
+    packed = {n for n in active if getattr(style_of.get(linears[n]), "sizes", None)}
+    flow = propagate_packed(g, active, packed)
     findings = []
 
     def where(node):
@@ -165,6 +166,15 @@ def _graph_findings(model: nn.Module, resolved: dict, example_inputs, tp_size: i
         elif packed != sizes:
             findings.append(Finding(module, f"PackedColwiseParallel sizes {style.sizes} differ from the parts "
                                     f"{sizes} the graph cuts", f"use sizes={sizes}", "fused_sizes"))
+    for row in flow.rows:
+        style, sizes = style_of.get(linears[row]), flow.row_packs.get(row)
+        given = getattr(style, "sizes", None) if isinstance(style, RowwiseParallel) else sizes
+        if given != sizes:  # its weight's columns would not be the features each rank holds
+            held = f"hold parts {sizes} with a share of each on every rank" if sizes else "are one contiguous block"
+            findings.append(Finding(linears[row], f"its input features {held}, but its style takes them as "
+                                    f"{f'parts {given}' if given else 'one contiguous block'}, so each rank multiplies "
+                                    "its features by other features' weights",
+                                    f"use sizes={sizes}" if sizes else "drop its sizes", "packed_row"))
     reached_rows = {linears[r] for r in flow.rows}
     rowwise = {linears[r] for r in flow.rows if isinstance(style_of.get(linears[r]), RowwiseParallel)
                or _raw_kind(g, r, style_of.get(linears[r])) == "row"}

@@ -15,6 +15,8 @@ options, static ``_prepare_input_fn`` / ``_prepare_output_fn``, and a comment on
   sharded dim downstream (a scan's state projections), their gradient all-reduced.
 - :class:`PackedColwiseParallel`: a column-parallel Linear whose output is split into parts
   (fused ``qkv_proj`` / ``gate_up_proj``), sharded part by part.
+- :class:`PackedRowwiseParallel`: a row-parallel Linear whose input features are parts with a share
+  of each on every rank (heads merged back from a fixed number of groups).
 - :class:`ShardCounts`: divide a module's head counts by tp, for code that sizes slices from them.
 - :class:`LocalWidthInputs`: a module that reads its widths from an input's size (nanoGPT's ``C = x.size(-1)``)
   sees that input at its per-rank width; its column Linears read the real one.
@@ -70,6 +72,7 @@ from autotp.styles.linear import (
     ColwiseParallelInOut,
     GroupCopies,
     PackedColwiseParallel,
+    PackedRowwiseParallel,
     PartialRowwiseParallel,
     RowwiseParallelInOut,
 )
@@ -96,6 +99,7 @@ __all__ = [
     "OwnedOutput",
     "GroupCopies",
     "PackedColwiseParallel",
+    "PackedRowwiseParallel",
     "PartialRowwiseParallel",
     "PartialSumBlock",
     "PartialGradRouter",

@@ -1,5 +1,5 @@
-"""Linear styles torch lacks: fused projections cut part by part, weights stored (in, out), and a row
-whose partial output is reduced together with another's."""
+"""Linear styles torch lacks: fused projections cut part by part (and rows whose input holds such parts),
+weights stored (in, out), and a row whose partial output is reduced together with another's."""
 
 from __future__ import annotations
 
@@ -14,6 +14,63 @@ from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 from torch.distributed.tensor.parallel.style import ParallelStyle
 
 from autotp.styles.base import packed_row_order, permute_rows, reduce_feature_grads
+
+
+class _PackedInput:
+    """``sizes``: the row's input features are parts side by side, each rank holding its share of
+    every part (heads folded behind a fixed group count, ``(groups, heads / groups, head_dim)``
+    merged). The weight's columns are permuted by :func:`packed_row_order` before the usual
+    ``Shard(1)``, as :class:`PackedColwiseParallel` permutes a fused output's rows, so rank r's
+    contiguous block of columns is its share of each part, in order. The parameter keeps the
+    permuted order; ``_autotp_to_layout`` maps an unsharded weight to it."""
+
+    sizes: tuple[int, ...] | None = None
+
+    def _partition_linear_fn(self, name, module, device_mesh):
+        order = packed_row_order(self.sizes, device_mesh.size()) if self.sizes else None
+        if order is not None:
+            weight = module.weight
+            with torch.no_grad():
+                permuted = weight.index_select(1, order.to(weight.device))
+            module.register_parameter("weight", nn.Parameter(permuted, requires_grad=weight.requires_grad))
+        super()._partition_linear_fn(name, module, device_mesh)
+        if order is not None:
+            module.weight._autotp_to_layout = partial(permute_rows, dim=1, order=order)
+
+    def _sizes_repr(self, text: str) -> str:
+        if not self.sizes:
+            return text
+        return text[:-1] + ("" if text.endswith("()") else ", ") + f"sizes={self.sizes})"
+
+
+def _sizes(sizes) -> tuple[int, ...] | None:
+    return tuple(int(s) for s in sizes) if sizes else None
+
+
+class PackedRowwiseParallel(_PackedInput, RowwiseParallel):
+    """Row-parallel Linear whose input features are parts, each rank holding its share of every part.
+
+    An attention that views its fused qkv as a fixed number of groups (``reshape(b, t, G, -1)``,
+    each group its own ``[q | v | k]``) is sharded within each group: rank r holds the r-th slice
+    of every group's heads. After the merge back, its heads are ``G`` blocks of features with a
+    slice of each on every rank, not one contiguous block: plain ``RowwiseParallel`` would
+    multiply them by the wrong weight columns with no error. Here the columns are permuted
+    part by part first (see :class:`_PackedInput`).
+
+    Keyword Args:
+        sizes (tuple[int, ...]): widths of the input's parts, summing to ``in_features``.
+        input_layouts, output_layouts, use_local_output: as for :class:`RowwiseParallel`.
+
+    Example::
+        >>> plan = {"layers.*.attn.out_proj": PackedRowwiseParallel(sizes=(1024, 1024, 1024, 1024))}
+    """
+
+    def __init__(self, *, sizes: tuple[int, ...], **kwargs):
+        super().__init__(**kwargs)
+        self.sizes = _sizes(sizes)
+
+    def __repr__(self) -> str:
+        return self._sizes_repr(super().__repr__())
 
 
 class _GradSpans:
@@ -37,22 +94,27 @@ class _GradSpans:
         return text[:-1] + ("" if text.endswith("()") else ", ") + f"reduce_grad_features={self.reduce_grad_features})"
 
 
-class BroadcastRowwiseParallel(_GradSpans, RowwiseParallel):
+class BroadcastRowwiseParallel(_GradSpans, _PackedInput, RowwiseParallel):
     """:class:`RowwiseParallel` (output reduced, whole on every rank) whose output spans
-    ``reduce_grad_features`` have their gradient all-reduced (see :class:`_GradSpans`).
+    ``reduce_grad_features`` have their gradient all-reduced (see :class:`_GradSpans`); with
+    ``sizes``, its input features are parts (see :class:`PackedRowwiseParallel`).
 
     Example::
         >>> plan = {"backbone.layers.*.mixer.x_proj": BroadcastRowwiseParallel(reduce_grad_features=((8, 24),))}
     """
 
-    def __init__(self, *, reduce_grad_features: tuple[tuple[int, int], ...] = ()):
+    def __init__(self, *, reduce_grad_features: tuple[tuple[int, int], ...] = (), sizes: tuple[int, ...] | None = None):
         super().__init__()
         self.reduce_grad_features = tuple((int(a), int(b)) for a, b in reduce_grad_features)
+        self.sizes = _sizes(sizes)
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         return self._with_grad_spans(super()._apply(module, device_mesh), device_mesh)
 
-class PartialRowwiseParallel(RowwiseParallel):
+    def __repr__(self) -> str:
+        return self._sizes_repr(super().__repr__())
+
+class PartialRowwiseParallel(_PackedInput, RowwiseParallel):
     """A row-parallel Linear whose output stays a ``Partial()`` DTensor (one branch of a parallel
     block), for the caller to add to the other branch before one reduction.
 
@@ -69,14 +131,17 @@ class PartialRowwiseParallel(RowwiseParallel):
 
     Keyword Args:
         local (bool): return the local partial sum, not a ``Partial()`` DTensor. Default: False.
+        sizes (tuple[int, ...] | None): widths of the input's parts when each rank holds a share of
+            every part (see :class:`PackedRowwiseParallel`). Default: None (one contiguous block).
 
     Example::
         >>> plan = {"model.layers.*.mlp.fc2": PartialRowwiseParallel()}
     """
 
-    def __init__(self, *, local: bool = False):
+    def __init__(self, *, local: bool = False, sizes: tuple[int, ...] | None = None):
         super().__init__(output_layouts=Partial(), use_local_output=local)
         self.local = local
+        self.sizes = _sizes(sizes)
 
     @staticmethod
     def _prepare_output_fn(output_layouts, use_local_output, mod, outputs, device_mesh):
@@ -84,7 +149,7 @@ class PartialRowwiseParallel(RowwiseParallel):
         return local if use_local_output else _PartialFromLocal.apply(local, device_mesh)
 
     def __repr__(self) -> str:
-        return f"{self.__class__.__name__}({'local=True' if self.local else ''})"
+        return self._sizes_repr(f"{self.__class__.__name__}({'local=True' if self.local else ''})")
 
 
 # Sequence-sharded gradients already all-gathered, by the gradient's id while it lives (a weak

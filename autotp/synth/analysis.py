@@ -101,6 +101,10 @@ class Flow:
     module_alone: bool = False  # the graph is one module exported alone (see propagate)
     copied: dict = field(default_factory=dict)  # candidate -> spans of its output held whole on every rank
     copy_cuts: dict = field(default_factory=dict)  # cutting node -> {element index or None: (root, span)} held whole
+    per_group: frozenset = frozenset()  # candidates whose views into fixed groups are read per group (group_view)
+    groupable: dict = field(default_factory=dict)  # candidate whose whole output a view splits into groups -> G
+    group_views: dict = field(default_factory=dict)  # candidate read per group -> (groups, width of a group)
+    row_packs: dict = field(default_factory=dict)  # row Linear -> part widths of its input (a folded shard's)
 
     def sharded(self, name: str) -> bool:
         """Whether ``name``'s output (or an element of it) is sharded."""
@@ -419,6 +423,40 @@ class Flow:
         value = self.state[src]
         return Shard(dim, value.origins, False, src, None, None, (tuple(sizes), k))
 
+    def group_view(self, src: str, dim: int, groups: int) -> Shard | None:
+        """The state of a view that splits ``src``'s whole, uncut shard on ``dim`` into ``(groups,
+        width / groups)`` where its readers keep every group (``qkv.reshape(b, t, G, -1)`` then a
+        split of each group into its own ``[q | v | k]``), for candidates read per group.
+
+        Read plainly, the shard lands on the groups (rank r holds whole groups), which code with a
+        fixed group count ``G`` cannot take at per-rank widths. Read per group, the output is ``G``
+        parts of the Linear (a packed projection's), each rank holding its share of every group:
+        the shard is on the group's own dim, its span group 0's features, and every cut of it
+        below is made in each group alike (:func:`_record`). Tried only for the candidates in
+        ``per_group`` (those whose plain reading failed the per-rank shape proof); every candidate
+        that meets such a view is recorded in ``groupable`` with ``groups``."""
+        value = self.state.get(src)
+        width = self.g.nodes[src]["shape"][dim]
+        if not isinstance(value, Shard) or value.span != (0, width) or value.pieces or value.fold or width % groups \
+                or any(self.g.nodes[o]["shape"][-1] != width for o in value.origins):
+            return None  # only a whole output, not one of its parts viewed into heads
+        self.groupable.update(dict.fromkeys(value.origins, groups))
+        if not value.origins <= self.per_group:
+            return None
+        inner = width // groups
+        for origin in value.origins:
+            self.group_views[origin] = (groups, inner)
+            self.splits.setdefault(origin, []).extend(
+                (value.span[0] + i * inner, value.span[0] + (i + 1) * inner) for i in range(groups))
+            self.split_nodes.setdefault(origin, []).append(self.deciding)
+        return Shard(dim + 1, value.origins, False, src, (value.span[0], value.span[0] + inner))
+
+    def refolded(self, src: str, dim: int) -> Shard:
+        """The state of a view that keeps ``src``'s folded dim whole at ``dim`` (``(b, t, heads,
+        d / 2, 2) -> (b, t, heads, d)`` of folded heads): the same fold."""
+        value = self.state[src]
+        return Shard(dim, value.origins, False, src, None, None, value.fold)
+
     def viewed_into_parts(self, src: str) -> None:
         """``src``'s candidates are cut into parts by a view (:func:`~autotp.synth.ops._parts_view`)."""
         value = self.state.get(src)
@@ -732,7 +770,10 @@ def _record(flow: Flow, name: str, result, origins: frozenset, prev: str, dims: 
         start = flow.span(prev)[0] if flow.span(prev) else 0
         ranges = tuple((start + a, start + b) for a, b in result.ranges)
         for o in origins:
-            flow.splits.setdefault(o, []).extend(ranges)
+            # A candidate read per group (Flow.group_view): the span is group 0's, each group cut alike.
+            groups, inner = flow.group_views.get(o, (1, 0))
+            flow.splits.setdefault(o, []).extend((a + i * inner, b + i * inner) for i in range(groups)
+                                                 for a, b in ranges)
             flow.split_nodes.setdefault(o, []).append(name)
         shards = [None if _held_whole(flow, origins, r) else Shard(result.dim, origins, False, prev, r) for r in ranges]
         for index, (shard, r) in enumerate(zip(shards, ranges)):
@@ -770,12 +811,38 @@ def _linear_step(flow: Flow, name: str, data, dims: dict, active: set):
                                                f"{flow.whole[name]}", name))
                 return
             flow.rows[name] = flow.state[x].origins
+            packs = _folded_parts(flow.state[x].fold)
+            if packs and _packable_row(g, name):
+                flow.row_packs[name] = packs
             return
         _record(flow, name, Out(dims[x]), flow.state[x].origins, x)  # per-position: shard passes
     elif x not in dims and name in active:
         flow.state[name] = Shard(len(data["shape"]) - 1, frozenset({name}), True, None, (0, data["shape"][-1]))
         flow.roots.add(name)
         flow.extent[name] = 0 if name in flow.copied else data["shape"][-1]  # its divided parts set it
+
+
+def _folded_parts(fold) -> tuple[int, ...] | None:
+    """The parts of a row's input features that hold a folded shard: dims of ``sizes`` merged, the
+    sharded one at position ``k`` (each rank its slice of it for every index of the dims before):
+    ``prod(sizes[:k])`` parts of ``prod(sizes[k:])`` features, each rank a share of every part.
+
+    >>> _folded_parts(((4, 2, 8), 1))
+    (16, 16, 16, 16)
+    """
+    if fold is None:
+        return None
+    sizes, k = fold
+    return (math.prod(sizes[k:]),) * math.prod(sizes[:k])
+
+
+def _packable_row(g: nx.DiGraph, name: str) -> bool:
+    """Whether row ``name`` is an ``nn.Linear``-like product whose weight's input features a packed
+    row style can permute: ``linear`` by an (out, in) weight of its own module."""
+    data = g.nodes[name]
+    weight = weight_of(g, name)
+    return data["op"] == "linear" and weight is not None and (weight.out_dim, weight.in_dim) == (0, 1) \
+        and not raw_like(g, name) and not data.get("raw_weight")
 
 
 def _getitem_step(flow: Flow, name: str, data) -> None:
@@ -820,7 +887,7 @@ def _written(flow: Flow, name: str, data) -> None:
 
 def propagate(g: nx.DiGraph, active: set[str], unit_heads: frozenset = frozenset(),
               whole: dict[str, str] | None = None, *, module_alone: bool = False,
-              copied: dict[str, frozenset] | None = None) -> Flow:
+              copied: dict[str, frozenset] | None = None, per_group: frozenset = frozenset()) -> Flow:
     """Follow the shard of every active candidate Linear through ``g`` (one pass, program order).
 
     Args:
@@ -833,11 +900,12 @@ def propagate(g: nx.DiGraph, active: set[str], unit_heads: frozenset = frozenset
             values its caller slices to its heads (:meth:`Flow.shard_entry`).
         copied: candidate -> spans of its output cut off as parts held whole on every rank (the
             one kv head of a fused multi-query qkv): replicated from the cut on (:func:`copy_leaks`).
+        per_group: candidates whose views into fixed groups are read per group (:meth:`Flow.group_view`).
     Returns:
         The :class:`Flow`: node states, rows, heads, splits and the candidates that broke.
     """
     flow = Flow(g, unit_heads=frozenset(unit_heads), whole=dict(whole or {}), module_alone=module_alone,
-                copied=dict(copied or {}))
+                copied=dict(copied or {}), per_group=frozenset(per_group))
     owners = param_modules(g)
     for name in sorted(g.nodes, key=lambda n: g.nodes[n]["order"]):
         data = g.nodes[name]
@@ -873,6 +941,15 @@ def propagate(g: nx.DiGraph, active: set[str], unit_heads: frozenset = frozenset
         if data["op"] in WRITES:
             _written(flow, name, data)
     return flow
+
+
+def propagate_packed(g: nx.DiGraph, active: set[str], packed: set[str], **options) -> Flow:
+    """:func:`propagate` as a plan shards ``active``: the packed columns among them (``packed``)
+    whose output the plain reading never cuts into parts, but views into fixed groups, are read
+    per group (:meth:`Flow.group_view`), the one reading in which a packed style fits them."""
+    flow = propagate(g, active, **options)
+    uncut = frozenset(r for r in set(packed) & set(flow.groupable) if r not in flow.splits)
+    return propagate(g, active, per_group=uncut, **options) if uncut else flow
 
 
 def bad_packs(flow: Flow) -> dict[str, str]:
@@ -1004,6 +1081,8 @@ def _mixed_pieces(flow: Flow) -> dict[str, str]:
                 out = flow.state.get(succ)
                 if succ in flow.piece_cuts or (isinstance(out, Shard) and (out.pieces, out.fold) == (shard.pieces, shard.fold)):
                     continue
+                if succ in flow.row_packs and not shard.pieces:  # a row taking the folded parts (packed)
+                    continue
                 what = "joined with others along the sharded dim" if shard.pieces else "folded into a merged dim"
                 for root in shard.origins:
                     bad.setdefault(root, f"its shard, {what}, meets {data['op']} in {data['module'] or 'the root'}, "
@@ -1124,7 +1203,8 @@ def endless_shards(flow: Flow) -> dict[str, str]:
 
 
 def analyse(g: nx.DiGraph, forbidden: dict[str, str] | None = None, *, unit_heads: bool = False,
-            whole: dict[str, str] | None = None, copy_parts: bool = False) -> tuple[Flow, dict[str, str]]:
+            whole: dict[str, str] | None = None, copy_parts: bool = False,
+            per_group: frozenset = frozenset()) -> tuple[Flow, dict[str, str]]:
     """Run :func:`propagate` to a fixpoint, dropping candidates that break.
 
     Args:
@@ -1137,26 +1217,27 @@ def analyse(g: nx.DiGraph, forbidden: dict[str, str] | None = None, *, unit_head
             is then needed to replicate them per rank (:mod:`autotp.synth.kvheads`).
         copy_parts: when packed candidates were dropped, try holding some of their parts whole on
             every rank (:func:`copied_parts`); a tp size is needed to expand those parts.
+        per_group: candidates whose views into fixed groups are read per group (:meth:`Flow.group_view`).
     Returns:
         The final :class:`Flow` and, for each dropped candidate, why it was dropped.
     """
     whole = dict(whole or {})
     forbidden = {**whole, **(forbidden or {})}
-    flow, dropped = _one_head_reading(g, forbidden, whole, unit_heads)
+    flow, dropped = _one_head_reading(g, forbidden, whole, unit_heads, per_group)
     if copy_parts and set(dropped) - set(forbidden):
-        return copied_parts(g, flow, dropped, forbidden, whole)
+        return copied_parts(g, flow, dropped, forbidden, whole, per_group)
     return flow, dropped
 
 
 def _one_head_reading(g: nx.DiGraph, forbidden: dict[str, str], whole: dict[str, str],
-                      unit_heads: bool) -> tuple[Flow, dict[str, str]]:
-    flow, dropped = _fixpoint(g, dict(forbidden), frozenset(), whole)
+                      unit_heads: bool, per_group: frozenset) -> tuple[Flow, dict[str, str]]:
+    flow, dropped = _fixpoint(g, dict(forbidden), frozenset(), whole, per_group=per_group)
     retry = frozenset(dropped) - set(forbidden)
     if not unit_heads or not retry:
         return flow, dropped
     forbidden_now = dict(forbidden or {})
     for _ in range(2):  # the second round drops extent-1 roots that feed no wider attention
-        second, second_dropped = _fixpoint(g, dict(forbidden_now), retry, whole)
+        second, second_dropped = _fixpoint(g, dict(forbidden_now), retry, whole, per_group=per_group)
         stray = {r: dropped[r] for r in second.roots & retry
                  if second.extent.get(r) == 1 and wider_attention(second, r) is None}
         if not stray:
@@ -1176,7 +1257,7 @@ MAX_COPY_PARTS = 4
 
 
 def copied_parts(g: nx.DiGraph, flow: Flow, dropped: dict[str, str], forbidden: dict[str, str],
-                 whole: dict[str, str]) -> tuple[Flow, dict[str, str]]:
+                 whole: dict[str, str], per_group: frozenset = frozenset()) -> tuple[Flow, dict[str, str]]:
     """Packed candidates kept whole that shard once some of their parts are held whole on every
     rank: a fused q / k / v whose k and v are one head each (multi-query attention), read by every
     query head through a broadcast, while the query part is sharded by heads.
@@ -1206,7 +1287,7 @@ def copied_parts(g: nx.DiGraph, flow: Flow, dropped: dict[str, str], forbidden: 
     chosen: dict[str, frozenset] = {}
     while choices:
         trial = {**chosen, **{root: options[0] for root, options in choices.items()}}
-        second, _ = _fixpoint(g, dict(forbidden), flow.unit_heads, whole, trial)
+        second, _ = _fixpoint(g, dict(forbidden), flow.unit_heads, whole, trial, per_group=per_group)
         for root in list(choices):
             first, *rest = choices.pop(root)
             if root in second.roots:
@@ -1215,20 +1296,21 @@ def copied_parts(g: nx.DiGraph, flow: Flow, dropped: dict[str, str], forbidden: 
                 choices[root] = rest
     if not chosen:
         return flow, dropped
-    second, second_dropped = _fixpoint(g, dict(forbidden), flow.unit_heads, whole, chosen)
+    second, second_dropped = _fixpoint(g, dict(forbidden), flow.unit_heads, whole, chosen, per_group=per_group)
     if not set(chosen) <= second.roots or len(second.roots) <= len(flow.roots):
         return flow, dropped
     log.debug("parts held whole per rank: %s", {r: sorted(s) for r, s in chosen.items()})
     return second, second_dropped
 
 
-def _fixpoint(g: nx.DiGraph, dropped: dict[str, str], unit_heads: frozenset,
-              whole: dict[str, str], copied: dict[str, frozenset] | None = None) -> tuple[Flow, dict[str, str]]:
+def _fixpoint(g: nx.DiGraph, dropped: dict[str, str], unit_heads: frozenset, whole: dict[str, str],
+              copied: dict[str, frozenset] | None = None,
+              per_group: frozenset = frozenset()) -> tuple[Flow, dict[str, str]]:
     active = {name for name in g.nodes if is_linear(g, name)} - set(dropped)
     rounds, yielded, retried = 0, {}, set()
     while True:
         rounds += 1
-        flow = propagate(g, active, unit_heads, whole, copied=copied)
+        flow = propagate(g, active, unit_heads, whole, copied=copied, per_group=per_group)
         bad = {r: f"{reason} (at {g.nodes[node]['op']} in {g.nodes[node]['module'] or 'the root'})"
                for r, (reason, node) in flow.broken.items()}
         bad.update(bad_packs(flow))

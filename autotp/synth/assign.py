@@ -59,8 +59,10 @@ def linear_roles(g: nx.DiGraph, flow: Flow, dropped: dict[str, str]) -> dict[str
             continue  # its module's raw_linear_roles
         x = g.nodes[row]["args"][0].name
         path = _describe(g, shard_path(g, flow, x), module_of(g, row))
-        roles[module_of(g, row)] = Role("row", "contracts over the sharded input features", path,
-                                     weight_in_out=row in in_out)
+        packs = flow.row_packs.get(row)
+        reason = "contracts over the sharded input features" + (
+            f", which hold {len(packs)} parts of {packs[0]} (each rank a share of every part)" if packs else "")
+        roles[module_of(g, row)] = Role("row", reason, path, weight_in_out=row in in_out, sizes=packs)
     for root in sorted(flow.roots, key=lambda n: g.nodes[n]["order"]):
         owner = module_of(g, root)
         if raw_weight(g, root):
@@ -75,8 +77,10 @@ def linear_roles(g: nx.DiGraph, flow: Flow, dropped: dict[str, str]) -> dict[str
         evidence = (*_describe(g, path[:-1], module_of(g, path[-1])),)
         if root in flow.splits:
             sizes = part_sizes(flow.splits[root], g.nodes[root]["shape"][-1])
-            roles[owner] = Role("packed_column", f"its output is split into parts {sizes}", evidence, sizes=sizes,
-                                weight_in_out=root in in_out)
+            groups = flow.group_views.get(root, (0,))[0]
+            reason = f"its output is split into parts {sizes}" + (
+                f", viewed as {groups} fixed groups: each rank holds its share of every part" if groups else "")
+            roles[owner] = Role("packed_column", reason, evidence, sizes=sizes, weight_in_out=root in in_out)
         else:
             roles[owner] = Role("column", "its output features stay sharded until a row Linear", evidence,
                                 weight_in_out=root in in_out)

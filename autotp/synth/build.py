@@ -50,13 +50,13 @@ def _row(role: Role, loss_parallel: bool) -> ParallelStyle:
     # Rows shard weight columns and reduce: all-reduce, or reduce-scatter to Shard(1) when the
     # residual stream is sequence-sharded; one branch of a parallel block stays Partial() and is
     # reduced with the other at their sum.
+    # With ``sizes`` its input features are parts, a share of each on every rank: columns permuted.
     if role.partial_output or role.partial_local:
-        return styles.PartialRowwiseParallel(local=role.partial_local)
-    if role.seq_output:
-        return RowwiseParallel(output_layouts=Shard(1), use_local_output=False)
-    if role.grad_spans:  # output spans broadcast along a sharded dim downstream
-        return styles.BroadcastRowwiseParallel(reduce_grad_features=role.grad_spans)
-    return RowwiseParallel()
+        return styles.PartialRowwiseParallel(local=role.partial_local, sizes=role.sizes)
+    layouts = dict(output_layouts=Shard(1), use_local_output=False) if role.seq_output else {}
+    if role.grad_spans and not role.seq_output:  # output spans broadcast along a sharded dim downstream
+        return styles.BroadcastRowwiseParallel(reduce_grad_features=role.grad_spans, sizes=role.sizes)
+    return styles.PackedRowwiseParallel(sizes=role.sizes, **layouts) if role.sizes else RowwiseParallel(**layouts)
 
 
 def _packed_column(role: Role) -> ParallelStyle:

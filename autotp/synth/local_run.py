@@ -23,7 +23,7 @@ from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from autotp.styles.attention import width_view
-from autotp.synth.analysis import Shard, is_linear, module_of, propagate
+from autotp.synth.analysis import Shard, is_linear, module_of, propagate_packed
 from autotp.synth.graph import build_graph
 from autotp.synth.ops import FIXED_SIZE_CUTS
 from autotp.synth.ops import ELEMENTWISE, PASSTHROUGH, VIEW_LIKE
@@ -366,7 +366,8 @@ def shapes_are_local(g: nx.DiGraph, local: nx.DiGraph, roles: dict[str, Role], t
                                                           or _raw_column(g, n, roles))}
     copied = {n: frozenset(roles[module_of(g, n)].copied) for n in active if roles.get(module_of(g, n)) is not None
               and roles[module_of(g, n)].copied}
-    flow = propagate(g, active, module_alone=True, copied=copied)
+    packed = {n for n in active if kind_of(roles, module_of(g, n)) == "packed_column"}
+    flow = propagate_packed(g, active, packed, module_alone=True, copied=copied)
     order = lambda graph: sorted(graph.nodes, key=lambda n: graph.nodes[n]["order"])  # noqa: E731
     # Copies may vanish at per-rank shapes (``contiguous`` of a tensor with one head is a no-op).
     nodes = [n for n in order(g) if g.nodes[n]["op"] not in PASSTHROUGH]

@@ -127,9 +127,14 @@ def inner_roles(roles: dict[str, Role], fqn: str) -> dict[str, Role]:
 
 
 def fixed_size_roots(g: nx.DiGraph, flow: Flow) -> dict[str, list[str]]:
-    """Packed candidates whose output is cut by a fixed-size op: root -> the cutting nodes."""
+    """Packed candidates whose output is cut by a fixed-size op: root -> the cutting nodes.
+
+    Outputs read per fixed group (:meth:`~autotp.synth.analysis.Flow.group_view`) are left to the
+    shape proof: their cuts are made in the groups' view, not on the output this pass watches."""
     found = {}
     for root, nodes in flow.split_nodes.items():
+        if root in flow.group_views:
+            continue
         if root in flow.roots and any(g.nodes[n]["op"] in FIXED_SIZE_CUTS for n in nodes):
             found[root] = nodes
     return found

@@ -323,6 +323,11 @@ def _view(g, name, dims, ctx):
     if src not in dims:  # ``x.view_as(y)`` with only y sharded: the whole x cannot take y's local shape
         return Break(f"{g.nodes[name]['op']} shapes a replicated tensor like a sharded one")
     out_shape = g.nodes[name]["shape"]
+    folded = getattr(ctx.state.get(src), "fold", None)
+    kept = _kept_dim(g.nodes[src]["shape"], out_shape, dims[src]) if folded else None
+    if kept is not None and like is None:
+        # The folded dim itself stays a dim of the output (the dims around it regrouped): same layout.
+        return Given(ctx.refolded(src, kept))
     in_shape, dim = ctx.unfolded(src, g.nodes[src]["shape"], dims[src])
     if in_shape != g.nodes[src]["shape"]:
         ctx.unfold(name)
@@ -335,6 +340,11 @@ def _view(g, name, dims, ctx):
         width = in_shape[dim] // parts
         ctx.viewed_into_parts(src)
         return Split(e + 1, tuple((i * width, (i + 1) * width) for i in range(parts)), False)
+    groups = _groups_view(in_shape, out_shape, dim)
+    if groups and like is None and not folded and _cut_inside(g, name, dim + 1):
+        grouped = ctx.group_view(src, dim, groups)
+        if grouped is not None:
+            return Given(grouped)
     if e is None:
         group = fold_group(in_shape, out_shape, dim) or split_fold_group(in_shape, out_shape, dim)
         if group is not None and like is None:
@@ -347,6 +357,54 @@ def _view(g, name, dims, ctx):
     if isinstance(like, Ref) and like.name not in dims:
         return Break(f"{g.nodes[name]['op']} takes the full shape of a replicated tensor")
     return Out(e, intact=out_shape[e] == in_shape[dim] and ctx.intact(src))
+
+
+def _kept_dim(in_shape: tuple, out_shape: tuple, dim: int) -> int | None:
+    """The output dim that is input ``dim`` unchanged (same size, same product of the dims before
+    it) under a view that regroups only the dims around it; else None.
+
+    >>> _kept_dim((2, 11, 8, 4, 2), (2, 11, 8, 8), 2), _kept_dim((2, 11, 8, 8), (2, 88, 8), 2)
+    (2, None)
+    """
+    before = math.prod(in_shape[:dim])
+    for e, out in enumerate(out_shape):
+        if out == in_shape[dim] and math.prod(out_shape[:e]) == before:
+            return e
+    return None
+
+
+def _groups_view(in_shape: tuple, out_shape: tuple, dim: int) -> int:
+    """``G`` when a view splits ``dim`` alone into ``(G, size / G)``, the dims around it kept
+    (``qkv.reshape(b, t, G, -1)``); else 0.
+
+    >>> _groups_view((2, 11, 96), (2, 11, 4, 24), 2), _groups_view((2, 11, 96), (2, 11, 4, 8, 3), 2)
+    (4, 0)
+    """
+    if len(out_shape) != len(in_shape) + 1 or tuple(out_shape[:dim]) != tuple(in_shape[:dim]) \
+            or tuple(out_shape[dim + 2:]) != tuple(in_shape[dim + 1:]):
+        return 0
+    groups, inner = out_shape[dim], out_shape[dim + 1]
+    return groups if groups > 1 and inner > 1 and groups * inner == in_shape[dim] else 0
+
+
+# Ops that cut a dim into pieces (the parts of a group, ``[q | v | k]``) -> the position of their dim.
+_CUT_DIMS = {"split": 2, "split_with_sizes": 2, "chunk": 2, "slice": 1, "narrow": 1, "unbind": 1}
+
+
+def _cut_inside(g, name, dim) -> bool:
+    """Whether every reader of ``name`` (through copies) cuts it along ``dim``: a fused output
+    viewed as groups whose parts are then cut from each group, not heads viewed for attention."""
+    readers = [s for s in g.successors(name) if g.nodes[s]["op"] not in SINKS]
+    for reader in readers:
+        op, args = g.nodes[reader]["op"], g.nodes[reader]["args"]
+        if op in PASSTHROUGH and args and isinstance(args[0], Ref) and args[0].name == name:
+            if not _cut_inside(g, reader, dim):
+                return False
+            continue
+        at = _arg(g, reader, _CUT_DIMS[op], "dim", 0) if op in _CUT_DIMS else None
+        if not isinstance(at, int) or _norm(at, _ndim(g, name)) != dim:
+            return False
+    return bool(readers)
 
 
 def _parts_view(g, name, in_shape, out_shape, dim, e) -> int:

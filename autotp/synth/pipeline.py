@@ -102,13 +102,22 @@ def constraint_fixpoint(g: nx.DiGraph, groups: LayerGroups, model: nn.Module, ex
 
     Constraints: Linears whose weights stay whole (read outside their module, tied weights their
     users would shard differently), embeddings kept whole with them, and column candidates whose
-    fused output is cut with global sizes.
+    fused output is cut with global sizes. A candidate whose output is viewed as fixed groups that
+    its plain reading cannot take per rank (the shape proof fails, or tp does not divide the
+    groups) is read once more per group (each rank a share of every group) before it is kept whole.
     """
     whole, forced = foreign_reads(g)
     unlocal: dict[str, str] = {}
     one_kv = tp_size is not None  # one-kv-head k/v (separate, or parts of a fused output) need a known tp
+    per_group = _PerGroup()
     for round_ in itertools.count(1):
-        flow, dropped = analyse(g, unlocal, unit_heads=one_kv, whole=whole, copy_parts=one_kv)
+        flow, dropped = analyse(g, unlocal, unit_heads=one_kv, whole=whole, copy_parts=one_kv,
+                                per_group=frozenset(per_group.plain))
+        broke = {n: dropped[n] for n in per_group.plain if n in dropped and n not in unlocal}
+        if broke:  # read per group, the shard breaks: back to the plain reading, or whole
+            log.info("constraints, round %d: no per-group reading at %s", round_, sorted(broke))
+            unlocal = {**unlocal, **per_group.give_up(broke, broke=True)}
+            continue
         roles = assign_roles(g, flow, dropped, forced)
         roles.update(copied_roles(g, flow, roles, tp_size) if tp_size else {})
         ties = {n: reason for n, reason in tie_conflicts(g, roles, flow).items() if n not in whole}
@@ -117,16 +126,22 @@ def constraint_fixpoint(g: nx.DiGraph, groups: LayerGroups, model: nn.Module, ex
             whole = {**whole, **ties}
             forced = {**forced, **tied_embedding_modules(g, whole)}
             continue
+        if per_group.retry(_misfit_groups(flow, tp_size), misfit=True):  # G < tp: try shares of each
+            log.info("constraints, round %d: fewer groups than ranks, read per group at %s", round_, per_group.last)
+            continue
         indivisible = {n: reason for n, reason in _indivisible_parts(flow, tp_size).items() if n not in unlocal}
         if indivisible:  # before the shape proofs: their modules run without these shards
             log.info("constraints, round %d: parts tp does not divide at %s", round_, sorted(indivisible))
-            unlocal = {**unlocal, **indivisible}
+            unlocal = {**unlocal, **per_group.give_up(indivisible)}
             continue
         local = localize(model, example_inputs, g, flow, roles, tp_size or 2, groups)
         new = {n: reason for n, reason in local.unlocal.items() if n not in unlocal}
+        if per_group.retry({n: reason for n, reason in new.items() if n in flow.groupable}):
+            log.info("constraints, round %d: outputs read per fixed group at %s", round_, per_group.last)
+            continue
         if new:  # fused outputs cut with global sizes: keep those Linears whole
             log.info("constraints, round %d: fused outputs cut with global sizes at %s", round_, sorted(new))
-            unlocal = {**unlocal, **new}
+            unlocal = {**unlocal, **per_group.give_up(new)}
             continue
         log.debug("constraints converged after %d rounds", round_)
         return Analysis(g, flow, roles, groups, model, example_inputs, tp_size, counts=dict(local.counts),
@@ -134,14 +149,67 @@ def constraint_fixpoint(g: nx.DiGraph, groups: LayerGroups, model: nn.Module, ex
     raise AssertionError("unreachable")  # itertools.count never ends
 
 
-def _indivisible_parts(flow: Flow, tp_size: int | None) -> dict[str, str]:
-    """Candidates cut into parts by a view whose heads tp does not divide (a fused k / v with
-    fewer kv heads than ranks): kept whole, as the cut alone would leave them, rather than the
-    whole plan refused."""
+@dataclass
+class _PerGroup:
+    """Candidates read per fixed group (:meth:`~autotp.synth.analysis.Flow.group_view`), each
+    tried once: ``plain`` holds, for each read so now, why its plain reading fails; ``misfit``
+    those whose plain reading failed only because tp does not divide their groups (it may still
+    hold a group per rank, as a k / v replicated per kv head does); ``last`` the ones the last
+    :meth:`retry` added."""
+
+    plain: dict[str, str] = field(default_factory=dict)
+    misfit: set[str] = field(default_factory=set)
+    tried: set[str] = field(default_factory=set)
+    last: list[str] = field(default_factory=list)
+
+    def retry(self, candidates: dict[str, str], *, misfit: bool = False) -> bool:
+        """Read ``candidates`` (-> why their plain reading fails) not tried yet per group; whether
+        there was any."""
+        self.last = sorted(set(candidates) - self.tried)
+        self.plain.update({n: candidates[n] for n in self.last})
+        self.tried.update(self.last)
+        if misfit:
+            self.misfit.update(self.last)
+        return bool(self.last)
+
+    def give_up(self, reasons: dict[str, str], *, broke: bool = False) -> dict[str, str]:
+        """The constraints for the Linears ``reasons`` keep whole. Those read per group stay whole
+        with both readings' reasons, except where the per-group shard ``broke`` and the plain
+        reading had failed only on its groups: that reading is taken back (nothing added)."""
+        out = {}
+        for n, reason in reasons.items():
+            if n not in self.plain:
+                out[n] = reason
+                continue
+            plain = self.plain.pop(n)
+            if not (broke and n in self.misfit):
+                out[n] = f"{plain.removesuffix('; kept whole')}; read per fixed group (each rank a share of every " \
+                         f"group): {reason}"
+        return out
+
+
+def _misfit_groups(flow: Flow, tp_size: int | None) -> dict[str, str]:
+    """Candidates whose plain reading shards fixed groups (:meth:`~autotp.synth.analysis.Flow.group_view`)
+    that ``tp_size`` does not divide (a rank would hold part of a group), with that reason."""
     if not tp_size:
         return {}
-    return {root: f"its output is viewed into parts of {flow.extent[root]} heads each, which tp={tp_size} does "
-                  "not divide; kept whole" for root in flow.part_views if flow.extent.get(root, 0) % tp_size}
+    return {r: f"its output is viewed as {groups} fixed groups, which tp={tp_size} does not divide"
+            for r, groups in flow.groupable.items() if r in flow.roots and groups % tp_size}
+
+
+def _indivisible_parts(flow: Flow, tp_size: int | None) -> dict[str, str]:
+    """Candidates cut into parts by a view whose heads tp does not divide (a fused k / v with
+    fewer kv heads than ranks; fixed groups of too few heads each): kept whole, as the cut alone
+    would leave them, rather than the whole plan refused."""
+    if not tp_size:
+        return {}
+    found = {root: f"its output is viewed into parts of {flow.extent[root]} heads each, which tp={tp_size} does "
+                   "not divide; kept whole" for root in flow.part_views if flow.extent.get(root, 0) % tp_size}
+    found.update({root: f"its output is viewed into {groups} fixed groups of parts, {flow.extent[root]} heads "
+                        f"each, which tp={tp_size} does not divide (each rank would hold a share of every group); "
+                        "kept whole" for root, (groups, _) in flow.group_views.items()
+                  if root in flow.roots and flow.extent.get(root, 0) % tp_size})
+    return found
 
 
 # --- post-passes: each Analysis -> Analysis -------------------------------------------------------

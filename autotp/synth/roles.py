@@ -70,7 +70,8 @@ class Role:
         kind: a :class:`Kind` (a key of :data:`ROLE_KINDS` is converted to one).
         reason: why, in words (what ``explain`` prints).
         evidence: the graph path that decided it (producer -> ops -> consumer).
-        sizes: part widths of a ``packed_column``.
+        sizes: part widths of a ``packed_column``; of a ``row``, of its input features when they
+            hold parts (a folded shard: each rank a share of every part), else None.
         shard_dim: the sharded input dim of a norm (negative, from the end).
         seq_input: under sequence parallel, the input arrives sharded on the sequence.
         seq_output: under sequence parallel, the output leaves sharded on the sequence.
