@@ -29,7 +29,8 @@ options, static ``_prepare_input_fn`` / ``_prepare_output_fn``, and a comment on
 - :class:`ShardedInputs`: a module takes values made outside it (a per-head bias built at the root)
   cut to its own heads at entry.
 - :class:`PartialGradRouter`: a router kept whole that runs backward on the experts' partial
-  gradients, so the MoE block's input gradient is reduced once.
+  gradients, so the MoE block's input gradient is reduced once; :class:`ReplicatedInputs` hands
+  such a block its input as a DTensor where no norm before it can.
 - :class:`PartialSumBlock`: a module that adds up row Linears' partial sums (a MoE loop over
   ``nn.Linear`` experts) reduces them once at its output, and its input gradient once at entry.
 - :class:`GatherSequenceInput`, :class:`SequenceParallelMoEBlock`, :class:`PartialExpertsParallel`:
@@ -57,6 +58,7 @@ from autotp.styles.boundaries import (
     OwnedOutput,
     PartialSumBlock,
     ReplicatedModule,
+    ReplicatedInputs,
     ReplicatedOutput,
     ReplicatedParams,
     ReplicatedStream,
@@ -105,6 +107,7 @@ __all__ = [
     "PartialGradRouter",
     "ColwiseParallelInOut",
     "RowwiseParallelInOut",
+    "ReplicatedInputs",
     "ReplicatedOutput",
     "ReplicatedModule",
     "ReplicatedParams",

@@ -420,6 +420,52 @@ class ReplicatedStream(ParallelStyle):
         return f"{self.__class__.__name__}(stream={self.stream!r})"
 
 
+class ReplicatedInputs(ParallelStyle):
+    """Take a module's plain floating inputs as ``Replicate()`` DTensors and return its outputs
+    plain: its children's ``Partial()`` input gradients are summed before one all-reduce.
+
+    A MoE block whose input no norm can return as a DTensor (:class:`ReplicatedOutput`), because
+    the residual reads the norm's output too or the block reads the stream itself, would hand its
+    router and experts a plain tensor: the experts all-reduce the gradients of their input and of
+    the routing weights apart, the backward one collective per layer more than the forward. Wrapped
+    here (free: every rank holds the value), the experts (``ExpertsParallel(partial_grad_inputs=
+    True)``), the router (:class:`~autotp.styles.PartialGradRouter`) and a shared expert's column
+    Linears take the DTensor and leave partial gradients, modules kept whole
+    (:class:`ReplicatedModule`) whole ones; autograd adds them and ``from_local``'s backward
+    all-reduces the sum once.
+
+    Only for a module whose floating arguments are all that one value (a padding mask wrapped too
+    would meet plain tensors inside). DTensor outputs are made replicated and local.
+
+    Example::
+        >>> from autotp.styles import ExpertsParallel, PartialGradRouter
+        >>> plan = {"model.layers.*.mlp": ReplicatedInputs(),
+        ...         "model.layers.*.mlp.gate": PartialGradRouter(),
+        ...         "model.layers.*.mlp.experts": ExpertsParallel(partial_grad_inputs=True)}
+    """
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        def wrap(value):
+            if isinstance(value, torch.Tensor) and not isinstance(value, DTensor) and value.is_floating_point():
+                return DTensor.from_local(value, device_mesh, (Replicate(),), run_check=False)
+            return value
+
+        def pre_hook(mod, args, kwargs):
+            return tuple(wrap(a) for a in args), {k: wrap(v) for k, v in kwargs.items()}
+
+        def hook(mod, args, out):
+            if type(out) in (tuple, list) and out:
+                return type(out)([to_local(out[0]), *out[1:]])
+            return to_local(out)
+
+        module.register_forward_pre_hook(pre_hook, with_kwargs=True)
+        module.register_forward_hook(hook)
+        return module
+
+    def __repr__(self) -> str:
+        return f"{self.__class__.__name__}()"
+
+
 class ReplicatedParams(ParallelStyle):
     """Make a module's own parameters (not its children's) replicated DTensors; no hooks.
 

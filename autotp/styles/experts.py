@@ -288,14 +288,18 @@ class SequenceParallelMoEBlock(GatherSequenceInput):
 
     Keyword Args:
         sequence_dim (int): the sequence dimension of the stream. Default: 1.
+        use_local_output (bool): pass the gathered input on as a plain tensor; ``False`` keeps it a
+            ``Replicate()`` DTensor, for experts with ``partial_grad_inputs``, a
+            :class:`PartialGradRouter` and column Linears, whose partial input gradients the gather's
+            backward then reduce-scatters once. Default: True.
 
     Example::
         >>> plan = {"model.layers.*.mlp": SequenceParallelMoEBlock(),
         ...         "model.layers.*.mlp.experts": PartialExpertsParallel()}
     """
 
-    def __init__(self, *, sequence_dim: int = 1):
-        super().__init__(sequence_dim=sequence_dim)
+    def __init__(self, *, sequence_dim: int = 1, use_local_output: bool = True):
+        super().__init__(sequence_dim=sequence_dim, use_local_output=use_local_output)
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         super()._apply(module, device_mesh)
@@ -319,7 +323,8 @@ class SequenceParallelMoEBlock(GatherSequenceInput):
         return module
 
     def __repr__(self) -> str:
-        return f"{self.__class__.__name__}(sequence_dim={self.sequence_dim})"
+        extra = "" if self.use_local_output else ", use_local_output=False"
+        return f"{self.__class__.__name__}(sequence_dim={self.sequence_dim}{extra})"
 
 
 def _partial_outputs_local(module, args, output):

@@ -93,7 +93,8 @@ def _vocab_embedding(role: Role, loss_parallel: bool) -> ParallelStyle:
 
 def _seq_gather(role: Role, loss_parallel: bool) -> ParallelStyle:
     if role.seq_output:
-        return styles.GatherSequenceInput(reshard_output="all" if role.all_outputs else True)
+        return styles.GatherSequenceInput(reshard_output="all" if role.all_outputs else True,
+                                          use_local_output=not role.dtensor_output)
     return styles.GatherSequenceInput(use_local_output=not role.dtensor_output)
 
 
@@ -132,7 +133,8 @@ _STYLES: dict[str, Callable[[Role, bool], ParallelStyle | None]] = {
     "seq_gather": _seq_gather,
     "seq_slice": lambda role, lp: styles.SliceSequenceInput(),
     # Whole tokens in (the dispatch indexes them); the experts' partial sums reduce-scattered out.
-    "moe_block": lambda role, lp: styles.SequenceParallelMoEBlock(),
+    "moe_block": lambda role, lp: styles.SequenceParallelMoEBlock(use_local_output=not role.dtensor_output),
+    "replicated_entry": lambda role, lp: styles.ReplicatedInputs(),
     "rotary": lambda role, lp: styles.RotaryEmbedParallel(),
     "shard_counts": lambda role, lp: styles.ShardCounts(names=role.names),
     "head_params": lambda role, lp: styles.HeadParams(

@@ -33,6 +33,8 @@ ROLE_KINDS = {
     "whole_module": "module kept whole that reads a shared input's DTensor: runs on its local value",
     "shared_entry": "module whose column Linears read one tensor from outside it: they share one Replicate() "
                     "DTensor of it, gradient reduced once",
+    "replicated_entry": "MoE block whose input no norm hands over as a DTensor: wrapped as a Replicate() DTensor "
+                        "at entry, so its experts', router's and shared expert's input gradients are reduced once",
     "router": "module kept whole that routes tokens to grouped experts: its backward runs on their partial "
               "gradient, so the block input's gradient is reduced once",
     "stream_block": "parallel block run on a Replicate() DTensor stream: its branches reduced once together",
@@ -93,9 +95,9 @@ class Role:
         heads: of ``kv_head_counts``, the query heads of the attention.
         owned_output: the calling code modifies the output in place, so the style returns a copy
             rather than a view of a DTensor's local shard.
-        dtensor_output: of ``seq_norm_gather`` / ``seq_gather``, the gathered value stays a
-            ``Replicate()`` DTensor: every reader is a column Linear, whose input gradients are then
-            reduce-scattered once.
+        dtensor_output: of ``seq_norm_gather`` / ``seq_gather`` / ``moe_block``, the gathered value
+            stays a ``Replicate()`` DTensor: every reader is a column Linear, or the experts, router
+            and modules kept whole of a MoE block, whose input gradients are then reduce-scattered once.
         partial_output: of a ``row``, its output stays ``Partial()``: a parallel block adds it to
             another row's before one reduction.
         partial_local: of a ``row``, its output is the plain per-rank partial sum, added up by a

@@ -23,7 +23,9 @@ This pass finds, from the graph:
   (plain: ``Replicate()``; SP: the all-gather kept a DTensor), the experts take it with a
   ``Partial()`` gradient, and the router runs its backward on the experts' partial gradient of
   the routing weights (:class:`~autotp.styles.PartialGradRouter`): one reduction of the block
-  input's gradient per layer, and none of the routing weights'.
+  input's gradient per layer, and none of the routing weights'. Where no norm can return the
+  DTensor (the residual reads its output too, or no norm precedes the block), the block makes it at
+  entry (:class:`~autotp.styles.ReplicatedInputs`; under SP its own gather keeps a DTensor).
 - :func:`parallel_blocks`: two row Linears whose outputs are added before anything else reads
   them (attention and MLP side by side: GPT-J, Phi, Cohere) leave their outputs ``Partial()`` and
   the sum is reduced once per layer. Under plain TP the decoder layer then runs on a
@@ -47,7 +49,8 @@ from autotp.synth.graph import common_module, made_from_params, param_modules, r
 from autotp.synth.ops import RESHAPES, SELECTIONS, SELECTIONS_WITH_VALUES, SINKS
 from autotp.synth.ops import ELEMENTWISE, PASSTHROUGH
 from autotp.synth.roles import Role, kind_of
-from autotp.synth.sequence import expert_blocks, inner_rows, module_outputs
+from autotp.synth.sequence import (dispatch_blocks, expert_blocks, inner_rows, module_outputs, outermost,
+                                   residual_region, routed_blocks)
 
 log = logging.getLogger(__name__)
 
@@ -209,24 +212,31 @@ def sharing_scope(module: str, stack: tuple[str, ...], roles: dict[str, Role], f
 
 
 def expert_inputs(g: nx.DiGraph, roles: dict[str, Role], *, sequence_parallel: bool,
-                  groups=None) -> dict[str, Role]:
-    """MoE blocks whose input gradient can be reduced once: the norm before the block hands it a DTensor.
+                  groups=None, stream: set[str] = frozenset()) -> dict[str, Role]:
+    """MoE blocks whose input gradient can be reduced once: the block takes its input as a DTensor.
 
-    The block's only input must be one norm's only output, and inside the block (through
-    reshapes) it may be read only by the grouped experts, column Linears and modules kept whole.
-    A module kept whole whose outputs the experts read is a router: it runs its backward on the
-    experts' partial gradients. The experts must read nothing from outside but the block input
-    and router outputs (any other gradient handed back to them would be left partial).
+    The block's only input, inside the block (through reshapes), may be read only by the grouped
+    experts, column Linears and modules kept whole. A module kept whole whose outputs the experts
+    read is a router: it runs its backward on the experts' partial gradients. The experts must read
+    nothing from outside but the block input and router outputs (any other gradient handed back to
+    them would be left partial). The DTensor comes from the norm before the block where that norm's
+    only output is the block's input (its other readers column Linears, which share it); otherwise
+    (the residual reads the norm's output too, or no norm precedes the block) the block makes it
+    itself at entry (:func:`_entry_dtensor`).
+
+    Args:
+        stream: under SP, the nodes of the sequence-sharded residual stream (a block whose input
+            is among them gathers it at entry and can keep the gathered DTensor).
 
     Returns:
-        New roles: the norm (``shared_input``, or its gather kept a DTensor under SP), the experts
+        New roles: the norm (``shared_input``, or its gather kept a DTensor under SP) or the block
+        (``replicated_entry``, or its gather kept a DTensor under SP), the experts
         (``partial_grad_inputs``), ``router`` and ``whole_module`` roles.
     """
     param_owners = param_modules(g)
     found: dict[str, Role] = {}
     for block in sorted(expert_blocks(roles, groups)):
-        block_kind = kind_of(roles, block)
-        if block_kind != ("moe_block" if sequence_parallel else None):
+        if not _reduces_once_at_entry(roles.get(block), sequence_parallel):
             continue
         inside = {n for n, d in g.nodes(data=True) if block in d["stack"]}
         entries = {p for n in inside for p in g.predecessors(n)
@@ -234,17 +244,6 @@ def expert_inputs(g: nx.DiGraph, roles: dict[str, Role], *, sequence_parallel: b
         if len(entries) != 1:
             continue
         entry = entries.pop()
-        producer = g.nodes[entry]["stack"][-1] if g.nodes[entry]["stack"] else ""
-        outputs, readers = module_outputs(g, producer) if producer else ([], [])
-        # Column Linears beside the block (a parallel block's attention) take the DTensor as well.
-        if outputs != [entry] or not all(r in inside or column_reader(g, roles, r) for r in readers):
-            continue
-        if sequence_parallel:
-            role = roles.get(producer)
-            if role is None or role.kind != "seq_norm_gather" or role.seq_output:
-                continue
-        elif not plain_producer(g, roles, producer, param_owners):
-            continue
         experts = {m for m, r in roles.items() if r.kind == "experts" and m.startswith(block + ".")}
         parts = _block_readers(g, roles, block, entry, experts)
         if parts is None:
@@ -257,13 +256,23 @@ def expert_inputs(g: nx.DiGraph, roles: dict[str, Role], *, sequence_parallel: b
             continue  # the experts read something else from the block: its gradient would stay partial
         if any(_reads_other_state(g, roles, router) for router in routers):
             continue  # the router style covers the parameters of the module and its children only
-        how = "its all-gather kept a DTensor" if sequence_parallel else "a Replicate() DTensor"
-        found[producer] = (replace(roles[producer], dtensor_output=True) if sequence_parallel else Role(
-            "shared_input", f"its output is the MoE block {block}'s input: {how}, so the experts', router's "
-            "and shared expert's input gradients are summed and reduced once", (producer, block)))
-        if sequence_parallel:
-            found[producer] = replace(found[producer], reason=found[producer].reason + f"; {how} for the MoE "
-                                      f"block {block}, whose input gradient is then reduce-scattered once")
+        producer = _dtensor_producer(g, roles, entry, inside, sequence_parallel, param_owners)
+        if producer is None and not _entry_dtensor(g, roles, block, entry, inside, sequence_parallel, stream):
+            continue
+        if producer is not None:
+            found[producer] = _producer_role(roles, producer, block, sequence_parallel)
+        if sequence_parallel and (producer is None or kind_of(roles, block) == "seq_gather"):
+            # the block passes on the DTensor its own gather, or its norm's, makes (one gathered
+            # whole would otherwise hand its inside a plain copy)
+            found[block] = replace(roles[block], dtensor_output=True, reason=roles[block].reason + "; keeps its "
+                                   "input a gathered DTensor, so the experts', router's and shared expert's input "
+                                   "gradients are reduce-scattered once")
+        elif producer is None:
+            found[block] = Role("replicated_entry", "MoE block whose input no norm hands over as a DTensor (the "
+                                "residual reads it too, or no norm precedes it): its input is wrapped as a "
+                                "Replicate() DTensor at entry, so the experts', router's and shared expert's input "
+                                "gradients are summed and all-reduced once", (entry, block))
+        source = producer or block
         for module in sorted(experts):
             found[module] = replace(roles[module], partial_grad_inputs=True, reason=roles[module].reason +
                                     "; takes the block input's DTensor and the router's weights with partial "
@@ -272,10 +281,65 @@ def expert_inputs(g: nx.DiGraph, roles: dict[str, Role], *, sequence_parallel: b
             kept = roles[module].reason if module in roles else "kept whole"
             found[module] = (Role("router", f"{kept}; its outputs route tokens to {', '.join(sorted(experts))}: "
                                   "runs its backward on their partial gradients (weight gradient left Partial())",
-                                  (producer, module, *sorted(experts))) if module in routers else
-                             Role("whole_module", f"kept whole and reads {producer}'s DTensor output: runs on its "
-                                  "local value", (producer, module)))
+                                  (source, module, *sorted(experts))) if module in routers else
+                             Role("whole_module", f"kept whole and reads the DTensor {source} hands the block: "
+                                  "runs on its local value", (source, module)))
     return found
+
+
+def _dtensor_producer(g: nx.DiGraph, roles: dict[str, Role], entry: str, inside: set[str], sequence_parallel: bool,
+                      param_owners: set[str]) -> str | None:
+    """The norm whose only output is the block input ``entry`` and can be returned as a DTensor
+    (its other readers column Linears beside the block, which take the DTensor too), or None."""
+    producer = g.nodes[entry]["stack"][-1] if g.nodes[entry]["stack"] else ""
+    if not producer:
+        return None
+    outputs, readers = module_outputs(g, producer)
+    if outputs != [entry] or not all(r in inside or column_reader(g, roles, r) for r in readers):
+        return None
+    if sequence_parallel:
+        role = roles.get(producer)
+        return producer if role is not None and role.kind == "seq_norm_gather" and not role.seq_output else None
+    return producer if plain_producer(g, roles, producer, param_owners) else None
+
+
+def _producer_role(roles: dict[str, Role], producer: str, block: str, sequence_parallel: bool) -> Role:
+    if not sequence_parallel:
+        return Role("shared_input", f"its output is the MoE block {block}'s input: a Replicate() DTensor, so the "
+                    "experts', router's and shared expert's input gradients are summed and reduced once",
+                    (producer, block))
+    role = roles[producer]
+    return replace(role, dtensor_output=True, reason=role.reason + f"; its all-gather kept a DTensor for the MoE "
+                   f"block {block}, whose input gradient is then reduce-scattered once")
+
+
+def _entry_dtensor(g: nx.DiGraph, roles: dict[str, Role], block: str, entry: str, inside: set[str],
+                   sequence_parallel: bool, stream: set[str]) -> bool:
+    """Whether ``block`` can make its input ``entry`` a DTensor itself.
+
+    SP: the input is the sequence-sharded stream, which the block gathers at entry anyway (it
+    keeps the gathered DTensor, whose backward reduce-scatters the summed gradient once). Plain TP:
+    the block's code reads no tensor from outside but ``entry`` (no padding mask), so every
+    floating argument it is handed is that one value, wrapped as a ``Replicate()`` DTensor.
+    """
+    if sequence_parallel:  # not a norm's output gathered to a plain tensor before the block
+        producer = g.nodes[entry]["stack"][-1] if g.nodes[entry]["stack"] else ""
+        return entry in stream and kind_of(roles, producer) != "seq_norm_gather"
+    outside = {p for n in inside for p in g.predecessors(n) if p not in inside and g.nodes[p]["shape"]
+               and g.nodes[p]["kind"] not in ("param", "buffer")}
+    return outside == {entry}
+
+
+def _reduces_once_at_entry(role: Role | None, sequence_parallel: bool) -> bool:
+    """Whether a MoE block with this role can take its input as the norm's DTensor: plain TP, one
+    with no role; SP, one that reduce-scatters the experts' partial sums (``moe_block``) or one
+    gathered whole at entry whose output is sliced back (``seq_gather``: its experts reduce inside,
+    but their input gradients, the router's and a shared expert's can still be summed first)."""
+    if not sequence_parallel:
+        return role is None
+    if role is None:
+        return False
+    return role.kind == "moe_block" or (role.kind == "seq_gather" and role.seq_output and not role.all_outputs)
 
 
 def _reads_other_state(g: nx.DiGraph, roles: dict[str, Role], module: str) -> bool:
@@ -346,13 +410,16 @@ def data_index(g: nx.DiGraph, name: str):
 def _block_readers(g: nx.DiGraph, roles: dict[str, Role], block: str, entry: str,
                    experts: set[str]) -> tuple[set[str], set[str]] | None:
     """The block input's reshapes inside ``block`` and the modules kept whole that read it, or None
-    where anything but those, the experts and column Linears reads it."""
+    where anything but those, the experts and column Linears reads it inside the block."""
     chain, wholes, todo = {entry}, set(), [entry]
     while todo:
-        for reader in g.successors(todo.pop()):
+        node = todo.pop()
+        for reader in g.successors(node):
             data = g.nodes[reader]
             if column_reader(g, roles, reader):
                 continue  # takes the DTensor, inside the block (a shared expert) or beside it
+            if block not in data["stack"] and node == entry:
+                continue  # reads the value before the block (the residual): checked by the caller
             if block not in data["stack"]:
                 return None  # leaves the block as a DTensor
             if experts & set(data["stack"]):
@@ -586,6 +653,12 @@ def _stream_norms(g: nx.DiGraph, roles: dict[str, Role], layer: str) -> list[str
     return sorted(norms)
 
 
+def _stream(g: nx.DiGraph, flow: Flow, roles: dict[str, Role], groups) -> set[str]:
+    """The nodes of the sequence-sharded residual stream (as :mod:`~autotp.synth.sequence` finds them)."""
+    blocks = outermost(expert_blocks(roles, groups) | dispatch_blocks(g, roles) | routed_blocks(g, roles))
+    return residual_region(g, flow, blocks)
+
+
 def shared_input_roles(g: nx.DiGraph, flow: Flow, roles: dict[str, Role], *,
                        sequence_parallel: bool, groups=None) -> dict[str, Role]:
     """The pass: roles updated so that each shared input's gradient is reduced once.
@@ -605,7 +678,8 @@ def shared_input_roles(g: nx.DiGraph, flow: Flow, roles: dict[str, Role], *,
     out.update(blocks)
     if sequence_parallel:
         changed = dtensor_gathers(g, out)
-        changed.update(expert_inputs(g, out, sequence_parallel=True, groups=groups))
+        stream = _stream(g, flow, out, groups) if expert_blocks(out, groups) else set()
+        changed.update(expert_inputs(g, out, sequence_parallel=True, groups=groups, stream=stream))
         changed.update(partial_gathers(g, {**out, **changed}))
         # Columns still reading a plain whole tensor (a gathered value scaled by a learned vector)
         # share one wrapper of it: one all-reduce of their summed gradient.
