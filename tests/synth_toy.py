@@ -176,3 +176,37 @@ def verify_toy(model: nn.Module, plan, tp_size: int = 2):
         report = verify(model, plan, tp_size=tp_size, inputs=(example_tokens(),))
     assert report.ok, str(report)
     return report
+
+
+class SeparateQKVAttention(nn.Module):
+    """Causal attention with separate q / k / v / out Linears, heads split by ``view(..., -1, hd)``."""
+
+    def __init__(self, dim, heads):
+        super().__init__()
+        self.heads, self.head_dim = heads, dim // heads
+        self.q, self.k, self.v, self.out = (nn.Linear(dim, dim, bias=False) for _ in range(4))
+
+    def forward(self, x):
+        b, t, _ = x.shape
+        q, k, v = (p(x).view(b, t, -1, self.head_dim).transpose(1, 2) for p in (self.q, self.k, self.v))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.out(y.transpose(1, 2).reshape(b, t, -1))
+
+
+class StackedExperts(nn.Module):
+    """Experts as stacked 3-D weights, run by a loop over experts that adds each one's weighted
+    output into one sum (``index_add``): transformers' eager grouped-experts layout."""
+
+    def __init__(self, dim, experts, ffn):
+        super().__init__()
+        self.gate_up_proj = nn.Parameter(torch.randn(experts, 2 * ffn, dim) / dim**0.5)
+        self.down_proj = nn.Parameter(torch.randn(experts, dim, ffn) / ffn**0.5)
+
+    def forward(self, x, index, weights):
+        out = torch.zeros_like(x)
+        for expert in range(self.gate_up_proj.shape[0]):
+            token, slot = torch.where(index == expert)
+            gate, up = F.linear(x[token], self.gate_up_proj[expert]).chunk(2, dim=-1)
+            y = F.linear(F.silu(gate) * up, self.down_proj[expert]) * weights[token, slot, None]
+            out = out.index_add(0, token, y)
+        return out

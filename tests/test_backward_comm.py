@@ -20,6 +20,7 @@ from autotp.models import build_model
 from autotp.synth import synthesize
 from autotp.verifier import verify
 from synth_models import tiny_model
+from synth_toy import SeparateQKVAttention, StackedExperts
 
 LAYERS = 2
 
@@ -89,26 +90,13 @@ def test_parallel_block_under_sp_reduce_scatters_once_per_layer(models):
         assert report.collectives_backward == _mirrored(report.collectives)
 
 
-class _Attention(nn.Module):
-    def __init__(self, dim, heads):
-        super().__init__()
-        self.heads, self.head_dim = heads, dim // heads
-        self.q, self.k, self.v, self.out = (nn.Linear(dim, dim, bias=False) for _ in range(4))
-
-    def forward(self, x):
-        b, t, _ = x.shape
-        q, k, v = (p(x).view(b, t, -1, self.head_dim).transpose(1, 2) for p in (self.q, self.k, self.v))
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        return self.out(y.transpose(1, 2).reshape(b, t, -1))
-
-
 class _SideBySide(nn.Module):
     """A block whose two branches read one norm and are summed before the residual."""
 
     def __init__(self, dim, heads):
         super().__init__()
         self.norm = nn.LayerNorm(dim)
-        self.attn = _Attention(dim, heads)
+        self.attn = SeparateQKVAttention(dim, heads)
         self.up, self.down = nn.Linear(dim, 4 * dim), nn.Linear(4 * dim, dim)
 
     def forward(self, x):
@@ -219,22 +207,6 @@ class _Router(nn.Module):
         return logits, top / top.sum(-1, keepdim=True), index
 
 
-class _Experts(nn.Module):
-    def __init__(self, dim, experts, ffn):
-        super().__init__()
-        self.gate_up_proj = nn.Parameter(torch.randn(experts, 2 * ffn, dim) / dim**0.5)
-        self.down_proj = nn.Parameter(torch.randn(experts, dim, ffn) / ffn**0.5)
-
-    def forward(self, x, index, weights):
-        out = torch.zeros_like(x)
-        for expert in range(self.gate_up_proj.shape[0]):
-            token, slot = torch.where(index == expert)
-            gate, up = F.linear(x[token], self.gate_up_proj[expert]).chunk(2, dim=-1)
-            y = F.linear(F.silu(gate) * up, self.down_proj[expert]) * weights[token, slot, None]
-            out = out.index_add(0, token, y)
-        return out
-
-
 class _RoutedLM(nn.Module):
     """Norm -> router + grouped experts, with the router logits also reaching the output (as an
     auxiliary loss would): their gradient is full on every rank, not a partial sum."""
@@ -242,7 +214,7 @@ class _RoutedLM(nn.Module):
     def __init__(self, vocab=64, dim=32, experts=4, ffn=16):
         super().__init__()
         self.embed, self.norm = nn.Embedding(vocab, dim), nn.LayerNorm(dim)
-        self.router, self.experts = _Router(dim, experts), _Experts(dim, experts, ffn)
+        self.router, self.experts = _Router(dim, experts), StackedExperts(dim, experts, ffn)
         self.head = nn.Linear(dim, vocab, bias=False)
 
     def forward(self, ids):
@@ -280,7 +252,7 @@ class _PostNormBlock(nn.Module):
 
     def __init__(self, dim, heads):
         super().__init__()
-        self.attn, self.mlp = _Attention(dim, heads), _Mlp(dim)
+        self.attn, self.mlp = SeparateQKVAttention(dim, heads), _Mlp(dim)
         self.attn_norm, self.mlp_norm = nn.LayerNorm(dim), nn.LayerNorm(dim)
 
     def forward(self, x):

@@ -20,6 +20,7 @@ from torch import nn
 
 from autotp.synth import synthesize
 from autotp.verifier import verify
+from synth_toy import SeparateQKVAttention, StackedExperts
 
 LAYERS = 2
 
@@ -33,22 +34,6 @@ class _Router(nn.Module):
         logits = F.linear(x, self.weight)
         top, index = torch.topk(logits.softmax(-1), self.top_k, dim=-1)
         return top / top.sum(-1, keepdim=True), index
-
-
-class _Experts(nn.Module):
-    def __init__(self, dim, experts, ffn):
-        super().__init__()
-        self.gate_up_proj = nn.Parameter(torch.randn(experts, 2 * ffn, dim) / dim**0.5)
-        self.down_proj = nn.Parameter(torch.randn(experts, dim, ffn) / ffn**0.5)
-
-    def forward(self, x, index, weights):
-        out = torch.zeros_like(x)
-        for expert in range(self.gate_up_proj.shape[0]):
-            token, slot = torch.where(index == expert)
-            gate, up = F.linear(x[token], self.gate_up_proj[expert]).chunk(2, dim=-1)
-            y = F.linear(F.silu(gate) * up, self.down_proj[expert]) * weights[token, slot, None]
-            out = out.index_add(0, token, y)
-        return out
 
 
 class _Mlp(nn.Module):
@@ -66,7 +51,7 @@ class _GatedSharedMoE(nn.Module):
 
     def __init__(self, dim, experts=4, ffn=32):
         super().__init__()
-        self.router, self.experts = _Router(dim, experts), _Experts(dim, experts, ffn)
+        self.router, self.experts = _Router(dim, experts), StackedExperts(dim, experts, ffn)
         self.shared, self.shared_gate = _Mlp(dim, ffn), nn.Linear(dim, 1, bias=False)
 
     def forward(self, x):
@@ -77,19 +62,6 @@ class _GatedSharedMoE(nn.Module):
         return (routed + torch.sigmoid(self.shared_gate(h)) * self.shared(h)).view(b, t, d)
 
 
-class _Attention(nn.Module):
-    def __init__(self, dim, heads):
-        super().__init__()
-        self.heads, self.head_dim = heads, dim // heads
-        self.q, self.k, self.v, self.out = (nn.Linear(dim, dim, bias=False) for _ in range(4))
-
-    def forward(self, x):
-        b, t, _ = x.shape
-        q, k, v = (p(x).view(b, t, -1, self.head_dim).transpose(1, 2) for p in (self.q, self.k, self.v))
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        return self.out(y.transpose(1, 2).reshape(b, t, -1))
-
-
 class _Layer(nn.Module):
     """``wiring``: ``pre_norm`` (``x + moe(norm(x))``: the norm's output is the block's alone),
     ``normed_residual`` (``h = norm(x); h + moe(h)``: the residual reads it too), ``post_norm``
@@ -98,7 +70,7 @@ class _Layer(nn.Module):
     def __init__(self, dim, heads, wiring):
         super().__init__()
         self.wiring = wiring
-        self.attn_norm, self.attn = nn.LayerNorm(dim), _Attention(dim, heads)
+        self.attn_norm, self.attn = nn.LayerNorm(dim), SeparateQKVAttention(dim, heads)
         self.moe_norm, self.moe = nn.LayerNorm(dim), _GatedSharedMoE(dim)
 
     def forward(self, x):

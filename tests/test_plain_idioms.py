@@ -3,7 +3,7 @@
 Each toy is a two-layer decoder (embedding, pre-norm attention and MLP, head) in which one pattern
 of hand-written model code varies: grouped-query attention by ``repeat_interleave`` or by
 ``expand`` + ``reshape``, a head-major fused qkv cut by ``unbind`` / ``split`` on the last-but-one
-dim, an interleaved gate/up taken by strided slices, raw ``nn.Parameter`` weights used as Linears
+dim, an interleaved gate/up taken by strided slices, a fused gate/up cut by slices counted from the end, raw ``nn.Parameter`` weights used as Linears
 (``x @ W.T``, ``x @ W``, ``F.linear``, ``einsum``, ``torch.bmm`` by stacked 3-D weights), LoRA-style
 adapters beside a base Linear (``nn.Linear`` or raw), and a merge-back ``reshape`` to a fixed width
 attribute.
@@ -202,6 +202,19 @@ class StridedGateUp(nn.Module):
         return self.down(F.silu(h[..., ::2]) * h[..., 1::2])
 
 
+class NegativeSliceGateUp(StridedGateUp):
+    """gate and up fused side by side, cut by slices counted from the end: ``h[..., :-self.ffn]``
+    and ``h[..., -self.ffn:]`` (the trace keeps the negative bounds; ``ffn`` divided per rank)."""
+
+    def __init__(self):
+        super().__init__()
+        self.ffn = FFN
+
+    def forward(self, x):
+        h = self.gate_up(x)
+        return self.down(F.silu(h[..., :-self.ffn]) * h[..., -self.ffn:])
+
+
 def _param(*shape):
     return nn.Parameter(torch.randn(*shape) * shape[-1] ** -0.5)
 
@@ -368,6 +381,7 @@ IDIOMS = {
     "head_major_qkv_split": dict(attention=HeadMajorQKVSplit),
     "fixed_width_merge": dict(attention=FixedWidthMerge),
     "strided_gate_up": dict(mlp=StridedGateUp),
+    "negative_slice_gate_up": dict(mlp=NegativeSliceGateUp),
     "merged_rows_attention": dict(attention=MergedRowsAttention),
     "qkv_major_unbind": dict(attention=QKVMajorUnbind),
     "fused_kv_parts": dict(attention=FusedKVParts),

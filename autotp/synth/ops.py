@@ -655,16 +655,18 @@ def _slice(g, name, dims, ctx):
         return Out(dim)
     size = g.nodes[src]["shape"][dim]
     start = args[2] if len(args) > 2 and args[2] is not None else 0
-    end = min(args[3] if len(args) > 3 and args[3] is not None else size, size)
+    start = max(start + size, 0) if start < 0 else start
+    end = args[3] if len(args) > 3 and args[3] is not None else size
+    end = min(max(end + size, 0) if end < 0 else end, size)  # ``[:-2]``: counted from the end
     step = args[4] if len(args) > 4 else 1
     if step != 1:
         return _strided_slice(g, name, src, dim, start, end, step, ctx)
     if ctx.pieces(src):
-        cut = ctx.cut_pieces(name, src, [(_norm(start, size) if start < 0 else start, end)])
+        cut = ctx.cut_pieces(name, src, [(start, end)])
         return Given(cut[0]) if cut else Break(f"slice [{start}:{end}] of joined pieces cuts one of them")
     if ctx.span(src) is None:  # cut points are features of the Linear's output (or a part of it)
         return Break(f"slice of the sharded dim {dim} [{start}:{end}:{step}]")
-    return Split(dim, ((_norm(start, size) if start < 0 else start, end),), tuple_output=False)
+    return Split(dim, ((start, end),), tuple_output=False)
 
 
 def _strided_slice(g, name, src, dim, start, end, step, ctx):
