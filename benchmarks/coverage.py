@@ -558,7 +558,12 @@ def main(argv: list[str] | None = None) -> None:
                              "runtime is recorded with its signal, and decided on gloo processes")
     parser.add_argument("--out", default=str(RESULTS / "coverage.json"))
     parser.add_argument("--md", default=None, help="markdown table (default: COVERAGE.md next to --out)")
+    parser.add_argument("--update", action="store_true",
+                        help="with --only: replace those types' cases in the existing --out file (its meta "
+                             "lists each update with its command, time and commit) instead of writing anew")
     args = parser.parse_args(argv)
+    if args.update and not args.only:
+        parser.error("--update rewrites the cases of the types given with --only")
     types = architectures()
     if args.only:
         wanted = args.only.split(",")
@@ -581,6 +586,8 @@ def main(argv: list[str] | None = None) -> None:
     results.sort(key=lambda r: order[Case(r["model_type"], r["tp"], r["sp"]).key])
     command = "python benchmarks/coverage.py " + " ".join(argv if argv is not None else sys.argv[1:])
     meta = _meta(command.strip(), started, wall, args)
+    if args.update:
+        meta, results = _updated(Path(args.out), meta, results)
     summary = summarize(results)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -589,6 +596,28 @@ def main(argv: list[str] | None = None) -> None:
     write_markdown(md, meta, summary, results)
     print(f"wrote {out} and {md} in {wall:.0f} s")
     print(json.dumps(summary["headline"], indent=1))
+
+
+def _updated(path: Path, meta: dict, results: list[dict]) -> tuple[dict, list[dict]]:
+    """The cases of the sweep in ``path`` with those of ``results`` put in their place, and its
+    meta with this run recorded under ``updates``."""
+    previous = json.loads(path.read_text())
+    fresh = {(r["model_type"], r["tp"], r["sp"]): r for r in results}
+    cases = [fresh.pop((r["model_type"], r["tp"], r["sp"]), r) for r in previous["cases"]]
+    kept = previous["meta"]
+    kept["updates"] = [*kept.get("updates", []), {**meta, "commit": _commit(), "cases": len(results),
+                                                  "types": sorted({r["model_type"] for r in results})}]
+    return kept, cases + list(fresh.values())
+
+
+def _commit() -> str:
+    import subprocess
+
+    try:
+        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                              cwd=Path(__file__).parent, check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
 
 
 def _meta(command: str, started: datetime, wall: float, args) -> dict:

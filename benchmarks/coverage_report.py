@@ -197,6 +197,9 @@ def write_markdown(path: Path, meta: dict, summary: dict, results: list[dict]) -
         f"{meta['workers']} workers, {meta['timeout_s']:.0f} s per case); wall time {meta['wall_s']:.0f} s; "
         f"torch {meta['torch']}, transformers {meta['transformers']}. Every number below comes from "
         "`benchmarks/results/coverage.json` of that run.",
+        *[f"Then {u['cases']} cases ({', '.join(u['types'])}) were run again and replaced by "
+          f"`{u['command']}` on {u['started_utc']} at commit {u['commit']} (wall time {u['wall_s']:.0f} s)."
+          for u in meta.get("updates", [])],
         "",
         "Each case builds the tiny random model (`autotp.models.shrink_config` at that tp, `use_cache=False`), "
         "synthesizes a plan, verifies it on simulated ranks (fp32 logits and every parameter gradient "

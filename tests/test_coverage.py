@@ -7,6 +7,7 @@ replicate more than it did, a checker that starts flagging correct plans, or a s
 mislabels an outcome or hangs on a slow case.
 """
 
+import json
 import sys
 from pathlib import Path
 
@@ -89,3 +90,20 @@ def test_pool_kills_a_case_past_its_time_limit():
     """One spawned worker; a limit no case can meet: recorded as a timeout, not a hang."""
     [row] = run_pool([Case("llama", 2, False)], workers=1, timeout=0.01, progress=False)
     assert row["synth"]["reason"] == "timeout" and row["hf"]["reason"] == "timeout"
+
+
+def test_update_replaces_the_rerun_cases_and_records_the_run(tmp_path):
+    """``--update`` keeps every other case of the sweep and names the rerun in the meta."""
+    from coverage import _updated
+
+    def case(name, tp, sp, fraction):
+        return {"model_type": name, "tp": tp, "sp": sp, "synth": {"param_fraction": fraction}}
+
+    path = tmp_path / "coverage.json"
+    path.write_text(json.dumps({"meta": {"command": "first"}, "summary": {},
+                                "cases": [case("a", 2, False, 0.9), case("b", 2, False, 0.6)]}))
+    meta, cases = _updated(path, {"command": "again", "started_utc": "now", "wall_s": 1.0},
+                           [case("a", 2, False, 0.5)])
+    assert [(c["model_type"], c["synth"]["param_fraction"]) for c in cases] == [("a", 0.5), ("b", 0.6)]
+    assert meta["command"] == "first" and meta["updates"][0]["command"] == "again"
+    assert meta["updates"][0]["types"] == ["a"] and meta["updates"][0]["cases"] == 1
