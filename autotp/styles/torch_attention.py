@@ -49,6 +49,7 @@ class MultiheadAttentionParallel(ParallelStyle):
             tensor. Default: False.
 
     Example::
+        >>> from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
         >>> plan = {"layers.*.self_attn": MultiheadAttentionParallel(),
         ...         "layers.*.linear1": ColwiseParallel(), "layers.*.linear2": RowwiseParallel()}
     """
