@@ -570,8 +570,8 @@ def test_fused_kv_parts_with_fewer_heads_than_ranks_stay_whole():
 
 
 class TorchMHA(nn.Module):
-    """``nn.MultiheadAttention`` called as ``attn(h, h, h, attn_mask=...)``: its head size comes from
-    the input's width, so no count divides it per rank and it stays whole."""
+    """``nn.MultiheadAttention`` called as ``attn(h, h, h, attn_mask=...)``: sharded by heads as one
+    module (``MultiheadAttentionParallel``, ``tests/test_torch_attention_modules.py``)."""
 
     def __init__(self):
         super().__init__()

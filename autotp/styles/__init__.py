@@ -39,11 +39,14 @@ options, static ``_prepare_input_fn`` / ``_prepare_output_fn``, and a comment on
 - :class:`HeadParams`, :class:`LinearParams`: a module's own parameters meeting a sharded activation
   (per-head vectors sharded with the heads, shared ones' gradients all-reduced), and raw weight
   parameters used as Linears (``x @ W.T``, ``F.linear``, einsum, bmm) sharded as their Linear would be.
+- :class:`MultiheadAttentionParallel`: torch's ``nn.MultiheadAttention`` sharded by heads (packed q/k/v
+  column-parallel part by part, ``out_proj`` row-parallel) with a per-rank forward.
 
 Modules, by concern: :mod:`~autotp.styles.linear` (packed, ``(in, out)`` and partial rows),
 :mod:`~autotp.styles.embedding`, :mod:`~autotp.styles.norms` and :mod:`~autotp.styles.params`
 (norms, and a module's own parameters meeting a sharded activation: :class:`HeadParams`),
 :mod:`~autotp.styles.raw_linear` (raw weight parameters used as Linears: :class:`LinearParams`),
+:mod:`~autotp.styles.torch_attention` (``nn.MultiheadAttention``),
 :mod:`~autotp.styles.experts`, :mod:`~autotp.styles.attention` (rotary, head counts, kv heads), :mod:`~autotp.styles.boundaries` (layouts at the edges of sharded regions),
 and :mod:`~autotp.styles.base` (what they share). Every style is importable from ``autotp.styles``.
 """
@@ -80,6 +83,7 @@ from autotp.styles.linear import (
 )
 from autotp.styles.params import HeadParams
 from autotp.styles.raw_linear import LinearParams
+from autotp.styles.torch_attention import MultiheadAttentionParallel
 from autotp.styles.norms import HeadShardedNorm, ReplicatedWithGradAllReduce, WidthShardedNorm
 
 __all__ = [
@@ -90,6 +94,7 @@ __all__ = [
     "SequenceParallelMoEBlock",
     "HeadParams",
     "LinearParams",
+    "MultiheadAttentionParallel",
     "LocalWidthInputs",
     "KVHeadCounts",
     "ReplicatedKVColwise",

@@ -38,6 +38,7 @@ from autotp.synth.roles import Role
 from autotp.synth.sequence import sequence_parallel_roles, unshardable_stream
 from autotp.synth.partial_sums import partial_sum_blocks
 from autotp.synth.shared import shared_input_roles
+from autotp.synth.torch_attention import multihead_attention_roles
 from autotp.synth.trace import LayerGroups, repeated_lists, trace
 from autotp.synth.validate import require_language_model, require_repeated_block
 
@@ -243,6 +244,14 @@ def kv_replication(a: Analysis) -> Analysis:
     return replace(a, roles={**a.roles, **kv_roles}, kv_handled=frozenset(handled))
 
 
+def torch_attention(a: Analysis) -> Analysis:
+    """torch's ``nn.MultiheadAttention`` modules the analysis left whole on replicated inputs are
+    sharded by heads as one module (:mod:`autotp.synth.torch_attention`)."""
+    if a.model is None:
+        return a
+    return replace(a, roles=multihead_attention_roles(a.graph, a.flow, a.roles, a.model, a.tp_size))
+
+
 def sequence_parallel(a: Analysis) -> Analysis:
     """Under sequence parallel: the residual stream sharded on the sequence between blocks."""
     if not a.sequence_parallel:
@@ -334,7 +343,7 @@ def untraced_linears(a: Analysis) -> Analysis:
 
 # The passes after the fixpoint, in order.
 POST_PASSES: tuple[Callable[[Analysis], Analysis], ...] = (
-    shard_counts, kv_replication, sequence_parallel, shared_inputs, partial_sums, whole_fronts, sliced_entries,
+    shard_counts, kv_replication, torch_attention, sequence_parallel, shared_inputs, partial_sums, whole_fronts, sliced_entries,
     divisibility,
     owned_outputs,
     untraced_linears,

@@ -50,6 +50,8 @@ ROLE_KINDS = {
     "partial_grad_module": "module kept whole whose backward runs on partial gradients (inside a partial-sum "
                            "block, or between a norm and column Linears): its parameters' gradients are partial "
                            "sums, left Partial()",
+    "multihead_attention": "torch's nn.MultiheadAttention sharded by heads: packed q/k/v projection column-parallel "
+                           "part by part, out_proj row-parallel, a per-rank forward",
     "replicate": "kept whole on every rank",
 }
 

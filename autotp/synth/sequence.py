@@ -52,12 +52,13 @@ def inner_rows(g: nx.DiGraph, flow: Flow) -> set[str]:
     return found
 
 
-def residual_region(g: nx.DiGraph, flow: Flow, blocks: set[str] = frozenset()) -> set[str]:
+def residual_region(g: nx.DiGraph, flow: Flow, blocks: set[str] = frozenset(), returns: list[str] = ()) -> set[str]:
     """Nodes carrying the sequence-sharded residual stream: reachable from the rows that return to
     the stream (not :func:`inner_rows`, nor rows inside the MoE ``blocks``, whose partial sums meet
-    the experts' inside the block) and from :func:`stream_embeddings`."""
+    the experts' inside the block), from ``returns`` (outputs reduced as a row's are:
+    :func:`attention_returns`) and from :func:`stream_embeddings`."""
     stream_rows = {r for r in set(flow.rows) - inner_rows(g, flow) if not _in_block(g, r, blocks)}
-    starts = sorted(stream_rows)
+    starts = sorted(stream_rows) + [r for r in returns if r not in stream_rows]
     for block in sorted(blocks):  # a MoE block's output returns to the stream as a row's does
         starts += [r for r in module_outputs(g, block)[1]
                    if g.nodes[r]["kind"] == "call" and not is_linear(g, r) and r not in starts]
@@ -66,6 +67,17 @@ def residual_region(g: nx.DiGraph, flow: Flow, blocks: set[str] = frozenset()) -
     # runs on the whole sequence, and its output, sliced back, is where the stream starts.
     embeddings = [e for e in stream_embeddings(g, flow, from_rows) if not _in_block(g, e, blocks)]
     return from_rows | _downstream(g, flow, embeddings)
+
+
+def attention_returns(g: nx.DiGraph, roles: dict[str, Role]) -> list[str]:
+    """Outputs of ``multihead_attention`` modules computed from their ``out_proj``: reduced as a
+    row's output is (reduce-scattered under SP); their attention weights are returned whole."""
+    found = []
+    for module in sorted(m for m, r in roles.items() if r.kind == "multihead_attention"):
+        weights = [n for n, d in g.nodes(data=True) if d["kind"] == "param" and d["param"] == f"{module}.out_proj.weight"]
+        reached = set().union(*(nx.descendants(g, w) for w in weights))
+        found += [n for n in module_outputs(g, module)[0] if n in reached]
+    return found
 
 
 def stream_embeddings(g: nx.DiGraph, flow: Flow, from_rows: set[str]) -> list[str]:
@@ -863,7 +875,7 @@ def unshardable_stream(g: nx.DiGraph, flow: Flow, roles: dict[str, Role], groups
     TP, and the plan is the plain one.
     """
     blocks = expert_blocks(roles, groups) | dispatch_blocks(g, roles) | routed_blocks(g, roles)
-    region = residual_region(g, flow, blocks)
+    region = residual_region(g, flow, blocks, attention_returns(g, roles))
     for table in time_major_tables(g, flow, region):
         return (f"the token embedding's output ({table}) is sequence-first, (t, b, d): its dim 1 is the batch, "
                 "which sequence-parallel styles would shard: the stream stays replicated (plain TP)")
@@ -881,11 +893,15 @@ def sequence_parallel_roles(g: nx.DiGraph, flow: Flow, roles: dict[str, Role], g
     """Roles under sequence parallel: add seq norms and rotary, and mark sequence-sharded ends.
     ``groups``: the trace's layer groups (a MoE block is recognised across the layers it stands for)."""
     blocks = outermost(expert_blocks(roles, groups) | dispatch_blocks(g, roles) | routed_blocks(g, roles))
-    masked = {m for m in masked_blocks(g, flow, residual_region(g, flow, blocks))
+    returns = attention_returns(g, roles)
+    masked = {m for m in masked_blocks(g, flow, residual_region(g, flow, blocks, returns))
               if not any(m == b or m.startswith(b + ".") for b in blocks)}
     partial = partial_blocks(g, roles, blocks, inner_rows(g, flow))
-    region = residual_region(g, flow, blocks)
+    region = residual_region(g, flow, blocks, returns)
     out = dict(roles)
+    for module in [m for m, r in roles.items() if r.kind == "multihead_attention"]:  # reduce-scattered as a row is
+        if any(module in g.nodes[n]["stack"] for n in returns):
+            out[module] = replace(out[module], seq_output=True)
     if root_joins(g, flow, region, groups) or root_whole_linears(g, region, roles, groups):
         region, slicing = start_at_layers(g, region, groups)
         out.update(slicing)

@@ -49,7 +49,7 @@ from autotp.synth.graph import common_module, made_from_params, param_modules, r
 from autotp.synth.ops import RESHAPES, SELECTIONS, SELECTIONS_WITH_VALUES, SINKS
 from autotp.synth.ops import ELEMENTWISE, PASSTHROUGH
 from autotp.synth.roles import Role, kind_of
-from autotp.synth.sequence import (dispatch_blocks, expert_blocks, inner_rows, module_outputs, outermost,
+from autotp.synth.sequence import (attention_returns, dispatch_blocks, expert_blocks, inner_rows, module_outputs, outermost,
                                    residual_region, routed_blocks)
 
 log = logging.getLogger(__name__)
@@ -656,7 +656,7 @@ def _stream_norms(g: nx.DiGraph, roles: dict[str, Role], layer: str) -> list[str
 def _stream(g: nx.DiGraph, flow: Flow, roles: dict[str, Role], groups) -> set[str]:
     """The nodes of the sequence-sharded residual stream (as :mod:`~autotp.synth.sequence` finds them)."""
     blocks = outermost(expert_blocks(roles, groups) | dispatch_blocks(g, roles) | routed_blocks(g, roles))
-    return residual_region(g, flow, blocks)
+    return residual_region(g, flow, blocks, attention_returns(g, roles))
 
 
 def shared_input_roles(g: nx.DiGraph, flow: Flow, roles: dict[str, Role], *,
