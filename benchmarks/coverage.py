@@ -253,13 +253,18 @@ def _raised_in(error: BaseException, function: str) -> bool:
     return any(frame.name == function for frame in traceback.extract_tb(error.__traceback__))
 
 
+# Roles of modules whose weights stay whole on every rank (a whole module between a norm and column
+# Linears runs its backward on partial gradients, but holds all of its weights).
+_KEPT_WHOLE = frozenset({"replicate", "partial_grad_module"})
+
+
 def _replicated(model, sp: bool, tp: int) -> list[dict]:
     """Modules with weights (parameters of 2 dims or more) the synthesizer kept whole, with its reason."""
     from autotp import explain
 
     owners = {n for n, m in model.named_modules() if any(p.ndim >= 2 for p in m.parameters(recurse=False))}
     return [{"module": r.key, "reason": r.reason[:200]} for r in explain(model, sequence_parallel=sp, tp_size=tp)
-            if r.role == "replicate" and any(_key_covers(r.key, o) for o in owners)]
+            if r.role in _KEPT_WHOLE and any(_key_covers(r.key, o) for o in owners)]
 
 
 def _key_covers(key: str, fqn: str) -> bool:
