@@ -132,3 +132,13 @@ def test_per_head_values_read_whole_elsewhere_stay_exact(tp_size, sequence_paral
     plan, _ = _synthesize_and_verify(WholeReadGateAttention, tp_size, sequence_parallel)
     gate = plan.get("layers.*.mixer.gate")
     assert getattr(gate, "output_layouts", None) != (Shard(-1),), gate
+
+
+def test_checker_flags_per_head_values_scattered_where_they_are_read_whole():
+    """A plan that scatters the per-head row's output although the mean over all heads reads it
+    whole: the checker must flag the row. Would catch a checker that trusts ``Shard(-1)``."""
+    torch.manual_seed(0)
+    tokens = example_tokens()
+    plan = autotp.synthesize(Model(PerHeadGateAttention).eval(), example_inputs=(tokens,), tp_size=2)
+    findings = autotp.check_plan(Model(WholeReadGateAttention).eval(), plan, tp_size=2, example_inputs=(tokens,))
+    assert any(f.module.endswith("mixer.gate") for f in findings), findings
