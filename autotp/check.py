@@ -17,7 +17,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from torch import nn
-from torch.distributed.tensor import Replicate
+from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 from torch.distributed.tensor.parallel.style import ParallelStyle
 
@@ -118,9 +118,15 @@ def _starts_shard(style: ParallelStyle | None) -> bool:
     return isinstance(style, ColwiseParallel) and tuple(style.output_layouts) != (Replicate(),)
 
 
+def _scatters_heads(style: ParallelStyle | None) -> bool:
+    """Row styles whose reduced output is scattered onto its last dim (one value per head)."""
+    return isinstance(style, RowwiseParallel) and tuple(style.output_layouts) == (Shard(-1),)
+
+
 def _graph_findings(model: nn.Module, resolved: dict, example_inputs, tp_size: int = 2,
                     analysis=None) -> list[Finding]:
-    from autotp.synth.analysis import bad_packs, endless_shards, mixed_parts, is_linear, part_sizes, propagate_packed
+    from autotp.synth.analysis import (bad_packs, endless_shards, is_linear, mixed_parts, part_sizes, propagate_packed,
+                                       unmet_scatters)
     from autotp.synth.assign import expert_roles, norm_roles
     from autotp.synth.graph import build_graph
     from autotp.synth.trace import trace
@@ -133,7 +139,8 @@ def _graph_findings(model: nn.Module, resolved: dict, example_inputs, tp_size: i
     style_of = {fqn: base_style(style) for fqn, (_, style) in resolved.items()}
     linears = {n: g.nodes[n]["module"] for n in g.nodes if is_linear(g, n)}
     active = {n for n, module in linears.items()
-              if _starts_shard(style_of.get(module)) or _raw_kind(g, n, style_of.get(module)) == "column"}
+              if _starts_shard(style_of.get(module)) or _raw_kind(g, n, style_of.get(module)) == "column"
+              or _scatters_heads(style_of.get(module))}
     packed = {n for n in active if getattr(style_of.get(linears[n]), "sizes", None)}
     flow = propagate_packed(g, active, packed)
     findings = []
@@ -151,6 +158,12 @@ def _graph_findings(model: nn.Module, resolved: dict, example_inputs, tp_size: i
                                     f"({g.nodes[source]['shape']}), handed over whole",
                                     "slice that argument to the module's heads at entry (ShardedInputs), or "
                                     "replicate the head projections", "entry_not_sliced"))
+    for row in sorted(n for n in active if _scatters_heads(style_of.get(linears[n])) and n not in flow.scatters):
+        findings.append(Finding(linears[row], "its output is scattered onto its last dim, but it does not make one "
+                                "value per head of a sharded input (a row whose output features number its heads)",
+                                "use RowwiseParallel() (output reduced whole)", "scatter_not_per_head"))
+    for row, reason in unmet_scatters(flow).items():
+        findings.append(Finding(linears[row], reason, "use RowwiseParallel() (output reduced whole)", "unmet_scatter"))
     for root, reason in {**mixed_parts(flow), **bad_packs(flow), **endless_shards(flow)}.items():
         findings.append(Finding(linears[root], f"column-sharded, but {reason}",
                                 "pair it with a row-parallel Linear or gather its output", "unclosed_column"))
@@ -250,7 +263,7 @@ def _plan_roles(style_of: dict, linear_modules: set[str]) -> dict:
         elif module in linear_modules and _starts_shard(style):
             roles[module] = Role("packed_column" if sizes else "column", "", sizes=sizes, weight_in_out=in_out)
         elif module in linear_modules and isinstance(style, RowwiseParallel):
-            roles[module] = Role("row", "", weight_in_out=in_out)
+            roles[module] = Role("row", "", weight_in_out=in_out, scatter_heads=_scatters_heads(style))
         elif isinstance(style, styles.WidthShardedNorm):
             roles[module] = Role("width_norm", "")
         elif isinstance(style, LinearParams):

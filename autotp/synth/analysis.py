@@ -105,6 +105,8 @@ class Flow:
     groupable: dict = field(default_factory=dict)  # candidate whose whole output a view splits into groups -> G
     group_views: dict = field(default_factory=dict)  # candidate read per group -> (groups, width of a group)
     row_packs: dict = field(default_factory=dict)  # row Linear -> part widths of its input (a folded shard's)
+    scatters: set = field(default_factory=set)  # rows whose reduced output stays sharded on the heads (per_head_row)
+    scatters_met: set = field(default_factory=set)  # those whose output shard met the heads they read again
 
     def sharded(self, name: str) -> bool:
         """Whether ``name``'s output (or an element of it) is sharded."""
@@ -814,12 +816,57 @@ def _linear_step(flow: Flow, name: str, data, dims: dict, active: set):
             packs = _folded_parts(flow.state[x].fold)
             if packs and _packable_row(g, name):
                 flow.row_packs[name] = packs
+            if name in active and per_head_row(flow, name, x):  # reduce-scattered onto the heads
+                width = data["shape"][-1]
+                flow.state[name] = Shard(len(data["shape"]) - 1, frozenset({name}), True, None, (0, width))
+                flow.scatters.add(name)
+                flow.extent[name] = width
             return
         _record(flow, name, Out(dims[x]), flow.state[x].origins, x)  # per-position: shard passes
     elif x not in dims and name in active:
         flow.state[name] = Shard(len(data["shape"]) - 1, frozenset({name}), True, None, (0, data["shape"][-1]))
         flow.roots.add(name)
         flow.extent[name] = 0 if name in flow.copied else data["shape"][-1]  # its divided parts set it
+
+
+def per_head_row(flow: Flow, name: str, x: str) -> bool:
+    """Whether row ``name`` (its input ``x`` sharded on its features) makes one value per head of
+    that shard, so that its reduced output may stay sharded on its last dim, reduce-scattered: each
+    rank then gets the values of its own heads (a per-head gate or mask computed from the values).
+
+    Its output features must be fewer than its input features and equal to a size the sharded dim
+    had on its way to ``x`` (the head count where a view split the heads off); its input one
+    contiguous block of heads (no pieces, no fold); it an ``nn.Linear``-like product by an (out, in)
+    weight. Only a candidate: the shard it starts must meet those heads again (:func:`unmet_scatters`)
+    and survive propagation like any other; tp must divide it.
+    """
+    g, shard = flow.g, flow.state[x]
+    width = g.nodes[name]["shape"][-1]
+    if shard.pieces or shard.fold or not 1 < width < g.nodes[x]["shape"][-1] or not _packable_row(g, name):
+        return False
+    sizes, node, value = set(), x, shard
+    while isinstance(value, Shard):
+        sizes.add(g.nodes[node]["shape"][value.dim])
+        if value.prev is None:
+            break
+        node, value = value.prev, flow.state.get(value.prev)
+    return width in sizes
+
+
+def unmet_scatters(flow: Flow) -> dict[str, str]:
+    """Rows left sharded on the heads (:func:`per_head_row`) whose output shard never met a shard of
+    the heads they read: nothing is gained by leaving it sharded, so it is reduced whole."""
+    return {row: "its per-head output, left sharded, never meets the heads it reads again"
+            for row in flow.scatters - flow.scatters_met - set(flow.broken)}
+
+
+def _meets_heads(flow: Flow, dims: dict) -> None:
+    """Record the rows left sharded on the heads whose shard meets, at one op, a shard of the
+    heads they read (:attr:`Flow.scatters_met`)."""
+    held = [flow.state[s].origins for s in dims]
+    for row in flow.scatters & frozenset().union(*held):
+        if any(row not in origins and origins & flow.rows[row] for origins in held):
+            flow.scatters_met.add(row)
 
 
 def _folded_parts(fold) -> tuple[int, ...] | None:
@@ -855,11 +902,13 @@ def _getitem_step(flow: Flow, name: str, data) -> None:
                                  part.fold)
 
 
-def _reduction_in_norm(flow: Flow, data, origins, owners: set[str]) -> bool:
-    """A reduction over the shard inside a parametrised, non-Linear module: a width-sharded norm."""
+def _reduction_in_norm(flow: Flow, data, origins, owners: set[str], callers: set[str]) -> bool:
+    """A reduction over the shard inside a parametrised, non-Linear module: a width-sharded norm.
+    A module that calls Linears (``callers``: an attention with a per-head parameter reducing over
+    its heads) is no norm: the width-norm style could not be given to it."""
     module = data["module"]
     roots = {flow.g.nodes[o]["module"] for o in origins}
-    if module in owners and module not in roots and module:
+    if module in owners and module not in roots and module and module not in callers:
         flow.width_norms.setdefault(module, data)
         return True
     return False
@@ -907,6 +956,8 @@ def propagate(g: nx.DiGraph, active: set[str], unit_heads: frozenset = frozenset
     flow = Flow(g, unit_heads=frozenset(unit_heads), whole=dict(whole or {}), module_alone=module_alone,
                 copied=dict(copied or {}), per_group=frozenset(per_group))
     owners = param_modules(g)
+    callers = {m for n in g.nodes if g.nodes[n]["kind"] == "call" and is_linear(g, n) for m in g.nodes[n]["stack"]
+               if m != g.nodes[n]["module"]}
     for name in sorted(g.nodes, key=lambda n: g.nodes[n]["order"]):
         data = g.nodes[name]
         if data["kind"] == "output":
@@ -926,10 +977,12 @@ def propagate(g: nx.DiGraph, active: set[str], unit_heads: frozenset = frozenset
         if not dims:
             continue
         origins = frozenset().union(*(flow.state[s].origins for s in dims))
+        if flow.scatters and len(dims) > 1:
+            _meets_heads(flow, dims)
         flow.meeting, flow.deciding = tuple(flow.state[s] for s in dims), name
         result = apply_rule(g, name, dims, flow)
         if isinstance(result, Break):
-            if result.reduction and _reduction_in_norm(flow, data, origins, owners):
+            if result.reduction and _reduction_in_norm(flow, data, origins, owners, callers):
                 continue
             for o in result.only or origins:
                 flow.broken.setdefault(o, (result.reason, name))
@@ -1316,6 +1369,7 @@ def _fixpoint(g: nx.DiGraph, dropped: dict[str, str], unit_heads: frozenset, who
         bad.update(bad_packs(flow))
         bad.update({r: reason for r, reason in mixed_parts(flow).items() if r not in bad})
         bad.update(endless_shards(flow))
+        bad.update({r: reason for r, reason in unmet_scatters(flow).items() if r not in bad})
         bad.update({r: reason for r, reason in packed_groups(flow).items() if r not in bad})
         bad.update({r: reason for r, reason in _raw_limits(flow).items() if r not in bad})
         bad.update({r: reason for r, reason in broadcast_leaks(flow).items() if r not in bad})

@@ -62,7 +62,11 @@ def linear_roles(g: nx.DiGraph, flow: Flow, dropped: dict[str, str]) -> dict[str
         packs = flow.row_packs.get(row)
         reason = "contracts over the sharded input features" + (
             f", which hold {len(packs)} parts of {packs[0]} (each rank a share of every part)" if packs else "")
-        roles[module_of(g, row)] = Role("row", reason, path, weight_in_out=row in in_out, sizes=packs)
+        if row in flow.scatters:
+            reason += (f"; its {g.nodes[row]['shape'][-1]} output features are one value per head, "
+                       "reduce-scattered onto the heads they meet again")
+        roles[module_of(g, row)] = Role("row", reason, path, weight_in_out=row in in_out, sizes=packs,
+                                        scatter_heads=row in flow.scatters)
     for root in sorted(flow.roots, key=lambda n: g.nodes[n]["order"]):
         owner = module_of(g, root)
         if raw_weight(g, root):

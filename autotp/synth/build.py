@@ -51,6 +51,8 @@ def _row(role: Role, loss_parallel: bool) -> ParallelStyle:
     # residual stream is sequence-sharded; one branch of a parallel block stays Partial() and is
     # reduced with the other at their sum.
     # With ``sizes`` its input features are parts, a share of each on every rank: columns permuted.
+    if role.scatter_heads:  # one value per head: the reduction scattered onto the heads each rank holds
+        return RowwiseParallel(output_layouts=Shard(-1))
     if role.partial_output or role.partial_local:
         return styles.PartialRowwiseParallel(local=role.partial_local, sizes=role.sizes)
     layouts = dict(output_layouts=Shard(1), use_local_output=False) if role.seq_output else {}

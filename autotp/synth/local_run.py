@@ -166,6 +166,10 @@ def _shrink(module: nn.Module, role: Role, tp: int) -> None:
     children = [n for n in (dims or {}) if ("." in n or n in module._buffers) and n in owned]
     for name, param in list(module.named_parameters(recurse=False)) + [(n, owned[n]) for n in children]:
         dim = dims.get(name) if dims is not None else WEIGHT_DIMS.get(role.kind)
+        if role.scatter_heads:  # the output scattered onto the heads: this rank's outputs, its inputs
+            shape = [size // tp for size in param.shape]
+            setattr(module, name, nn.Parameter(torch.empty(shape, dtype=param.dtype, device="meta"), requires_grad=False))
+            continue
         if dim is None or (role.kind == "row" and param.ndim < 2):
             continue
         shape = list(param.shape)
@@ -363,7 +367,7 @@ def shapes_are_local(g: nx.DiGraph, local: nx.DiGraph, roles: dict[str, Role], t
     per-rank by construction and not compared).
     """
     active = {n for n in g.nodes if is_linear(g, n) and (kind_of(roles, module_of(g, n)) in _STARTS
-                                                          or _raw_column(g, n, roles))}
+                                                          or _raw_column(g, n, roles) or _scatter(g, n, roles))}
     copied = {n: frozenset(roles[module_of(g, n)].copied) for n in active if roles.get(module_of(g, n)) is not None
               and roles[module_of(g, n)].copied}
     packed = {n for n in active if kind_of(roles, module_of(g, n)) == "packed_column"}
@@ -475,6 +479,12 @@ def _broadcast_to_heads(g: nx.DiGraph, name: str, shape, local_shape, tp: int) -
 
 # Roles whose Linear starts a shard in the module re-traced alone.
 _STARTS = frozenset({"column", "packed_column", "head"})
+
+
+def _scatter(g: nx.DiGraph, name: str, roles: dict[str, Role]) -> bool:
+    """Whether ``name``'s module is a row whose output stays sharded on the heads (it starts that shard)."""
+    role = roles.get(module_of(g, name))
+    return role is not None and role.scatter_heads
 
 
 def _raw_column(g: nx.DiGraph, name: str, roles: dict[str, Role]) -> bool:

@@ -210,6 +210,8 @@ def _indivisible_parts(flow: Flow, tp_size: int | None) -> dict[str, str]:
                         f"each, which tp={tp_size} does not divide (each rank would hold a share of every group); "
                         "kept whole" for root, (groups, _) in flow.group_views.items()
                   if root in flow.roots and flow.extent.get(root, 0) % tp_size})
+    found.update({row: f"its {flow.extent[row]} per-head output features, left sharded on the heads, do not split "
+                       f"over tp={tp_size}; reduced whole" for row in flow.scatters if flow.extent.get(row, 0) % tp_size})
     return found
 
 

@@ -120,6 +120,9 @@ class Role:
             sum, all-reduced; of a ``shared_entry``, the columns' summed input gradient is handed
             back unreduced (every path from such a norm ends in such columns, or in a front of
             ``partial_grad_module`` modules, :mod:`autotp.synth.fronts`).
+        scatter_heads: of a ``row``, its output holds one value per head of its input's shard and
+            stays sharded on them (reduce-scattered onto its last dim), for the heads it meets again
+            (:func:`~autotp.synth.analysis.per_head_row`).
         copied: of a ``packed_column``, the features ``[start, end)`` of its output held whole on
             every rank (:mod:`autotp.synth.copies`); ``sizes`` then holds each such part expanded
             to tp copies, as :class:`~autotp.styles.GroupCopies` lays them out before the shard.
@@ -166,6 +169,7 @@ class Role:
     width_view: tuple = ()
     shared_columns: tuple[str, ...] = ()
     copied: tuple[tuple[int, int], ...] = ()
+    scatter_heads: bool = False
 
     def __post_init__(self):
         if self.kind not in ROLE_KINDS:

@@ -35,8 +35,8 @@ def inner_rows(g: nx.DiGraph, flow: Flow) -> set[str]:
     meets a sharded value, before any Linear: a projection inside attention (MLA's ``q_b_proj``
     after a sharded ``q_a_proj``), a scan's step and state projections, not a return to the
     residual stream. They all-reduce as under plain TP."""
-    found = set()
-    for row in flow.rows:
+    found = set(flow.scatters)  # left sharded on the heads, it meets them
+    for row in set(flow.rows) - found:
         seen, todo = {row}, [row]
         while todo and row not in found:
             for succ in g.successors(todo.pop()):
