@@ -3,7 +3,8 @@
 Each toy is a two-layer decoder (embedding, pre-norm attention and MLP, head) in which one pattern
 of hand-written model code varies: grouped-query attention by ``repeat_interleave`` or by
 ``expand`` + ``reshape``, a head-major fused qkv cut by ``unbind`` / ``split`` on the last-but-one
-dim, an interleaved gate/up taken by strided slices, a fused gate/up cut by slices counted from the end, raw ``nn.Parameter`` weights used as Linears
+dim, an interleaved gate/up taken by strided slices, a fused gate/up cut by slices counted from the end, hidden features transposed
+out of groups before the down projection, raw ``nn.Parameter`` weights used as Linears
 (``x @ W.T``, ``x @ W``, ``F.linear``, ``einsum``, ``torch.bmm`` by stacked 3-D weights), LoRA-style
 adapters beside a base Linear (``nn.Linear`` or raw), and a merge-back ``reshape`` to a fixed width
 attribute.
@@ -215,6 +216,20 @@ class NegativeSliceGateUp(StridedGateUp):
         return self.down(F.silu(h[..., :-self.ffn]) * h[..., -self.ffn:])
 
 
+class TransposedGroupsMLP(GatedMLP):
+    """The hidden features viewed as ``(groups, width)``, transposed and merged back before the down
+    projection: each rank's share of the groups lands interleaved, so the row's input is packed."""
+
+    def __init__(self):
+        super().__init__()
+        self.groups = 8
+
+    def forward(self, x):
+        b, t, _ = x.shape
+        h = F.silu(self.gate(x)) * self.up(x)
+        return self.down(h.view(b, t, self.groups, -1).transpose(2, 3).reshape(b, t, -1))
+
+
 def _param(*shape):
     return nn.Parameter(torch.randn(*shape) * shape[-1] ** -0.5)
 
@@ -382,6 +397,7 @@ IDIOMS = {
     "fixed_width_merge": dict(attention=FixedWidthMerge),
     "strided_gate_up": dict(mlp=StridedGateUp),
     "negative_slice_gate_up": dict(mlp=NegativeSliceGateUp),
+    "transposed_groups_mlp": dict(mlp=TransposedGroupsMLP),
     "merged_rows_attention": dict(attention=MergedRowsAttention),
     "qkv_major_unbind": dict(attention=QKVMajorUnbind),
     "fused_kv_parts": dict(attention=FusedKVParts),

@@ -73,14 +73,21 @@ def test_split_of_a_fused_output_is_packed_with_part_sizes():
     assert roles["down"].kind == "row"
 
 
-def test_view_that_interleaves_the_shard_drops_the_pair():
+def test_view_that_interleaves_the_shard_makes_a_packed_row():
+    """Would catch the row reading an interleaved shard as contiguous: after ``(4, 4)`` -> transpose
+    -> merge, each rank's features are a share of each of 4 parts of 4, so the row's input columns
+    are permuted to match (a plain row would contract the wrong features)."""
     def middle(g, x):
         add_node(g, "v", "view", (Ref(x), [2, 3, 4, 4]), shape=(2, 3, 4, 4))
         add_node(g, "t", "transpose", (Ref("v"), 2, 3), shape=(2, 3, 4, 4))
         add_node(g, "r", "reshape", (Ref("t"), [2, 3, 16]), shape=(2, 3, 16))
         return "r"
 
-    assert _roles(_mlp_graph(middle))["up"] == "replicate"
+    g = _mlp_graph(middle)
+    flow, dropped = analyse(g)
+    roles = assign_roles(g, flow, dropped)
+    assert roles["up"].kind == "column"
+    assert (roles["down"].kind, roles["down"].sizes) == ("row", (4, 4, 4, 4))
 
 
 def test_full_size_replicated_operand_breaks_the_shard():
