@@ -3,8 +3,9 @@
 Each toy is a two-layer decoder (embedding, pre-norm attention and MLP, head) in which one pattern
 of hand-written model code varies: grouped-query attention by ``repeat_interleave`` or by
 ``expand`` + ``reshape``, a head-major fused qkv cut by ``unbind`` / ``split`` on the last-but-one
-dim, an interleaved gate/up taken by strided slices, a fused gate/up cut by slices counted from the end, hidden features transposed
-out of groups before the down projection, raw ``nn.Parameter`` weights used as Linears
+dim, an interleaved gate/up taken by strided slices, a fused gate/up cut by slices counted from
+the end, hidden features transposed out of groups before the down projection, raw
+``nn.Parameter`` weights used as Linears
 (``x @ W.T``, ``x @ W``, ``F.linear``, ``einsum``, ``torch.bmm`` by stacked 3-D weights), LoRA-style
 adapters beside a base Linear (``nn.Linear`` or raw), and a merge-back ``reshape`` to a fixed width
 attribute.
