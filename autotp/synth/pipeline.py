@@ -31,6 +31,7 @@ from autotp.synth.copies import copied_roles
 from autotp.synth.entries import with_entries
 from autotp.synth.fronts import partial_fronts
 from autotp.synth.graph import build_graph
+from autotp.synth.groups_first import fewer_groups_than_tp
 from autotp.synth.kvheads import replicate_kv
 from autotp.synth.localize import localize
 from autotp.synth.params import readers
@@ -199,8 +200,9 @@ def _misfit_groups(flow: Flow, tp_size: int | None) -> dict[str, str]:
 
 def _indivisible_parts(flow: Flow, tp_size: int | None) -> dict[str, str]:
     """Candidates cut into parts by a view whose heads tp does not divide (a fused k / v with
-    fewer kv heads than ranks; fixed groups of too few heads each): kept whole, as the cut alone
-    would leave them, rather than the whole plan refused."""
+    fewer kv heads than ranks; fixed groups of too few heads each; a fused q / k / v viewed
+    groups first with fewer groups than ranks): kept whole, as the cut alone would leave them,
+    rather than the whole plan refused."""
     if not tp_size:
         return {}
     found = {root: f"its output is viewed into parts of {flow.extent[root]} heads each, which tp={tp_size} does "
@@ -209,6 +211,7 @@ def _indivisible_parts(flow: Flow, tp_size: int | None) -> dict[str, str]:
                         f"each, which tp={tp_size} does not divide (each rank would hold a share of every group); "
                         "kept whole" for root, (groups, _) in flow.group_views.items()
                   if root in flow.roots and flow.extent.get(root, 0) % tp_size})
+    found.update(fewer_groups_than_tp(flow, tp_size))
     return found
 
 
