@@ -341,6 +341,12 @@ def _sum_copy_shards(grad: DTensor, index: torch.Tensor, rows: int) -> DTensor:
     return DTensor.from_local(out, mesh, [Shard(0)], run_check=False)
 
 
+def _part(part) -> tuple:
+    """A grouped part ``(start, end, groups[, ((width, divided), ...)])`` with plain ints."""
+    start, end, groups, *pieces = part
+    return (int(start), int(end), int(groups), *(tuple((int(w), int(d)) for w, d in p) for p in pieces))
+
+
 class GroupCopies(ParallelStyle):
     """Hold a copy of one group per rank for parts with fewer groups than tp, then apply ``base``.
 
@@ -357,6 +363,9 @@ class GroupCopies(ParallelStyle):
         base (ParallelStyle | None): the style applied after the expansion (None: none).
         rows (dict[str, tuple]): parameter / buffer path -> ``(dim, width, ((start, end, groups), ...))``,
             the grouped parts along its ``dim`` (0 for a parameter; see :func:`autotp.synth.groups.copy_index`).
+            A part ``(start, end, groups, ((width, divided), ...))`` tiles each group with pieces:
+            the ``tp / groups`` ranks sharing a group each hold a share of its divided pieces (its
+            query heads) and the others whole (its k and v, a fused qkv viewed groups first).
         values (dict[str, int]): attribute path -> its value in the expanded module (before
             ``base`` divides counts by tp).
 
@@ -368,8 +377,7 @@ class GroupCopies(ParallelStyle):
     def __init__(self, *, base: ParallelStyle | None, rows: dict | None = None, values: dict | None = None):
         super().__init__()
         self.base = base
-        self.rows = {k: (int(d), int(w), tuple(tuple(int(x) for x in p) for p in parts))
-                     for k, (d, w, parts) in (rows or {}).items()}
+        self.rows = {k: (int(d), int(w), tuple(_part(p) for p in parts)) for k, (d, w, parts) in (rows or {}).items()}
         self.values = dict(values or {})
 
     def sharded_param_dims(self, module: nn.Module) -> dict[str, int]:
@@ -384,7 +392,9 @@ class GroupCopies(ParallelStyle):
         >>> GroupCopies(base=None, rows={"weight": (0, 20, ((16, 20, 1),))}).expanded_sizes(4)
         {'weight': 32}
         """
-        return {path: width + sum((end - start) // groups * (tp - groups) for start, end, groups in parts)
+        from autotp.synth.groups import expanded_width
+
+        return {path: width + sum(expanded_width(part, tp) - (part[1] - part[0]) for part in parts)
                 for path, (_, width, parts) in self.rows.items()}
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:

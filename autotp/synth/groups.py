@@ -4,7 +4,10 @@ A packed column Linear's part may be split into ``G`` groups that are broadcast 
 (Mamba2's B and C with ``n_groups`` groups, ``repeat_interleave(heads // G)``; the k / v part of a
 fused qkv with one kv head). With ``tp % G == 0`` and ``G < tp`` a contiguous split would cut a
 group in pieces: rank r instead holds group ``r * G // tp``, the one its ``heads / tp`` heads read,
-as :mod:`autotp.synth.kvheads` does for a separate k / v projection.
+as :mod:`autotp.synth.kvheads` does for a separate k / v projection. On its way to the repeat a
+group may pass through ops that keep each group's values its own (rope on litgpt's k). A fused
+qkv viewed groups first, each group ``[q | k | v]`` (:mod:`autotp.synth.groups_first`), is one
+grouped part with pieces: each rank a share of its group's query heads and its k and v whole.
 
 That layout is the sharding of an equivalent model in which the part has ``tp`` groups, copies
 of the originals: expand the part's rows of the Linear (and of every parameter packed like it,
@@ -38,10 +41,10 @@ from torch import nn
 
 from autotp.errors import AutoTPError
 from autotp.synth.analysis import Shard, is_linear, module_of, propagate
-from autotp.synth.graph import Ref
+from autotp.synth.graph import Ref, refs
 from autotp.synth.local_run import capture_inputs
 from autotp.synth.localize import candidate_names, cutting_module
-from autotp.synth.ops import PASSTHROUGH, VIEW_LIKE
+from autotp.synth.ops import ELEMENTWISE, PASSTHROUGH, VIEW_LIKE
 from autotp.synth.params import reading_module
 from autotp.synth.trace import LayerGroups, example_args
 
@@ -54,12 +57,24 @@ MAX_ATTRIBUTES = 4
 
 @dataclass(frozen=True)
 class GroupedPart:
-    """Features ``[start, end)`` of Linear node ``root``'s output, split into ``groups`` groups."""
+    """Features ``[start, end)`` of Linear node ``root``'s output, split into ``groups`` groups.
+
+    ``pieces``: ``((width, divided), ...)`` tiling one group, when the ``tp / groups`` ranks sharing
+    a group each hold a share of its ``divided`` pieces (its query heads) and the others whole (its
+    k and v, :mod:`autotp.synth.groups_first`); empty: the whole group is held by each of them.
+    ``cuts``: nodes that view and cut the output, where the flow records none.
+    """
 
     root: str
     start: int
     end: int
     groups: int
+    pieces: tuple[tuple[int, int], ...] = ()
+    cuts: tuple[str, ...] = field(default=(), compare=False)
+
+    def spec(self) -> tuple:
+        """The part as :func:`copy_index` takes it."""
+        return (self.start, self.end, self.groups, *((self.pieces,) if self.pieces else ()))
 
 
 @dataclass
@@ -77,23 +92,43 @@ class Copies:
 
 def copy_index(width: int, parts, tp: int) -> torch.Tensor:
     """Rows of the expanded tensor, as rows of the original: each grouped part ``(start, end, G)``
-    becomes ``tp`` groups, group j a copy of original group ``j * G // tp``.
+    becomes ``tp`` groups, group j a copy of original group ``j * G // tp``. A part ``(start, end,
+    G, pieces)`` (:class:`GroupedPart`) gives group j, of the ``tp / G`` sharing that group the
+    ``j % (tp / G)``-th, its share of each divided piece and the other pieces whole.
 
     >>> copy_index(5, ((2, 4, 1),), 2).tolist()
     [0, 1, 2, 3, 2, 3, 4]
     >>> copy_index(4, ((0, 4, 2),), 4).tolist()
     [0, 1, 0, 1, 2, 3, 2, 3]
+    >>> copy_index(5, ((0, 5, 1, ((3, 0), (2, 1))),), 2).tolist()  # [k | q], q in shares of 1 row
+    [0, 1, 2, 3, 0, 1, 2, 4]
     """
     order, at = [], 0
-    for start, end, groups in sorted(parts):
+    for start, end, groups, *pieces in sorted(parts):
         order.extend(range(at, start))
         size = (end - start) // groups
+        share = tp // groups
         for j in range(tp):
             first = start + (j * groups // tp) * size
-            order.extend(range(first, first + size))
+            for piece, divided in (pieces[0] if pieces else ((size, 0),)):
+                begin, rows = (first + j % share * piece // share, piece // share) if divided else (first, piece)
+                order.extend(range(begin, begin + rows))
+                first += piece
         at = end
     order.extend(range(at, width))
     return torch.tensor(order, dtype=torch.long)
+
+
+def expanded_width(part, tp: int) -> int:
+    """The width a grouped part (as :func:`copy_index` takes it) has once expanded at ``tp``.
+
+    >>> expanded_width((2, 4, 1), 4), expanded_width((0, 5, 1, ((3, 0), (2, 1))), 2)
+    (8, 8)
+    """
+    start, end, groups, *pieces = part
+    share = tp // groups
+    size = (end - start) // groups
+    return tp * sum(piece // share if divided else piece for piece, divided in (pieces[0] if pieces else ((size, 0),)))
 
 
 def _group_dim(g: nx.DiGraph, view: str) -> tuple[int, int] | None:
@@ -111,34 +146,82 @@ def _group_dim(g: nx.DiGraph, view: str) -> tuple[int, int] | None:
 
 
 def _broadcast_to_heads(g: nx.DiGraph, name: str, dim: int) -> bool:
-    """Whether ``name``'s dim ``dim`` (its groups) reaches, through casts and transposes only, a
-    ``repeat_interleave`` of that dim by a fixed count (each group to its heads) and nothing else."""
-    readers = [s for s in g.successors(name) if g.nodes[s]["op"] not in ("_assert_tensor_metadata", "sym_size")]
-    if not readers:
-        return False
-    for succ in readers:
-        data = g.nodes[succ]
-        ndim = len(data["shape"] or ())
-        if data["op"] == "repeat_interleave":
-            at = data["args"][2] if len(data["args"]) > 2 else data["kwargs"].get("dim")
-            if not isinstance(data["args"][1], int) or at is None or at % ndim != dim:
-                return False
-        elif data["op"] in PASSTHROUGH:
-            if not _broadcast_to_heads(g, succ, dim):
-                return False
-        elif data["op"] == "transpose":
-            a, b = (x % ndim for x in data["args"][1:3])
-            if not _broadcast_to_heads(g, succ, b if dim == a else a if dim == b else dim):
-                return False
-        else:
+    """Whether ``name``'s dim ``dim`` (its groups) reaches a ``repeat_interleave`` of that dim by a
+    fixed count (each group to its heads) and nothing else, through ops that keep each group's
+    values its own (:func:`_per_group_dim`: casts, transposes, slices and joins of other dims,
+    pointwise ops with operands broadcast over the groups, as rope is)."""
+    region, todo, ends = {name: dim}, [name], 0
+    while todo:
+        node = todo.pop()
+        readers = [s for s in g.successors(node) if g.nodes[s]["op"] not in ("_assert_tensor_metadata", "sym_size")]
+        if not readers:
             return False
-    return True
+        for succ in readers:
+            data = g.nodes[succ]
+            if data["kind"] != "call":
+                return False
+            ndim = len(data["shape"] or ())
+            if data["op"] == "repeat_interleave":
+                at = data["args"][2] if len(data["args"]) > 2 else data["kwargs"].get("dim")
+                if not isinstance(data["args"][1], int) or at is None or at % ndim != region[node]:
+                    return False
+                ends += 1
+                continue
+            out = _per_group_dim(g, succ, region, others=False)  # its other operands may join later
+            if out is None or region.get(succ, out) != out:
+                return False
+            if succ not in region:
+                region[succ] = out
+                todo.append(succ)
+    return ends > 0 and all(_per_group_dim(g, n, region) == d for n, d in region.items() if n != name)
+
+
+def _per_group_dim(g: nx.DiGraph, name: str, region: dict[str, int], *, others: bool = True) -> int | None:
+    """Where op ``name`` keeps the groups of its operands in ``region`` (node -> their groups dim),
+    when each group's output is computed from that group alone: None if it mixes them (a view, a
+    reduction, a cut of the groups) or, with ``others``, reads another tensor that varies along them."""
+    data = g.nodes[name]
+    op, args, ndim = data["op"], data["args"], len(data["shape"] or ())
+    first = args[0] if args else None
+    if op in PASSTHROUGH | {"transpose", "slice"}:
+        if not isinstance(first, Ref) or first.name not in region:
+            return None
+        dim = region[first.name]
+        if op == "transpose":
+            a, b = (x % ndim for x in args[1:3])
+            return b if dim == a else a if dim == b else dim
+        return None if op == "slice" and (args[1] if len(args) > 1 else 0) % ndim == dim else dim
+    if op == "cat":
+        at = args[1] if len(args) > 1 else data["kwargs"].get("dim", 0)
+        dims = {region.get(t.name) if isinstance(t, Ref) else None for t in first} - ({None} if not others else set())
+        return dims.pop() if len(dims) == 1 and None not in dims and at % ndim not in dims else None
+    if op not in ELEMENTWISE:
+        return None
+    dims = set()
+    for ref in refs(args, data["kwargs"]):
+        shape = g.nodes[ref.name]["shape"] or ()
+        if ref.name in region:
+            dims.add(region[ref.name] + ndim - len(shape))
+    if len(dims) != 1:
+        return None
+    dim = dims.pop()
+    for ref in refs(args, data["kwargs"]):
+        shape = g.nodes[ref.name]["shape"] or ()
+        at = dim - (ndim - len(shape))
+        if others and ref.name not in region and at >= 0 and shape[at] != 1:
+            return None  # a tensor varying along the groups: each group would read all of them
+    return dim
+
+
+def _all_candidates(g: nx.DiGraph, whole: set[str] = frozenset()):
+    """The shards of every Linear but ``whole``, each followed as far as it goes."""
+    return propagate(g, {n for n in g.nodes if is_linear(g, n)} - set(whole))
 
 
 def grouped_parts(g: nx.DiGraph, tp: int, whole: set[str] = frozenset()) -> list[GroupedPart]:
     """Parts of packed column candidates viewed into fewer groups than ``tp`` (a divisor of it)
     that are broadcast to the heads by ``repeat_interleave`` and read nowhere else."""
-    flow = propagate(g, {n for n in g.nodes if is_linear(g, n)} - set(whole))
+    flow = _all_candidates(g, whole)
     found = set()
     for name, data in g.nodes(data=True):
         if data["kind"] != "call" or data["op"] not in VIEW_LIKE or not isinstance(data["args"][0], Ref):
@@ -152,20 +235,22 @@ def grouped_parts(g: nx.DiGraph, tp: int, whole: set[str] = frozenset()) -> list
         if state.dim != dim or groups >= tp or tp % groups or state.span == (0, width):
             continue
         if _broadcast_to_heads(g, name, dim):
-            found.add(GroupedPart(root, *state.span, groups))
+            found.add(GroupedPart(root, *state.span, groups, cuts=(name,)))
     return sorted(found, key=lambda p: (g.nodes[p.root]["order"], p.start))
 
 
 def _param_rows(g: nx.DiGraph, flow, parts: list[GroupedPart]) -> dict[str, tuple[int, tuple]]:
     """Parameter / buffer placeholder -> its rows' grouped parts, for the roots' own weight and
-    bias and for every parameter sharded on dim 0 with one of their parts (a depthwise conv)."""
+    bias and for every parameter sharded on dim 0 with one of their parts (a depthwise conv)
+    before the view into groups: one met after it is met per head, not per group (rope's cos
+    and sin multiply the head dim of a one-group part, a size-1 view that keeps its features)."""
     by_root: dict[str, list[GroupedPart]] = {}
     for part in parts:
         by_root.setdefault(part.root, []).append(part)
     found = {}
     for root, mine in by_root.items():
         width = g.nodes[root]["shape"][-1]
-        spec = (0, width, tuple((p.start, p.end, p.groups) for p in mine))
+        spec = (0, width, tuple(p.spec() for p in mine))
         for ref in g.nodes[root]["args"][1:3]:
             if isinstance(ref, Ref) and g.nodes[ref.name]["kind"] == "param":
                 found[ref.name] = spec
@@ -175,10 +260,16 @@ def _param_rows(g: nx.DiGraph, flow, parts: list[GroupedPart]) -> dict[str, tupl
             if span is None or pieces or dim is None or not origins <= set(by_root):
                 continue
             inside = tuple((p.start - span[0], p.end - span[0], p.groups) for p in parts
-                           if p.root in origins and span[0] <= p.start and p.end <= span[1])
-            if inside:
+                           if p.root in origins and span[0] <= p.start and p.end <= span[1] and not p.pieces)
+            if inside and _before_views(g, flow.param_uses.get(param, ()), parts):
                 found[param] = (dim, span[1] - span[0], inside)
     return found
+
+
+def _before_views(g: nx.DiGraph, uses, parts: list[GroupedPart]) -> bool:
+    """Whether a node of ``uses`` (``(operand, node)``) comes before a view of ``parts`` into groups."""
+    views = [p.cuts[0] for p in parts if p.cuts]
+    return any(nx.has_path(g, node, view) for _, node in uses for view in views)
 
 
 def _local_path(g: nx.DiGraph, node: str, module: str) -> str | None:
@@ -194,7 +285,7 @@ def _attribute_values(g: nx.DiGraph, flow, parts: list[GroupedPart], tp: int) ->
         values[part.groups] = tp
     for root in {p.root for p in parts}:
         for start, end in set(flow.splits.get(root, ())) | {(p.start, p.end) for p in parts}:
-            grown = sum((p.end - p.start) // p.groups * (tp - p.groups) for p in parts
+            grown = sum(expanded_width(p.spec(), tp) - (p.end - p.start) for p in parts
                         if p.root == root and start <= p.start and p.end <= end)
             if grown:
                 values.setdefault(end - start, end - start + grown)
@@ -208,7 +299,8 @@ def plan_copies(model: nn.Module, example_inputs, g: nx.DiGraph, parts: list[Gro
     flow = propagate(g, {n for n in g.nodes if is_linear(g, n)} - set(whole))
     by_module: dict[str, list[GroupedPart]] = {}
     for part in parts:
-        by_module.setdefault(cutting_module(g, part.root, flow.split_nodes.get(part.root, [])), []).append(part)
+        cuts = [*flow.split_nodes.get(part.root, []), *part.cuts]
+        by_module.setdefault(cutting_module(g, part.root, cuts), []).append(part)
     out: dict[str, Copies] = {}
     for fqn, mine in sorted(by_module.items()):
         found = _prove(model, example_inputs, g, flow, fqn, mine, tp, groups)
@@ -401,7 +493,10 @@ def group_copies(analysis, run) -> object:
     a, tp = analysis, analysis.tp_size
     if not tp or tp < 2:
         return a
-    parts = [p for p in grouped_parts(a.graph, tp) if a.roles.get(module_of(a.graph, p.root)) is None
+    from autotp.synth.groups_first import groups_first_parts
+
+    found = grouped_parts(a.graph, tp) + groups_first_parts(a.graph, tp, _all_candidates(a.graph))
+    parts = [p for p in found if a.roles.get(module_of(a.graph, p.root)) is None
              or a.roles[module_of(a.graph, p.root)].kind == "replicate"]
     if not parts:
         return a

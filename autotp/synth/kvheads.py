@@ -21,6 +21,7 @@ from torch import nn
 from autotp.errors import MeshError
 from autotp.kv import check_kv_replication
 from autotp.synth.analysis import Flow, Shard, module_of, wider_attention
+from autotp.synth.graph import refs
 from autotp.synth.local_run import capture_inputs, run_local
 from autotp.synth.localize import is_count, cutting_module, inner_roles
 from autotp.synth.roles import Role, kind_of
@@ -38,9 +39,18 @@ def kv_roots(g: nx.DiGraph, flow: Flow, roles: dict[str, Role], tp: int) -> dict
         if not extent or extent >= tp or kind_of(roles, module_of(g, root)) != "column":
             continue
         attention = wider_attention(flow, root)
-        if attention is not None:
+        if attention is not None and _query_elsewhere(g, flow, root, attention):
             found[root] = (extent, attention)
     return found
+
+
+def _query_elsewhere(g: nx.DiGraph, flow: Flow, root: str, attention: str) -> bool:
+    """Whether an operand of ``attention`` is sharded from candidates other than ``root`` (the
+    query projection): a root whose shard is every operand there (a fused qkv viewed groups first,
+    ``(b, t, groups, q_per_kv + 2, hd)``) makes its own query heads, and holding one of its groups
+    per rank would hold that group's query heads on several ranks."""
+    return any(isinstance(flow.state.get(ref.name), Shard) and root not in flow.state[ref.name].origins
+               for ref in refs(g.nodes[attention]["args"]))
 
 
 # Per-rank values of the attention's counts when each rank holds one kv head and heads / tp query

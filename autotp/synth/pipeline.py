@@ -31,6 +31,7 @@ from autotp.synth.copies import copied_roles
 from autotp.synth.entries import with_entries
 from autotp.synth.fronts import partial_fronts
 from autotp.synth.graph import build_graph
+from autotp.synth.groups_first import fewer_groups_than_tp
 from autotp.synth.kvheads import replicate_kv
 from autotp.synth.localize import localize
 from autotp.synth.params import readers
@@ -200,8 +201,9 @@ def _misfit_groups(flow: Flow, tp_size: int | None) -> dict[str, str]:
 
 def _indivisible_parts(flow: Flow, tp_size: int | None) -> dict[str, str]:
     """Candidates cut into parts by a view whose heads tp does not divide (a fused k / v with
-    fewer kv heads than ranks; fixed groups of too few heads each): kept whole, as the cut alone
-    would leave them, rather than the whole plan refused."""
+    fewer kv heads than ranks; fixed groups of too few heads each; a fused q / k / v viewed
+    groups first with fewer groups than ranks): kept whole, as the cut alone would leave them,
+    rather than the whole plan refused."""
     if not tp_size:
         return {}
     found = {root: f"its output is viewed into parts of {flow.extent[root]} heads each, which tp={tp_size} does "
@@ -212,6 +214,7 @@ def _indivisible_parts(flow: Flow, tp_size: int | None) -> dict[str, str]:
                   if root in flow.roots and flow.extent.get(root, 0) % tp_size})
     found.update({row: f"its {flow.extent[row]} per-head output features, left sharded on the heads, do not split "
                        f"over tp={tp_size}; reduced whole" for row in flow.scatters if flow.extent.get(row, 0) % tp_size})
+    found.update(fewer_groups_than_tp(flow, tp_size))
     return found
 
 
