@@ -33,6 +33,7 @@ from autotp.synth.fronts import partial_fronts
 from autotp.synth.graph import build_graph
 from autotp.synth.kvheads import replicate_kv
 from autotp.synth.localize import localize
+from autotp.synth.mixes import mixed_inputs
 from autotp.synth.params import readers
 from autotp.synth.roles import Role
 from autotp.synth.sequence import sequence_parallel_roles, unshardable_stream
@@ -274,6 +275,12 @@ def whole_fronts(a: Analysis) -> Analysis:
                                                          sequence_parallel=a.sequence_parallel)})
 
 
+def mixed_column_inputs(a: Analysis) -> Analysis:
+    """Modules whose column Linears read learned mixes of their input (a token shift) run the mixes'
+    backward on the columns' partial gradients, reduced once at entry."""
+    return replace(a, roles=mixed_inputs(a.graph, a.flow, a.roles, sequence_parallel=a.sequence_parallel))
+
+
 def sliced_entries(a: Analysis) -> Analysis:
     """Modules that take a value made outside them (a per-head bias built at the root) sliced to
     their heads on entry; after the passes that give those modules roles of their own."""
@@ -334,7 +341,8 @@ def untraced_linears(a: Analysis) -> Analysis:
 
 # The passes after the fixpoint, in order.
 POST_PASSES: tuple[Callable[[Analysis], Analysis], ...] = (
-    shard_counts, kv_replication, sequence_parallel, shared_inputs, partial_sums, whole_fronts, sliced_entries,
+    shard_counts, kv_replication, sequence_parallel, shared_inputs, partial_sums, whole_fronts, mixed_column_inputs,
+    sliced_entries,
     divisibility,
     owned_outputs,
     untraced_linears,
