@@ -271,8 +271,9 @@ def whole_fronts(a: Analysis) -> Analysis:
     """Modules kept whole between a norm and column Linears (MLA's low-rank down-projections) run
     their backward on the columns' partial gradients, reduced once at the norm, where that moves
     fewer bytes than reducing each column input and rope span."""
-    return replace(a, roles={**a.roles, **partial_fronts(a.graph, a.flow, a.roles,
-                                                         sequence_parallel=a.sequence_parallel)})
+    found = partial_fronts(a.graph, a.flow, a.roles, sequence_parallel=a.sequence_parallel)
+    roles = {m: r for m, r in {**a.roles, **found}.items() if r is not None}
+    return replace(a, roles=roles)
 
 
 def mixed_column_inputs(a: Analysis) -> Analysis:
