@@ -90,8 +90,12 @@ def _verified(model, tp: int, sequence_parallel: bool = False, inputs=None):
 @pytest.mark.parametrize("tp", [2, 4])
 def test_recurrence_parameters_read_every_step_are_sharded(tp, sequence_parallel):
     plan, report = _verified(_model(), tp, sequence_parallel)
-    mixer = plan["layers.*.mixer"]
+    # The key reads a learned mix of the stream: the mixer takes it with a partial gradient
+    # (SharedReplicatedInput around its HeadParams, autotp.synth.mixes), one reduction per layer.
+    mixer = plan["layers.*.mixer"].wrapped
     assert mixer.shard_dims == {"bonus": 0, "decay": 0} and mixer.gather_inputs == sequence_parallel, plan
+    assert mixer.reduce == ("mix",) and mixer.partial_grad_inputs, plan
+    assert report.comm_volume_backward <= report.comm_volume, (report.comm_volume, report.comm_volume_backward)
     # Only the RMSNorms stay whole: under 1% of the model.
     assert all(abs(f - 1 / tp) < 0.01 for f in report.param_fraction), report.param_fraction
 

@@ -216,7 +216,8 @@ def test_constraint_fixpoint_keeps_a_foreign_read_whole_in_one_round():
 
 def test_post_passes_run_in_the_documented_order():
     assert [p.__name__ for p in POST_PASSES] == ["shard_counts", "kv_replication", "torch_attention",
-                                                  "sequence_parallel", "shared_inputs", "partial_sums", "whole_fronts", "sliced_entries",
+                                                  "sequence_parallel", "shared_inputs", "partial_sums", "whole_fronts",
+                                                  "mixed_column_inputs", "sliced_entries",
                                                   "divisibility", "owned_outputs", "untraced_linears"]
 
 

@@ -26,7 +26,7 @@ from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distrib
 from torch.utils._pytree import tree_map
 
 from autotp.styles.attention import ShardCounts
-from autotp.styles.base import LocalParamsStyle, packed_row_order, permute_rows, to_local
+from autotp.styles.base import LocalParamsStyle, all_reduce_backward, packed_row_order, permute_rows, to_local
 
 __all__ = ["HeadParams"]
 
@@ -54,6 +54,12 @@ class HeadParams(LocalParamsStyle):
         gather_inputs (bool): DTensor inputs (a sequence-sharded stream) are made whole plain tensors
             at entry, once, for a module whose own code reads the stream before its column Linears
             (a token shift mixed with per-channel weights). Default: False.
+        partial_grad_inputs (bool): floating inputs are taken with this rank's partial gradient,
+            reduced once at entry (all-reduce; a sequence-sharded input is gathered and its gradient
+            reduce-scattered): for a module whose column Linears read values its code computes from
+            the input with replicated pointwise ops (learned mixes of a token shift), the columns
+            handing their input gradients back unreduced (:class:`~autotp.styles.SharedReplicatedInput`
+            with ``partial_grad``) and the mixes' parameters in ``reduce``. Default: False.
 
     Example::
         >>> plan = {"layers.*.attn": HeadParams(shard_dims={"sink": 0}, reduce=("lambda_q",))}
@@ -61,19 +67,23 @@ class HeadParams(LocalParamsStyle):
 
     def __init__(self, *, shard_dims: dict[str, int] | None = None, reduce: tuple[str, ...] = (),
                  counts: tuple[str, ...] = (), packed: dict[str, tuple[int, ...]] | None = None,
-                 gather_inputs: bool = False):
+                 gather_inputs: bool = False, partial_grad_inputs: bool = False):
         super().__init__()
         self.shard_dims = dict(shard_dims or {})
         self.reduce = tuple(reduce)
         self.counts = tuple(counts)
         self.packed = {name: tuple(sizes) for name, sizes in (packed or {}).items()}
         self.gather_inputs = gather_inputs
+        self.partial_grad_inputs = partial_grad_inputs
 
     def _prepare_inputs(self, args, kwargs, device_mesh):
-        if not self.gather_inputs:
+        if self.partial_grad_inputs:
+            take = partial(_partial_grad_input, device_mesh=device_mesh)
+        elif self.gather_inputs:
+            take = lambda v: to_local(v) if isinstance(v, DTensor) else v
+        else:
             return super()._prepare_inputs(args, kwargs, device_mesh)
-        local = lambda v: to_local(v) if isinstance(v, DTensor) else v
-        return tree_map(local, args), tree_map(local, kwargs)
+        return tree_map(take, args), tree_map(take, kwargs)
 
     def _placement(self, name, param):
         # A per-head vector is cut like the heads it scales: contiguous blocks of heads per rank,
@@ -163,5 +173,18 @@ class HeadParams(LocalParamsStyle):
     def __repr__(self) -> str:
         options = [f"{k}={v!r}" for k, v in (("shard_dims", self.shard_dims), ("reduce", self.reduce),
                                               ("counts", self.counts), ("packed", self.packed),
-                                              ("gather_inputs", self.gather_inputs)) if v]
+                                              ("gather_inputs", self.gather_inputs),
+                                              ("partial_grad_inputs", self.partial_grad_inputs)) if v]
         return f"{self.__class__.__name__}({', '.join(options)})"
+
+
+def _partial_grad_input(value, *, device_mesh: DeviceMesh):
+    """``value`` whole and local, its gradient taken as this rank's partial sum: a DTensor is made
+    ``Replicate()`` (gathered if sequence-sharded, so the backward reduce-scatters), a plain floating
+    tensor's gradient is all-reduced."""
+    if isinstance(value, DTensor):
+        whole = value.redistribute(placements=[Replicate()] * value.device_mesh.ndim)
+        return whole.to_local(grad_placements=[Partial()] * value.device_mesh.ndim)
+    if isinstance(value, torch.Tensor):
+        return all_reduce_backward(value, device_mesh)
+    return value

@@ -141,7 +141,7 @@ _STYLES: dict[str, Callable[[Role, bool], ParallelStyle | None]] = {
     "shard_counts": lambda role, lp: styles.ShardCounts(names=role.names),
     "head_params": lambda role, lp: styles.HeadParams(
         shard_dims=dict(role.param_dims), reduce=role.grad_reduced, counts=role.names, packed=dict(role.param_packed),
-        gather_inputs=role.seq_input),
+        gather_inputs=role.seq_input, partial_grad_inputs=role.partial_grad_inputs),
     "linear_params": lambda role, lp: LinearParams(
         shard_dims=dict(role.param_dims), columns=role.columns, rows=role.rows, reduce=role.grad_reduced,
         counts=role.names, packed=dict(role.param_packed), seq_output=role.seq_output),

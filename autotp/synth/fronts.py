@@ -51,6 +51,9 @@ log = logging.getLogger(__name__)
 _WHOLE = frozenset({"replicate", "broadcast_source", "shared_input", "whole_module"})
 # Roles of modules around front ops that only change attributes, never values or layouts.
 _PASSIVE = frozenset({"shard_counts", "kv_head_counts"})
+# Roles that only lay out a module's own parameters: a module whose parameters the front does not
+# read (a gate module holding a low-rank Linear of the front) may run front nodes.
+_OWN_PARAMS = frozenset({"head_params"})
 # The most nodes a front may have: an attention's low-rank side is a few dozen per layer.
 _LIMIT = 512
 
@@ -145,8 +148,9 @@ def _modules_ok(g: nx.DiGraph, roles: dict, found: Front) -> bool:
     mix a whole gradient into the partial ones)."""
     for module in found.modules | found.owners:
         role = roles.get(module)
-        if role is not None and (role.kind not in _WHOLE | _PASSIVE or role.seq_input or role.seq_output
-                                 or role.seq_join or role.entry_inputs or role.width_view):
+        kinds = _WHOLE | _PASSIVE | (_OWN_PARAMS if module not in found.owners else frozenset())
+        if role is not None and (role.kind not in kinds or role.seq_input or role.seq_output or role.seq_join
+                                 or role.entry_inputs or role.width_view or role.partial_grad_inputs):
             return False
     for owner in found.owners:
         inside = [n for n, d in g.nodes(data=True) if owner in d["stack"] and d["kind"] == "call"
@@ -168,7 +172,8 @@ def cheaper(g: nx.DiGraph, found: Front, *, sequence_parallel: bool) -> bool:
     return once < today
 
 
-def partial_fronts(g: nx.DiGraph, flow: Flow, roles: dict[str, Role], *, sequence_parallel: bool) -> dict[str, Role]:
+def partial_fronts(g: nx.DiGraph, flow: Flow, roles: dict[str, Role], *,
+                   sequence_parallel: bool) -> dict[str, Role | None]:
     """Roles for each branch whose whole front is cheaper to reduce at its input (module docstring).
 
     Args:
@@ -181,7 +186,8 @@ def partial_fronts(g: nx.DiGraph, flow: Flow, roles: dict[str, Role], *, sequenc
         New roles: the norm making the branch input (plain TP ``shared_input``, SP ``seq_norm_gather``,
         with ``partial_grad``), the front's parameter owners (``partial_grad_module``), its other
         modules with a style (``replicate``), and one ``shared_entry`` with ``partial_grad`` whose
-        column Linears hand their input gradients back unreduced.
+        column Linears hand their input gradients back unreduced; None for each shared entry
+        that shared some of those columns' input and is dropped.
     """
     found: dict[str, Role] = {}
     for entry, start in _entries(g, roles, sequence_parallel=sequence_parallel):
@@ -192,9 +198,10 @@ def partial_fronts(g: nx.DiGraph, flow: Flow, roles: dict[str, Role], *, sequenc
             continue
         if (branch.modules | branch.owners) & found.keys():
             continue
-        scope = _scope(g, roles, branch, found)
+        scope, released = _scope(g, roles, branch, found)
         if not scope:
             continue
+        found.update(dict.fromkeys(released))  # their columns share the front's wrapper now
         columns = tuple(sorted(m[len(scope) + 1:] for m in branch.columns))
         reason = (f"its output feeds modules kept whole ({', '.join(sorted(branch.owners))}) before column Linears "
                   f"({', '.join(columns)}): their partial input gradients are reduced once here, fewer bytes than "
@@ -214,7 +221,7 @@ def partial_fronts(g: nx.DiGraph, flow: Flow, roles: dict[str, Role], *, sequenc
             elif kind_of(roles, module) in _WHOLE:
                 found[module] = Role("replicate", f"kept whole between {entry} and column Linears", (entry, module))
     log.info("partial fronts: %d branches reduce their input gradient once", sum(
-        1 for r in found.values() if shared_columns(r)))
+        1 for r in found.values() if r is not None and shared_columns(r)))
     return found
 
 
@@ -238,15 +245,25 @@ def _entries(g: nx.DiGraph, roles: dict[str, Role], *, sequence_parallel: bool) 
     return sorted(found, key=lambda pair: g.nodes[pair[1]]["order"])
 
 
-def _scope(g: nx.DiGraph, roles: dict[str, Role], branch: Front, found: dict[str, Role]) -> str:
-    """The module whose pre-hooks wrap the front's columns' inputs (:func:`~autotp.synth.shared.sharing_scope`);
-    empty where there is none, or a shared entry covers one of them already."""
-    covered = {f"{m}.{c}" for m, r in {**roles, **found}.items() for c in shared_columns(r)}
-    if branch.columns & covered:
-        return ""
+def _scope(g: nx.DiGraph, roles: dict[str, Role], branch: Front, found: dict[str, Role]) -> tuple[str, set[str]]:
+    """The module whose pre-hooks wrap the front's columns' inputs (:func:`~autotp.synth.shared.sharing_scope`),
+    and the shared entries that shared some of those columns' input (a norm output they read
+    directly) and are dropped for it; empty where there is none, or a shared entry covers one of
+    them with other columns, or a front found already does."""
+    released = set()
+    for module, role in {**roles, **found}.items():
+        if role is None:
+            continue
+        covered = {f"{module}.{c}" for c in shared_columns(role)}
+        if not covered & branch.columns:
+            continue
+        if module in found or role.kind != "shared_entry" or role.partial_grad or not covered <= branch.columns:
+            return "", set()
+        released.add(module)
+    kept = {m: r for m, r in roles.items() if m not in released}
     stacks = [g.nodes[n]["stack"] for n in g.nodes if g.nodes[n]["kind"] == "call"
               and g.nodes[n]["module"] in branch.columns]
-    scope = sharing_scope(common_module(stacks), stacks[0], roles, found) if stacks else ""
+    scope = sharing_scope(common_module(stacks), stacks[0], kept, found) if stacks else ""
     if not scope or scope in branch.owners or not all(c.startswith(scope + ".") for c in branch.columns):
-        return ""
-    return scope
+        return "", set()
+    return scope, released - {scope}

@@ -34,6 +34,7 @@ from autotp.synth.graph import build_graph
 from autotp.synth.groups_first import fewer_groups_than_tp
 from autotp.synth.kvheads import replicate_kv
 from autotp.synth.localize import localize
+from autotp.synth.mixes import mixed_inputs
 from autotp.synth.params import readers
 from autotp.synth.roles import Role
 from autotp.synth.sequence import sequence_parallel_roles, unshardable_stream
@@ -284,8 +285,15 @@ def whole_fronts(a: Analysis) -> Analysis:
     """Modules kept whole between a norm and column Linears (MLA's low-rank down-projections) run
     their backward on the columns' partial gradients, reduced once at the norm, where that moves
     fewer bytes than reducing each column input and rope span."""
-    return replace(a, roles={**a.roles, **partial_fronts(a.graph, a.flow, a.roles,
-                                                         sequence_parallel=a.sequence_parallel)})
+    found = partial_fronts(a.graph, a.flow, a.roles, sequence_parallel=a.sequence_parallel)
+    roles = {m: r for m, r in {**a.roles, **found}.items() if r is not None}
+    return replace(a, roles=roles)
+
+
+def mixed_column_inputs(a: Analysis) -> Analysis:
+    """Modules whose column Linears read learned mixes of their input (a token shift) run the mixes'
+    backward on the columns' partial gradients, reduced once at entry."""
+    return replace(a, roles=mixed_inputs(a.graph, a.flow, a.roles, sequence_parallel=a.sequence_parallel))
 
 
 def sliced_entries(a: Analysis) -> Analysis:
@@ -348,7 +356,8 @@ def untraced_linears(a: Analysis) -> Analysis:
 
 # The passes after the fixpoint, in order.
 POST_PASSES: tuple[Callable[[Analysis], Analysis], ...] = (
-    shard_counts, kv_replication, torch_attention, sequence_parallel, shared_inputs, partial_sums, whole_fronts, sliced_entries,
+    shard_counts, kv_replication, torch_attention, sequence_parallel, shared_inputs, partial_sums, whole_fronts,
+    mixed_column_inputs, sliced_entries,
     divisibility,
     owned_outputs,
     untraced_linears,

@@ -106,7 +106,8 @@ class Role:
             ``partial_sum_block`` around it before one reduction.
         partial_grad_inputs: of ``experts``, the block input arrives as a ``Replicate()`` DTensor and
             the routing weights from a ``router``: their gradients are left partial sums, reduced
-            once with the block input's.
+            once with the block input's; of ``head_params``, its inputs are taken with partial
+            gradients, reduced once at entry (:mod:`autotp.synth.mixes`).
         columns, rows: of ``linear_params``, the raw parameters used as column / row Linear weights.
         once: of ``experts``, parameters added to the per-rank partial sum (a per-expert bias after
             the down projection): added by one rank only, so the reduction counts them once.
