@@ -73,9 +73,13 @@ def _rebuilt(value, tensor, depth: int = 0, memo: dict | None = None):
 
 class Captured(dict):
     """FQN -> ``(args, kwargs)`` as meta tensors; ``failed`` holds the error that stopped the fake
-    forward, if one did (modules after it were never reached, which proves nothing about them)."""
+    forward, if one did (modules after it were never reached, which proves nothing about them);
+    ``stateful`` the modules handed a state object that already held values when they were called
+    (keys and values an earlier layer stored for this one to share): their per-rank sizes depend on
+    how that layer was sharded, which a run of the module alone cannot show."""
 
     failed: str | None = None
+    stateful: frozenset = frozenset()
 
 
 @contextlib.contextmanager
@@ -119,9 +123,24 @@ def capture_inputs(model: nn.Module, example_inputs, fqns: set[str],
                 handle.remove()
     # Fake tensors belong to the fake mode: keep only their shapes, as plain meta tensors.
     result = Captured({fqn: (_to_meta(a), _to_meta(k)) for fqn, (a, k) in captured.items()})
+    result.stateful = frozenset(fqn for fqn, inputs in captured.items() if _filled_state(inputs))
     if failed is not None:
         result.failed = f"{type(failed).__name__}: {str(failed).splitlines()[0] if str(failed) else ''}"[:200]
     return result
+
+
+def _filled_state(value, depth: int = 0, inside: bool = False) -> bool:
+    """Whether ``value`` holds a plain object (not a container) with a non-empty tensor in it."""
+    if isinstance(value, torch.Tensor):
+        return inside and value.numel() > 0
+    if depth > 8 or isinstance(value, (nn.Module, type)) or callable(value):
+        return False
+    if isinstance(value, (tuple, list)):
+        return any(_filled_state(v, depth + 1, inside) for v in value)
+    if isinstance(value, dict):
+        return any(_filled_state(v, depth + 1, inside) for v in value.values())
+    attributes = getattr(value, "__dict__", None) or {}
+    return any(_filled_state(v, depth + 1, True) for v in attributes.values())
 
 
 def _fake_forward(model: nn.Module, args: tuple, kwargs: dict, *, real_values: bool) -> Exception | None:
