@@ -34,37 +34,37 @@ from autotp.synth.trace import LayerGroups, collapsed, data_dependent, example_a
 log = logging.getLogger(__name__)
 
 
-
 def _to_meta(value):
-    return _rebuilt(value, lambda t: torch.empty(t.shape, dtype=t.dtype, device="meta"))
+    return _rebuilt(value, lambda t, inside: torch.empty(t.shape, dtype=t.dtype, device="meta"))
 
 
 def _snapshot(value):
     """``value`` as it is now: containers and state objects (a kv cache) copied, their tensors
     shared. A module's inputs are captured before it runs; the forward goes on and may update a
     cache it was handed, which the module must not meet again when it is run alone."""
-    return _rebuilt(value, lambda t: t)
+    return _rebuilt(value, lambda t, inside: t)
 
 
-def _rebuilt(value, tensor, depth: int = 0, memo: dict | None = None):
-    """``value`` with ``tensor`` applied to every tensor in it: containers, and plain objects with
-    attributes (a cache and its layers), rebuilt down to a depth of 8; modules and functions shared."""
+def _rebuilt(value, tensor, depth: int = 0, memo: dict | None = None, inside: bool = False):
+    """``value`` with ``tensor(t, inside)`` applied to every tensor ``t`` in it (``inside``: held by
+    a plain object's attributes): containers, and plain objects with attributes (a cache and its
+    layers), rebuilt down to a depth of 8; modules and functions shared."""
     memo = {} if memo is None else memo
     if id(value) in memo:
         return memo[id(value)]
     if isinstance(value, torch.Tensor):
-        result = tensor(value)
+        result = tensor(value, inside)
     elif depth > 8 or isinstance(value, (nn.Module, type)) or callable(value):
         return value
     elif isinstance(value, (tuple, list)):
-        result = type(value)(_rebuilt(v, tensor, depth + 1, memo) for v in value)
+        result = type(value)(_rebuilt(v, tensor, depth + 1, memo, inside) for v in value)
     elif isinstance(value, dict):
-        result = {k: _rebuilt(v, tensor, depth + 1, memo) for k, v in value.items()}
+        result = {k: _rebuilt(v, tensor, depth + 1, memo, inside) for k, v in value.items()}
     elif getattr(value, "__dict__", None):
         result = copy.copy(value)
         memo[id(value)] = result
         for name, item in vars(value).items():
-            result.__dict__[name] = _rebuilt(item, tensor, depth + 1, memo)
+            result.__dict__[name] = _rebuilt(item, tensor, depth + 1, memo, True)
     else:
         return value
     memo[id(value)] = result
@@ -129,18 +129,11 @@ def capture_inputs(model: nn.Module, example_inputs, fqns: set[str],
     return result
 
 
-def _filled_state(value, depth: int = 0, inside: bool = False) -> bool:
+def _filled_state(value) -> bool:
     """Whether ``value`` holds a plain object (not a container) with a non-empty tensor in it."""
-    if isinstance(value, torch.Tensor):
-        return inside and value.numel() > 0
-    if depth > 8 or isinstance(value, (nn.Module, type)) or callable(value):
-        return False
-    if isinstance(value, (tuple, list)):
-        return any(_filled_state(v, depth + 1, inside) for v in value)
-    if isinstance(value, dict):
-        return any(_filled_state(v, depth + 1, inside) for v in value.values())
-    attributes = getattr(value, "__dict__", None) or {}
-    return any(_filled_state(v, depth + 1, True) for v in attributes.values())
+    filled = []
+    _rebuilt(value, lambda t, inside: filled.append(inside and t.numel() > 0) or t)
+    return any(filled)
 
 
 def _fake_forward(model: nn.Module, args: tuple, kwargs: dict, *, real_values: bool) -> Exception | None:
