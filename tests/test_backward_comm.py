@@ -342,3 +342,73 @@ def test_gated_shared_expert_still_reduces_inside_under_sp():
     plan = synthesize(model, sequence_parallel=True, tp_size=2)
     assert not any(type(style).__name__ == "PartialRowwiseParallel" for style in plan.values())
     assert type(plan["model.layers.*.mlp"]).__name__ != "SequenceParallelMoEBlock"
+
+
+class ScaledPositions(nn.Module):
+    """A position table whose rows are scaled by a vector it is handed: that input carries a
+    gradient (to a parameter outside), so each rank keeping its own positions would leave it partial."""
+
+    def __init__(self):
+        super().__init__()
+        self.table = nn.Parameter(torch.randn(64, 64) * 0.02)
+
+    def forward(self, pos, scale):
+        return self.table[pos] * scale
+
+
+def _nano_gpt_with_positions(form: str):
+    """nanoGPT with its learned positions read as ``(t, d)``, as ``(1, t, d)``, or through a table
+    module handed a scale computed from a root parameter (``"scaled"``)."""
+    from synth_toy import NanoGPT
+
+    class Positions(NanoGPT):
+        def __init__(self):
+            super().__init__()
+            if form == "scaled":
+                self.wpe = ScaledPositions()
+                self.pos_scale = nn.Parameter(torch.linspace(0.5, 1.5, 64))
+
+        def forward(self, idx):
+            pos = torch.arange(idx.shape[1], device=idx.device)
+            if form == "(1, t, d)":
+                x = self.wte(idx) + self.wpe(pos.unsqueeze(0))
+            elif form == "scaled":
+                x = self.wte(idx) + self.wpe(pos, self.pos_scale * 2)
+            else:
+                x = self.wte(idx) + self.wpe(pos)
+            for block in self.h:
+                x = block(x)
+            return self.lm_head(self.ln_f(x))
+
+    return Positions()
+
+
+@pytest.mark.parametrize("tp_size", [2, 4])
+@pytest.mark.parametrize("form", ["(t, d)", "(1, t, d)"])
+def test_position_table_keeps_own_positions_under_sp(tp_size, form):
+    """nanoGPT's learned positions ``wpe(arange(t))`` added to the sequence-sharded stream: each rank
+    keeps its own positions (``OwnPositionsOutput``), so the backward moves no more than the forward
+    (was one all-gather of the table's ``(t, d)`` gradient per step, 1.05 times the forward's bytes
+    on the GPT-2 family), and the table's gradient is exact once its partial sums are added."""
+    from synth_toy import example_tokens
+
+    model = _nano_gpt_with_positions(form)
+    plan = synthesize(model, example_inputs=(example_tokens(),), sequence_parallel=True, tp_size=tp_size)
+    assert repr(plan["wpe"]) == repr(styles.OwnPositionsOutput(sequence_dim=0 if form == "(t, d)" else 1))
+    report = _report(model, plan, tp_size=tp_size, inputs=(example_tokens(),))
+    assert "wpe.weight" in report.grad_max_abs_diff
+    assert report.collectives_backward == _mirrored(report.collectives)
+    assert report.comm_volume_backward == report.comm_volume
+
+
+def test_position_table_reading_a_gradient_is_handed_on_whole():
+    """A table whose module reads a tensor with a gradient (a scale computed from a root parameter)
+    is not cut per rank: its output stays a ``Replicate()`` DTensor and the plan is exact. Would
+    catch the cut applied there (the root parameter's gradient left a per-rank partial sum)."""
+    from synth_toy import example_tokens
+
+    model = _nano_gpt_with_positions("scaled")
+    plan = synthesize(model, example_inputs=(example_tokens(),), sequence_parallel=True, tp_size=2)
+    assert isinstance(plan["wpe"], styles.ReplicatedOutput)
+    report = _report(model, plan, inputs=(example_tokens(),))
+    assert "pos_scale" in report.grad_max_abs_diff

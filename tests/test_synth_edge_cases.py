@@ -1,4 +1,4 @@
-"""Synthesis on model code that writes outputs in place, builds its own lookup ids, post-processes
+"""Synthesis on model code that writes outputs in place, builds its own lookup ids, normalises
 looked-up rows inside the embedding, or cannot be traced with its layers collapsed.
 
 Each plan is verified on simulated ranks against the unsharded model (logits and every gradient,
@@ -93,17 +93,16 @@ class SelfIndexedLlama(TitanLlama):
         return self.output(self.norm(h))
 
 
-def test_embedding_with_keyword_ids_shards_and_one_normalising_rows_stays_whole():
+def test_embedding_with_keyword_ids_and_one_normalising_rows_both_shard():
     """The vocab-parallel style turns every integer input into a replicated DTensor (ids by keyword
-    work); a table whose rows are normalised inside the module gives partial rows to the norm, so it
-    stays replicated, with the reason."""
+    work), and reduces the rows at the lookup, so a table whose rows are normalised inside the
+    module (a child norm reading them twice) is sharded too and the norm sees whole rows."""
     model = SelfIndexedLlama()
     records = {r.key: r for r in explain(model, example_inputs=(example_tokens(),), tp_size=2)}
-    assert records["tok_embeddings"].role == "replicate"
-    assert "looked-up rows" in records["tok_embeddings"].reason
+    assert records["tok_embeddings"].role == "vocab_embedding"
     assert records["positions"].role == "vocab_embedding"
     plan = synthesize(model, example_inputs=(example_tokens(),), tp_size=2)
-    assert "tok_embeddings" not in plan
+    assert isinstance(plan["tok_embeddings"], styles.VocabParallelEmbedding)
     assert "layers.*.attention.wq" in plan
     _verify(model, plan)
 

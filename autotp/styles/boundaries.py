@@ -19,7 +19,7 @@ from torch.distributed.tensor.placement_types import Placement
 
 from autotp.errors import PlanError
 from autotp.styles.embedding import VocabParallelEmbedding  # noqa: F401 (doctest)
-from autotp.styles.base import WrapperStyle, all_reduce_backward, all_reduce_forward, reduce_feature_grads, to_local
+from autotp.styles.base import LocalParamsStyle, WrapperStyle, all_reduce_backward, all_reduce_forward, reduce_feature_grads, to_local
 
 class SequenceParallelAllGather(SequenceParallel):
     """A sequence-parallel norm whose output is all-gathered once, for column-parallel consumers.
@@ -129,6 +129,68 @@ class ReplicatedOutput(ParallelStyle):
 
     def __repr__(self) -> str:
         return f"{self.__class__.__name__}({'partial_grad=True' if self.partial_grad else ''})"
+
+
+class OwnPositionsOutput(LocalParamsStyle):
+    """A module computed whole on every rank (a learned position table looked up by positions)
+    hands on only this rank's positions of its output, as a ``Shard(sequence_dim)`` DTensor.
+
+    Under sequence parallel, a table ``wpe(positions)`` added to the ``Shard(1)`` stream is cut to
+    each rank's positions. Wrapped as a ``Replicate()`` DTensor (:class:`ReplicatedOutput`) the cut
+    is free forward, but its backward all-gathers the output's gradient (a ``(1, t, d)`` tensor per
+    step that the forward never moved). Here the cut is an ``index_select`` of this rank's
+    positions, whose backward scatters into zeros: no communication. Each rank's parameter gradients
+    then cover only its own positions, so the parameters are ``Replicate()`` DTensors with
+    ``Partial()`` gradients, summed when the gradient is read (optimizer step, clipping, ``full_tensor``).
+
+    Exact only where the module's inputs carry no gradient (positions, ids, shapes): the synthesizer
+    asks that of the graph. The module's parameters must be its own (a child's would be missed: a
+    :class:`~autotp.errors.PlanError`).
+
+    Keyword Args:
+        sequence_dim (int): the output's dim that lines up with the stream's sequence. Default: 1.
+
+    Example::
+        >>> plan = {"transformer.wpe": OwnPositionsOutput(sequence_dim=1)}
+    """
+
+    def __init__(self, *, sequence_dim: int = 1):
+        super().__init__()
+        self.sequence_dim = sequence_dim
+
+    def _placement(self, name, param):
+        return Replicate()
+
+    def _grad_placement(self, name, param):
+        return [Partial()]
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        children = [name for name, _ in module.named_parameters() if "." in name]
+        if children:
+            raise PlanError(f"{type(module).__name__}: OwnPositionsOutput leaves the gradients of the module's own "
+                            f"parameters partial, but {children[0]} belongs to a child; apply it to the child "
+                            "that holds the parameters, or keep this module whole (ReplicatedOutput)")
+        self.mesh = device_mesh
+        return super()._apply(module, device_mesh)
+
+    def _prepare_output(self, output, device_mesh):
+        if isinstance(output, tuple) and output:
+            return (self._prepare_output(output[0], device_mesh), *output[1:])
+        if not isinstance(output, torch.Tensor) or isinstance(output, DTensor):
+            return output
+        dim = self.sequence_dim % output.ndim
+        positions = torch.arange(output.shape[dim], device=output.device)
+        # This rank's positions, in DTensor's own Shard split (the stream's): a local cut.
+        own = DTensor.from_local(positions, device_mesh, [Replicate()], run_check=False).redistribute(
+            placements=[Shard(0)]).to_local()
+        strides = [1] * output.ndim  # the whole output's, contiguous (an uneven split cannot infer it)
+        for d in range(output.ndim - 2, -1, -1):
+            strides[d] = strides[d + 1] * output.shape[d + 1]
+        return DTensor.from_local(output.index_select(dim, own), device_mesh, [Shard(dim)], run_check=False,
+                                  shape=output.shape, stride=tuple(strides))
+
+    def __repr__(self) -> str:
+        return f"{self.__class__.__name__}(sequence_dim={self.sequence_dim})"
 
 
 class SharedReplicatedInput(WrapperStyle):

@@ -12,7 +12,6 @@ from autotp.synth.analysis import (Flow, Shard, is_linear, linear_weight, module
                                    raw_weight, weight_of, weight_uses)
 from autotp.synth.graph import Ref, param_modules, refs
 from autotp.synth.ops import ALIASING
-from autotp.synth.ops import PASSTHROUGH, VIEW_LIKE
 from autotp.synth.params import broadcast_roles, param_roles, reading_module
 from autotp.synth.roles import WEIGHT_DIMS, Role, kind_of
 
@@ -278,28 +277,12 @@ def reads_model_input(g: nx.DiGraph, name: str) -> bool:
     return any(g.nodes[a]["kind"] == "input" for a in nx.ancestors(g, name))
 
 
-# Ops that keep a partial sum a partial sum: casts, views, and scaling by a value it does not feed.
-_LINEAR_IN_ROWS = PASSTHROUGH | VIEW_LIKE | {"mul", "div", "mul_", "div_"}
-
-
-def _nonlinear_in_module(g: nx.DiGraph, name: str, owner: str) -> str | None:
-    """The first op inside module ``owner`` that reads node ``name``'s value other than linearly."""
-    reached, frontier = {name}, [name]
-    while frontier:
-        for user in g.successors(frontier.pop()):
-            data = g.nodes[user]
-            if user in reached or owner not in data["stack"]:
-                continue
-            feeds = [r.name for r in refs(data["args"], data["kwargs"]) if r.name in reached]
-            if data["op"] not in _LINEAR_IN_ROWS or (data["op"] not in PASSTHROUGH | VIEW_LIKE and len(feeds) > 1):
-                return data["op"]
-            reached.add(user)
-            frontier.append(user)
-    return None
-
-
 def embedding_roles(g: nx.DiGraph, forced: dict[str, str]) -> dict[str, Role]:
-    """Embeddings looked up by a model input are vocab-parallel (``forced``: module -> why not)."""
+    """Embeddings looked up by a model input are vocab-parallel (``forced``: module -> why not).
+
+    What the module does to the looked-up rows afterwards (a scale, a norm of its own) needs no
+    rule: :class:`~autotp.styles.VocabParallelEmbedding` reduces the rows at the lookup, so the
+    rest of the module reads whole rows."""
     roles = {}
     for name, data in g.nodes(data=True):
         if data["op"] != "embedding":
@@ -313,11 +296,6 @@ def embedding_roles(g: nx.DiGraph, forced: dict[str, str]) -> dict[str, Role]:
             roles[owner] = Role("replicate", forced[owner])
         elif not reads_model_input(g, ids):
             roles[owner] = Role("replicate", f"looked up by {ids}, computed in the model (positions), not input ids")
-        elif (op := _nonlinear_in_module(g, name, owner)) is not None:
-            # A vocab-parallel lookup is a partial sum until the module returns; DTensor reduces it
-            # once, so a norm (two reads) inside the module would fail, and anything nonlinear is wrong.
-            roles[owner] = Role("replicate", f"the module applies {op} to the looked-up rows before returning "
-                                "them; a vocab-parallel table gives partial rows there")
         else:
             roles[owner] = Role("vocab_embedding", f"looked up by model input {ids}", (ids, "embedding", owner))
     return roles

@@ -176,6 +176,8 @@ def _replicated_at_sequence_edge(role: Role) -> ParallelStyle | None:
     # stream three times: a layout per argument would have to match each call's arity).
     if role.seq_join and role.seq_input:  # a whole Linear between two points of the stream
         return styles.GatherSequenceInput(reshard_output=True)
+    if role.seq_join and role.seq_cut is not None:  # its own positions only, gradients partial
+        return styles.OwnPositionsOutput(sequence_dim=role.seq_cut)
     if role.seq_join:  # its (first) output a Replicate() DTensor that the sharded stream can meet
         return styles.ReplicatedOutput()
     if role.seq_input:

@@ -82,6 +82,11 @@ class Role:
         seq_join: under sequence parallel, the replicated output is combined with the
             sequence-sharded stream (a position embedding, a Linear kept whole), so it must be a
             ``Replicate()`` DTensor there.
+        seq_cut: of a ``seq_join`` module whose output depends only on its own parameters and on
+            inputs without gradient (a position table looked up by positions): the output's dim that
+            lines up with the stream's sequence. Each rank keeps its own positions of the output
+            (:class:`~autotp.styles.OwnPositionsOutput`: no all-gather of its gradient), the
+            parameters' gradients left ``Partial()``.
         param_dims: of ``experts`` and ``head_params``, (parameter name, sharded dim) pairs.
         grad_reduced: of ``head_params``, parameters kept whole whose gradient is all-reduced.
         grad_spans: of ``broadcast_source``, ``(start, stop)`` output features whose gradient is
@@ -145,6 +150,7 @@ class Role:
     seq_input: bool = False
     seq_output: bool = False
     seq_join: bool = False
+    seq_cut: int | None = None
     param_dims: tuple[tuple[str, int], ...] = ()
     param_parts: tuple[tuple[str, int], ...] = ()
     param_packed: tuple[tuple[str, tuple[int, ...]], ...] = ()

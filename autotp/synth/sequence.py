@@ -706,13 +706,48 @@ def joining_modules(g: nx.DiGraph, flow: Flow, region: set[str], roles: dict[str
             module = outer[-1]  # innermost: the module whose output this node is
             role = roles.get(module, Role("replicate", "runs whole on every rank"))
             if role.kind == "replicate" and not role.seq_output and not role.seq_input:
-                found[module] = replace(role, seq_join=True)
+                cut = found[module].seq_cut if module in found else _own_positions_dim(g, module, region, name)
+                if module in found and found[module].seq_cut != _own_positions_dim(g, module, region, name):
+                    cut = None  # read by the stream at two different dims
+                found[module] = replace(role, seq_join=True, seq_cut=cut)
             elif role.kind == "seq_gather" and not role.seq_output and not any(
                     m.startswith(module + ".") and r.kind != "replicate" for m, r in roles.items()):
                 # Gathered at entry, it ran on the whole sequence (an MoE block whose experts stay
                 # whole under sharded attention): its output, read as the stream, is sliced back.
                 found[module] = replace(role, seq_output=True)
     return found
+
+
+def _own_positions_dim(g: nx.DiGraph, module: str, region: set[str], reader: str) -> int | None:
+    """The dim of ``module``'s output that lines up with the stream's sequence at ``reader``, where
+    each rank may keep only its own positions of it (:class:`~autotp.styles.OwnPositionsOutput`):
+    the module's parameters are its own, nothing it reads carries a gradient (no parameter is behind
+    its inputs: positions, ids, shapes), it has one output, read only by ops of the stream, and that
+    output spans the whole sequence on that dim. None otherwise (the output is then handed on
+    whole, a ``Replicate()`` DTensor whose gradient is gathered)."""
+    owners = {g.nodes[n]["param"].rpartition(".")[0] for n in g.nodes if g.nodes[n]["kind"] == "param"
+              and g.nodes[n]["param"].startswith(module + ".")}
+    if owners - {module}:
+        return None
+    for name in module_inputs(g, module):
+        if any(g.nodes[a]["kind"] == "param" for a in nx.ancestors(g, name)):
+            return None
+    outputs, readers = module_outputs(g, module)
+    if len(outputs) != 1:
+        return None
+    readers = set(readers)
+    while moved := {r for r in readers if r not in region and g.nodes[r]["op"] in PASSTHROUGH}:
+        readers = (readers - moved) | {s for r in moved for s in g.successors(r)}  # a cast on the way
+    readers = {r for r in readers if g.nodes[r]["op"] not in SINKS}
+    if not readers or any(r not in region for r in readers):
+        return None
+    shape, stream = g.nodes[outputs[0]]["shape"], g.nodes[reader]["shape"]
+    if not shape or not stream or len(stream) < 2:
+        return None
+    dim = 1 - (len(stream) - len(shape))
+    if dim < 0 or shape[dim] != stream[1] or stream[1] < 2:
+        return None
+    return dim
 
 
 def _behind_pointwise(g: nx.DiGraph, name: str, through: frozenset = PASSTHROUGH | ELEMENTWISE) -> str:
