@@ -123,10 +123,24 @@ def _scatters_heads(style: ParallelStyle | None) -> bool:
     return isinstance(style, RowwiseParallel) and tuple(style.output_layouts) == (Shard(-1),)
 
 
+def _held_whole(style: ParallelStyle | None) -> tuple[tuple[int, int], ...]:
+    """The output features ``(start, end)`` a :class:`~autotp.styles.GroupCopies` holds whole on
+    every rank (parts of one group: the one kv head of a fused multi-query qkv) around a column
+    style; empty for any other style, or for copies of several groups (which the graph of the
+    unexpanded model cannot place)."""
+    if not isinstance(style, styles.GroupCopies) or not isinstance(style.base, ColwiseParallel):
+        return ()
+    parts = style.rows.get("weight", (0, 0, ()))[2]
+    if not parts or any(part[2] != 1 or len(part) > 3 for part in parts):
+        return ()
+    return tuple(sorted((part[0], part[1]) for part in parts))
+
+
 def _graph_findings(model: nn.Module, resolved: dict, example_inputs, tp_size: int = 2,
                     analysis=None) -> list[Finding]:
     from autotp.synth.analysis import (bad_packs, endless_shards, is_linear, mixed_parts, part_sizes, propagate_packed,
                                        unmet_scatters)
+    from autotp.synth.copies import expanded_sizes
     from autotp.synth.assign import expert_roles, norm_roles
     from autotp.synth.graph import build_graph
     from autotp.synth.trace import trace
@@ -137,12 +151,16 @@ def _graph_findings(model: nn.Module, resolved: dict, example_inputs, tp_size: i
         program, groups = trace(model, example_inputs)
         g = build_graph(program)
     style_of = {fqn: base_style(style) for fqn, (_, style) in resolved.items()}
+    held = {fqn: _held_whole(style) for fqn, style in style_of.items()}
+    held = {fqn: spans for fqn, spans in held.items() if spans}
+    style_of.update({fqn: style_of[fqn].base for fqn in held})
     linears = {n: g.nodes[n]["module"] for n in g.nodes if is_linear(g, n)}
     active = {n for n, module in linears.items()
               if _starts_shard(style_of.get(module)) or _raw_kind(g, n, style_of.get(module)) == "column"
               or _scatters_heads(style_of.get(module))}
     packed = {n for n in active if getattr(style_of.get(linears[n]), "sizes", None)}
-    flow = propagate_packed(g, active, packed)
+    copied = {n: frozenset(held[linears[n]]) for n in active if linears[n] in held}
+    flow = propagate_packed(g, active, packed, copied=copied)
     findings = []
 
     def where(node):
@@ -170,6 +188,8 @@ def _graph_findings(model: nn.Module, resolved: dict, example_inputs, tp_size: i
     for root, ranges in flow.splits.items():
         module, style = linears[root], style_of.get(linears[root])
         sizes = part_sizes(ranges, g.nodes[root]["shape"][-1])
+        if root in copied:  # the style's sizes count each part held whole tp times
+            sizes = expanded_sizes(sizes, tuple(copied[root]), tp_size)
         packed = getattr(style, "sizes", None) if isinstance(
             style, (styles.PackedColwiseParallel, styles.ColwiseParallelInOut)) else None
         if not packed:

@@ -121,3 +121,19 @@ def test_part_read_whole_elsewhere_keeps_the_projection_whole():
     records = {r.key: r for r in explain(model, example_inputs=(example_tokens(),), tp_size=4)}
     assert records["layers.*.mixer.c_attn"].style == "replicated"
     _verified_plan(model, 4, False, near_bound=False)
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+def test_checker_reads_the_parts_held_whole(tp):
+    """``check_plan`` follows the shard as the plan lays it out: the k / v parts held whole by
+    ``GroupCopies`` are replicated from the cut on, so the synthesized plan reads clean (the checker
+    used to flag its row ``row_without_shard``); the same projection sharded without the copies is
+    flagged (the one head cut over ranks, the parts' sizes)."""
+    from autotp import check_plan
+
+    model = _model()
+    plan = _verified_plan(model, tp, False)
+    assert check_plan(model, plan, tp_size=tp, example_inputs=(example_tokens(),)) == []
+    plain = {**plan, "layers.*.mixer.c_attn": plan["layers.*.mixer.c_attn"].base}
+    kinds = {f.kind for f in check_plan(model, plain, tp_size=tp, example_inputs=(example_tokens(),))}
+    assert {"breaks_shard", "fused_sizes"} <= kinds
