@@ -33,6 +33,9 @@ options, static ``_prepare_input_fn`` / ``_prepare_output_fn``, and a comment on
   such a block its input as a DTensor where no norm before it can.
 - :class:`PartialSumBlock`: a module that adds up row Linears' partial sums (a MoE loop over
   ``nn.Linear`` experts) reduces them once at its output, and its input gradient once at entry.
+- :class:`OwnPositionsOutput`: under sequence parallel, a module computed whole from inputs without
+  gradient (a learned position table) hands on only this rank's positions; its parameters'
+  gradients are left ``Partial()``, so its output's gradient is never gathered.
 - :class:`GatherSequenceInput`, :class:`SequenceParallelMoEBlock`, :class:`PartialExpertsParallel`:
   under sequence parallel, a module's sequence-sharded inputs gathered once at its entry, and a MoE
   block that takes whole tokens and reduce-scatters its experts' partial sums.
