@@ -180,3 +180,19 @@ def test_verifier_names_a_full_size_embedding_gradient(tiny_llama):
     stock = {**plan, "model.embed_tokens": RowwiseParallel(input_layouts=Replicate())}
     assert _verified(tiny_llama, stock, 2, {"input_ids": ids}).grads_not_local_size == ["model.embed_tokens.weight"]
     assert _verified(tiny_llama, plan, 2, {"input_ids": ids}).grads_not_local_size == []
+
+
+class TableMeanEmbedding(nn.Embedding):
+    """An embedding that adds its table's mean row to the looked-up rows: a read of the table
+    itself, which a vocab-sharded table would answer with this rank's rows only."""
+
+    def forward(self, ids):
+        return super().forward(ids) + self.weight.mean(0)
+
+
+def test_embedding_reading_its_table_outside_the_lookup_stays_whole():
+    """Would catch the table sharded there: the mean over this rank's rows, silently wrong."""
+    model = _with_embedding(TableMeanEmbedding(VOCAB, DIM))
+    plan = synthesize(model, example_inputs=(example_tokens(),), tp_size=2)
+    assert "tok_embeddings" not in plan
+    _verified(model, plan, 2, (example_tokens(),))

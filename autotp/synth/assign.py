@@ -11,7 +11,7 @@ import networkx as nx
 from autotp.synth.analysis import (Flow, Shard, is_linear, linear_weight, module_of, param_source, part_sizes,
                                    raw_weight, weight_of, weight_uses)
 from autotp.synth.graph import Ref, param_modules, refs
-from autotp.synth.ops import ALIASING
+from autotp.synth.ops import ALIASING, SINKS
 from autotp.synth.params import broadcast_roles, param_roles, reading_module
 from autotp.synth.roles import WEIGHT_DIMS, Role, kind_of
 
@@ -277,6 +277,19 @@ def reads_model_input(g: nx.DiGraph, name: str) -> bool:
     return any(g.nodes[a]["kind"] == "input" for a in nx.ancestors(g, name))
 
 
+def _other_table_read(g: nx.DiGraph, weight: str, lookup: str, owner: str) -> str | None:
+    """The first op inside module ``owner`` that reads table ``weight`` other than on its way to the
+    lookup ``lookup`` (``rows + self.weight.mean(0)``), if any: the vocab-parallel style swaps the
+    table for this rank's rows during the module's forward, so such a read would see a shard."""
+    chain = (nx.ancestors(g, lookup) & nx.descendants(g, weight)) | {weight}  # the table on its way in
+    for node in chain:
+        for reader in g.successors(node):
+            data = g.nodes[reader]
+            if reader not in chain and reader != lookup and owner in data["stack"] and data["op"] not in SINKS:
+                return data["op"]
+    return None
+
+
 def embedding_roles(g: nx.DiGraph, forced: dict[str, str]) -> dict[str, Role]:
     """Embeddings looked up by a model input are vocab-parallel (``forced``: module -> why not).
 
@@ -296,6 +309,9 @@ def embedding_roles(g: nx.DiGraph, forced: dict[str, str]) -> dict[str, Role]:
             roles[owner] = Role("replicate", forced[owner])
         elif not reads_model_input(g, ids):
             roles[owner] = Role("replicate", f"looked up by {ids}, computed in the model (positions), not input ids")
+        elif (op := _other_table_read(g, weight, name, owner)) is not None:
+            roles[owner] = Role("replicate", f"the module reads its table other than by the lookup ({op}); a "
+                                "vocab-sharded table would give that read only this rank's rows")
         else:
             roles[owner] = Role("vocab_embedding", f"looked up by model input {ids}", (ids, "embedding", owner))
     return roles
