@@ -21,7 +21,7 @@ _REQUIRED = {
     "sizes": (6, 2), "kv_heads": 2, "head_dim": 4, "heads": 8, "width": 4, "names": ("num_heads",),
     "wrapped": ColwiseParallel(output_layouts=Replicate()), "output_layouts": Shard(1),
     "desired_output_layouts": Replicate(), "shard_dims": {"w1": 0}, "columns": ("w1",),
-    "base": ColwiseParallel(), "inputs": ((1, 0), ("bias", 1)), "readers": ("c_attn",),
+    "base": ColwiseParallel(), "inputs": ((1, 0), ("bias", 1)), "readers": ("c_attn",), "style": ColwiseParallel(),
 }
 _OPTIONAL = {
     "input_layouts": Shard(1), "output_layouts": Partial(), "desired_input_layouts": Replicate(),

@@ -14,6 +14,9 @@ Every test verifies logits and every gradient against the unsharded model.
 import warnings
 
 import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
 
 from autotp import styles
 from autotp.synth import synthesize
@@ -23,7 +26,7 @@ from autotp.synth.graph import build_graph
 from autotp.synth.trace import trace
 from autotp.verifier import verify
 from latent_toy import LatentModel
-from synth_toy import example_tokens
+from synth_toy import DIM, VOCAB, GPTBlock, example_tokens
 
 FRONT = ("attn.q_down", "attn.q_norm", "attn.kv_down", "attn.kv_norm")
 
@@ -83,3 +86,67 @@ def test_front_ends_in_the_columns_and_the_rope_span():
     assert found.columns == {"layers.0.attn.q_up", "layers.0.attn.kv_up"}
     assert found.owners == {f"layers.0.{name}" for name in FRONT}
     assert list(found.spans.values()) == [2 * 11 * 16]  # batch x positions x rope width
+
+
+class _DenseHead(nn.Module):
+    """A prediction head kept whole before a tied output projection: dense -> gelu -> LayerNorm."""
+
+    def __init__(self, width: int):
+        super().__init__()
+        self.dense, self.norm = nn.Linear(DIM, width), nn.LayerNorm(width)
+
+    def forward(self, x):
+        return self.norm(F.gelu(self.dense(x)))
+
+
+class _DenseHeadLM(nn.Module):
+    """nanoGPT blocks and final norm, then :class:`_DenseHead` and an output Linear (tied to the
+    embedding where as wide): under SP the head gathers the stream at its entry, with no norm of its
+    own before it to do so."""
+
+    def __init__(self, width: int = DIM, scaled: bool = False):
+        super().__init__()
+        torch.manual_seed(0)
+        self.embed = nn.Embedding(VOCAB, DIM)
+        self.blocks = nn.ModuleList(GPTBlock() for _ in range(2))
+        self.norm, self.head = nn.LayerNorm(DIM), _DenseHead(width)
+        self.output = nn.Linear(width, VOCAB, bias=False)
+        if width == DIM:
+            self.output.weight = self.embed.weight
+        # a parameter of the model itself read between the head and the output (no plan key names it)
+        self.scale = nn.Parameter(torch.full((width,), 1.5)) if scaled else None
+
+    def forward(self, tokens):
+        h = self.embed(tokens)
+        for block in self.blocks:
+            h = block(h)
+        features = self.head(self.norm(h))
+        return self.output(features * self.scale if self.scale is not None else features)
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+def test_head_gathered_at_entry_reduce_scatters_once(tp):
+    """Would catch the output projection's input gradient all-reduced at full (b, t, d) size where
+    one reduce-scatter to the sequence shard at the head's entry does (backward bytes above the
+    forward's), or a partial gradient left unreduced (the head's or an embedding's gradient differs)."""
+    model = _DenseHeadLM()
+    plan = synthesize(model, example_inputs=(example_tokens(),), tp_size=tp, sequence_parallel=True)
+    report = _verified(model, plan, tp)
+    assert report.comm_volume_backward <= report.comm_volume, (report.comm_volume, report.comm_volume_backward)
+    assert isinstance(plan["output"], styles.PartialGradInput), plan["output"]
+    assert plan["head.dense"].partial_grad_inputs and plan["head.dense"].reduce == ("bias", "weight"), plan["head.dense"]
+    assert isinstance(plan["head.norm"], styles.ReplicatedWithGradAllReduce), plan["head.norm"]
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+@pytest.mark.parametrize("model", [_DenseHeadLM(scaled=True), _DenseHeadLM(width=DIM // 4)], ids=["root_param", "narrow"])
+def test_head_gathered_at_entry_keeps_its_reductions(tp, model):
+    """A parameter of the model itself read in the head's front (a scale) would need a plan key for
+    the root, which none names; a head narrower than the stream is cheaper reduced at the output
+    projection's input. Would catch the rule taken there (a plan key '' that matches no module, or
+    more bytes)."""
+    plan = synthesize(model, example_inputs=(example_tokens(),), tp_size=tp, sequence_parallel=True)
+    assert not isinstance(plan["output"], styles.PartialGradInput), plan["output"]
+    assert isinstance(plan["head.dense"], styles.GatherSequenceInput), plan["head.dense"]
+    assert "head.norm" not in plan
+    _verified(model, plan, tp)

@@ -25,7 +25,8 @@ options, static ``_prepare_input_fn`` / ``_prepare_output_fn``, and a comment on
 - :class:`ExpertsParallel`, :class:`AllReduceOutput`, :class:`GradAllReduceOutputSlice`: MoE experts
   (3-D parameters) sharded on their FFN dim, and the reductions around them and around MLA.
 - :class:`SharedReplicatedInput`: column projections reading one tensor at a module's entry share
-  one ``Replicate()`` DTensor of it (no norm before them), so their input gradient is reduced once.
+  one ``Replicate()`` DTensor of it (no norm before them), so their input gradient is reduced once;
+  :class:`PartialGradInput`: one column hands its input gradient back unreduced, reduced further back.
 - :class:`ShardedInputs`: a module takes values made outside it (a per-head bias built at the root)
   cut to its own heads at entry.
 - :class:`PartialGradRouter`: a router kept whole that runs backward on the experts' partial
@@ -63,6 +64,7 @@ from autotp.styles.boundaries import (
     GradAllReduceOutputSlice,
     OwnedOutput,
     OwnPositionsOutput,
+    PartialGradInput,
     PartialSumBlock,
     ReplicatedModule,
     ReplicatedInputs,
@@ -125,6 +127,7 @@ __all__ = [
     "RotaryEmbedParallel",
     "SequenceParallelAllGather",
     "SharedReplicatedInput",
+    "PartialGradInput",
     "ShardCounts",
     "ShardedInputs",
     "VocabParallelEmbedding",

@@ -238,6 +238,46 @@ class SharedReplicatedInput(WrapperStyle):
         return f"{self.__class__.__name__}(columns={self.columns!r}{flag}{inner})"
 
 
+class PartialGradInput(WrapperStyle):
+    """A column Linear takes its plain input as a ``Replicate()`` DTensor and hands its input gradient
+    back unreduced, as this rank's partial sum.
+
+    ``ColwiseParallel`` wraps a plain input itself and all-reduces the ``Partial()`` gradient of
+    ``x @ W_shard^T``. Where the input is computed whole from a value whose gradient is reduced
+    further back, by modules that run their backward on partial gradients (a head's dense Linear
+    and norm kept whole after a sequence-parallel gather), that all-reduce is one too many: the
+    reduction happens once, where the value was gathered. The column's own module is the wrapping
+    point here, where no module above it has a pre-hook free to share the input
+    (:class:`SharedReplicatedInput` with ``partial_grad``, the same wrapper per call of a scope).
+
+    Keyword Args:
+        style (ParallelStyle): the column's own style (``ColwiseParallel``), applied first.
+
+    Example::
+        >>> from torch.distributed.tensor.parallel import ColwiseParallel
+        >>> plan = {"decoder": PartialGradInput(style=ColwiseParallel())}
+    """
+
+    def __init__(self, *, style: ParallelStyle):
+        super().__init__()
+        self.style = style
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        module = self._apply_wrapped(module, device_mesh)
+
+        def wrap(mod, args):
+            value = args[0] if args else None
+            if not isinstance(value, torch.Tensor) or isinstance(value, DTensor):
+                return None
+            return (_ReplicatedWithPartialGrad.apply(value, device_mesh), *args[1:])
+
+        module.register_forward_pre_hook(wrap, prepend=True)  # before the style's own input hook
+        return module
+
+    def __repr__(self) -> str:
+        return f"{self.__class__.__name__}(style={self.style!r})"
+
+
 class PartialSumBlock(ParallelStyle):
     """A module that adds up row Linears' partial sums and returns them: reduced once, at its output.
 

@@ -25,11 +25,18 @@ def _seq_in(role: Role) -> dict:
     return {"input_layouts": Shard(1)} if role.seq_input else {}
 
 
+# Linear roles that wrap a plain input as a Replicate() DTensor themselves: with ``partial_grad`` they
+# take it with a partial gradient instead (:class:`~autotp.styles.PartialGradInput`).
+_INPUT_COLUMNS = frozenset({"column", "packed_column", "kv_column", "head"})
+
+
 def style_for(role: Role, *, loss_parallel: bool = True) -> ParallelStyle | None:
     """The ParallelStyle that realises ``role``, returning a copy where the caller writes the output."""
     style = _style_for(role, loss_parallel=loss_parallel)
     if style is not None and role.owned_output:
         style = styles.OwnedOutput(style)
+    if role.partial_grad and role.kind in _INPUT_COLUMNS:
+        style = styles.PartialGradInput(style=style)
     if role.entry_inputs:
         style = styles.ShardedInputs(inputs=role.entry_inputs, style=style)
     if role.shared_columns:

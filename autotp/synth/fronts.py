@@ -16,6 +16,15 @@ left ``Partial()`` (:class:`~autotp.styles.ReplicatedWithGradAllReduce`) and red
 are synchronised, as a sequence-parallel norm's are. Megatron-LM's MLA under SP defers its
 down-projections' gradients the same way.
 
+Under SP the branch input may also be the input of a module kept whole that all-gathers the
+sequence-sharded stream at its own entry (a head's dense Linear, activation and norm before a tied
+output projection, with no norm before it to gather): the module takes the gathered value with a
+partial gradient, reduce-scattered at its entry (:class:`~autotp.styles.HeadParams` with
+``partial_grad_inputs``), its own parameters' gradients left ``Partial()``. Where no module above
+the columns can share their input (a head Linear at the model's root), each column takes its own
+with a partial gradient (:class:`~autotp.styles.PartialGradInput`): with nothing reduced there,
+sharing it would save nothing.
+
 Sound only where (:func:`front`): every path from the branch input ends in a column Linear, or in a
 broadcast span of a Linear of the front whose gradient the analysis would have all-reduced
 (:meth:`~autotp.synth.analysis.Flow.broadcast_from`); every op on the way is replicated and
@@ -37,13 +46,13 @@ from dataclasses import dataclass, field, replace
 
 import networkx as nx
 
-from autotp.synth.analysis import Flow, module_of
+from autotp.synth.analysis import Flow, is_linear, module_of
 from autotp.synth.graph import common_module, made_from_params, param_modules
 from autotp.synth.ops import FIRST_VALUE_ONLY, SINKS
 from autotp.synth.params import value_refs
 from autotp.synth.roles import Role, kind_of
 from autotp.synth.shared import column_reader, plain_producer, shared_columns, shared_entry, sharing_scope
-from autotp.synth.sequence import module_outputs
+from autotp.synth.sequence import module_inputs, module_outputs
 
 log = logging.getLogger(__name__)
 
@@ -91,9 +100,21 @@ def _operands(data) -> list[str]:
     return [found[0].name] if data["op"] in FIRST_VALUE_ONLY and found else [r.name for r in found]
 
 
-def _walk(g: nx.DiGraph, flow: Flow, roles: dict, start: str) -> tuple[Front, list[str]] | None:
+def _column(g: nx.DiGraph, roles: dict, reader: str) -> bool:
+    """Whether ``reader`` is a column Linear that wraps its plain input itself: a column, or the
+    head (vocab-sharded logits) where it does not gather the stream."""
+    if column_reader(g, roles, reader):
+        return True
+    role = roles.get(module_of(g, reader)) if g.nodes[reader]["kind"] == "call" else None
+    return role is not None and role.kind == "head" and not role.seq_input and is_linear(g, reader)
+
+
+def _walk(g: nx.DiGraph, flow: Flow, roles: dict, start: str,
+          gather: str | None = None) -> tuple[Front, list[str]] | None:
     """Every node reached from ``start`` before a column Linear or a sharded op; with the front
-    values that sharded ops read. None where a path meets anything else."""
+    values that sharded ops read. None where a path meets anything else. With ``gather`` (the
+    module that gathers ``start`` at its entry) only that module's reads of ``start`` are followed:
+    the others read the sequence-sharded value, not the gathered copy."""
     front, meets, todo = Front(start, {start}), [], [start]
     while todo:
         node = todo.pop()
@@ -101,7 +122,9 @@ def _walk(g: nx.DiGraph, flow: Flow, roles: dict, start: str) -> tuple[Front, li
             data = g.nodes[reader]
             if data["op"] in SINKS or reader in front.nodes:
                 continue
-            if column_reader(g, roles, reader):
+            if node == start and gather is not None and gather not in data["stack"]:
+                continue
+            if _column(g, roles, reader):
                 if data["args"][0].name != node:
                     return None  # read as a weight, not as the input
                 front.columns.add(module_of(g, reader))
@@ -116,10 +139,10 @@ def _walk(g: nx.DiGraph, flow: Flow, roles: dict, start: str) -> tuple[Front, li
     return front, meets
 
 
-def front(g: nx.DiGraph, flow: Flow, roles: dict, start: str) -> Front | None:
+def front(g: nx.DiGraph, flow: Flow, roles: dict, start: str, gather: str | None = None) -> Front | None:
     """The front that ``start`` feeds, if its backward can run on partial gradients (see the module
-    docstring); None otherwise."""
-    walked = _walk(g, flow, roles, start)
+    docstring); None otherwise. ``gather``: the module kept whole that gathers ``start`` at entry."""
+    walked = _walk(g, flow, roles, start, gather)
     if walked is None:
         return None
     found, meets = walked
@@ -138,21 +161,25 @@ def front(g: nx.DiGraph, flow: Flow, roles: dict, start: str) -> Front | None:
     if any(node not in on_spans for node in meets):
         return None  # a front value meets the shard other than as a broadcast span
     found.spans = {s: n for s, n in spans.items() if any(m == s or nx.has_path(g, s, m) for m in meets)}
-    return found if _modules_ok(g, roles, found) else None
+    return found if _modules_ok(g, roles, found, gather) else None
 
 
-def _modules_ok(g: nx.DiGraph, roles: dict, found: Front) -> bool:
+def _modules_ok(g: nx.DiGraph, roles: dict, found: Front, gather: str | None = None) -> bool:
     """Whether the modules that run front nodes keep values whole (a container of sharded children,
     the attention module, may only change attributes), the parameters' owners run front nodes
     only, and their parameters are read by front nodes only (one shared with another reader would
-    mix a whole gradient into the partial ones)."""
+    mix a whole gradient into the partial ones). ``gather`` may gather its input (the front's start).
+    The model itself may own none of those parameters: no plan key names the root."""
+    if "" in found.owners:
+        return False
     for module in found.modules | found.owners:
         role = roles.get(module)
         kinds = _WHOLE | _PASSIVE | (_OWN_PARAMS if module not in found.owners else frozenset())
-        if role is not None and (role.kind not in kinds or role.seq_input or role.seq_output or role.seq_join
+        if role is not None and (role.kind not in kinds or (role.seq_input and module != gather)
+                                 or role.seq_output or role.seq_join
                                  or role.entry_inputs or role.width_view or role.partial_grad_inputs):
             return False
-    for owner in found.owners:
+    for owner in found.owners | ({gather} if gather else set()):  # the gatherer's parameters are Partial() too
         inside = [n for n, d in g.nodes(data=True) if owner in d["stack"] and d["kind"] == "call"
                   and d["op"] not in SINKS]
         params = [n for n, d in g.nodes(data=True) if d["kind"] == "param" and d["param"].rpartition(".")[0] == owner]
@@ -183,37 +210,51 @@ def partial_fronts(g: nx.DiGraph, flow: Flow, roles: dict[str, Role], *,
         sequence_parallel: whether the residual stream is sequence-sharded.
 
     Returns:
-        New roles: the norm making the branch input (plain TP ``shared_input``, SP ``seq_norm_gather``,
-        with ``partial_grad``), the front's parameter owners (``partial_grad_module``), its other
-        modules with a style (``replicate``), and one ``shared_entry`` with ``partial_grad`` whose
-        column Linears hand their input gradients back unreduced; None for each shared entry
-        that shared some of those columns' input and is dropped.
+        New roles: the module making the branch input (plain TP a ``shared_input`` norm, SP a
+        ``seq_norm_gather`` norm, with ``partial_grad``; SP a module kept whole that gathers it at
+        entry, ``head_params`` with ``partial_grad_inputs``), the front's parameter owners
+        (``partial_grad_module``), its other modules with a style (``replicate``), and one
+        ``shared_entry`` with ``partial_grad`` whose column Linears hand their input gradients back
+        unreduced (where no module above them can share it, each column's own role with
+        ``partial_grad``); None for each shared entry that shared some of those columns' input
+        and is dropped.
     """
     found: dict[str, Role] = {}
     for entry, start in _entries(g, roles, sequence_parallel=sequence_parallel):
         if entry in found:
             continue  # inside a front found already
-        branch = front(g, flow, roles, start)
+        gather = entry if kind_of(roles, entry) == "replicate" else None
+        branch = front(g, flow, roles, start, gather)
         if branch is None or not branch.columns or not cheaper(g, branch, sequence_parallel=sequence_parallel):
             continue
-        if (branch.modules | branch.owners) & found.keys():
+        if (branch.modules | branch.owners | branch.columns) & found.keys():
             continue
         scope, released = _scope(g, roles, branch, found)
-        if not scope:
+        if not scope and not _unshared({**roles, **found}, branch):
             continue
         found.update(dict.fromkeys(released))  # their columns share the front's wrapper now
-        columns = tuple(sorted(m[len(scope) + 1:] for m in branch.columns))
-        reason = (f"its output feeds modules kept whole ({', '.join(sorted(branch.owners))}) before column Linears "
+        columns = tuple(sorted(m[len(scope) + 1:] if scope else m for m in branch.columns))
+        made = "input" if gather else "output"
+        reason = (f"its {made} feeds modules kept whole ({', '.join(sorted(branch.owners))}) before column Linears "
                   f"({', '.join(columns)}): their partial input gradients are reduced once here, fewer bytes than "
                   f"one all-reduce per column input and rope span")
-        found[entry] = (replace(roles[entry], partial_grad=True, reason=f"{roles[entry].reason}; {reason}")
-                        if sequence_parallel else Role("shared_input", reason, (entry, *sorted(branch.columns)),
-                                                       partial_grad=True))
-        found[scope] = shared_entry(roles, scope, columns, f"its column Linears ({', '.join(columns)}) read values "
-                                    f"computed whole from {entry}'s output: each hands its input gradient back as a "
-                                    f"partial sum, reduced once at {entry}", (start, *sorted(branch.columns)),
-                                    partial_grad=True)
+        if gather:
+            found[entry] = _gathering_entry(g, roles, entry, branch, reason)
+        else:
+            found[entry] = (replace(roles[entry], partial_grad=True, reason=f"{roles[entry].reason}; {reason}")
+                            if sequence_parallel else Role("shared_input", reason, (entry, *sorted(branch.columns)),
+                                                           partial_grad=True))
+        why = (f"read{'s' if len(columns) == 1 else ''} values computed whole from {entry}'s {made}: each hands its "
+               f"input gradient back as a partial sum, reduced once at {entry}")
+        if scope:
+            found[scope] = shared_entry(roles, scope, columns, f"its column Linears ({', '.join(columns)}) {why}",
+                                        (start, *sorted(branch.columns)), partial_grad=True)
+        else:  # no module above the columns to share their input: each takes its own
+            for column in sorted(branch.columns):
+                found[column] = replace(roles[column], partial_grad=True, reason=f"{roles[column].reason}; {why}")
         for module in sorted(branch.modules | branch.owners):
+            if module == entry:
+                continue
             if module in branch.owners:
                 found[module] = Role("partial_grad_module", f"kept whole between {entry} and column Linears: runs "
                                      "its backward on their partial gradients, its parameters' gradients left "
@@ -226,9 +267,10 @@ def partial_fronts(g: nx.DiGraph, flow: Flow, roles: dict[str, Role], *,
 
 
 def _entries(g: nx.DiGraph, roles: dict[str, Role], *, sequence_parallel: bool) -> list[tuple[str, str]]:
-    """``(norm, its one output)`` for each norm that could make a branch input, in graph order (an
-    outer branch before the fronts inside it): SP, one all-gathered to a plain tensor; plain TP, a
-    replicated norm (or one handing columns a DTensor already)."""
+    """``(module, branch input)`` for each module that could make a branch input, in graph order (an
+    outer branch before the fronts inside it): a norm's one output (SP, one all-gathered to a plain
+    tensor; plain TP, a replicated norm or one handing columns a DTensor already), and under SP the
+    one input with a gradient of a module kept whole that gathers the stream at its entry."""
     param_owners = param_modules(g)
     found = []
     for module in param_owners:
@@ -242,7 +284,31 @@ def _entries(g: nx.DiGraph, roles: dict[str, Role], *, sequence_parallel: bool) 
         outputs = module_outputs(g, module)[0] if ok else []
         if len(outputs) == 1:
             found.append((module, outputs[0]))
+    for module, role in roles.items() if sequence_parallel else ():
+        if (role.kind == "replicate" and role.seq_input and not (role.seq_output or role.seq_join or role.entry_inputs
+                                                                 or role.width_view or role.owned_output)):
+            inputs = [n for n in module_inputs(g, module) if made_from_params(g, n)]
+            if len(inputs) == 1:
+                found.append((module, inputs[0]))
     return sorted(found, key=lambda pair: g.nodes[pair[1]]["order"])
+
+
+def _gathering_entry(g: nx.DiGraph, roles: dict[str, Role], entry: str, branch: Front, reason: str) -> Role:
+    """The role of a module kept whole that gathers the branch input at entry: it takes the gathered
+    value with a partial gradient (reduce-scattered there), its own parameters' gradients left
+    ``Partial()`` (:class:`~autotp.styles.HeadParams` with ``partial_grad_inputs``)."""
+    own = tuple(sorted({d["param"].rpartition(".")[2] for _, d in g.nodes(data=True)
+                        if d["kind"] == "param" and d["param"].rpartition(".")[0] == entry}))
+    return Role("head_params", f"{roles[entry].reason}; gathers the sequence-sharded stream at entry and {reason}",
+                (branch.start, entry, *sorted(branch.columns)), grad_reduced=own, partial_grad_inputs=True,
+                seq_input=True)
+
+
+def _unshared(roles: dict[str, Role], branch: Front) -> bool:
+    """Whether no module shares any of the branch's columns' input already (each column may then take
+    its own with a partial gradient)."""
+    return not any(f"{module}.{c}" in branch.columns for module, role in roles.items() if role is not None
+                   for c in shared_columns(role))
 
 
 def _scope(g: nx.DiGraph, roles: dict[str, Role], branch: Front, found: dict[str, Role]) -> tuple[str, set[str]]:

@@ -125,7 +125,10 @@ class Role:
             sum, reduce-scattered; of a ``shared_input``, its plain output's gradient is a partial
             sum, all-reduced; of a ``shared_entry``, the columns' summed input gradient is handed
             back unreduced (every path from such a norm ends in such columns, or in a front of
-            ``partial_grad_module`` modules, :mod:`autotp.synth.fronts`).
+            ``partial_grad_module`` modules, :mod:`autotp.synth.fronts`); of a column Linear
+            (``column``, ``packed_column``, ``kv_column``, ``head``), it takes its plain input with
+            a partial gradient, handed back unreduced, where no module above it can share the input
+            (:class:`~autotp.styles.PartialGradInput`).
         scatter_heads: of a ``row``, its output holds one value per head of its input's shard and
             stays sharded on them (reduce-scattered onto its last dim), for the heads it meets again
             (:func:`~autotp.synth.analysis.per_head_row`).
