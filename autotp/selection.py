@@ -182,10 +182,12 @@ def _candidates(model: nn.Module, sources: tuple[str, ...], sequence_parallel: b
                                  else f"{type(model).__name__} ships no transformers tp plan")
             else:
                 from autotp.synth import analyse_model, build_plan
+                from autotp.synth.api import check_value_branches
 
                 analysis = analyse_model(model, sequence_parallel=sequence_parallel, tp_size=tp_size)
-                yield PlanChoice(build_plan(analysis.roles, analysis.groups, copies=analysis.copies), source, "graph analysis",
-                                 analysis=analysis)
+                plan = build_plan(analysis.roles, analysis.groups, copies=analysis.copies)
+                check_value_branches(model, analysis, plan)
+                yield PlanChoice(plan, source, "graph analysis", analysis=analysis)
         except AutoTPError as error:
             if reraise:
                 raise

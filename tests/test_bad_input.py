@@ -14,7 +14,7 @@ from torch.distributed.device_mesh import init_device_mesh
 
 
 class DataDependent(nn.Module):
-    """A decoder whose block branches on a tensor value: torch.export cannot trace it."""
+    """A decoder whose block branches on a tensor value: torch.export on fake tensors cannot trace it."""
 
     def __init__(self):
         super().__init__()
@@ -66,8 +66,9 @@ IDS = torch.randint(0, 64, (2, 8))
 
 
 def test_untraceable_model_names_module_and_ways_out():
+    """On meta a branch on a value cannot be decided (a materialised model is traced with real values)."""
     with pytest.raises(TraceError) as info:
-        synthesize(DataDependent(), example_inputs=(IDS,))
+        synthesize(DataDependent().to("meta"), example_inputs=(IDS.to("meta"),))
     message = str(info.value)
     assert "layers.0" in message and "example_inputs" in message and "replicate" in message
 

@@ -83,7 +83,39 @@ def synthesize(model: nn.Module, *, example_inputs=None, sequence_parallel: bool
 
         self_check(model, plan, tp_size=tp_size or 2, sequence_parallel=sequence_parallel,
                    loss_parallel=loss_parallel, example_inputs=example_inputs)
+    else:
+        check_value_branches(model, analysis, plan, loss_parallel=loss_parallel)
     return plan
+
+
+def check_value_branches(model: nn.Module, analysis: Analysis, plan: dict[str, ParallelStyle], *,
+                         loss_parallel: bool = True) -> None:
+    """Verify ``plan`` numerically when its trace followed value-dependent branches through a
+    module with parameters (:func:`~autotp.synth.trace.export_model`), whatever ``verify`` says.
+
+    Such a trace holds the branches its example inputs took (the experts their tokens picked), not
+    the others. The self-check runs the plan on inputs of its own, against the unsharded model.
+
+    Raises:
+        VerificationError: the plan differs from the unsharded model.
+        TraceError: the plan could not be checked (no inputs to check it on); it is not handed out.
+    """
+    where = analysis.graph.graph.get("value_branches")
+    if not where:
+        return
+    from autotp.errors import TraceError
+    from autotp.self_check import self_check
+
+    log.info("%s branches on tensor values: checking the plan traced on these inputs' branches", where)
+    report = self_check(model, plan, tp_size=analysis.tp_size or 2, sequence_parallel=analysis.sequence_parallel,
+                        loss_parallel=loss_parallel, example_inputs=analysis.example_inputs)
+    if report is None:
+        raise TraceError(
+            f"{type(model).__name__}: {where} branches on tensor values, so its trace follows only the "
+            "branches the example inputs took, and the plan made from it could not be checked on other "
+            "inputs. Pass example_inputs (or use a model with a transformers config) so that "
+            f"synthesize(verify=True) can check it, or write the plan by hand and leave {where} replicated."
+        )
 
 
 def explain(model: nn.Module | None = None, *, example_inputs=None, sequence_parallel: bool = False,

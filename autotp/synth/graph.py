@@ -29,6 +29,7 @@ import torch
 
 from autotp.errors import TraceError
 from autotp.synth.ops import TRANSPOSES, WEIGHT_CASTS
+from autotp.synth.trace import VALUE_BRANCHES
 from autotp.synth.ref import Ref, refs  # noqa: F401 (re-exported: the graph's node references)
 
 
@@ -128,6 +129,8 @@ def build_graph(program: torch.export.ExportedProgram) -> nx.DiGraph:
     sources = {**{k: ("param", v) for k, v in signature.inputs_to_parameters.items()},
                **{k: ("buffer", v) for k, v in signature.inputs_to_buffers.items()}}
     g = nx.DiGraph()
+    # The module whose value-dependent branches the program follows for its inputs only, if any.
+    g.graph["value_branches"] = program.graph_module.meta.get(VALUE_BRANCHES)
     _add_nodes(g, program.graph_module, program.graph, sources=sources, alias={}, prefix="")
     _products_as_linear(g)
     return g

@@ -315,12 +315,15 @@ def drop_fake_state(model: nn.Module, saved: dict | None = None) -> None:
 def export_model(model: nn.Module, example_inputs=None) -> torch.export.ExportedProgram:
     """``torch.export.export(strict=False)`` with good errors; inputs from the config if not given.
 
-    A branch on a tensor's value (dynamic-NTK rotary embeddings test ``position_ids.max()``) cannot
-    be traced on fake tensors. When it sits in a module without parameters, the branch can change
-    the values it computes (position tables) but not which parameters run or how, so for a
-    materialised model the export is retried with real values propagated: the graph follows the
-    branch these inputs take. A branch in a module with parameters could skip a Linear, or use it
-    differently, on other inputs than the ones traced, so it stays an error.
+    A branch or a loop on a tensor's value (dynamic-NTK rotary embeddings test ``position_ids.max()``;
+    an MoE loops over the experts its tokens picked and skips those none picked) cannot be traced
+    on fake tensors. For a materialised model the export is retried with real values propagated:
+    the graph follows the branches these inputs take, with shapes specialised to them. A branch in
+    a module without parameters can change the values it computes (position tables) but not which
+    parameters run or how. One in a module with parameters could skip a Linear, or use it
+    differently, on other inputs than the ones traced: the program then names that module in
+    ``graph_module.meta[VALUE_BRANCHES]``, and the plan made from it is checked numerically before
+    it is handed out (:func:`autotp.synth.api.check_value_branches`).
 
     A module that stores tensors on itself while traced (a rotary cache of sin/cos tables kept in
     a dict) is given its state back after each export (:func:`drop_fake_state`): the next export, or
@@ -333,21 +336,112 @@ def export_model(model: nn.Module, example_inputs=None) -> torch.export.Exported
     try:
         return _export(model, args, kwargs, real_values=False)
     except Exception as error:  # export raises many unrelated types; all mean "cannot trace"
-        if data_dependent(error) and not on_meta(model) and _parameter_free(model, error):
+        if data_dependent(error) and not on_meta(model):
             log.info("export met a data-dependent branch; retrying with real values: %s", error)
             try:
-                return _export(model, args, kwargs, real_values=True)
+                with _value_guards(model) as decided:
+                    program = _export(model, args, kwargs, real_values=True)
             except Exception:  # report the first failure: it names the branch
                 pass
+            else:
+                decided.append(failing_module_name(model, error))
+                holding = sorted({fqn for fqn in decided if not _parameter_free_module(model, fqn)})
+                if holding:
+                    program.graph_module.meta[VALUE_BRANCHES] = ", ".join(holding)
+                return program
         raise _trace_error(model, error) from error
+
+
+@contextlib.contextmanager
+def _value_guards(model: nn.Module):
+    """Collect the FQN of the module running each time a guard is decided by a real value.
+
+    Export logs each such decision (``propagate_real_tensors evaluate_expr(...)``) as a warning from
+    inside the forward that asked, so the stack then names the module. The records are kept from
+    the user: the decisions are reported as the program's :data:`VALUE_BRANCHES` instead.
+    """
+    names = {id(module): name for name, module in model.named_modules()}
+    decided: list[str] = []
+
+    class _Record(logging.Handler):
+        def emit(self, record):
+            if str(record.msg).startswith("propagate_real_tensors"):
+                decided.append(_running_module(names) or type(model).__name__)
+
+    logger = logging.getLogger(_EXPORT_LOGGERS[0])
+    handler, level, propagate = _Record(), logger.level, logger.propagate
+    logger.addHandler(handler)
+    logger.setLevel(logging.WARNING)
+    logger.propagate = False
+    try:
+        yield decided
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(level)
+        logger.propagate = propagate
+
+
+def _running_module(names: dict[int, str]) -> str | None:
+    """FQN of the innermost module in ``names`` whose code is on the current stack (as
+    :func:`~autotp.synth.validate.failing_module` reads a traceback)."""
+    frame = sys._getframe(1)
+    while frame is not None:
+        owner = frame.f_locals.get("self")
+        if id(owner) in names and not frame.f_code.co_name.startswith("_"):
+            return names[id(owner)] or "<root>"
+        frame = frame.f_back
+    return None
+
+
+def _parameter_free_module(model: nn.Module, fqn: str) -> bool:
+    """Whether the module ``fqn`` of ``model`` (``<root>`` for the model) holds no parameters; a name
+    that is no module (the model's class, where none was found) counts as holding some."""
+    if fqn == "<root>":
+        module = model
+    else:
+        try:
+            module = model.get_submodule(fqn)
+        except AttributeError:
+            return False
+    return next(module.parameters(), None) is None
+
+
+# Key of ``graph_module.meta`` naming the module with parameters whose value-dependent branches the
+# program follows for its example inputs only (see :func:`export_model`).
+VALUE_BRANCHES = "autotp_value_branches"
+
+
+def failing_module_name(model: nn.Module, error: BaseException) -> str:
+    """FQN of the module running when ``error`` was raised, or the model's class if none is known."""
+    from autotp.synth.validate import failing_module
+
+    return failing_module(model, error) or type(model).__name__
+
+
+class _NonzeroTuples(torch.overrides.TorchFunctionMode):
+    """``torch.where(c)`` and ``nonzero(as_tuple=True)`` as ``c.nonzero().unbind(1)`` (the same
+    tensors). Traced with real values, torch 2.13's own decomposition of those two loses the
+    unbacked size of its result (``PendingUnbackedSymbolNotFound``); the spelled-out form keeps it.
+    """
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        tensor = args[0] if args else kwargs.get("condition", kwargs.get("input"))
+        tuples = ((func is torch.where and len(args) + len(kwargs) == 1)
+                  or (func in (torch.nonzero, torch.Tensor.nonzero) and kwargs.get("as_tuple")))
+        if tuples and isinstance(tensor, torch.Tensor) and tensor.dim() > 0:
+            return tensor.nonzero().unbind(1)
+        return func(*args, **kwargs)
 
 
 def _export(model: nn.Module, args: tuple, kwargs: dict, *, real_values: bool) -> torch.export.ExportedProgram:
     import torch._functorch.config as functorch_config
 
     before = {module: dict(vars(module)) for module in model.modules()}
+    rewrites = _NonzeroTuples() if real_values else contextlib.nullcontext()
     try:
-        with torch.no_grad(), _quiet(_EXPORT_LOGGERS), \
+        # With real values, the loggers are left to :func:`_value_guards`, which reads and keeps them.
+        with torch.no_grad(), _quiet(() if real_values else _EXPORT_LOGGERS), rewrites, \
                 functorch_config.patch(fake_tensor_propagate_real_tensors=real_values):
             return torch.export.export(model, args, kwargs, strict=False)
     finally:
@@ -356,22 +450,14 @@ def _export(model: nn.Module, args: tuple, kwargs: dict, *, real_values: bool) -
 
 def data_dependent(error: BaseException) -> bool:
     """Whether ``error`` is a branch or read on a tensor's value that fake tensors cannot decide."""
-    from torch._subclasses.fake_tensor import DataDependentOutputException
+    from torch._subclasses.fake_tensor import DataDependentOutputException, DynamicOutputShapeException
     from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
 
-    return (isinstance(error, (GuardOnDataDependentSymNode, DataDependentOutputException))
+    # DynamicOutputShapeException: an op whose output size is a value (``nonzero``) met on fake
+    # tensors without a shape environment (the capture forward of :mod:`~autotp.synth.local_run`).
+    kinds = (GuardOnDataDependentSymNode, DataDependentOutputException, DynamicOutputShapeException)
+    return (isinstance(error, kinds)
             or "data-dependent" in str(error))
-
-
-def _parameter_free(model: nn.Module, error: BaseException) -> bool:
-    """Whether the innermost module running when ``error`` was raised holds no parameters."""
-    from autotp.synth.validate import failing_module
-
-    where = failing_module(model, error)
-    if where is None:
-        return False
-    module = model if where == "<root>" else model.get_submodule(where)
-    return next(module.parameters(), None) is None
 
 
 def on_meta(model: nn.Module) -> bool:
