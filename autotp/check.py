@@ -229,6 +229,12 @@ def _graph_findings(model: nn.Module, resolved: dict, example_inputs, tp_size: i
         if need and not isinstance(style_of.get(module), need[0]):
             problem, _, fix = need[1].partition("; ")
             findings.append(Finding(module, problem, fix, f"{role.kind}_style"))
+    for module in flow.width_stats:
+        if not _wraps(resolved[module][1] if module in resolved else None, styles.ShardedStatistics):
+            findings.append(Finding(module, "its code takes statistics (a mean, a std) over the width its column "
+                                    "Linears shard, so each rank would read only its own slice",
+                                    "use ShardedStatistics() on it and ColwiseParallel(use_local_output=False) on "
+                                    "its columns, or leave those columns replicated", "width_stats_style"))
     findings += _param_findings(g, flow, style_of, {**{m: None for m in linears.values()}, **demanded})
     roles = _plan_roles(style_of, set(linears.values()))
     views = {fqn: view for fqn, (_, style) in resolved.items() if (view := _width_view(style)) is not None}
@@ -292,6 +298,15 @@ def _plan_roles(style_of: dict, linear_modules: set[str]) -> dict:
         elif isinstance(style, HeadParams):
             roles[module] = Role("head_params", "", param_dims=tuple(style.shard_dims.items()))
     return roles
+
+
+def _wraps(style: ParallelStyle | None, kind: type) -> bool:
+    """Whether ``style`` is, or wraps, a ``kind`` style."""
+    while style is not None:
+        if isinstance(style, kind):
+            return True
+        style = getattr(style, "wrapped", None)
+    return False
 
 
 def _divided_counts(style: ParallelStyle | None) -> tuple[str, ...]:

@@ -11,6 +11,8 @@ options, static ``_prepare_input_fn`` / ``_prepare_output_fn``, and a comment on
   gradients are partial (a per-head norm such as Qwen3's QK-norm on head-sharded tensors).
 - :class:`WidthShardedNorm`: a norm over a width that is sharded (OLMo2 QK-norm), kept exact by
   reducing its statistic across ranks.
+- :class:`ShardedStatistics`: a block whose own code takes per-token statistics (mean, std) over its
+  sharded width runs on DTensors, each statistic all-reduced where it is made.
 - :class:`BroadcastRowwiseParallel`: a row-parallel Linear whose output spans are broadcast along a
   sharded dim downstream (a scan's state projections), their gradient all-reduced.
 - :class:`PackedColwiseParallel`: a column-parallel Linear whose output is split into parts
@@ -88,6 +90,7 @@ from autotp.styles.linear import (
     RowwiseParallelInOut,
 )
 from autotp.styles.params import HeadParams
+from autotp.styles.statistics import ShardedStatistics
 from autotp.styles.raw_linear import LinearParams
 from autotp.styles.torch_attention import MultiheadAttentionParallel
 from autotp.styles.norms import HeadShardedNorm, ReplicatedWithGradAllReduce, WidthShardedNorm
@@ -132,5 +135,6 @@ __all__ = [
     "ShardedInputs",
     "VocabParallelEmbedding",
     "WidthShardedNorm",
+    "ShardedStatistics",
     "packed_row_order",
 ]

@@ -23,6 +23,7 @@ import networkx as nx
 from autotp.synth.graph import Ref, param_modules, refs
 from autotp.synth.experts import bias_breaks, expert_bias, partial_sum_breaks, selected_weight
 from autotp.synth.entries import stray_entry_reads
+from autotp.synth.statistics import block_statistic, statistic_breaks, statistic_in_block
 from autotp.synth.params import reading_module, stray_param_reads, stray_tree_reads
 from autotp.synth.ops import FIRST_VALUE_ONLY, GROUPED_MATMULS, NO_VALUES, SCALINGS, SELECTING_PRODUCTS, STACKED_MATMULS, WRITE_VIEWS, WRITES
 from autotp.synth.ops import (ATTENTION, ELEMENTWISE, MATMULS, PASSTHROUGH, SINKS, VIEW_LIKE, Break, Given, Out, Parts,
@@ -73,6 +74,7 @@ class Flow:
     split_nodes: dict = field(default_factory=dict)  # root -> nodes that cut its output into parts
     part_views: set = field(default_factory=set)  # roots whose parts a view puts on a dim of their own
     width_norms: dict = field(default_factory=dict)  # module -> node that reduces
+    width_stats: dict = field(default_factory=dict)  # block -> its statistics of the shard (statistics.py)
     extent: dict = field(default_factory=dict)  # root -> gcd of every sharded extent it reached
     roots: set = field(default_factory=set)  # candidates that started a shard this pass
     unit_heads: frozenset = frozenset()  # candidates whose views may split off one head (one-kv-head k/v)
@@ -266,7 +268,7 @@ class Flow:
         itself (a width norm's statistic, whose style reduces it), or when it comes from one span of a
         Linear kept whole (:meth:`broadcast_from`). A gate from a whole Linear broadcast over the
         heads is otherwise refused: its gradient would stay a per-rank partial sum."""
-        if self.norm_statistic(other):
+        if self.norm_statistic(other) or block_statistic(self, other):
             return True
         found = upstream_linears(self.g, other)
         if found is None:  # a parameter enters on the way: reduce at a whole module's output, or none is behind it
@@ -982,7 +984,8 @@ def propagate(g: nx.DiGraph, active: set[str], unit_heads: frozenset = frozenset
         flow.meeting, flow.deciding = tuple(flow.state[s] for s in dims), name
         result = apply_rule(g, name, dims, flow)
         if isinstance(result, Break):
-            if result.reduction and _reduction_in_norm(flow, data, origins, owners, callers):
+            if result.reduction and (_reduction_in_norm(flow, data, origins, owners, callers)
+                                     or statistic_in_block(flow, name, data, origins)):
                 continue
             for o in result.only or origins:
                 flow.broken.setdefault(o, (result.reason, name))
@@ -993,6 +996,8 @@ def propagate(g: nx.DiGraph, active: set[str], unit_heads: frozenset = frozenset
         _record(flow, name, result, origins, next(iter(dims)), dims)
         if data["op"] in WRITES:
             _written(flow, name, data)
+    for root, why in statistic_breaks(flow).items():
+        flow.broken.setdefault(root, why)
     return flow
 
 

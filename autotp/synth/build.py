@@ -43,6 +43,8 @@ def style_for(role: Role, *, loss_parallel: bool = True) -> ParallelStyle | None
         style = styles.SharedReplicatedInput(columns=role.shared_columns, partial_grad=role.partial_grad, style=style)
     if role.width_view:
         style = styles.LocalWidthInputs(inputs=role.width_view[0], readers=role.width_view[1], style=style)
+    if role.statistics:
+        style = styles.ShardedStatistics(style=style)
     return style
 
 
@@ -116,7 +118,7 @@ def _experts(role: Role, loss_parallel: bool) -> ParallelStyle:
 # Role kind -> style, one entry per kind of ``ROLE_KINDS`` (``None``: the module stays replicated).
 # Column Linears shard weight rows (Shard(0), as Linear is x @ W^T + b).
 _STYLES: dict[str, Callable[[Role, bool], ParallelStyle | None]] = {
-    "column": lambda role, lp: ColwiseParallel(**_seq_in(role)),
+    "column": lambda role, lp: ColwiseParallel(**_seq_in(role), use_local_output=not role.dtensor_output),
     "gathered_column": lambda role, lp: ColwiseParallel(output_layouts=Replicate()),
     "kv_column": lambda role, lp: styles.ReplicatedKVColwise(kv_heads=role.kv_heads, head_dim=role.head_dim,
                                                              **_seq_in(role)),
@@ -156,6 +158,7 @@ _STYLES: dict[str, Callable[[Role, bool], ParallelStyle | None]] = {
     "partial_grad_module": lambda role, lp: styles.ReplicatedWithGradAllReduce(),
     "multihead_attention": lambda role, lp: styles.MultiheadAttentionParallel(sequence_parallel=role.seq_output),
     "entry_shard": lambda role, lp: None,  # the ShardedInputs wrapper alone (see style_for)
+    "width_stats": lambda role, lp: None,  # the ShardedStatistics wrapper alone (see style_for)
     "replicate": lambda role, lp: _replicated_at_sequence_edge(role),
 }
 

@@ -57,13 +57,18 @@ VIEW_LIKE = frozenset({"view", "reshape", "_unsafe_view", "flatten", "unflatten"
 # A reduction over the sharded dimension needs the whole dimension (a norm statistic, a softmax).
 REDUCTIONS = {
     "mean": (1, False), "sum": (1, False), "amax": (1, False), "amin": (1, False),
-    "var": (1, False), "std": (1, False), "var_mean": (1, False), "logsumexp": (1, False),
+    "var": (1, False), "std": (1, False), "var_mean": (1, False), "std_mean": (1, False), "logsumexp": (1, False),
     "argmax": (1, False), "argmin": (1, False), "max": (1, False), "min": (1, False),
     "linalg_vector_norm": (2, False), "norm": (2, False), "prod": (1, False), "all": (1, False),
     "any": (1, False),
     "softmax": (1, True), "_softmax": (1, True), "log_softmax": (1, True), "_log_softmax": (1, True),
     "cumsum": (1, True), "cumprod": (1, True),
 }
+
+# Reductions that are sums of the reduced elements (or of their deviations from such a sum): over a
+# sharded dim, each rank's partial sum all-reduced gives the statistic exactly (a block's
+# per-token mean and std, :mod:`autotp.synth.statistics`). Not max, median, top-k or softmax.
+STATISTICS = frozenset({"mean", "sum", "var", "std", "var_mean", "std_mean"})
 
 # Fused norms over the trailing ``len(normalized_shape)`` dims (argument 1); the shape is kept.
 FUSED_NORMS = frozenset({"layer_norm", "rms_norm", "native_layer_norm", "_fused_rms_norm"})
@@ -569,7 +574,7 @@ def _reduction(g, name, dims, ctx):
 
 
 # Reductions that return two tensors of the reduced shape when given a dim.
-_TUPLE_REDUCTIONS = frozenset({"max", "min", "var_mean"})
+_TUPLE_REDUCTIONS = frozenset({"max", "min", "var_mean", "std_mean"})
 
 
 def _fused_norm(g, name, dims, ctx):

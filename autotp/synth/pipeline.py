@@ -40,6 +40,7 @@ from autotp.synth.roles import Role
 from autotp.synth.sequence import sequence_parallel_roles, unshardable_stream
 from autotp.synth.partial_sums import partial_sum_blocks
 from autotp.synth.shared import shared_input_roles
+from autotp.synth.statistics import statistics_roles
 from autotp.synth.torch_attention import multihead_attention_roles
 from autotp.synth.trace import LayerGroups, repeated_lists, trace
 from autotp.synth.validate import require_language_model, require_repeated_block
@@ -296,6 +297,12 @@ def mixed_column_inputs(a: Analysis) -> Analysis:
     return replace(a, roles=mixed_inputs(a.graph, a.flow, a.roles, sequence_parallel=a.sequence_parallel))
 
 
+def width_statistics(a: Analysis) -> Analysis:
+    """Blocks whose own code takes per-token statistics over their sharded width run on DTensors,
+    each statistic all-reduced (:mod:`autotp.synth.statistics`); their columns hand on DTensors."""
+    return replace(a, roles=statistics_roles(a.graph, a.flow, a.roles))
+
+
 def sliced_entries(a: Analysis) -> Analysis:
     """Modules that take a value made outside them (a per-head bias built at the root) sliced to
     their heads on entry; after the passes that give those modules roles of their own."""
@@ -357,7 +364,7 @@ def untraced_linears(a: Analysis) -> Analysis:
 # The passes after the fixpoint, in order.
 POST_PASSES: tuple[Callable[[Analysis], Analysis], ...] = (
     shard_counts, kv_replication, torch_attention, sequence_parallel, shared_inputs, partial_sums, whole_fronts,
-    mixed_column_inputs, sliced_entries,
+    mixed_column_inputs, width_statistics, sliced_entries,
     divisibility,
     owned_outputs,
     untraced_linears,

@@ -16,6 +16,8 @@ ROLE_KINDS = {
     "vocab_embedding": "Embedding looked up by input ids, sharded over the vocabulary",
     "head_norm": "norm on a head-sharded tensor, reducing over unsharded dims only",
     "width_norm": "norm reducing over a sharded width; its statistic is all-reduced",
+    "width_stats": "block whose own code reduces its sharded width to per-token statistics (mean, std): "
+                   "run on DTensors, each statistic all-reduced",
     "seq_norm": "sequence-parallel norm on the residual stream (output stays sequence-sharded)",
     "seq_norm_gather": "sequence-parallel norm whose output is all-gathered once for column Linears",
     "experts": "grouped experts (3-D parameters) sharded on the FFN dim; output all-reduced after the module",
@@ -104,7 +106,8 @@ class Role:
             rather than a view of a DTensor's local shard.
         dtensor_output: of ``seq_norm_gather`` / ``seq_gather`` / ``moe_block``, the gathered value
             stays a ``Replicate()`` DTensor: every reader is a column Linear, or the experts, router
-            and modules kept whole of a MoE block, whose input gradients are then reduce-scattered once.
+            and modules kept whole of a MoE block, whose input gradients are then reduce-scattered once;
+            of a ``column``, its output stays a ``Shard(-1)`` DTensor (read by a ``statistics`` block).
         partial_output: of a ``row``, its output stays ``Partial()``: a parallel block adds it to
             another row's before one reduction.
         partial_local: of a ``row``, its output is the plain per-rank partial sum, added up by a
@@ -140,6 +143,10 @@ class Role:
             the per-rank width, and the column Linears ``reader`` (relative names) read the real ones.
         shared_columns: of a ``shard_counts``, column Linears inside it (relative names) that read one
             tensor and share one ``Replicate()`` DTensor of it, as a ``shared_entry``'s ``names`` do.
+        statistics: of any role, the module's own code reduces its sharded width to per-token
+            statistics (:mod:`autotp.synth.statistics`): its style runs that code on DTensors
+            (:class:`~autotp.styles.ShardedStatistics`); of a ``column`` inside such a module,
+            ``dtensor_output`` hands its output on as a ``Shard(-1)`` DTensor.
         all_outputs: of a ``seq_gather`` with ``seq_output``, the stream reads several of the
             module's outputs (a hyper-connection's branch input and output weights): each
             per-position output is sliced back, not only the first.
@@ -180,6 +187,7 @@ class Role:
     shared_columns: tuple[str, ...] = ()
     copied: tuple[tuple[int, int], ...] = ()
     scatter_heads: bool = False
+    statistics: bool = False
 
     def __post_init__(self):
         if self.kind not in ROLE_KINDS:
