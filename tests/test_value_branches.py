@@ -124,3 +124,34 @@ def test_nonzero_tuples_are_rewritten_only_under_real_values():
     assert torch.equal(rows, torch.tensor([0, 1])) and torch.equal(cols, torch.tensor([0, 1]))
     assert all(torch.equal(a, b) for a, b in zip(again, (rows, cols)))
     assert torch.equal(picked, c.long())
+
+
+
+class ParamDecidedCount(nn.Module):
+    """Keeps as many scores as are positive (a router's choice, in small): the graph's shapes depend
+    on the parameter's values, not only on the input's."""
+
+    def __init__(self):
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(3, 4))
+
+    def forward(self, x):
+        scores = torch.nn.functional.linear(x, self.weight.type(torch.float32)).flatten()
+        kept = int((scores > 0).sum().item())
+        return scores[: kept + 1] * 2
+
+
+@pytest.mark.parametrize("sign", [1.0, -1.0], ids=["positive", "negative"])
+def test_real_value_trace_reads_the_parameters_own_values(sign):
+    """Would catch torch's real-value export giving an ``nn.Parameter`` uninitialised memory as its
+    value (it copies only exact ``torch.Tensor``s): the graph then follows a branch the model does
+    not take (LongCat-Flash's router sent every traced token to two zero-compute experts)."""
+    torch.manual_seed(0)
+    module = ParamDecidedCount()
+    x = torch.ones(2, 4)
+    with torch.no_grad():
+        module.weight.copy_(sign * (torch.rand(3, 4) + 0.1))
+        expected = module(x).shape
+    program = export_model(module, (x,))
+    output = next(n for n in program.graph.nodes if n.op == "output").args[0][0]
+    assert tuple(output.meta["val"].shape) == tuple(expected), (output.meta["val"].shape, expected)

@@ -35,6 +35,17 @@ class ExpertsParallel(LocalParamsStyle):
     added by rank 0 only (zero elsewhere), their gradient ``Partial()``, as Megatron adds a row's
     bias once after the reduction.
 
+    Terms whole on every rank may be added to that partial sum too: zero-compute (identity) experts
+    add the routed tokens times their routing weight, computed alike by every rank. The output on
+    rank r is then ``P_r + W``, ``P_r`` linear in the down projection, ``W`` free of it, and the
+    all-reduce would count ``W`` tp times. With ``scale_rows`` the named parameters are multiplied
+    by tp on each rank and the output divided by tp: ``(tp * P_r + W) / tp = P_r + W / tp``, summed
+    over ranks ``sum(P_r) + W``. ``W``'s gradient is ``1 / tp`` of the full one on each rank, which the
+    inputs' reduction in backward adds up; the rows' own gradient is unchanged (times tp, divided
+    by tp). A per-expert bias is such a term too, so ``once`` is not needed (and refused) with it.
+    Exact in floating point for a power-of-two tp; a float16 down projection's output must stay
+    below ``65504 / tp``.
+
     Keyword Args:
         shard_dims (dict[str, int]): parameter name -> sharded dim.
         packed (dict[str, int]): parameter name -> number of equal parts fused along its sharded dim.
@@ -42,24 +53,37 @@ class ExpertsParallel(LocalParamsStyle):
             plain floating inputs come from a :class:`PartialGradRouter`. Default: False.
         once (tuple[str, ...]): replicated parameters added to the per-rank partial sum, added by
             one rank only. Default: none.
+        scale_rows (tuple[str, ...]): row parameters (read only by products whose outputs reach the
+            output linearly) multiplied by tp while the output is divided by tp, so terms whole on
+            every rank count once. Default: none.
 
     Example::
         >>> plan = {"model.layers.*.mlp.experts": ExpertsParallel()}
         >>> loop = ExpertsParallel(shard_dims={"gate_up": 2, "gate_up_bias": 1, "down": 1}, packed={},
         ...                        once=("down_bias",))
+        >>> identity_experts = ExpertsParallel(scale_rows=("down_proj",))
     """
 
     def __init__(self, *, shard_dims: dict[str, int] | None = None, packed: dict[str, int] | None = None,
-                 partial_grad_inputs: bool = False, once: tuple[str, ...] = ()):
+                 partial_grad_inputs: bool = False, once: tuple[str, ...] = (), scale_rows: tuple[str, ...] = ()):
         super().__init__()
         self.shard_dims = dict(shard_dims or {"gate_up_proj": 1, "down_proj": 2})
         self.packed = dict(packed if packed is not None else {"gate_up_proj": 2})
         self.partial_grad_inputs = partial_grad_inputs
         self.once = tuple(once)
+        self.scale_rows = tuple(scale_rows)
         if set(self.once) & set(self.shard_dims):
             raise PlanError(f"ExpertsParallel: {sorted(set(self.once) & set(self.shard_dims))} are both sharded "
                             "(shard_dims) and added once to the partial sum (once); a parameter added to the "
                             "partial sum is replicated: drop it from one of them")
+        if self.once and self.scale_rows:
+            raise PlanError(f"ExpertsParallel: once={self.once} with scale_rows={self.scale_rows}; scaling the rows "
+                            "already counts every whole addend once, per-expert biases included (added by one rank "
+                            "they would count 1/tp): drop once")
+        if set(self.scale_rows) - set(self.shard_dims):
+            raise PlanError(f"ExpertsParallel: scale_rows names {sorted(set(self.scale_rows) - set(self.shard_dims))}, "
+                            f"which are not sharded (shard_dims: {sorted(self.shard_dims)}); name the row "
+                            "parameters (the down projections) whose products make the partial sum")
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         missing = [name for name in self.once if not isinstance(getattr(module, name, None), nn.Parameter)]
@@ -83,7 +107,27 @@ class ExpertsParallel(LocalParamsStyle):
                 return args, kwargs
 
             module.register_forward_pre_hook(added_once, with_kwargs=True)
+        if self.scale_rows:
+            scale_rows, tp = self.scale_rows, device_mesh.size()
+
+            def rows_times_tp(mod, args, kwargs):
+                # After the base pre-hook: the local shards, multiplied with autograd (their
+                # gradient times tp, undone by the output's division).
+                for name in scale_rows:
+                    mod._parameters[name] = mod._parameters[name] * tp
+                return args, kwargs
+
+            module.register_forward_pre_hook(rows_times_tp, with_kwargs=True)
         return module
+
+    def _scaled_output(self, output, device_mesh):
+        """The per-rank output divided by tp where the rows were multiplied by tp."""
+        if not self.scale_rows:
+            return output
+        if not isinstance(output, torch.Tensor):
+            raise PlanError(f"ExpertsParallel(scale_rows={self.scale_rows}) needs one tensor output to divide by tp; "
+                            f"the module returned {type(output).__name__}")
+        return output / device_mesh.size()
 
     def _placement(self, name, param):
         return Shard(self.shard_dims[name]) if name in self.shard_dims else Replicate()
@@ -128,11 +172,12 @@ class ExpertsParallel(LocalParamsStyle):
         return args, kwargs
 
     def _prepare_output(self, output, device_mesh):
-        return all_reduce_forward(output, device_mesh)
+        return all_reduce_forward(self._scaled_output(output, device_mesh), device_mesh)
 
     def __repr__(self) -> str:
         extra = ", partial_grad_inputs=True" if self.partial_grad_inputs else ""
         extra += f", once={self.once}" if self.once else ""
+        extra += f", scale_rows={self.scale_rows}" if self.scale_rows else ""
         return f"{self.__class__.__name__}(shard_dims={self.shard_dims}, packed={self.packed}{extra})"
 
 
@@ -255,7 +300,7 @@ class PartialExpertsParallel(ExpertsParallel):
     slice of every expert contributes to them), as in the parent style.
 
     Keyword Args:
-        shard_dims, packed: as for :class:`~autotp.styles.ExpertsParallel`.
+        shard_dims, packed, once, scale_rows: as for :class:`~autotp.styles.ExpertsParallel`.
 
     Example::
         >>> from torch.distributed.tensor import Partial, Shard
@@ -266,7 +311,7 @@ class PartialExpertsParallel(ExpertsParallel):
     """
 
     def _prepare_output(self, output, device_mesh):
-        return output
+        return self._scaled_output(output, device_mesh)
 
 
 class SequenceParallelMoEBlock(GatherSequenceInput):

@@ -136,6 +136,7 @@ def expert_roles(g: nx.DiGraph, flow: Flow, dropped: dict[str, str], roles: dict
     dims: dict[str, dict[str, int]] = {}
     parts: dict[str, dict[str, int]] = {}
     evidence: dict[str, tuple] = {}
+    row_params: dict[str, set[str]] = {}
     for name in set(flow.rows) | set(flow.roots) | set(dropped):
         weight = weight_of(g, name)
         if weight is None or len(g.nodes[weight.node]["shape"]) != 3 or raw_weight(g, name):
@@ -144,6 +145,7 @@ def expert_roles(g: nx.DiGraph, flow: Flow, dropped: dict[str, str], roles: dict
         dims.setdefault(module, {})
         if name in flow.rows:
             dims[module][pname] = weight.in_dim
+            row_params.setdefault(module, set()).add(pname)
         elif name in flow.roots:
             dims[module][pname] = weight.out_dim
             if name in flow.splits:
@@ -159,11 +161,11 @@ def expert_roles(g: nx.DiGraph, flow: Flow, dropped: dict[str, str], roles: dict
         biases, bias_parts = _expert_bias_dims(g, flow, module)
         by_param.update(biases)
         parts.setdefault(module, {}).update(bias_parts)
-        once = _once_params(g, flow, module)
-        out[module] = Role("experts", "per-expert column/row pair over the FFN dim"
-                           + (f"; {', '.join(once)} added to the partial sum by one rank" if once else ""),
+        once, scaled, note = _whole_addends(g, flow, module, row_params.get(module, set()))
+        out[module] = Role("experts", "per-expert column/row pair over the FFN dim" + note,
                            evidence[module], param_dims=tuple(sorted(by_param.items())),
-                           param_parts=tuple(sorted(parts.get(module, {}).items())), once=once)
+                           param_parts=tuple(sorted(parts.get(module, {}).items())), once=once,
+                           scale_rows=scaled)
     return out
 
 
@@ -182,6 +184,23 @@ def _expert_bias_dims(g: nx.DiGraph, flow: Flow, module: str) -> tuple[dict[str,
         if len(counts) == 1 and counts != {1}:
             parts[pname] = counts.pop()
     return dims, parts
+
+
+def _whole_addends(g: nx.DiGraph, flow: Flow, module: str,
+                   rows: set[str]) -> tuple[tuple[str, ...], tuple[str, ...], str]:
+    """``(once, scale_rows, note)`` of an experts ``module``: the per-expert biases added to its rows'
+    partial sums by one rank; or, where other terms whole on every rank are added to them too
+    (:func:`~autotp.synth.experts.whole_terms`), its row parameters scaled by tp (the biases are
+    then whole terms as well). ``note`` says which, for the role's reason."""
+    from autotp.synth.experts import whole_terms
+
+    once = _once_params(g, flow, module)
+    whole = whole_terms(g, [r for r in flow.rows if module_of(g, r) == module], module)
+    if not whole:
+        return once, (), f"; {', '.join(once)} added to the partial sum by one rank" if once else ""
+    terms = ", ".join(sorted(whole)[:3]) + (", ..." if len(whole) > 3 else "")
+    return (), tuple(sorted(rows)), (f"; terms whole on every rank ({terms}) added to the partial sum: "
+                                     f"{', '.join(sorted(rows))} times tp, the output divided by tp, so they count once")
 
 
 def _once_params(g: nx.DiGraph, flow: Flow, module: str) -> tuple[str, ...]:

@@ -13,6 +13,14 @@ feature dim (:func:`expert_bias`). A row's output is a per-rank partial sum, red
 experts module; until then only ops linear in it may read it (:func:`partial_sum_breaks`), and a bias
 added to it (``down_bias[e]``) is added by one rank only (:func:`once_params`), as Megatron adds a
 row's bias once after the reduction.
+
+Terms whole on every rank may also be added into that running sum (:func:`partial_sum_reach` with
+``whole``): zero-compute experts that add the routed tokens times their routing weight, any addend
+computed from the module's replicated inputs only. The output is then ``P_r + W`` on rank ``r``, ``P_r``
+linear in the rows' weight and ``W`` free of it: the experts style multiplies the rows' weight by tp
+and divides the output by tp (``scale_rows``), so ``P_r`` is unchanged and the reduction adds ``W / tp``
+tp times. An addend that reads a parameter of the module, or is added other than by a sum, is not
+such a term: the experts stay whole.
 """
 
 from __future__ import annotations
@@ -126,14 +134,29 @@ def _picks_experts(g: nx.DiGraph, name: str) -> bool:
 
 def _partial_sum_walk(g: nx.DiGraph, rows: list[str], module: str) -> tuple[set[str], str | None]:
     """The parameters added to the partial sums of ``rows`` inside ``module`` (biases), and the first
-    op that reads a partial sum other than linearly (None if none does)."""
-    _, once, reason = partial_sum_reach(g, rows, module)
+    op that reads a partial sum other than linearly (None if none does); whole terms are accepted
+    (:func:`whole_terms`)."""
+    _, once, reason = partial_sum_reach(g, rows, module, whole=set())
     return once, reason
 
 
-def partial_sum_reach(g: nx.DiGraph, rows: list[str], module: str) -> tuple[set[str], set[str], str | None]:
+def whole_terms(g: nx.DiGraph, rows: list[str], module: str) -> set[str]:
+    """Nodes whole on every rank that ``module`` adds to its 3-D experts rows' partial sums (zero-compute
+    experts' tokens times their weight): with any, the style scales the rows (``scale_rows``)."""
+    found: set[str] = set()
+    partial_sum_reach(g, rows, module, whole=found)
+    return found
+
+
+def partial_sum_reach(g: nx.DiGraph, rows: list[str], module: str,
+                      whole: set[str] | None = None) -> tuple[set[str], set[str], str | None]:
     """:func:`_partial_sum_walk` with the nodes holding partial sums: ``(reached, once, reason)``;
-    ``reached`` is complete only where ``reason`` is None."""
+    ``reached`` is complete only where ``reason`` is None.
+
+    Args:
+        whole: where given, terms whole on every rank added to a partial sum (:func:`whole_value`)
+            are accepted and collected here; else such a sum is a reason.
+    """
     reached, once = set(rows), set()
     inside = sorted((n for n, d in g.nodes(data=True) if d["kind"] == "call" and module in d["stack"]),
                     key=lambda n: g.nodes[n]["order"])
@@ -143,30 +166,46 @@ def partial_sum_reach(g: nx.DiGraph, rows: list[str], module: str) -> tuple[set[
         partial = [n for n in inputs if n in reached]
         if user in reached or not partial or data["op"] in SINKS | ZEROS:
             continue  # zeros shaped like a partial sum read none of its values
-        reason = _nonlinear(g, user, inputs, partial, once)
+        reason = _nonlinear(g, user, inputs, partial, once, whole, module)
         if reason:
             return reached, once, reason
         reached.add(user)
     return reached, once, None
 
 
-def _nonlinear(g: nx.DiGraph, name: str, inputs: list[str], partial: list[str], once: set[str]) -> str | None:
-    """Why node ``name`` is not linear in its ``partial`` inputs (None if it is); per-expert biases
-    added to them are collected in ``once``."""
+def _nonlinear(g: nx.DiGraph, name: str, inputs: list[str], partial: list[str], once: set[str],
+               whole: set[str] | None = None, module: str = "") -> str | None:
+    """Why node ``name`` (in ``module``) is not linear in its ``partial`` inputs (None if it is);
+    per-expert biases added to them are collected in ``once``, other whole addends in ``whole``
+    (refused where None)."""
     data, op = g.nodes[name], g.nodes[name]["op"]
     if op in SUMS:
+        if any(isinstance(a, (int, float)) and not isinstance(a, bool) and a != 0 for a in data["args"][:2]):
+            if whole is None:  # ``y + 1.0``: every rank would add the constant
+                return f"{op} adds a constant to a per-rank partial sum"
+            whole.add(name)
         for other in (n for n in inputs if n not in partial and not _zero_valued(g, n)):
             bias = expert_bias(g, other, len(g.nodes[other]["shape"] or ()) - 1)
-            if bias is None:
-                return f"{op} adds {other} to a per-rank partial sum"
-            once.add(bias[0])
+            if bias is not None:
+                once.add(bias[0])
+            elif whole is not None and whole_value(g, other, module):
+                whole.add(other)
+            else:
+                return f"{op} adds {other} to a per-rank partial sum" + _whole_why(whole)
         return None
     if op in INDEX_ADDS:
         args = data["args"]
         target, index, source = args[0], args[2], args[3] if len(args) > 3 else None
-        if not isinstance(source, Ref) or source.name not in partial or (isinstance(index, Ref) and index.name in partial) \
-                or not (target.name in partial or g.nodes[target.name]["op"] in ZEROS):
+        if not isinstance(source, Ref) or (isinstance(index, Ref) and index.name in partial):
             return f"{op} adds a partial sum into a tensor that is not one"
+        # Into a partial sum (or zeros) a partial sum or a whole term; a partial sum into a whole term.
+        for term in (target.name, source.name):
+            if term in partial or (term == target.name and g.nodes[term]["op"] in ZEROS):
+                continue
+            if whole is None or not whole_value(g, term, module):
+                what = "a whole term into a partial sum" if term == source.name else "a partial sum into a tensor that is not one"
+                return f"{op} adds {what}" + _whole_why(whole)
+            whole.add(term)
         return None
     if op in ("index_put", "index_put_"):  # rows of the target replaced by the values: linear in both
         target, indices, values = data["args"][:3]
@@ -180,6 +219,39 @@ def _nonlinear(g: nx.DiGraph, name: str, inputs: list[str], partial: list[str], 
     if op not in _LINEAR_IN_FIRST or partial != [inputs[0]]:
         return f"{op} reads a per-rank partial sum other than linearly"
     return None
+
+
+def whole_value(g: nx.DiGraph, name: str, module: str) -> bool:
+    """Whether node ``name`` is the same on every rank under the experts style of ``module``: its
+    value inside ``module`` reads no parameter (those of the module are sharded, or added once), only
+    the module's inputs (replicated tokens and routing weights), buffers and constants.
+
+    >>> from autotp.synth.graph import add_node
+    >>> g = nx.DiGraph()
+    >>> _ = add_node(g, "x", "placeholder", kind="input", shape=(4, 8))
+    >>> _ = add_node(g, "w", "placeholder", kind="param", param="m.scale", shape=(8,))
+    >>> _ = add_node(g, "y", "mul", (Ref("x"), 2.0), stack=("m",), module="m")
+    >>> _ = add_node(g, "z", "mul", (Ref("y"), Ref("w")), stack=("m",), module="m")
+    >>> whole_value(g, "y", "m"), whole_value(g, "z", "m")
+    (True, False)
+    """
+    seen, todo = set(), [name]
+    while todo:
+        node = todo.pop()
+        if node in seen:
+            continue
+        seen.add(node)
+        data = g.nodes[node]
+        if data["kind"] == "param":
+            return False
+        if data["kind"] == "call" and module in data["stack"]:
+            todo.extend(r.name for r in refs(data["args"], data["kwargs"]))
+    return True
+
+
+def _whole_why(whole: set[str] | None) -> str:
+    """Why a term was not taken as whole (empty where whole terms were not sought)."""
+    return "" if whole is None else " that reads a parameter of the module (not the same on every rank)"
 
 
 def _zero_valued(g: nx.DiGraph, name: str) -> bool:

@@ -119,6 +119,10 @@ class Role:
         columns, rows: of ``linear_params``, the raw parameters used as column / row Linear weights.
         once: of ``experts``, parameters added to the per-rank partial sum (a per-expert bias after
             the down projection): added by one rank only, so the reduction counts them once.
+        scale_rows: of ``experts``, its row parameters (the down projections), where terms whole on
+            every rank are added to the partial sum (zero-compute experts' tokens): multiplied by tp
+            while the output is divided by tp, so the reduction counts each whole term once
+            (``once`` is then empty: a per-expert bias is such a term too).
         weight_in_out: of a Linear-like role, the weight is stored ``(in, out)`` (transformers'
             ``Conv1D``), so its sharded dims are swapped.
         entry_inputs: of any role, ``(argument position or keyword, dim)`` of the module's call
@@ -179,6 +183,7 @@ class Role:
     columns: tuple[str, ...] = ()
     rows: tuple[str, ...] = ()
     once: tuple[str, ...] = ()
+    scale_rows: tuple[str, ...] = ()
     all_outputs: bool = False
     partial_grad: bool = False
     entry_inputs: tuple = ()

@@ -418,6 +418,36 @@ def failing_module_name(model: nn.Module, error: BaseException) -> str:
     return failing_module(model, error) or type(model).__name__
 
 
+@contextlib.contextmanager
+def _real_parameter_values():
+    """Parameters fakified with their own values when export propagates real values.
+
+    torch 2.13 gives each fake tensor the value of the tensor it stands for through
+    ``meta_utils._safe_copy`` / ``_safe_clone``, which take only an exact ``torch.Tensor``: an
+    ``nn.Parameter`` is skipped and its fake keeps uninitialised memory as its "real" value. A
+    router computing its scores from such a weight then picks experts at random (LongCat-Flash's
+    router, whose ``weight.type(torch.float32)`` scores sent every token to two zero-compute
+    experts), and the graph follows branches no real input takes. A parameter's ``.data`` (a plain
+    tensor, read without dispatch) is passed in its place.
+    """
+    from torch._subclasses import meta_utils
+
+    copy_, clone = getattr(meta_utils, "_safe_copy", None), getattr(meta_utils, "_safe_clone", None)
+    if copy_ is None or clone is None:  # another torch: nothing to mend here
+        yield
+        return
+
+    def plain(src):
+        return src.data if isinstance(src, nn.Parameter) else src
+
+    meta_utils._safe_copy = lambda dst, src: copy_(dst, plain(src))
+    meta_utils._safe_clone = lambda src: clone(plain(src))
+    try:
+        yield
+    finally:
+        meta_utils._safe_copy, meta_utils._safe_clone = copy_, clone
+
+
 class _NonzeroTuples(torch.overrides.TorchFunctionMode):
     """``torch.where(c)`` and ``nonzero(as_tuple=True)`` as ``c.nonzero().unbind(1)`` (the same
     tensors). Traced with real values, torch 2.13's own decomposition of those two loses the
@@ -439,9 +469,10 @@ def _export(model: nn.Module, args: tuple, kwargs: dict, *, real_values: bool) -
 
     before = {module: dict(vars(module)) for module in model.modules()}
     rewrites = _NonzeroTuples() if real_values else contextlib.nullcontext()
+    params = _real_parameter_values() if real_values else contextlib.nullcontext()
     try:
         # With real values, the loggers are left to :func:`_value_guards`, which reads and keeps them.
-        with torch.no_grad(), _quiet(() if real_values else _EXPORT_LOGGERS), rewrites, \
+        with torch.no_grad(), _quiet(() if real_values else _EXPORT_LOGGERS), rewrites, params, \
                 functorch_config.patch(fake_tensor_propagate_real_tensors=real_values):
             return torch.export.export(model, args, kwargs, strict=False)
     finally:
