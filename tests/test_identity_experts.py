@@ -21,7 +21,7 @@ from autotp import styles
 from autotp.errors import PlanError
 from autotp.verifier import verify
 from tests.synth_toy import DIM, VOCAB, example_tokens
-from tests.test_loop_experts import Attention, megatron_bound
+from tests.test_loop_experts import megatron_bound, synthesize_and_verify
 
 REAL, ZERO, TOP_K, FFN = 4, 2, 2, 32
 
@@ -107,52 +107,8 @@ class ParamScaledIdentity(IdentityExperts):
         return out + x * self.zero_scale
 
 
-class MoE(nn.Module):
-    def __init__(self, experts: type[nn.Module]):
-        super().__init__()
-        self.router, self.experts = Router(), experts()
-
-    def forward(self, x):
-        b, t, d = x.shape
-        x = x.reshape(-1, d)
-        weights, index = self.router(x)
-        return self.experts(x, index, weights).reshape(b, t, d)
-
-
-class Block(nn.Module):
-    def __init__(self, experts):
-        super().__init__()
-        self.norm1, self.norm2 = nn.LayerNorm(DIM), nn.LayerNorm(DIM)
-        self.attn, self.mlp = Attention(), MoE(experts)
-
-    def forward(self, x):
-        x = x + self.attn(self.norm1(x))
-        return x + self.mlp(self.norm2(x))
-
-
-class Model(nn.Module):
-    def __init__(self, experts, layers: int = 2):
-        super().__init__()
-        self.embed = nn.Embedding(VOCAB, DIM)
-        self.layers = nn.ModuleList(Block(experts) for _ in range(layers))
-        self.norm, self.head = nn.LayerNorm(DIM), nn.Linear(DIM, VOCAB, bias=False)
-
-    def forward(self, tokens):
-        h = self.embed(tokens)
-        for layer in self.layers:
-            h = layer(h)
-        return self.head(self.norm(h))
-
-
 def _synthesize_and_verify(experts, tp_size, sequence_parallel):
-    torch.manual_seed(0)
-    model = Model(experts).eval()
-    tokens = example_tokens()
-    plan = autotp.synthesize(model, example_inputs=(tokens,), tp_size=tp_size, sequence_parallel=sequence_parallel)
-    report = verify(model, plan, tp_size=tp_size, inputs=(tokens,))
-    assert report.ok, str(report)
-    assert max(report.logits_max_abs_diff) <= 1e-5 and report.worst_grad[1] <= 1e-5, report
-    return model, plan, report
+    return synthesize_and_verify(experts, tp_size, sequence_parallel, router=Router)
 
 
 @pytest.mark.parametrize("sequence_parallel", [False, True], ids=["plain", "sp"])

@@ -100,9 +100,9 @@ class WeightReadOutside(LoopExperts):
 
 
 class MoE(nn.Module):
-    def __init__(self, experts: type[nn.Module]):
+    def __init__(self, experts: type[nn.Module], router: type[nn.Module] = Router):
         super().__init__()
-        self.router, self.experts = Router(), experts()
+        self.router, self.experts = router(), experts()
 
     def forward(self, x):
         b, t, d = x.shape
@@ -124,10 +124,10 @@ class Attention(nn.Module):
 
 
 class Block(nn.Module):
-    def __init__(self, experts):
+    def __init__(self, experts, router: type[nn.Module] = Router):
         super().__init__()
         self.norm1, self.norm2 = nn.LayerNorm(DIM), nn.LayerNorm(DIM)
-        self.attn, self.mlp = Attention(), MoE(experts)
+        self.attn, self.mlp = Attention(), MoE(experts, router)
 
     def forward(self, x):
         x = x + self.attn(self.norm1(x))
@@ -135,10 +135,12 @@ class Block(nn.Module):
 
 
 class Model(nn.Module):
-    def __init__(self, experts, layers: int = 2):
+    """Two pre-norm layers of attention and a MoE block of ``experts`` routed by ``router``."""
+
+    def __init__(self, experts, layers: int = 2, router: type[nn.Module] = Router):
         super().__init__()
         self.embed = nn.Embedding(VOCAB, DIM)
-        self.layers = nn.ModuleList(Block(experts) for _ in range(layers))
+        self.layers = nn.ModuleList(Block(experts, router) for _ in range(layers))
         self.norm, self.head = nn.LayerNorm(DIM), nn.Linear(DIM, VOCAB, bias=False)
 
     def forward(self, tokens):
@@ -158,9 +160,10 @@ def megatron_bound(model: nn.Module, tp_size: int) -> float:
     return (total - split + split / tp_size) / total
 
 
-def _synthesize_and_verify(experts, tp_size, sequence_parallel):
+def synthesize_and_verify(experts, tp_size, sequence_parallel, router: type[nn.Module] = Router):
+    """The toy model with ``experts``, its synthesized plan and that plan's report (verified)."""
     torch.manual_seed(0)
-    model = Model(experts).eval()
+    model = Model(experts, router=router).eval()
     tokens = example_tokens()
     plan = autotp.synthesize(model, example_inputs=(tokens,), tp_size=tp_size, sequence_parallel=sequence_parallel)
     report = verify(model, plan, tp_size=tp_size, inputs=(tokens,))
@@ -176,7 +179,7 @@ def test_loop_experts_are_sharded_on_the_ffn_dim_and_exact(experts, tp_size, seq
     """Would catch the loop's experts left whole (fraction near 0.8), the interleaved gate/up or the
     gate/up bias sharded out of step with the weight (logits off), and the down bias added by every
     rank to its partial sum (counted tp times: logits off by (tp - 1) * bias)."""
-    model, plan, report = _synthesize_and_verify(experts, tp_size, sequence_parallel)
+    model, plan, report = synthesize_and_verify(experts, tp_size, sequence_parallel)
     style = plan["layers.*.mlp.experts"]
     assert isinstance(style, styles.ExpertsParallel), plan
     assert style.once == ("down_bias",), style
@@ -193,7 +196,7 @@ def test_loop_experts_that_cannot_be_split_stay_whole_and_exact(experts, tp_size
     """Would catch a plan that shards experts whose running sum is clamped inside the loop (a clamp
     of each rank's partial sum: logits off) or whose 3-D weight is also read whole elsewhere (a
     shard read as the whole): both must stay whole, the rest of the model still sharded."""
-    _, plan, report = _synthesize_and_verify(experts, tp_size, sequence_parallel)
+    _, plan, report = synthesize_and_verify(experts, tp_size, sequence_parallel)
     assert "layers.*.mlp.experts" not in plan or not isinstance(plan["layers.*.mlp.experts"], styles.ExpertsParallel)
     assert "layers.*.attn.q" in plan, sorted(plan)
 

@@ -33,6 +33,23 @@ class WrapperStyle(ParallelStyle):
         return module if self.style is None else self.style._apply(module, device_mesh)
 
 
+def mode_during_forward(module: nn.Module, make_mode) -> None:
+    """Enter a fresh ``make_mode()`` (a ``TorchFunctionMode``) for each forward of ``module``,
+    inside the hooks registered before (a style's input hook runs first, so the mode sees the
+    DTensors it made) and left before the hooks that handle the output."""
+    modes = []
+
+    def enter(mod, args):
+        modes.append(make_mode())
+        modes[-1].__enter__()
+
+    def leave(mod, args, output):
+        modes.pop().__exit__(None, None, None)
+
+    module.register_forward_pre_hook(enter)
+    module.register_forward_hook(leave, prepend=True)
+
+
 class LocalParamsStyle(ParallelStyle):
     """Base for styles whose module runs on plain local tensors with DTensor parameters.
 

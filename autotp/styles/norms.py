@@ -13,7 +13,7 @@ from torch.distributed.tensor.parallel.style import ParallelStyle
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_leaves
 
-from autotp.styles.base import LocalParamsStyle
+from autotp.styles.base import LocalParamsStyle, mode_during_forward
 
 
 class ReplicatedWithGradAllReduce(LocalParamsStyle):
@@ -113,18 +113,8 @@ class WidthShardedNorm(ParallelStyle):
             partial(self._prepare_input_fn, self.shard_dim),
             partial(self._prepare_output_fn, self.shard_dim),
         )
-        modes: list[_ReduceStatistics] = []
-
-        def enter(mod, args):
-            modes.append(_ReduceStatistics())
-            modes[-1].__enter__()
-
-        def leave(mod, args, output):
-            modes.pop().__exit__(None, None, None)
-
         # Inside distribute_module's hooks: the mode sees the DTensors its input hook made.
-        module.register_forward_pre_hook(enter)
-        module.register_forward_hook(leave, prepend=True)
+        mode_during_forward(module, _ReduceStatistics)
         return module
 
     def __repr__(self) -> str:

@@ -11,7 +11,7 @@ from torch.distributed.tensor import DTensor, Replicate
 from torch.distributed.tensor.parallel.style import ParallelStyle
 from torch.overrides import TorchFunctionMode
 
-from autotp.styles.base import WrapperStyle
+from autotp.styles.base import WrapperStyle, mode_during_forward
 from autotp.styles.norms import _AllReduceGrad
 
 # Sum-based statistics the block's code may take over its sharded width (``autotp.synth.ops.STATISTICS``).
@@ -49,17 +49,7 @@ class ShardedStatistics(WrapperStyle):
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         module = self._apply_wrapped(module, device_mesh)
-        modes: list[_WholeStatistics] = []
-
-        def enter(mod, args):
-            modes.append(_WholeStatistics())
-            modes[-1].__enter__()
-
-        def leave(mod, args, output):
-            modes.pop().__exit__(None, None, None)
-
-        module.register_forward_pre_hook(enter)
-        module.register_forward_hook(leave, prepend=True)
+        mode_during_forward(module, _WholeStatistics)
         return module
 
     def __repr__(self) -> str:
