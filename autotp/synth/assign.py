@@ -326,6 +326,10 @@ def embedding_roles(g: nx.DiGraph, forced: dict[str, str]) -> dict[str, Role]:
         ids = data["args"][1].name
         if owner in forced:
             roles[owner] = Role("replicate", forced[owner])
+        elif not owner or g.nodes[weight]["param"].rpartition(".")[2] != "weight":
+            # (A tied table may carry another module's name; its leaf is still ``weight``.)
+            roles[owner] = Role("replicate", f"looks up {g.nodes[weight]['param']}, not an embedding's "
+                                "weight: the vocab-parallel style shards an nn.Embedding's table")
         elif not reads_model_input(g, ids):
             roles[owner] = Role("replicate", f"looked up by {ids}, computed in the model (positions), not input ids")
         elif (op := _other_table_read(g, weight, name, owner)) is not None:

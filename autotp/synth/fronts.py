@@ -200,7 +200,7 @@ def cheaper(g: nx.DiGraph, found: Front, *, sequence_parallel: bool) -> bool:
 
 
 def partial_fronts(g: nx.DiGraph, flow: Flow, roles: dict[str, Role], *,
-                   sequence_parallel: bool) -> dict[str, Role | None]:
+                   sequence_parallel: bool, groups=None) -> dict[str, Role | None]:
     """Roles for each branch whose whole front is cheaper to reduce at its input (module docstring).
 
     Args:
@@ -208,6 +208,10 @@ def partial_fronts(g: nx.DiGraph, flow: Flow, roles: dict[str, Role], *,
         flow: the converged shard propagation (its broadcast spans).
         roles: every module's role after the shared-input and partial-sum passes.
         sequence_parallel: whether the residual stream is sequence-sharded.
+        groups: the collapsed layer stacks (:class:`~autotp.synth.trace.LayerGroups`): a front
+            whose modules stand for different numbers of the model's modules (a norm of a traced
+            layer that stands for every layer, feeding a head outside the stack) is not taken, since
+            its roles would reach layers whose norm feeds no such front.
 
     Returns:
         New roles: the module making the branch input (plain TP a ``shared_input`` norm, SP a
@@ -229,6 +233,9 @@ def partial_fronts(g: nx.DiGraph, flow: Flow, roles: dict[str, Role], *,
             continue
         if (branch.modules | branch.owners | branch.columns) & found.keys():
             continue
+        if groups is not None and len({len(groups.original(m)) for m in
+                                       {entry, *branch.modules, *branch.owners, *branch.columns}}) > 1:
+            continue  # the entry's role would reach copies of it that feed no such front
         scope, released = _scope(g, roles, branch, found)
         if not scope and not _unshared({**roles, **found}, branch):
             continue

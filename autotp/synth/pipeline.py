@@ -286,7 +286,7 @@ def whole_fronts(a: Analysis) -> Analysis:
     """Modules kept whole between a norm and column Linears (MLA's low-rank down-projections) run
     their backward on the columns' partial gradients, reduced once at the norm, where that moves
     fewer bytes than reducing each column input and rope span."""
-    found = partial_fronts(a.graph, a.flow, a.roles, sequence_parallel=a.sequence_parallel)
+    found = partial_fronts(a.graph, a.flow, a.roles, sequence_parallel=a.sequence_parallel, groups=a.groups)
     roles = {m: r for m, r in {**a.roles, **found}.items() if r is not None}
     return replace(a, roles=roles)
 
