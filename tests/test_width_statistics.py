@@ -11,8 +11,6 @@ mean read by a Linear) keeps its Linears whole, and stays exact.
 
 from __future__ import annotations
 
-import warnings
-
 import pytest
 import torch
 import torch.nn.functional as F
@@ -22,8 +20,8 @@ from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 from autotp import styles
 from autotp.check import check_plan
 from autotp.synth import synthesize
-from autotp.verifier import verify
 from synth_toy import DIM, VOCAB, TitanAttention, example_tokens
+from test_partial_sums import _run  # synthesize, then verify (logits and every gradient)
 
 HIDDEN = 4 * DIM
 
@@ -93,15 +91,6 @@ class SparseGateLM(nn.Module):
         for layer in self.layers:
             x = layer(x)
         return self.head(self.norm(x))
-
-
-def _run(model, tp, sequence_parallel):
-    plan = synthesize(model, example_inputs=(example_tokens(),), tp_size=tp, sequence_parallel=sequence_parallel)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        report = verify(model, plan, tp_size=tp, inputs=(example_tokens(),))
-    assert report.ok, str(report)
-    return plan, report
 
 
 @pytest.mark.parametrize("sequence_parallel", [False, True], ids=["plain", "sp"])
