@@ -170,7 +170,6 @@ class OwnPositionsOutput(LocalParamsStyle):
             raise PlanError(f"{type(module).__name__}: OwnPositionsOutput leaves the gradients of the module's own "
                             f"parameters partial, but {children[0]} belongs to a child; apply it to the child "
                             "that holds the parameters, or keep this module whole (ReplicatedOutput)")
-        self.mesh = device_mesh
         return super()._apply(module, device_mesh)
 
     def _prepare_output(self, output, device_mesh):
