@@ -35,8 +35,11 @@ _OPTIONAL = {
 # Where one option name means another thing in another style: its sample there.
 _PER_CLASS = {"HeadParams": {"packed": {"w1": (3, 3)}}, "LinearParams": {"packed": {"w1": (3, 3)}},
               "GroupCopies": {"rows": {"weight": (0, 10, ((8, 10, 1),))}, "values": {"n_groups": 2}},
-              # scale_rows counts whole terms once in place of ``once``: the two do not go together.
-              **{name: {"scale_rows": ("w1",), "once": ()} for name in ("ExpertsParallel", "PartialExpertsParallel")}}
+              # scale_rows counts whole terms once in place of ``once``: the two do not go together; a
+              # module of one side (``side``) takes neither with partial-gradient inputs (test_split_experts
+              # round-trips those).
+              **{name: {"scale_rows": ("w1",), "once": (), "side": "both"}
+                 for name in ("ExpertsParallel", "PartialExpertsParallel")}}
 
 
 def _style_classes() -> list[type]:

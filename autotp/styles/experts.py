@@ -46,6 +46,12 @@ class ExpertsParallel(LocalParamsStyle):
     Exact in floating point for a power-of-two tp; a float16 down projection's output must stay
     below ``65504 / tp``.
 
+    A module may hold one side of the pair only (ScatterMoE-style code keeps the stacked up
+    projection and the stacked down projection in two modules, with the activation between them in
+    the parent): with ``side="columns"`` its output is this rank's FFN features, handed on local
+    (not reduced); with ``side="rows"`` its inputs are this rank's FFN features, taken as they are
+    (their gradients are this rank's too: nothing to reduce), and its output is the partial sum.
+
     Keyword Args:
         shard_dims (dict[str, int]): parameter name -> sharded dim.
         packed (dict[str, int]): parameter name -> number of equal parts fused along its sharded dim.
@@ -56,6 +62,8 @@ class ExpertsParallel(LocalParamsStyle):
         scale_rows (tuple[str, ...]): row parameters (read only by products whose outputs reach the
             output linearly) multiplied by tp while the output is divided by tp, so terms whole on
             every rank count once. Default: none.
+        side (str): ``"both"`` (the module holds columns and rows), ``"columns"`` or ``"rows"``.
+            Default: ``"both"``.
 
     Example::
         >>> plan = {"model.layers.*.mlp.experts": ExpertsParallel()}
@@ -65,8 +73,18 @@ class ExpertsParallel(LocalParamsStyle):
     """
 
     def __init__(self, *, shard_dims: dict[str, int] | None = None, packed: dict[str, int] | None = None,
-                 partial_grad_inputs: bool = False, once: tuple[str, ...] = (), scale_rows: tuple[str, ...] = ()):
+                 partial_grad_inputs: bool = False, once: tuple[str, ...] = (), scale_rows: tuple[str, ...] = (),
+                 side: str = "both"):
         super().__init__()
+        if side not in ("both", "columns", "rows"):
+            raise PlanError(f"ExpertsParallel: side={side!r}; use 'both', 'columns' or 'rows'")
+        if side == "columns" and (once or scale_rows):
+            raise PlanError(f"ExpertsParallel(side='columns') with once={tuple(once)} / scale_rows={tuple(scale_rows)}: "
+                            "a module of columns makes no partial sum; drop them, or use side='both'")
+        if side == "rows" and partial_grad_inputs:
+            raise PlanError("ExpertsParallel(side='rows', partial_grad_inputs=True): a module of rows takes this "
+                            "rank's features, whose gradients are not partial sums; drop partial_grad_inputs")
+        self.side = side
         self.shard_dims = dict(shard_dims or {"gate_up_proj": 1, "down_proj": 2})
         self.packed = dict(packed if packed is not None else {"gate_up_proj": 2})
         self.partial_grad_inputs = partial_grad_inputs
@@ -154,6 +172,8 @@ class ExpertsParallel(LocalParamsStyle):
             module.register_parameter(name, new)
 
     def _prepare_inputs(self, args, kwargs, device_mesh):
+        if self.side == "rows":
+            return args, kwargs  # this rank's features: their gradients are this rank's
         if self.partial_grad_inputs:
             if not any(isinstance(v, DTensor) for v in (*args, *kwargs.values())):
                 from autotp.errors import PlanError
@@ -172,10 +192,13 @@ class ExpertsParallel(LocalParamsStyle):
         return args, kwargs
 
     def _prepare_output(self, output, device_mesh):
+        if self.side == "columns":
+            return output  # this rank's FFN features, for the rows of another module
         return all_reduce_forward(self._scaled_output(output, device_mesh), device_mesh)
 
     def __repr__(self) -> str:
         extra = ", partial_grad_inputs=True" if self.partial_grad_inputs else ""
+        extra += f", side={self.side!r}" if self.side != "both" else ""
         extra += f", once={self.once}" if self.once else ""
         extra += f", scale_rows={self.scale_rows}" if self.scale_rows else ""
         return f"{self.__class__.__name__}(shard_dims={self.shard_dims}, packed={self.packed}{extra})"

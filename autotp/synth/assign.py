@@ -137,6 +137,7 @@ def expert_roles(g: nx.DiGraph, flow: Flow, dropped: dict[str, str], roles: dict
     parts: dict[str, dict[str, int]] = {}
     evidence: dict[str, tuple] = {}
     row_params: dict[str, set[str]] = {}
+    column_params: dict[str, set[str]] = {}
     for name in set(flow.rows) | set(flow.roots) | set(dropped):
         weight = weight_of(g, name)
         if weight is None or len(g.nodes[weight.node]["shape"]) != 3 or raw_weight(g, name):
@@ -148,6 +149,7 @@ def expert_roles(g: nx.DiGraph, flow: Flow, dropped: dict[str, str], roles: dict
             row_params.setdefault(module, set()).add(pname)
         elif name in flow.roots:
             dims[module][pname] = weight.out_dim
+            column_params.setdefault(module, set()).add(pname)
             if name in flow.splits:
                 parts.setdefault(module, {})[pname] = len(part_sizes(flow.splits[name], g.nodes[name]["shape"][-1]))
         else:
@@ -162,10 +164,17 @@ def expert_roles(g: nx.DiGraph, flow: Flow, dropped: dict[str, str], roles: dict
         by_param.update(biases)
         parts.setdefault(module, {}).update(bias_parts)
         once, scaled, note = _whole_addends(g, flow, module, row_params.get(module, set()))
-        out[module] = Role("experts", "per-expert column/row pair over the FFN dim" + note,
+        side = "" if module in row_params and module in column_params else \
+            "rows" if module in row_params else "columns"
+        what = {"": "per-expert column/row pair over the FFN dim",
+                "columns": "per-expert columns over the FFN dim (their rows are another module's): its "
+                           "output, this rank's FFN features, stays local",
+                "rows": "per-expert rows over the FFN dim (their columns are another module's): takes this "
+                        "rank's FFN features, its output all-reduced"}[side]
+        out[module] = Role("experts", what + note,
                            evidence[module], param_dims=tuple(sorted(by_param.items())),
                            param_parts=tuple(sorted(parts.get(module, {}).items())), once=once,
-                           scale_rows=scaled)
+                           scale_rows=scaled, experts_side=side)
     return out
 
 

@@ -113,7 +113,7 @@ def _experts(role: Role, loss_parallel: bool) -> ParallelStyle:
     experts = styles.PartialExpertsParallel if role.seq_output else styles.ExpertsParallel
     return experts(shard_dims=dict(role.param_dims), packed=dict(role.param_parts),
                    partial_grad_inputs=role.partial_grad_inputs, once=role.once,
-                   scale_rows=role.scale_rows)
+                   scale_rows=role.scale_rows, **({"side": role.experts_side} if role.experts_side else {}))
 
 
 # Role kind -> style, one entry per kind of ``ROLE_KINDS`` (``None``: the module stays replicated).

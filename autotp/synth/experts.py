@@ -216,6 +216,11 @@ def _nonlinear(g: nx.DiGraph, name: str, inputs: list[str], partial: list[str], 
         return None
     if op == "mul" and len(partial) == 1:
         return None  # ``w * y`` as ``y * w``: a product is linear in either factor
+    if op == "cat":  # the experts' outputs joined (one block of rows each): linear in every piece
+        pieces = [p.name for p in data["args"][0] if isinstance(p, Ref)]
+        if all(p in partial or _zero_valued(g, p) for p in pieces):
+            return None
+        return "cat joins a per-rank partial sum with a tensor that is not one"
     if op not in _LINEAR_IN_FIRST or partial != [inputs[0]]:
         return f"{op} reads a per-rank partial sum other than linearly"
     return None

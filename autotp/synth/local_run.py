@@ -23,7 +23,7 @@ from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from autotp.styles.attention import width_view
-from autotp.synth.analysis import Shard, is_linear, module_of, propagate_packed
+from autotp.synth.analysis import Shard, is_linear, module_of, propagate_packed, weight_of
 from autotp.synth.graph import build_graph
 from autotp.synth.ops import FIXED_SIZE_CUTS
 from autotp.synth.ops import ELEMENTWISE, PASSTHROUGH, VIEW_LIKE
@@ -379,7 +379,8 @@ def shapes_are_local(g: nx.DiGraph, local: nx.DiGraph, roles: dict[str, Role], t
     per-rank by construction and not compared).
     """
     active = {n for n in g.nodes if is_linear(g, n) and (kind_of(roles, module_of(g, n)) in _STARTS
-                                                          or _raw_column(g, n, roles) or _scatter(g, n, roles))}
+                                                          or _raw_column(g, n, roles) or _scatter(g, n, roles)
+                                                          or _expert_column(g, n, roles))}
     copied = {n: frozenset(roles[module_of(g, n)].copied) for n in active if roles.get(module_of(g, n)) is not None
               and roles[module_of(g, n)].copied}
     packed = {n for n in active if kind_of(roles, module_of(g, n)) == "packed_column"}
@@ -407,7 +408,9 @@ def shapes_are_local(g: nx.DiGraph, local: nx.DiGraph, roles: dict[str, Role], t
             entries[path[2]] = dim[0]
         else:
             entries[node] = dim
-    params = {**factories, **cuts, **chain_dims(g, {**flow.param_shards, **factories, **entries}), **flow.tree_dims}
+    experts = _expert_params(g, roles)
+    params = {**experts, **factories, **cuts, **chain_dims(g, {**flow.param_shards, **factories, **entries, **experts}),
+              **flow.tree_dims}
     spread: set[str] = set()  # replicated tensors repeated to the per-rank heads
     for name, local_name in zip(nodes, local_nodes):
         shape, local_shape = g.nodes[name]["shape"], local.nodes[local_name]["shape"]
@@ -497,6 +500,33 @@ def _scatter(g: nx.DiGraph, name: str, roles: dict[str, Role]) -> bool:
     """Whether ``name``'s module is a row whose output stays sharded on the heads (it starts that shard)."""
     role = roles.get(module_of(g, name))
     return role is not None and role.scatter_heads
+
+
+def _expert_params(g: nx.DiGraph, roles: dict[str, Role]) -> dict[str, int]:
+    """The 3-D parameters ``experts`` roles shard, and each expert's weight picked from them
+    (``W[e]``) -> their sharded dim: per rank by construction, where the chains from them start."""
+    found = {}
+    for name, data in g.nodes(data=True):
+        if data["kind"] != "param":
+            continue
+        module, pname = reading_module(g, name)
+        role = roles.get(module)
+        if role is not None and role.kind == "experts" and pname in dict(role.param_dims):
+            dim = dict(role.param_dims)[pname]
+            found[name] = dim
+            found.update({s: dim - 1 for s in g.successors(name) if dim > 0 and g.nodes[s]["op"] == "select"
+                          and g.nodes[s]["args"][1:2] == (0,)})  # one expert's weight, ``W[e]``
+    return found
+
+
+def _expert_column(g: nx.DiGraph, name: str, roles: dict[str, Role]) -> bool:
+    """Whether ``name`` multiplies by one expert's weight (``W[e]``) that its module's ``experts``
+    role shards on the output features (a column of the pair)."""
+    role = roles.get(module_of(g, name))
+    weight = weight_of(g, name) if role is not None and role.kind == "experts" else None
+    if weight is None or len(g.nodes[weight.node]["shape"] or ()) != 3:
+        return False
+    return dict(role.param_dims).get(reading_module(g, weight.node)[1]) == weight.out_dim
 
 
 def _raw_column(g: nx.DiGraph, name: str, roles: dict[str, Role]) -> bool:

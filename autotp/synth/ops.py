@@ -636,12 +636,22 @@ def _expand_as(g, name, dims, ctx):
 
 
 def _repeat(g, name, dims, ctx):
+    """``x.repeat(counts)`` tiles x. Along other dims the shard stays. Along the sharded dim, ``r``
+    copies of a dim of size ``n`` are the dims ``(r, n)`` merged, sharded on ``n``: a fold (each
+    rank holds its block of every copy, which is what the local ``repeat`` makes), so only readers
+    of that same fold (attention whose query heads are folded alike) or a view splitting it back
+    may follow (kv heads tiled to ``top_k`` query groups)."""
     (src, dim), = dims.items()
     counts = g.nodes[name]["args"][1]
+    if isinstance(counts, int):
+        counts = g.nodes[name]["args"][1:]
     out_dim = dim + len(counts) - _ndim(g, src)
-    if counts[out_dim] != 1:
+    if counts[out_dim] == 1:
+        return Out(out_dim)
+    state = ctx.state.get(src)
+    if not isinstance(counts[out_dim], int) or getattr(state, "fold", None) or getattr(state, "pieces", None):
         return Break(f"repeat copies the sharded dim {dim}")
-    return Out(out_dim)
+    return Given(ctx.folded(name, src, out_dim, (counts[out_dim], g.nodes[src]["shape"][dim]), 1))
 
 
 def _select(g, name, dims, ctx):
@@ -995,8 +1005,61 @@ def _gather(g, name, dims, ctx):
     return Out(dim, intact=ctx.intact(source.name))
 
 
+def _index_add(g, name, dims, ctx):
+    """``out.index_add(d, index, src)``: rows of ``src`` added into rows of ``out`` along ``d``. A
+    shard on another dim stays there when both hold the same block of it: both sharded on it, or
+    ``out`` a constant made at the per-rank size (a fresh ``zeros`` the rows are scattered into,
+    which the shape proof then requires, as for a scan's initial state). The index picks rows only."""
+    data = g.nodes[name]
+    target, at, index = data["args"][:3]
+    source = data["args"][3] if len(data["args"]) > 3 else data["kwargs"].get("source")
+    if not all(isinstance(x, Ref) for x in (target, index, source)) or isinstance(at, Ref):
+        return Break(f"{data['op']} is called in a form its rule does not read")
+    if index.name in dims:
+        return Break(f"{data['op']} index is sharded")
+    ndim = _ndim(g, name)
+    sharded = {dims[x.name] for x in (target, source) if x.name in dims}
+    if len(sharded) > 1:
+        return Break(f"{data['op']} adds a tensor sharded on dim {dims[source.name]} into one sharded on "
+                     f"{dims[target.name]}")
+    dim = sharded.pop()
+    if _norm(at, ndim) == dim:
+        return Break(f"{data['op']} adds along the sharded dim {dim}")
+    if source.name not in dims:
+        return Break(f"{data['op']} adds a full-size tensor into one sharded on dim {dim}")
+    if target.name not in dims and not ctx.sized_with(target.name, dim):
+        return Break(f"{data['op']} adds a tensor sharded on dim {dim} into the full-size tensor {target.name} "
+                     f"{g.nodes[target.name]['shape']}")
+    return Out(dim, intact=ctx.intact(source.name) and data["shape"][dim] == g.nodes[source.name]["shape"][dim])
+
+
+def _index(g, name, dims, ctx):
+    """``x[..., idx, ...]`` (advanced indexing by index tensors on a run of dims): rows picked along
+    those dims; a shard on a dim outside the run stays, moved by the dims the run becomes."""
+    data = g.nodes[name]
+    source, indices = data["args"][:2]
+    if not isinstance(source, Ref) or source.name not in dims or not isinstance(indices, (list, tuple)):
+        return Break(f"{data['op']} picks by a sharded index")
+    used = [i for i, x in enumerate(indices) if x is not None]
+    if not used or used != list(range(used[0], used[-1] + 1)) \
+            or any(not isinstance(indices[i], Ref) or indices[i].name in dims for i in used):
+        return Break(f"{data['op']} picks by sharded or scattered indices")
+    dim = dims[source.name]
+    if dim < used[0]:
+        return Out(dim)
+    if dim <= used[-1]:
+        return Break(f"{data['op']} picks along the sharded dim {dim}")
+    shapes = [g.nodes[indices[i].name]["shape"] for i in used]
+    if any(s is None for s in shapes):
+        return Break(f"{data['op']} picks by indices of unknown shape")
+    picked = max(len(s) for s in shapes)
+    return Out(used[0] + picked + dim - used[-1] - 1, intact=ctx.intact(source.name))
+
+
 RULES = {
     "gather": _gather,
+    "index": _index,
+    **{op: _index_add for op in INDEX_ADDS},
     **{op: _passthrough for op in PASSTHROUGH},
     **{op: _elementwise for op in ELEMENTWISE},
     **{op: _view for op in VIEW_LIKE},

@@ -123,6 +123,10 @@ class Role:
             every rank are added to the partial sum (zero-compute experts' tokens): multiplied by tp
             while the output is divided by tp, so the reduction counts each whole term once
             (``once`` is then empty: a per-expert bias is such a term too).
+        experts_side: of ``experts``, ``"columns"`` or ``"rows"`` where the module holds one side of
+            the pair only (the other side's stacked weights are another module's): its output is
+            then this rank's features, left local, or its inputs are, taken as they are; empty
+            where it holds both.
         weight_in_out: of a Linear-like role, the weight is stored ``(in, out)`` (transformers'
             ``Conv1D``), so its sharded dims are swapped.
         entry_inputs: of any role, ``(argument position or keyword, dim)`` of the module's call
@@ -184,6 +188,7 @@ class Role:
     rows: tuple[str, ...] = ()
     once: tuple[str, ...] = ()
     scale_rows: tuple[str, ...] = ()
+    experts_side: str = ""
     all_outputs: bool = False
     partial_grad: bool = False
     entry_inputs: tuple = ()

@@ -37,7 +37,7 @@ log = logging.getLogger(__name__)
 SHAPING = VIEW_LIKE | FIXED_SIZE_CUTS | NEW_LIKE | {"chunk", "unbind", "conv1d", "conv2d", "conv3d", "convolution"}
 
 # Roles whose Linear starts a shard that the module's own code then shapes.
-_SHAPED_ROOTS = frozenset({"column", "packed_column", "linear_params"})
+_SHAPED_ROOTS = frozenset({"column", "packed_column", "linear_params", "experts"})
 
 
 def shaped_roots(g: nx.DiGraph, flow: Flow, roles: dict[str, Role]) -> dict[str, list[str]]:

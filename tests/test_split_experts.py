@@ -1,0 +1,294 @@
+"""Stacked experts whose up and down projections live in two modules, and heads tiled by ``repeat``.
+
+ScatterMoE-style code keeps the experts' stacked up projection and their stacked down projection in
+two modules (``ParallelExperts``), each looping ``F.linear(x_e, W[e])`` over the tokens sorted by
+expert and joining the outputs with ``cat``; the activation between them runs in the parent. The up
+module's output is then this rank's FFN features, handed on local, and the down module makes the
+partial sum, reduced once at its exit (``ExpertsParallel(side=...)``).
+
+Attention whose ``r`` query groups read the same kv heads tiles those heads with ``k.repeat(1, r, 1,
+1)``: the tiled dim is ``(r, heads)`` merged, sharded on the heads (a fold). The query heads must be
+folded the same way, ``(b, t, r, width)`` viewed as ``(b, t, r * heads, hd)``; query heads cut in one
+contiguous block would meet other kv heads on each rank, so such an attention stays whole.
+
+Every plan is verified on logits and every gradient at tp 2 and 4, plain and sequence-parallel.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import autotp
+from autotp import styles
+from autotp.verifier import verify
+from tests.synth_toy import DIM, HEADS, VOCAB, example_tokens
+from tests.test_loop_experts import megatron_bound
+
+EXPERTS, TOP_K, FFN, SLOTS = 4, 2, 32, 2
+HEAD_DIM = DIM // HEADS
+
+
+class StackedLinear(nn.Module):
+    """One side of the experts: ``weight`` (E, out, in); the tokens come sorted by expert, with
+    ``sizes`` tokens per expert, and each expert's rows go through its own weight."""
+
+    def __init__(self, d_in: int, d_out: int):
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(EXPERTS, d_out, d_in) * d_in ** -0.5)
+
+    def forward(self, x, sizes):
+        pieces = x.split(sizes, dim=0)
+        return torch.cat([F.linear(pieces[e], self.weight[e]) for e in range(EXPERTS)], dim=0)
+
+
+class SplitMoE(nn.Module):
+    """Top-k routing with a fixed token order per expert (the example tokens route alike on every
+    run: the order is a buffer, so the trace needs no data-dependent sizes)."""
+
+    def __init__(self):
+        super().__init__()
+        self.router = nn.Linear(DIM, EXPERTS, bias=False)
+        self.up = StackedLinear(DIM, 2 * FFN)
+        self.down = StackedLinear(FFN, DIM)
+
+    def forward(self, x):
+        b, t, d = x.shape
+        x = x.reshape(-1, d)
+        n = x.shape[0]
+        weights = self.router(x).softmax(-1)
+        # Token j goes to experts j % E and (j + 1) % E; sorted by expert, with their expert ids.
+        order, experts, sizes = [], [], []
+        for e in range(EXPERTS):
+            picked = torch.cat([torch.arange(e, n, EXPERTS), torch.arange((e - 1) % EXPERTS, n, EXPERTS)])
+            order.append(picked)
+            experts.append(torch.full_like(picked, e))
+            sizes.append(picked.numel())
+        order, experts = torch.cat(order), torch.cat(experts)
+        gate, up = self.up(x[order], sizes).chunk(2, dim=-1)
+        y = self.down(F.silu(gate) * up, sizes) * weights[order, experts][:, None]
+        return torch.zeros_like(x).index_add(0, order, y).view(b, t, d)
+
+
+class FixedWidthScatterMoE(SplitMoE):
+    """The near miss: the up module's rows are scattered into zeros of a fixed width (a number in
+    the code, no attribute): each rank would make the global width and add its share into it."""
+
+    def forward(self, x):
+        b, t, d = x.shape
+        x = x.reshape(-1, d)
+        n = x.shape[0]
+        order = torch.arange(n).repeat(TOP_K)
+        sizes = [order.numel() // EXPERTS] * EXPERTS
+        rows = self.up(x[order], sizes)
+        rows = torch.zeros(order.numel(), 2 * FFN).index_add(0, torch.arange(order.numel()), rows)
+        gate, up = rows.chunk(2, dim=-1)
+        y = self.down(F.silu(gate) * up, sizes)
+        return torch.zeros_like(x).index_add(0, order, y).view(b, t, d) * self.router(x).sum(-1, keepdim=True).view(b, t, 1)
+
+
+class Attention(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.q, self.k, self.v, self.o = (nn.Linear(DIM, DIM) for _ in range(4))
+
+    def forward(self, x):
+        b, t, _ = x.shape
+        q, k, v = (p(x).view(b, t, -1, HEAD_DIM).transpose(1, 2) for p in (self.q, self.k, self.v))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.o(y.transpose(1, 2).reshape(b, t, -1))
+
+
+class PermutedQueryAttention(Attention):
+    """The query rows are computed in another token order and put back: picked by index from the
+    sharded projection (``q(x)[order]``), then scattered by ``index_add`` into zeros whose width is
+    an attribute (``self.width``), divided by tp on each rank."""
+
+    def __init__(self):
+        super().__init__()
+        self.width = DIM
+
+    def forward(self, x):
+        b, t, _ = x.shape
+        order = torch.arange(b * t - 1, -1, -1)
+        rows = self.q(x).reshape(b * t, -1)[order]
+        q = torch.zeros(b * t, self.width).index_add(0, order, rows).view(b, t, -1, HEAD_DIM).transpose(1, 2)
+        k, v = (p(x).view(b, t, -1, HEAD_DIM).transpose(1, 2) for p in (self.k, self.v))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.o(y.transpose(1, 2).reshape(b, t, -1))
+
+
+class TiledKVAttention(nn.Module):
+    """``SLOTS`` query projections stacked as ``(b, t, SLOTS, width)`` and viewed as ``SLOTS * HEADS``
+    heads; k and v projected once and tiled to every slot with ``repeat``; the slots' outputs summed."""
+
+    def __init__(self):
+        super().__init__()
+        self.queries = nn.ModuleList(nn.Linear(DIM, DIM) for _ in range(SLOTS))
+        self.k, self.v, self.o = (nn.Linear(DIM, DIM) for _ in range(3))
+
+    def heads(self, x):
+        b, t = x.shape[:2]
+        q = torch.stack([p(x) for p in self.queries], dim=2).view(b, t, -1, HEAD_DIM).transpose(1, 2)
+        k, v = (p(x).view(b, t, -1, HEAD_DIM).transpose(1, 2) for p in (self.k, self.v))
+        return q, k.repeat(1, SLOTS, 1, 1), v.repeat(1, SLOTS, 1, 1)
+
+    def forward(self, x):
+        b, t, _ = x.shape
+        q, k, v = self.heads(x)
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.o(y.transpose(1, 2).reshape(b, t, SLOTS, -1).sum(2))
+
+
+class BlockQueryTiledKV(TiledKVAttention):
+    """The near miss: the query heads come from one projection cut in a contiguous block of
+    ``SLOTS * HEADS`` heads (rank r holds slot-major heads), while the tiled k/v hold every slot's
+    share: sharded, query head j would meet another kv head on each rank."""
+
+    def __init__(self):
+        super().__init__()
+        self.queries = nn.ModuleList([nn.Linear(DIM, SLOTS * DIM)])
+        self.o = nn.Linear(SLOTS * DIM, DIM)
+
+    def heads(self, x):
+        b, t = x.shape[:2]
+        q = self.queries[0](x).view(b, t, -1, HEAD_DIM).transpose(1, 2)
+        k, v = (p(x).view(b, t, -1, HEAD_DIM).transpose(1, 2) for p in (self.k, self.v))
+        return q, k.repeat(1, SLOTS, 1, 1), v.repeat(1, SLOTS, 1, 1)
+
+    def forward(self, x):
+        b, t, _ = x.shape
+        y = F.scaled_dot_product_attention(*self.heads(x), is_causal=True)
+        return self.o(y.transpose(1, 2).reshape(b, t, -1))  # every head's output, one row Linear
+
+
+class Block(nn.Module):
+    def __init__(self, attention: type[nn.Module], mlp: type[nn.Module]):
+        super().__init__()
+        self.norm1, self.norm2 = nn.LayerNorm(DIM), nn.LayerNorm(DIM)
+        self.attn, self.mlp = attention(), mlp()
+
+    def forward(self, x):
+        x = x + self.attn(self.norm1(x))
+        return x + self.mlp(self.norm2(x))
+
+
+class Model(nn.Module):
+    def __init__(self, attention: type[nn.Module] = Attention, mlp: type[nn.Module] = SplitMoE, layers: int = 2):
+        super().__init__()
+        self.embed = nn.Embedding(VOCAB, DIM)
+        self.layers = nn.ModuleList(Block(attention, mlp) for _ in range(layers))
+        self.norm, self.head = nn.LayerNorm(DIM), nn.Linear(DIM, VOCAB, bias=False)
+
+    def forward(self, tokens):
+        h = self.embed(tokens)
+        for layer in self.layers:
+            h = layer(h)
+        return self.head(self.norm(h))
+
+
+class DenseMLP(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.up, self.down = nn.Linear(DIM, 4 * DIM), nn.Linear(4 * DIM, DIM)
+
+    def forward(self, x):
+        return self.down(F.gelu(self.up(x)))
+
+
+def synthesize_and_verify(model: nn.Module, tp_size: int, sequence_parallel: bool):
+    tokens = example_tokens()
+    plan = autotp.synthesize(model, example_inputs=(tokens,), tp_size=tp_size, sequence_parallel=sequence_parallel)
+    report = verify(model, plan, tp_size=tp_size, inputs=(tokens,))
+    assert report.ok, str(report)
+    assert max(report.logits_max_abs_diff) <= 1e-5 and report.worst_grad[1] <= 1e-5, report
+    return plan, report
+
+
+@pytest.mark.parametrize("sequence_parallel", [False, True], ids=["plain", "sp"])
+@pytest.mark.parametrize("tp_size", [2, 4])
+def test_experts_split_over_two_modules_are_sharded_and_exact(tp_size, sequence_parallel):
+    """Would catch the pair left whole (the cat of per-expert partial sums read as non-linear:
+    fraction near 0.9), and the up module's output all-reduced as a partial sum (logits off)."""
+    torch.manual_seed(0)
+    model = Model().eval()
+    plan, report = synthesize_and_verify(model, tp_size, sequence_parallel)
+    up, down = plan["layers.*.mlp.up"], plan["layers.*.mlp.down"]
+    assert isinstance(up, styles.ExpertsParallel) and up.side == "columns" and up.packed == {"weight": 2}, plan
+    assert isinstance(down, styles.ExpertsParallel) and down.side == "rows", plan
+    bound = megatron_bound(model, tp_size)
+    assert all(abs(f - bound) < 0.03 for f in report.param_fraction), (report.param_fraction, bound)
+
+
+@pytest.mark.parametrize("tp_size", [2, 4])
+def test_experts_output_scattered_into_a_fixed_width_stays_whole(tp_size):
+    """The near miss stays whole and verifies: without the shape proof over the experts' columns,
+    the plan sharded them and the run failed on the zeros' global width."""
+    torch.manual_seed(0)
+    model = Model(mlp=FixedWidthScatterMoE).eval()
+    plan, report = synthesize_and_verify(model, tp_size, False)
+    assert not {key for key in plan if key.startswith("layers.*.mlp.")}, plan
+
+
+@pytest.mark.parametrize("sequence_parallel", [False, True], ids=["plain", "sp"])
+@pytest.mark.parametrize("tp_size", [2, 4])
+def test_kv_heads_tiled_by_repeat_shard_with_folded_query_heads(tp_size, sequence_parallel):
+    """Would catch the tiled k/v kept whole (``repeat`` of the sharded heads refused: the attention
+    and its projections whole, fraction far above the bound)."""
+    torch.manual_seed(0)
+    model = Model(TiledKVAttention, DenseMLP).eval()
+    plan, report = synthesize_and_verify(model, tp_size, sequence_parallel)
+    attention = {key for key in plan if key.startswith("layers.*.attn.")}
+    assert attention == {"layers.*.attn.k", "layers.*.attn.v", "layers.*.attn.o",
+                         *(f"layers.*.attn.queries.{i}" for i in range(SLOTS))}, plan
+    bound = megatron_bound(model, tp_size)
+    assert all(abs(f - bound) < 0.03 for f in report.param_fraction), (report.param_fraction, bound)
+
+
+@pytest.mark.parametrize("sequence_parallel", [False, True], ids=["plain", "sp"])
+@pytest.mark.parametrize("tp_size", [2, 4])
+def test_rows_picked_and_scattered_back_keep_the_feature_shard(tp_size, sequence_parallel):
+    """Would catch ``index`` / ``index_add`` taken as ops that need the whole features (the attention
+    whole), and the zeros made at the global width on each rank (the run fails on the shapes)."""
+    torch.manual_seed(0)
+    model = Model(PermutedQueryAttention, DenseMLP).eval()
+    plan, report = synthesize_and_verify(model, tp_size, sequence_parallel)
+    assert isinstance(plan["layers.*.attn"], styles.ShardCounts) and plan["layers.*.attn"].names == ("width",), plan
+    bound = megatron_bound(model, tp_size)
+    assert all(abs(f - bound) < 0.03 for f in report.param_fraction), (report.param_fraction, bound)
+
+
+@pytest.mark.parametrize("tp_size", [2, 4])
+def test_query_heads_in_one_block_do_not_meet_tiled_kv_heads(tp_size):
+    """The near miss stays whole (and verifies): the tiled k/v's folded heads meet query heads cut
+    in one block, a layout the attention does not keep (taken, each rank's query head j would read
+    another kv head)."""
+    torch.manual_seed(0)
+    model = Model(BlockQueryTiledKV, DenseMLP).eval()
+    plan, report = synthesize_and_verify(model, tp_size, False)
+    assert not {key for key in plan if key.startswith("layers.*.attn.")}, plan
+
+
+@pytest.mark.parametrize("side", ["columns", "rows"])
+def test_one_side_experts_export_as_they_are(side):
+    from autotp import emit
+    from autotp.plan import describe_style
+
+    style = styles.ExpertsParallel(shard_dims={"weight": 1 if side == "columns" else 2}, packed={}, side=side)
+    names: set[str] = set()
+    namespace: dict = {}
+    source = emit.render(style, names)
+    exec("\n".join(emit._imports(names, uses_parts=False)), namespace)
+    rebuilt = eval(source, namespace)
+    assert rebuilt.side == side and repr(rebuilt) == repr(style) and describe_style(rebuilt) == describe_style(style)
+
+
+def test_side_options_are_checked():
+    with pytest.raises(autotp.errors.PlanError, match="side"):
+        styles.ExpertsParallel(side="up")
+    with pytest.raises(autotp.errors.PlanError, match="partial sum"):
+        styles.ExpertsParallel(shard_dims={"weight": 1}, packed={}, side="columns", once=("bias",))
+    with pytest.raises(autotp.errors.PlanError, match="partial_grad_inputs"):
+        styles.ExpertsParallel(shard_dims={"weight": 2}, packed={}, side="rows", partial_grad_inputs=True)
