@@ -50,6 +50,12 @@ class Shard:
     the sharded one at position ``k`` not the outermost (``(b, t, heads, hd) -> (b * t * heads,
     hd)``, a per-head norm over rows): each rank holds rows of every ``(b, t)``, not one block.
     Only ops that keep the rows in place, or a view that splits them back, may follow.
+
+    ``head_span``: ``(start, end, unit)`` when ``dim`` holds the features ``[start, end)`` of its
+    origins' output viewed into heads of ``unit`` features each (``(b, t, h * hd) -> (b, t, h, hd)``,
+    then transposes and per-head ops): index ``i`` of ``dim`` is features ``start + i * unit`` on.
+    A cut of the heads into equal parts (``chunk``) is then a cut of the output into parts, as a cut
+    of the features is (``span`` is None there: its width is not the dim's size).
     """
 
     dim: int
@@ -59,6 +65,12 @@ class Shard:
     span: tuple[int, int] | None = None
     pieces: tuple[tuple[Shard, int], ...] | None = None
     fold: tuple[tuple[int, ...], int] | None = None
+    head_span: tuple[int, int, int] | None = None
+
+    @property
+    def features(self) -> tuple[int, int] | None:
+        """The features of the origins' output this shard holds: its span, or its heads' span."""
+        return self.span or (self.head_span[:2] if self.head_span else None)
 
 
 @dataclass
@@ -73,6 +85,7 @@ class Flow:
     splits: dict = field(default_factory=dict)  # root -> list of (start, end)
     split_nodes: dict = field(default_factory=dict)  # root -> nodes that cut its output into parts
     part_views: set = field(default_factory=set)  # roots whose parts a view puts on a dim of their own
+    head_cuts: set = field(default_factory=set)  # roots whose heads a chunk cuts into parts (Shard.head_span)
     width_norms: dict = field(default_factory=dict)  # module -> node that reduces
     width_stats: dict = field(default_factory=dict)  # block -> its statistics of the shard (statistics.py)
     extent: dict = field(default_factory=dict)  # root -> gcd of every sharded extent it reached
@@ -82,6 +95,7 @@ class Flow:
     param_shards: dict = field(default_factory=dict)  # parameter placeholder -> dim sharded with the heads
     param_uses: dict = field(default_factory=dict)  # parameter placeholder -> {(operand, node)} that met the heads
     param_spans: dict = field(default_factory=dict)  # parameter placeholder -> {(origins, span, pieces)} it met
+    param_heads: dict = field(default_factory=dict)  # parameter placeholder -> {(origins, head_span)} it met
     piece_cuts: set = field(default_factory=set)  # nodes that cut a joined shard back into pieces, or unfold one
     factory_shards: dict = field(default_factory=dict)  # constant factory node -> (dim, origins it met)
     tree_dims: dict = field(default_factory=dict)  # pointwise node on parameters / constants -> dim met by the heads
@@ -130,6 +144,8 @@ class Flow:
         self.param_uses.setdefault(found[0], set()).add((other, self.deciding))
         for shard in self.meeting:  # a part cut from a packed output: the parameter is packed alike
             self.param_spans.setdefault(found[0], set()).add((shard.origins, shard.span, shard.pieces))
+            if shard.head_span:  # per head: must meet one contiguous part (mixed_parts)
+                self.param_heads.setdefault(found[0], set()).add((shard.origins, shard.head_span))
         return True
 
     def shard_tree(self, other: str, dim: int) -> bool:
@@ -368,6 +384,10 @@ class Flow:
         value = self.state.get(name)
         return value.span if isinstance(value, Shard) else None
 
+    def head_span(self, name: str) -> tuple[int, int, int] | None:
+        value = self.state.get(name)
+        return value.head_span if isinstance(value, Shard) else None
+
     def intact(self, name: str) -> bool:
         value = self.state.get(name)
         return isinstance(value, Shard) and value.intact
@@ -402,7 +422,8 @@ class Flow:
             inside = value.pieces[ends.index(start):ends.index(end)]
             if len(inside) == 1:
                 piece = inside[0][0]
-                cut.append(Shard(value.dim, piece.origins, piece.intact, src, piece.span, piece.pieces))
+                cut.append(Shard(value.dim, piece.origins, piece.intact, src, piece.span, piece.pieces,
+                                 head_span=piece.head_span))
             else:
                 origins = frozenset().union(*(shard.origins for shard, _ in inside))
                 cut.append(Shard(value.dim, origins, False, src, None, inside))
@@ -763,13 +784,16 @@ def _record(flow: Flow, name: str, result, origins: frozenset, prev: str, dims: 
         span = _kept_span(flow, name, dims or {}, result.dim)
         pieces = _kept_pieces(flow, name, dims or {}, result.dim)
         fold = _kept_fold(flow, name, dims or {}, result.dim)
-        flow.state[name] = Shard(result.dim, origins, result.intact, prev, span, pieces, fold)
+        heads = _kept_head_span(flow, name, dims or {}, result.dim)
+        flow.state[name] = Shard(result.dim, origins, result.intact, prev, span, pieces, fold, heads)
         size = flow.g.nodes[name]["shape"][result.dim]
         for o in origins:
             if not _holds_copies(flow, o, span):  # parts held whole are not divided: their width says nothing
                 flow.extent[o] = math.gcd(flow.extent.get(o, 0), size)
     elif isinstance(result, Parts):
         flow.state[name] = tuple(Shard(p.dim, origins, p.intact, prev) if p else None for p in result.parts)
+    elif isinstance(result, Split) and result.heads:
+        _record_head_cut(flow, name, result, origins, prev)
     elif isinstance(result, Split):
         start = flow.span(prev)[0] if flow.span(prev) else 0
         ranges = tuple((start + a, start + b) for a, b in result.ranges)
@@ -787,6 +811,57 @@ def _record(flow: Flow, name: str, result, origins: frozenset, prev: str, dims: 
             flow.state[name] = tuple(shards)
         elif shards[0] is not None:
             flow.state[name] = shards[0]
+
+
+def _kept_head_span(flow: Flow, name: str, dims: dict, dim: int) -> tuple[int, int, int] | None:
+    """The heads' span (:attr:`Shard.head_span`) a rule's output keeps: its sharded inputs hold the
+    same features (a span, or a heads' span), on dims of one size ``n``; the output's dim has that
+    size (the heads kept in place), or is a view's split of it into ``m`` outer indices (each then
+    ``n / m`` of the input's units: a view of features into heads)."""
+    g, found, sizes = flow.g, set(), set()
+    for src, at in dims.items():
+        value, size = flow.state.get(src), g.nodes[src]["shape"][at]
+        if not isinstance(value, Shard) or value.pieces or value.fold:
+            return None
+        if value.span is not None and value.span[1] - value.span[0] == size:
+            found.add((value.span, 1))
+        elif value.head_span is not None:
+            found.add((value.head_span[:2], value.head_span[2]))
+        else:
+            return None
+        sizes.add(size)
+    if len(found) != 1 or len(sizes) != 1:
+        return None
+    ((start, end), unit), n, m = found.pop(), sizes.pop(), g.nodes[name]["shape"][dim]
+    if m == n:
+        return (start, end, unit) if unit > 1 else None  # unit 1: the span itself (_kept_span)
+    if g.nodes[name]["op"] in VIEW_LIKE and m < n and n % m == 0:
+        return start, end, unit * (n // m)
+    return None
+
+
+def _record_head_cut(flow: Flow, name: str, result: Split, origins: frozenset, prev: str) -> None:
+    """Store a cut of heads (:attr:`Shard.head_span`) into equal parts: each part is a range of the
+    origins' output features, which are cut there as by a split of the features (``splits``); each
+    part's heads must split over tp (``extent``, checked for ``head_cuts``)."""
+    start, _, unit = flow.head_span(prev)
+    ranges = tuple((start + a * unit, start + b * unit) for a, b in result.ranges)
+    for o in origins:
+        groups, inner = flow.group_views.get(o, (1, 0))
+        flow.splits.setdefault(o, []).extend((a + i * inner, b + i * inner) for i in range(groups)
+                                             for a, b in ranges)
+        flow.split_nodes.setdefault(o, []).append(name)
+        flow.head_cuts.add(o)
+        for a, b in result.ranges:
+            flow.extent[o] = math.gcd(flow.extent.get(o, 0), b - a)
+    shards = []
+    for index, (a, b) in enumerate(ranges):
+        if _held_whole(flow, origins, (a, b)):
+            flow.copy_cuts.setdefault(name, {})[index] = (next(iter(origins)), (a, b))
+            shards.append(None)
+        else:
+            shards.append(Shard(result.dim, origins, False, prev, head_span=(a, b, unit)))
+    flow.state[name] = tuple(shards)
 
 
 def _held_whole(flow: Flow, origins: frozenset, span: tuple[int, int]) -> bool:
@@ -901,7 +976,7 @@ def _getitem_step(flow: Flow, name: str, data) -> None:
     if isinstance(value, tuple) and isinstance(index, int) and value[index] is not None:
         part = value[index]
         flow.state[name] = Shard(part.dim, part.origins, part.intact, source.name, part.span, part.pieces,
-                                 part.fold)
+                                 part.fold, part.head_span)
 
 
 def _reduction_in_norm(flow: Flow, data, origins, owners: set[str], callers: set[str]) -> bool:
@@ -1066,7 +1141,13 @@ def packing(flow: Flow, origins, span, pieces) -> tuple[int, ...] | None:
         return inner_parts(flow, origins, span)
     parts = []
     for shard, width in pieces:
-        if shard.pieces or shard.span is not None:
+        if shard.head_span is not None and not shard.pieces:  # its parts in heads, the piece's units
+            start, end, unit = shard.head_span
+            inner = inner_parts(flow, shard.origins, (start, end))
+            if inner is None or any(p % unit for p in inner):
+                return None
+            parts.extend(p // unit for p in inner)
+        elif shard.pieces or shard.span is not None:
             inner = packing(flow, shard.origins, shard.span, shard.pieces)
             if inner is None:
                 return None
@@ -1094,12 +1175,26 @@ def packed_params(flow: Flow) -> dict[str, tuple[int, ...]]:
 def mixed_parts(flow: Flow) -> dict[str, str]:
     """Candidates with a shard holding several parts of their packed output (each rank has its
     share of every part, not one contiguous block) that reaches an op that does not keep it whole
-    or cut it at the parts (a view into heads, a row Linear, a parameter met with two packings)."""
+    or cut it at the parts (a view merging heads back, a row Linear, a parameter met with two
+    packings, or per head); viewed into heads, the parts must be whole heads, and heads of several
+    outputs met at one op must be cut alike."""
     g, bad = flow.g, {}
     for name, state in flow.state.items():
         for index, shard in enumerate(state if isinstance(state, tuple) else (state,)):
-            parts = inner_parts(flow, shard.origins, shard.span) if isinstance(shard, Shard) else None
+            if not isinstance(shard, Shard) or shard.features is None:
+                continue
+            parts = inner_parts(flow, shard.origins, shard.features)
+            if parts is None and shard.head_span:  # heads of origins cut differently: not one layout
+                for root in shard.origins:
+                    bad.setdefault(root, f"its heads meet heads of {len(shard.origins) - 1} other output(s) cut "
+                                         f"differently into parts, in {g.nodes[name]['module'] or 'the root'}")
+                continue
             if parts is None or len(parts) < 2:
+                continue
+            if shard.head_span and any(p % shard.head_span[2] for p in parts):
+                for root in shard.origins:  # a head would hold features of two parts
+                    bad.setdefault(root, f"its packed parts {parts} are viewed into heads of {shard.head_span[2]} "
+                                         f"features in {g.nodes[name]['module'] or 'the root'}, which they do not tile")
                 continue
             for succ in g.successors(name):
                 data = g.nodes[succ]
@@ -1107,12 +1202,20 @@ def mixed_parts(flow: Flow) -> dict[str, str]:
                     continue  # a metadata assert, or the getitem of another element
                 out = flow.state.get(succ)
                 outs = out if isinstance(out, tuple) else (out,)
-                if not any(isinstance(o, Shard) and o.span and shard.span[0] <= o.span[0] and o.span[1] <= shard.span[1]
+                held = shard.features
+                if not any(isinstance(o, Shard) and o.features and held[0] <= o.features[0] and o.features[1] <= held[1]
                            for o in outs):
                     for root in shard.origins:
                         bad.setdefault(root, f"its packed parts {parts} meet {g.nodes[succ]['op']} in "
                                              f"{g.nodes[succ]['module'] or 'the root'}, which does not keep them apart")
     bad.update({r: reason for r, reason in _mixed_pieces(flow).items() if r not in bad})
+    for param, meetings in flow.param_heads.items():  # a per-head parameter sharded contiguously
+        for origins, (start, end, _) in meetings:
+            parts = inner_parts(flow, origins, (start, end))
+            if parts is None or len(parts) > 1:
+                for root in origins:
+                    bad.setdefault(root, f"parameter {g.nodes[param]['param']} meets heads holding several parts of "
+                                         "its output, which a contiguous shard of it would not line up with")
     for param, meetings in flow.param_spans.items():
         packings = {packing(flow, o, s, p) for o, s, p in meetings}
         unknown = any(p is not None and packing(flow, o, s, p) is None for o, s, p in meetings)

@@ -204,11 +204,13 @@ class Parts:
 
 @dataclass(frozen=True)
 class Split:
-    """The sharded dim is cut into pieces ``[start, end)`` (a fused projection's parts)."""
+    """The sharded dim is cut into pieces ``[start, end)`` (a fused projection's parts); with
+    ``heads``, the ranges count heads of the input's ``head_span``, not features."""
 
     dim: int
     ranges: tuple[tuple[int, int], ...]
     tuple_output: bool
+    heads: bool = False
 
 
 @dataclass(frozen=True)
@@ -706,9 +708,14 @@ def _split_parts(g, name, dims, ctx, sizes, at):
     if ctx.pieces(src):
         cut = ctx.cut_pieces(name, src, [(s, s + n) for s, n in zip(starts, sizes)])
         return Given(cut) if cut else Break(f"split into {list(sizes)} cuts joined pieces inside one")
+    ranges = tuple((s, s + n) for s, n in zip(starts, sizes))
+    if ctx.span(src) is None and ctx.head_span(src) is not None and len(set(sizes)) == 1 < len(sizes):
+        # Heads viewed from an output (or a part of it) cut into equal parts: parts of that output,
+        # laid out per part as a packed projection's (each rank its share of every part).
+        return Split(dim, ranges, tuple_output=True, heads=True)
     if ctx.span(src) is None:  # a part cut again: its cuts are placed in the Linear's output
         return Break(f"split of the sharded dim {dim} into {list(sizes)}")
-    return Split(dim, tuple((s, s + n) for s, n in zip(starts, sizes)), tuple_output=True)
+    return Split(dim, ranges, tuple_output=True)
 
 
 def _split(g, name, dims, ctx):

@@ -203,13 +203,16 @@ def _misfit_groups(flow: Flow, tp_size: int | None) -> dict[str, str]:
 
 def _indivisible_parts(flow: Flow, tp_size: int | None) -> dict[str, str]:
     """Candidates cut into parts by a view whose heads tp does not divide (a fused k / v with
-    fewer kv heads than ranks; fixed groups of too few heads each; a fused q / k / v viewed
-    groups first with fewer groups than ranks): kept whole, as the cut alone would leave them,
-    rather than the whole plan refused."""
+    fewer kv heads than ranks; fixed groups of too few heads each; heads chunked into parts of
+    too few heads each; a fused q / k / v viewed groups first with fewer groups than ranks): kept
+    whole, as the cut alone would leave them, rather than the whole plan refused."""
     if not tp_size:
         return {}
     found = {root: f"its output is viewed into parts of {flow.extent[root]} heads each, which tp={tp_size} does "
                    "not divide; kept whole" for root in flow.part_views if flow.extent.get(root, 0) % tp_size}
+    found.update({root: f"its heads are cut into parts with {flow.extent[root]} heads in common, which tp={tp_size} "
+                        "does not divide (each rank would hold a share of every part); kept whole"
+                  for root in flow.head_cuts if root not in found and flow.extent.get(root, 0) % tp_size})
     found.update({root: f"its output is viewed into {groups} fixed groups of parts, {flow.extent[root]} heads "
                         f"each, which tp={tp_size} does not divide (each rank would hold a share of every group); "
                         "kept whole" for root, (groups, _) in flow.group_views.items()
