@@ -229,13 +229,26 @@ class Flow:
         self.entry_origins[key] = self.entry_origins.get(key, frozenset()) | origins
         return True
 
-    def grouped(self, groups: int) -> None:
-        """The shard meets an op over ``groups`` groups of its channels (a grouped convolution):
-        each rank must hold whole groups, so tp must divide ``groups`` as it divides the heads."""
-        for shard in self.meeting:
+    def grouped(self, groups: int, channels: int) -> str | None:
+        """The shard meets an op over ``groups`` groups of its ``channels`` (a grouped convolution):
+        each rank must hold whole groups, so tp must divide ``groups`` as it divides the heads.
+
+        A shard joined from pieces holds a share of each piece, one after another: each piece must
+        be whole groups (none straddles two pieces), and tp must divide each piece's group count
+        (a rank's share of a piece is then whole groups, which start where a global group starts).
+        Returns why a piece does not fit (nothing recorded), else None."""
+        size = channels // groups
+        pieces = [(shard, width) for m in self.meeting for shard, width in (m.pieces or ((m, channels),))]
+        for shard, width in pieces:
+            if width % size:
+                modules = ", ".join(sorted({module_of(self.g, o) for o in shard.origins}))
+                return f"its piece of {width} channels from {modules} is not whole groups"
+        for shard, width in pieces:
             for origin in shard.origins:
-                self.extent[origin] = math.gcd(self.extent.get(origin, 0), groups)
-                self.conv_groups.setdefault(origin, set()).add(groups)
+                self.extent[origin] = math.gcd(self.extent.get(origin, 0), width // size)
+        for origin in frozenset().union(*(m.origins for m in self.meeting)):
+            self.conv_groups.setdefault(origin, set()).add(groups)
+        return None
 
     def expert_bias(self, other: str, dim: int) -> bool:
         """Whether replicated operand ``other`` is a per-expert bias (``B[e]``, ``B[ids]``:

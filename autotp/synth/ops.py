@@ -939,7 +939,13 @@ def _conv(g, name, dims, ctx):
     (depthwise: a group per channel) and tp divides the groups: each rank's channels are then whole
     groups, and its weight and bias (output channels on dim 0) are sharded with them. The group
     count joins the extents tp must divide, and the shape proof finds the ``groups`` attribute to
-    divide per rank where it is not the channel count."""
+    divide per rank where it is not the channel count.
+
+    A shard joined from pieces (``cat([q, k])``: each rank its share of every piece, one after
+    another) keeps its groups when every piece is whole groups that tp divides
+    (:meth:`~autotp.synth.analysis.Flow.grouped`): a rank's local groups are then global groups, in
+    order, and the weight's rows are packed like the pieces. A group straddling two pieces breaks,
+    and so does a convolution that changes the channel count of such a layout."""
     data = g.nodes[name]
     op, x = data["op"], data["args"][0]
     weight, bias = _arg(g, name, 1, "weight"), _arg(g, name, 2, "bias")
@@ -957,11 +963,15 @@ def _conv(g, name, dims, ctx):
         return Break(f"{op}'s weight cannot be sharded with its channels (not a parameter read only here)")
     if isinstance(bias, Ref) and not ctx.shard_param(bias.name, 0):
         return Break(f"{op}'s bias cannot be sharded with its channels (not a parameter read only here)")
+    state = ctx.state[x.name]
+    if (state.pieces or state.fold) and out_channels != channels:  # the layout would not carry over
+        return Break(f"{op} makes {out_channels} channels from {channels} of a shard joined from pieces")
     if groups != channels:
-        state = ctx.state[x.name]
-        if state.pieces or state.fold:  # a rank's channels are its shares of several tensors
-            return Break(f"{op} groups {channels // groups} channels of a shard joined from pieces")
-        ctx.grouped(groups)  # an output also cut into parts is refused after the pass (packed_groups)
+        if state.fold:
+            return Break(f"{op} groups {channels // groups} channels of a shard folded into a merged dim")
+        straddled = ctx.grouped(groups, channels)  # an output also cut into parts is refused after the pass
+        if straddled:
+            return Break(f"{op} groups {channels // groups} channels of a shard joined from pieces, and {straddled}")
     return Out(1)
 
 

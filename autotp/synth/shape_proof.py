@@ -82,8 +82,9 @@ def shaped_sizes(g: nx.DiGraph, flow: Flow, roots: list[str]) -> set[int]:
                 values.add(shape[state.dim])
                 if state.fold:  # heads merged with the batch into rows: the head count sizes the view
                     values.add(state.fold[0][state.fold[1]])
-            if isinstance(state, Shard) and state.pieces:  # a cat's pieces, cut back at fixed widths
-                values.update(width for _, width in state.pieces)
+            if isinstance(state, Shard) and state.pieces:  # a cat's pieces, cut back at fixed widths,
+                values.update(width for _, width in state.pieces)  # and their sum: a depthwise conv's groups
+                values.add(sum(width for _, width in state.pieces))
         values.update(end - start for start, end in set(flow.splits.get(root, ())))
         values.update(g.nodes[n]["shape"][dim] for n, (dim, origins) in flow.factory_shards.items() if root in origins)
         values.update(flow.conv_groups.get(root, ()))  # a grouped convolution's ``groups``, divided per rank
