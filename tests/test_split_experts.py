@@ -120,6 +120,40 @@ class PermutedQueryAttention(Attention):
         return self.o(y.transpose(1, 2).reshape(b, t, -1))
 
 
+class RoutedQueryAttention(nn.Module):
+    """Attention whose query projection is routed (mixture of attention heads): each token picks
+    ``TOP_K`` of ``EXPERTS`` stacked query projections, computed on the tokens sorted by expert
+    (sizes read from the routing: the code reads values) and scattered back into zeros of the
+    attribute width ``self.width``; one k/v projection tiled to the ``TOP_K`` slots; the output
+    projected by the chosen experts' stacked rows, weighted and summed back per token."""
+
+    def __init__(self):
+        super().__init__()
+        self.width = DIM
+        self.router = nn.Linear(DIM, EXPERTS, bias=False)
+        self.queries, self.outputs = StackedLinear(DIM, DIM), StackedLinear(DIM, DIM)
+        self.kv = nn.Linear(DIM, 2 * DIM)
+
+    def route(self, x):
+        weights, chosen = self.router(x).topk(TOP_K, dim=-1)
+        flat = chosen.flatten()
+        sizes = torch.bincount(flat, minlength=EXPERTS).tolist()
+        order = flat.argsort(stable=True)
+        return order, order // TOP_K, weights.softmax(-1).flatten()[order], sizes
+
+    def forward(self, x):
+        b, t, d = x.shape
+        flat = x.reshape(-1, d)
+        order, token, gates, sizes = self.route(flat)
+        q = torch.zeros(b * t * TOP_K, self.width).index_add(0, order, self.queries(flat[token], sizes))
+        q = q.view(b, t, TOP_K, -1).view(b, t, -1, HEAD_DIM).transpose(1, 2)
+        k, v = (h.view(b, t, -1, HEAD_DIM).transpose(1, 2).repeat(1, TOP_K, 1, 1) for h in self.kv(x).chunk(2, dim=-1))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2)
+        y = y.reshape(b, t, TOP_K, -1).reshape(-1, self.width)
+        out = self.outputs(y[order], sizes) * gates[:, None]
+        return torch.zeros_like(flat).index_add(0, token, out).view(b, t, d)
+
+
 class TiledKVAttention(nn.Module):
     """``SLOTS`` query projections stacked as ``(b, t, SLOTS, width)`` and viewed as ``SLOTS * HEADS``
     heads; k and v projected once and tiled to every slot with ``repeat``; the slots' outputs summed."""
@@ -256,6 +290,23 @@ def test_rows_picked_and_scattered_back_keep_the_feature_shard(tp_size, sequence
     model = Model(PermutedQueryAttention, DenseMLP).eval()
     plan, report = synthesize_and_verify(model, tp_size, sequence_parallel)
     assert isinstance(plan["layers.*.attn"], styles.ShardCounts) and plan["layers.*.attn"].names == ("width",), plan
+    bound = megatron_bound(model, tp_size)
+    assert all(abs(f - bound) < 0.03 for f in report.param_fraction), (report.param_fraction, bound)
+
+
+@pytest.mark.parametrize("sequence_parallel", [False, True], ids=["plain", "sp"])
+@pytest.mark.parametrize("tp_size", [2, 4])
+def test_routed_query_attention_is_proven_on_its_values_and_sharded(tp_size, sequence_parallel):
+    """Would catch the module left whole because it cannot run on meta (its routing reads values:
+    the shape proof now runs it on the captured values), and, under sequence parallel, the width
+    division dropped when the block is gathered whole at entry (the run fails on the zeros' width)."""
+    torch.manual_seed(0)
+    model = Model(RoutedQueryAttention, DenseMLP).eval()
+    plan, report = synthesize_and_verify(model, tp_size, sequence_parallel)
+    style = plan["layers.*.attn"]
+    assert isinstance(style, styles.ShardCounts) and style.names == ("width",), plan
+    assert (style.base is not None) == sequence_parallel, style
+    assert plan["layers.*.attn.queries"].side == "columns" and plan["layers.*.attn.outputs"].side == "rows", plan
     bound = megatron_bound(model, tp_size)
     assert all(abs(f - bound) < 0.03 for f in report.param_fraction), (report.param_fraction, bound)
 

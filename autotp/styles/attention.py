@@ -61,14 +61,23 @@ class ShardCounts(ParallelStyle):
 
     Keyword Args:
         names (tuple[str, ...]): attribute paths relative to the module.
+        base (ParallelStyle | None): the module's own style, applied after the division (a
+            :class:`~autotp.styles.GatherSequenceInput` of a block gathered whole under sequence
+            parallel). Default: None.
 
     Example::
         >>> plan = {"model.layers.*.self_attn": ShardCounts(names=("num_key_value_heads",))}
     """
 
-    def __init__(self, *, names: tuple[str, ...]):
+    def __init__(self, *, names: tuple[str, ...], base: ParallelStyle | None = None):
         super().__init__()
         self.names = tuple(names)
+        self.base = base
+
+    def sharded_param_dims(self, module: nn.Module) -> dict[str, int]:
+        from autotp.plan import sharded_param_dims
+
+        return sharded_param_dims(module, self.base) if self.base is not None else {}
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         tp = device_mesh.size()
@@ -90,10 +99,11 @@ class ShardCounts(ParallelStyle):
 
                 raise MeshError(f"{type(module).__name__}.{name}={value} cannot be split over tp={tp}")
             setattr(owner, attr, value // tp)
-        return module
+        return self.base._apply(module, device_mesh) if self.base is not None else module
 
     def __repr__(self) -> str:
-        return f"{self.__class__.__name__}(names={self.names})"
+        base = f", base={self.base!r}" if self.base is not None else ""
+        return f"{self.__class__.__name__}(names={self.names}{base})"
 
 
 class LocalWidthInputs(WrapperStyle):

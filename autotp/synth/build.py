@@ -104,9 +104,12 @@ def _vocab_embedding(role: Role, loss_parallel: bool) -> ParallelStyle:
 
 def _seq_gather(role: Role, loss_parallel: bool) -> ParallelStyle:
     if role.seq_output:
-        return styles.GatherSequenceInput(reshard_output="all" if role.all_outputs else True,
-                                          use_local_output=not role.dtensor_output)
-    return styles.GatherSequenceInput(use_local_output=not role.dtensor_output)
+        style = styles.GatherSequenceInput(reshard_output="all" if role.all_outputs else True,
+                                           use_local_output=not role.dtensor_output)
+    else:
+        style = styles.GatherSequenceInput(use_local_output=not role.dtensor_output)
+    # Counts the block divides (a ``shard_counts`` role the sequence pass gathered): one style for both.
+    return styles.ShardCounts(names=role.names, base=style) if role.names else style
 
 
 def _experts(role: Role, loss_parallel: bool) -> ParallelStyle:

@@ -80,6 +80,7 @@ class Captured(dict):
 
     failed: str | None = None
     stateful: frozenset = frozenset()
+    real: dict = {}  # FQN -> (args, kwargs) with their values, where the forward had to read values
 
 
 @contextlib.contextmanager
@@ -112,7 +113,8 @@ def capture_inputs(model: nn.Module, example_inputs, fqns: set[str],
         fake_log.setLevel(logging.CRITICAL)  # a kernel without a fake impl logs before it raises
         try:
             failed = _fake_forward(model, args, kwargs, real_values=False)
-            if failed is not None and data_dependent(failed) and not on_meta(model):
+            real = failed is not None and data_dependent(failed) and not on_meta(model)
+            if real:
                 # A value read (``lengths.max().item()``): the branch these inputs take, as export's
                 # retry does; the shapes the proof compares are those of the traced graph's branch.
                 captured.clear()
@@ -124,6 +126,8 @@ def capture_inputs(model: nn.Module, example_inputs, fqns: set[str],
     # Fake tensors belong to the fake mode: keep only their shapes, as plain meta tensors.
     result = Captured({fqn: (_to_meta(a), _to_meta(k)) for fqn, (a, k) in captured.items()})
     result.stateful = frozenset(fqn for fqn, inputs in captured.items() if _filled_state(inputs))
+    if real:  # a module that reads values itself is run on them (:func:`run_local`)
+        result.real = {fqn: _rebuilt(inputs, lambda t, inside: t.detach().clone()) for fqn, inputs in captured.items()}
     if failed is not None:
         result.failed = f"{type(failed).__name__}: {str(failed).splitlines()[0] if str(failed) else ''}"[:200]
     return result
@@ -155,6 +159,36 @@ def _fake_forward(model: nn.Module, args: tuple, kwargs: dict, *, real_values: b
     return None
 
 
+def _real_inputs(inputs) -> bool:
+    """Whether ``inputs`` hold values (a module that reads them: :attr:`Captured.real`), not meta shapes."""
+    found = []
+    _rebuilt(inputs, lambda t, inside: found.append(not t.is_meta) or t)
+    return any(found)
+
+
+def _real_copy(module: nn.Module) -> nn.Module:
+    """A copy of ``module`` with its parameters' values (detached): runs on the values of its inputs."""
+    memo = {id(t): nn.Parameter(t.detach().clone(), requires_grad=False) for t in module.parameters()}
+    memo.update({id(t): t.detach().clone() for t in module.buffers()})
+    memo.update({id(value): None for m in module.modules() for value in vars(m).values()
+                 if isinstance(value, FakeTensor)})
+    return copy.deepcopy(module, memo)
+
+
+def _per_rank(param: torch.Tensor, shape: list) -> torch.Tensor:
+    """A tensor of ``shape`` standing for ``param``'s per-rank shard: meta for a meta parameter, else
+    the leading block of its values (rank 0's shard of an even split), so that code reading values
+    (a router's top-k) sees numbers of the kind it was built for."""
+    if param.is_meta:
+        return torch.empty(shape, dtype=param.dtype, device="meta")
+    block = param.detach()
+    for dim, size in enumerate(shape):
+        if size > block.shape[dim]:  # a share wider than the whole (copies of a part): repeated rows
+            block = block.repeat_interleave(-(-size // block.shape[dim]), dim=dim)
+        block = block.narrow(dim, 0, size)
+    return block.clone()
+
+
 def _meta_copy(module: nn.Module) -> nn.Module:
     """A copy of ``module`` on meta (parameters are not copied, only their shapes)."""
     memo = {id(t): nn.Parameter(torch.empty(t.shape, dtype=t.dtype, device="meta"), requires_grad=False)
@@ -180,7 +214,7 @@ def _shrink(module: nn.Module, role: Role, tp: int) -> None:
         dim = dims.get(name) if dims is not None else WEIGHT_DIMS.get(role.kind)
         if role.scatter_heads:  # the output scattered onto the heads: this rank's outputs, its inputs
             shape = [size // tp for size in param.shape]
-            setattr(module, name, nn.Parameter(torch.empty(shape, dtype=param.dtype, device="meta"), requires_grad=False))
+            setattr(module, name, nn.Parameter(_per_rank(param, shape), requires_grad=False))
             continue
         if dim is None or (role.kind == "row" and param.ndim < 2):
             continue
@@ -190,7 +224,7 @@ def _shrink(module: nn.Module, role: Role, tp: int) -> None:
         if role.copied:  # parts held whole on every rank: the expanded parts' share (autotp.synth.copies)
             shape[dim] = sum(role.sizes) // tp
         path, _, leaf = name.rpartition(".")
-        local = torch.empty(shape, dtype=param.dtype, device="meta")
+        local = _per_rank(param, shape)
         setattr(module.get_submodule(path), leaf,
                 nn.Parameter(local, requires_grad=False) if isinstance(param, nn.Parameter) else local)
 
@@ -208,7 +242,7 @@ def _shrink_in_out(module: nn.Module, role: Role, tp: int) -> None:
         dim = 0 if role.kind == "row" else param.ndim - 1
         shape = list(param.shape)
         shape[dim] //= tp
-        setattr(module, name, nn.Parameter(torch.empty(shape, dtype=param.dtype, device="meta"), requires_grad=False))
+        setattr(module, name, nn.Parameter(_per_rank(param, shape), requires_grad=False))
 
     def forward(x, *args, **kwargs):
         flat, bias = x.reshape(-1, x.shape[-1]), getattr(module, "bias", None)
@@ -218,9 +252,11 @@ def _shrink_in_out(module: nn.Module, role: Role, tp: int) -> None:
     module.forward = forward
 
 
-def _local_copy(module: nn.Module, roles: dict[str, Role], names: tuple[str, ...], tp: int) -> nn.Module:
-    """A meta copy of ``module`` with per-rank parameter shapes and ``names`` divided by ``tp``."""
-    local = _meta_copy(module)
+def _local_copy(module: nn.Module, roles: dict[str, Role], names: tuple[str, ...], tp: int,
+                real: bool = False) -> nn.Module:
+    """A meta copy of ``module`` (with ``real``, a copy holding values) with per-rank parameter
+    shapes and ``names`` divided by ``tp``."""
+    local = _real_copy(module) if real else _meta_copy(module)
     for name, role in roles.items():
         if tp > 1 or _in_out(role):  # at tp=1 too, so that both runs have the same ops
             _shrink(local.get_submodule(name), role, tp)
@@ -316,7 +352,8 @@ def run_local(module: nn.Module, inputs: tuple[tuple, dict], roles: dict[str, Ro
     Returns:
         ``(output shapes, {fused index: set of cuts})``, or None if the forward fails.
     """
-    local = _local_copy(module, roles, names, tp)
+    real = _real_inputs(inputs)
+    local = _local_copy(module, roles, names, tp, real)
     for name, value in (assign or {}).items():
         setattr(local, name, value)
     recorder = _CutRecorder()
@@ -333,7 +370,7 @@ def run_local(module: nn.Module, inputs: tuple[tuple, dict], roles: dict[str, Ro
     args, kwargs = _snapshot(inputs)  # a cache among them is updated by the run: each run gets its own
     try:
         # Tensors the module makes without a device (``torch.full((t, t), -inf)``) are made on meta too.
-        with torch.no_grad(), torch.device("meta"), recorder:
+        with torch.no_grad(), contextlib.nullcontext() if real else torch.device("meta"), recorder:
             out = local(*args, **kwargs)
     except Exception as error:  # a wrong guess usually fails on a shape: that is the answer
         log.debug("local run of %s with %s divided failed: %s", type(module).__name__, names, error)
@@ -349,14 +386,20 @@ def _shapes(out):
     return None
 
 def trace_local(module: nn.Module, inputs, roles: dict[str, Role], names: tuple[str, ...], tp: int):
-    """The analysis graph of a meta copy of ``module`` at per-rank widths (``tp`` 1: global)."""
-    local = _local_copy(module, roles, names, tp)
+    """The analysis graph of a meta copy of ``module`` at per-rank widths (``tp`` 1: global); of a
+    copy holding values, exported down the branches its values take, where the inputs hold values."""
+    from autotp.synth.trace import _export
+
+    real = _real_inputs(inputs)
+    local = _local_copy(module, roles, names, tp, real)
     args, kwargs = _snapshot(inputs)
     bound = {k: v for k, v in kwargs.items() if not _exportable(v)}
     if bound:  # a cache object: handed to the forward as it is, not as an input of the program
         local.forward = functools.partial(local.forward, **bound)
         kwargs = {k: v for k, v in kwargs.items() if k not in bound}
     try:
+        if real:
+            return build_graph(_export(local, args, kwargs, real_values=True))
         with torch.no_grad(), torch.device("meta"):
             return build_graph(torch.export.export(local, args, kwargs, strict=False))
     except Exception as error:  # cannot trace alone: cannot confirm

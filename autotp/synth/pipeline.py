@@ -270,7 +270,21 @@ def sequence_parallel(a: Analysis) -> Analysis:
     if reason is not None:
         log.warning("sequence parallel: %s", reason)
         return replace(a, sequence_parallel=False)
-    return replace(a, roles=sequence_parallel_roles(a.graph, a.flow, a.roles, a.groups))
+    roles = sequence_parallel_roles(a.graph, a.flow, a.roles, a.groups)
+    for module, before in a.roles.items():
+        after = roles.get(module)
+        if before.kind != "shard_counts" or after is None or after.kind == "shard_counts":
+            continue
+        # A block gathered whole at entry keeps its counts divided (one style does both); any
+        # other role would drop them, and the module would cut its shards with global sizes.
+        if after.kind != "seq_gather" or after.names:
+            reason = (f"{module} divides {', '.join(before.names)} by tp, and its sequence-parallel role "
+                      f"({after.kind}) cannot do that too")
+            log.warning("sequence parallel: %s; planned without it", reason)
+            return replace(a, sequence_parallel=False)
+        roles[module] = replace(after, names=before.names,
+                                reason=f"{after.reason}; its attributes {', '.join(before.names)} divided by tp")
+    return replace(a, roles=roles)
 
 
 def partial_sums(a: Analysis) -> Analysis:

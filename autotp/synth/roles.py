@@ -96,8 +96,8 @@ class Role:
         param_parts: of ``experts``, (parameter name, number of fused parts) pairs.
         param_packed: of ``head_params``, (parameter name, part widths along its sharded dim) pairs:
             parameters sharded with a packed Linear's parts, each rank holding its share of each.
-        names: of ``shard_counts``, the attribute paths divided by tp; of ``shared_entry``, the
-            column Linears (relative names).
+        names: of ``shard_counts`` (and of a ``seq_gather`` that was one), the attribute paths
+            divided by tp; of ``shared_entry``, the column Linears (relative names).
         kv_counts: of ``kv_head_counts``, ``(attribute, kind)`` pairs, kind ``"ratio"`` / ``"kv"`` /
             ``"heads"`` (its per-rank value: heads / tp, 1, heads / tp).
         kv_heads, head_dim: of ``kv_column``, its kv heads and head size.

@@ -119,6 +119,11 @@ def localize_shapes(model: nn.Module, example_inputs, g: nx.DiGraph, flow: Flow,
         inner = inner_roles(roles, fqn)
         if fqn in result.widths:  # its fused cuts were proven with it: so are its shapes
             inner = with_width_view(inner, result.widths[fqn])
+        inputs = captured[fqn]
+        if fqn in captured.real:  # it reads values (a router's sizes): run on meta, it cannot be judged
+            with collapsed(model, groups):
+                if run_local(model.get_submodule(fqn), inputs, inner, [], (), 1) is None:
+                    inputs = captured.real[fqn]
         values = shaped_sizes(g, flow, roots)
         if any(v % tp for v in values):
             continue  # tp does not divide the heads: check_divisible names the module and the sizes
@@ -128,7 +133,7 @@ def localize_shapes(model: nn.Module, example_inputs, g: nx.DiGraph, flow: Flow,
         with collapsed(model, groups):
             module = model.get_submodule(fqn)
             traces: dict = {}
-            verdict = shape_proof(module, captured[fqn], inner, tp, known, traces)
+            verdict = shape_proof(module, inputs, inner, tp, known, traces)
             if verdict is None and traces.get("unjudged") and any(
                     root in origins for root in roots for _, origins in flow.factory_shards.values()):
                 # A constant tensor taken at its per-rank size is sound only once the proof has run.
@@ -139,11 +144,11 @@ def localize_shapes(model: nn.Module, example_inputs, g: nx.DiGraph, flow: Flow,
             if verdict is None:
                 continue  # already per-rank (or cannot run alone: the verifier judges the numbers)
             candidates = candidate_names(module, {v for v in values if v > 1})
-            names = head_names(module, captured[fqn], inner, candidates, tp, verdict, known, traces)
-            view = width_view_of(g, roles, fqn, captured[fqn]) if not names and fqn not in result.widths else None
+            names = head_names(module, inputs, inner, candidates, tp, verdict, known, traces)
+            view = width_view_of(g, roles, fqn, inputs) if not names and fqn not in result.widths else None
             if view is not None:  # sizes read from an input (``C = x.size(-1)``): the last resort
                 widened = with_width_view(inner, view)
-                names = head_names(module, captured[fqn], widened, candidates, tp, verdict, known, {})
+                names = head_names(module, inputs, widened, candidates, tp, verdict, known, {})
                 if names is not None:
                     result.widths[fqn] = view
         if names:
