@@ -160,7 +160,8 @@ def _graph_findings(model: nn.Module, resolved: dict, example_inputs, tp_size: i
               or _scatters_heads(style_of.get(module))}
     packed = {n for n in active if getattr(style_of.get(linears[n]), "sizes", None)}
     copied = {n: frozenset(held[linears[n]]) for n in active if linears[n] in held}
-    flow = propagate_packed(g, active, packed, copied=copied)
+    scattered = frozenset(n for n in active if _scatters_heads(style_of.get(linears[n])))
+    flow = propagate_packed(g, active, packed, copied=copied, head_scatters=scattered)
     findings = []
 
     def where(node):

@@ -25,7 +25,7 @@ from autotp.synth.experts import bias_breaks, expert_bias, partial_sum_breaks, s
 from autotp.synth.entries import stray_entry_reads
 from autotp.synth.statistics import block_statistic, statistic_breaks, statistic_in_block
 from autotp.synth.params import reading_module, stray_param_reads, stray_tree_reads
-from autotp.synth.ops import FIRST_VALUE_ONLY, GROUPED_MATMULS, NO_VALUES, SCALINGS, SELECTING_PRODUCTS, STACKED_MATMULS, WRITE_VIEWS, WRITES
+from autotp.synth.ops import FIRST_VALUE_ONLY, GRADLESS_ARGS, GROUPED_MATMULS, NO_VALUES, SCALINGS, SELECTING_PRODUCTS, STACKED_MATMULS, WRITE_VIEWS, WRITES
 from autotp.synth.ops import (ATTENTION, ELEMENTWISE, MATMULS, PASSTHROUGH, SINKS, VIEW_LIKE, Break, Given, Out, Parts,
                               Split, apply_rule)
 
@@ -123,6 +123,10 @@ class Flow:
     row_packs: dict = field(default_factory=dict)  # row Linear -> part widths of its input (a folded shard's)
     scatters: set = field(default_factory=set)  # rows whose reduced output stays sharded on the heads (per_head_row)
     scatters_met: set = field(default_factory=set)  # those whose output shard met the heads they read again
+    revivable: dict = field(default_factory=dict)  # dropped candidate -> the op where its shard met a whole operand
+    revived: set = field(default_factory=set)  # those this pass found met there by another shard (revives)
+    head_scatters: frozenset = frozenset()  # rows reduce-scattered onto the heads they feed (scatters_onto_heads)
+    scatter_requests: set = field(default_factory=set)  # rows this pass found feeding whole a product over heads
 
     def sharded(self, name: str) -> bool:
         """Whether ``name``'s output (or an element of it) is sharded."""
@@ -374,9 +378,30 @@ class Flow:
             return False
         rivals = frozenset().union(*(self.rows[r] for r in rows))
         mine = frozenset().union(*(s.origins for s in self.meeting))
-        if not rivals or rivals & mine:
+        if not rivals or rivals & mine or _rows_beside(self, rivals, rows):
             return False
         self._give_way(rivals, sorted(rows), mine, name, "the head-sharded attention of")
+        return True
+
+    def scatters_onto_heads(self, other: str, name: str) -> bool:
+        """Whether replicated operand ``other`` of product ``name`` over the heads (an attention, a
+        batched matmul) is computed only from the reduced outputs of row Linears whose columns'
+        shard other rows contract too (a low-rank query down-projection that also feeds a second
+        up-projection), so that it may not give way (:meth:`gives_way_to_heads`): those rows are
+        then reduce-scattered on their output features instead, each rank taking the block that
+        its heads read, and the next round follows that shard like a column's. Recorded in
+        ``scatter_requests`` (once per row); the round that converges requests none, so what is
+        kept is sound as before."""
+        found = upstream_linears(self.g, other)
+        rows = found[0] if found else set()
+        if not rows or not rows <= set(self.rows) or rows & self.head_scatters \
+                or not all(_packable_row(self.g, r) for r in rows):
+            return False
+        rivals = frozenset().union(*(self.rows[r] for r in rows))
+        mine = frozenset().union(*(s.origins for s in self.meeting))
+        if not rivals or rivals & mine or not _rows_beside(self, rivals, rows):
+            return False
+        self.scatter_requests |= rows
         return True
 
     def _give_way(self, rivals, rows, mine, name: str, what: str) -> None:
@@ -387,6 +412,20 @@ class Flow:
             self.broken.setdefault(root, (f"its shard, reduced by {modules(rows)}, meets {what} "
                                           f"{modules(mine)}; the smaller side stays whole", name))
             self.yielded.setdefault(root, mine)
+
+    def revives(self, other: str, name: str) -> bool:
+        """Whether replicated operand ``other`` of ``name`` (elementwise, or a product over the heads)
+        is computed only from candidates dropped because their shard met, at ``name`` itself, an
+        operand that was whole then and is now sharded: a per-head gate ``attn * sigmoid(gate_proj(x))``
+        dropped in a round where the attention it gates was whole, or a row's output scattered onto
+        the heads before the keys it meets were. Each side then waits for the other; the candidates
+        are recorded in ``revived`` and tried again (once) in the next round, which decides anew,
+        and the round that converges revives none, so what is kept is sound as before."""
+        found = upstream_linears(self.g, other)
+        if not found or not found[0] or any(self.revivable.get(n) != name for n in found[0]):
+            return False
+        self.revived |= found[0]
+        return True
 
     def unit_heads_of(self, name: str) -> bool:
         """Whether the shard of ``name`` comes only from candidates read as one-kv-head k/v."""
@@ -551,6 +590,35 @@ def _value_inputs(g: nx.DiGraph, name: str) -> list[str]:
     return [r.name for r in inputs]
 
 
+def _grad_inputs(g: nx.DiGraph, name: str) -> list[str]:
+    """:func:`_value_inputs` less the arguments through which no gradient flows (a mask, an index:
+    :data:`~autotp.synth.ops.GRADLESS_ARGS`)."""
+    data = g.nodes[name]
+    inputs = _value_inputs(g, name)
+    if data["kind"] != "call" or data["op"] not in GRADLESS_ARGS:
+        return inputs
+    at, key = GRADLESS_ARGS[data["op"]]
+    arg = data["args"][at] if len(data["args"]) > at else data["kwargs"].get(key)
+    return [n for n in inputs if not (isinstance(arg, Ref) and n == arg.name)]
+
+
+def _rows_beside(flow: Flow, columns: frozenset, rows) -> bool:
+    """Whether the outputs of ``columns`` reach a Linear besides ``rows`` before any Linear (a second
+    up-projection of a low-rank latent), wherever it comes in program order."""
+    g, seen, todo = flow.g, set(columns), list(columns)
+    while todo:
+        for succ in g.successors(todo.pop()):
+            if succ in seen or g.nodes[succ]["kind"] != "call":
+                continue
+            seen.add(succ)
+            if is_linear(g, succ):
+                if succ not in rows:
+                    return True
+            else:
+                todo.append(succ)
+    return False
+
+
 def _row_sources(g: nx.DiGraph, flow: Flow, name: str) -> list[str]:
     """The row Linear that ``name`` is a one-tensor chain of casts, views and scalings of, if any."""
     while name not in flow.rows:
@@ -568,7 +636,7 @@ def upstream_linears(g: nx.DiGraph, name: str) -> tuple[set[str], set[str]] | No
     would have to be reduced too). Buffers and inputs may enter (rope's cos and sin)."""
     seen, todo, linears = {name}, [name], set()
     while todo:
-        for pred in _value_inputs(g, todo.pop()):
+        for pred in _grad_inputs(g, todo.pop()):
             if pred in seen or pred in linears or g.nodes[pred]["op"] in SINKS:
                 continue
             kind = g.nodes[pred]["kind"]
@@ -906,7 +974,7 @@ def _linear_step(flow: Flow, name: str, data, dims: dict, active: set):
             packs = _folded_parts(flow.state[x].fold)
             if packs and _packable_row(g, name):
                 flow.row_packs[name] = packs
-            if name in active and per_head_row(flow, name, x):  # reduce-scattered onto the heads
+            if name in active and (per_head_row(flow, name, x) or name in flow.head_scatters):  # onto the heads
                 width = data["shape"][-1]
                 flow.state[name] = Shard(len(data["shape"]) - 1, frozenset({name}), True, None, (0, width))
                 flow.scatters.add(name)
@@ -954,8 +1022,8 @@ def _meets_heads(flow: Flow, dims: dict) -> None:
     """Record the rows left sharded on the heads whose shard meets, at one op, a shard of the
     heads they read (:attr:`Flow.scatters_met`)."""
     held = [flow.state[s].origins for s in dims]
-    for row in flow.scatters & frozenset().union(*held):
-        if any(row not in origins and origins & flow.rows[row] for origins in held):
+    for row in flow.scatters & frozenset().union(*held):  # a row scattered onto the heads it feeds: any heads
+        if any(row not in origins and (origins & flow.rows[row] or row in flow.head_scatters) for origins in held):
             flow.scatters_met.add(row)
 
 
@@ -1026,7 +1094,8 @@ def _written(flow: Flow, name: str, data) -> None:
 
 def propagate(g: nx.DiGraph, active: set[str], unit_heads: frozenset = frozenset(),
               whole: dict[str, str] | None = None, *, module_alone: bool = False,
-              copied: dict[str, frozenset] | None = None, per_group: frozenset = frozenset()) -> Flow:
+              copied: dict[str, frozenset] | None = None, per_group: frozenset = frozenset(),
+              revivable: dict[str, str] | None = None, head_scatters: frozenset = frozenset()) -> Flow:
     """Follow the shard of every active candidate Linear through ``g`` (one pass, program order).
 
     Args:
@@ -1040,11 +1109,16 @@ def propagate(g: nx.DiGraph, active: set[str], unit_heads: frozenset = frozenset
         copied: candidate -> spans of its output cut off as parts held whole on every rank (the
             one kv head of a fused multi-query qkv): replicated from the cut on (:func:`copy_leaks`).
         per_group: candidates whose views into fixed groups are read per group (:meth:`Flow.group_view`).
+        revivable: dropped candidates -> the op (elementwise, or a product over the heads) where their
+            shard met a whole operand (:meth:`Flow.revives`).
+        head_scatters: rows whose reduced output is reduce-scattered onto the heads it feeds
+            (:meth:`Flow.scatters_onto_heads`).
     Returns:
         The :class:`Flow`: node states, rows, heads, splits and the candidates that broke.
     """
     flow = Flow(g, unit_heads=frozenset(unit_heads), whole=dict(whole or {}), module_alone=module_alone,
-                copied=dict(copied or {}), per_group=frozenset(per_group))
+                copied=dict(copied or {}), per_group=frozenset(per_group), revivable=dict(revivable or {}),
+                head_scatters=frozenset(head_scatters))
     owners = param_modules(g)
     callers = {m for n in g.nodes if g.nodes[n]["kind"] == "call" and is_linear(g, n) for m in g.nodes[n]["stack"]
                if m != g.nodes[n]["module"]}
@@ -1482,9 +1556,23 @@ def _fixpoint(g: nx.DiGraph, dropped: dict[str, str], unit_heads: frozenset, who
               per_group: frozenset = frozenset()) -> tuple[Flow, dict[str, str]]:
     active = {name for name in g.nodes if is_linear(g, name)} - set(dropped)
     rounds, yielded, retried = 0, {}, set()
+    met_whole: dict[str, str] = {}  # dropped candidate -> the op where it broke, until revived once
+    scattered: set[str] = set()  # rows asked to reduce-scatter onto the heads they feed (each once)
     while True:
         rounds += 1
-        flow = propagate(g, active, unit_heads, whole, copied=copied, per_group=per_group)
+        flow = propagate(g, active, unit_heads, whole, copied=copied, per_group=per_group, revivable=met_whole,
+                         head_scatters=frozenset(scattered))
+        asked = flow.revived | (flow.scatter_requests - scattered)
+        if asked:  # the round read them as sharded where they are not: try them, decide anew
+            log.debug("round %d: revived %s, scattered onto the heads %s", rounds, sorted(flow.revived),
+                      sorted(flow.scatter_requests - scattered))
+            for r in flow.revived:
+                met_whole[r] = ""
+            scattered |= flow.scatter_requests
+            for r in asked:
+                dropped.pop(r, None)
+            active |= asked
+            continue
         bad = {r: f"{reason} (at {g.nodes[node]['op']} in {g.nodes[node]['module'] or 'the root'})"
                for r, (reason, node) in flow.broken.items()}
         bad.update(bad_packs(flow))
@@ -1502,6 +1590,8 @@ def _fixpoint(g: nx.DiGraph, dropped: dict[str, str], unit_heads: frozenset, who
         bad.update({r: reason for r, reason in stray_entry_reads(flow).items() if r not in bad})
         bad.update({r: reason for r, reason in same_weight(g, bad, active).items() if r not in bad})
         yielded.update({r: mine for r, mine in flow.yielded.items() if r in bad})
+        met_whole.update({r: node for r, (_, node) in flow.broken.items()
+                          if r in bad and r not in met_whole and g.nodes[node]["op"] in ELEMENTWISE | MATMULS})
         if not bad:
             # A candidate that gave way to shards which were all dropped later gave way for nothing:
             # it is tried again (once), and the rounds go on.

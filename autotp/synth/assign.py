@@ -61,7 +61,9 @@ def linear_roles(g: nx.DiGraph, flow: Flow, dropped: dict[str, str]) -> dict[str
         packs = flow.row_packs.get(row)
         reason = "contracts over the sharded input features" + (
             f", which hold {len(packs)} parts of {packs[0]} (each rank a share of every part)" if packs else "")
-        if row in flow.scatters:
+        if row in flow.head_scatters:
+            reason += "; its output, reduce-scattered on its features, is the block of them its ranks' heads read"
+        elif row in flow.scatters:
             reason += (f"; its {g.nodes[row]['shape'][-1]} output features are one value per head, "
                        "reduce-scattered onto the heads they meet again")
         roles[module_of(g, row)] = Role("row", reason, path, weight_in_out=row in in_out, sizes=packs,

@@ -427,7 +427,8 @@ def shapes_are_local(g: nx.DiGraph, local: nx.DiGraph, roles: dict[str, Role], t
     copied = {n: frozenset(roles[module_of(g, n)].copied) for n in active if roles.get(module_of(g, n)) is not None
               and roles[module_of(g, n)].copied}
     packed = {n for n in active if kind_of(roles, module_of(g, n)) == "packed_column"}
-    flow = propagate_packed(g, active, packed, module_alone=True, copied=copied)
+    scattered = frozenset(n for n in active if _scatter(g, n, roles))
+    flow = propagate_packed(g, active, packed, module_alone=True, copied=copied, head_scatters=scattered)
     order = lambda graph: sorted(graph.nodes, key=lambda n: graph.nodes[n]["order"])  # noqa: E731
     # Copies may vanish at per-rank shapes (``contiguous`` of a tensor with one head is a no-op).
     nodes = [n for n in order(g) if g.nodes[n]["op"] not in PASSTHROUGH]

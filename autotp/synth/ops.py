@@ -170,6 +170,14 @@ SELECTIONS = frozenset({"argmax", "argmin", "argsort"})
 # Ops returning (values, indices): only the indices (item 1) select.
 SELECTIONS_WITH_VALUES = frozenset({"topk", "sort", "max", "min"})
 
+# Arguments that carry no gradient, by position and keyword: boolean masks and conditions, integer
+# indices. A value read only through them (the top-k indices an indexer picks, turned into a mask)
+# gets no gradient back from the op.
+GRADLESS_ARGS = {
+    "masked_fill": (1, "mask"), "masked_fill_": (1, "mask"), "where": (0, "condition"),
+    "scatter": (2, "index"), "scatter_": (2, "index"), "gather": (2, "index"), "index_select": (2, "index"),
+}
+
 # Factories of constant tensors: every element the same, so a rank's block of any dim is the
 # block of the whole one, as long as the code sizes it from the per-rank tensors it meets.
 CONSTANT_FACTORIES = frozenset({"zeros", "ones", "full", "empty"})
@@ -536,7 +544,7 @@ def _elementwise(g, name, dims, ctx):
     data = g.nodes[name]
     for ref in _tensor_refs(data):
         if ref.name not in dims and not _broadcast_ok(g, name, ref.name, out_dim, out_ndim, ctx) \
-                and not ctx.gives_way(ref.name, name):
+                and not ctx.gives_way(ref.name, name) and not ctx.revives(ref.name, name):
             return Break(f"{data['op']} combines the sharded dim {out_dim} with the full-size tensor "
                          f"{ref.name} {g.nodes[ref.name]['shape']}")
     intact = all(ctx.intact(src) for src in dims) and g.nodes[name]["shape"][out_dim] == g.nodes[next(iter(dims))]["shape"][dims[next(iter(dims))]]
@@ -817,7 +825,8 @@ def _attention(g, name, dims, ctx):
     ndim = _ndim(g, name)
     states = [dims.get(ref.name) for ref in (q, k, v)]
     sharded = {s for s in states if s is not None}
-    if len(sharded) == 1 and all(ctx.gives_way_to_heads(ref.name, name) for ref in (q, k, v) if ref.name not in dims):
+    if len(sharded) == 1 and all(ctx.gives_way_to_heads(ref.name, name) or ctx.scatters_onto_heads(ref.name, name)
+                                 for ref in (q, k, v) if ref.name not in dims):
         states = [next(iter(sharded))] * 3  # the replicated side's candidates are dropped: decided next round
     elif len(sharded) == 1 and all(_same_along(g, ref.name, _aligned(next(iter(sharded)), ndim, _ndim(g, ref.name)))
                                    and ctx.broadcast_grad_ok(ref.name) for ref in (q, k, v) if ref.name not in dims):
@@ -880,7 +889,8 @@ def _product(g, name, dims, ctx, a, b):
             if not ctx.broadcast_grad_ok(ref.name):
                 return Break(f"matmul reads {ref.name} whole against sharded {'rows' if out_dim == out_ndim - 2 else 'columns'}, "
                              "and its gradient would stay a per-rank partial sum")
-        elif not _broadcast_ok(g, name, ref.name, out_dim, out_ndim, ctx):
+        elif not _broadcast_ok(g, name, ref.name, out_dim, out_ndim, ctx) and not ctx.gives_way_to_heads(ref.name, name) \
+                and not ctx.scatters_onto_heads(ref.name, name) and not ctx.revives(ref.name, name):
             return Break("matmul of a sharded batch dim with a replicated one")
     return Out(out_dim)
 
