@@ -23,6 +23,7 @@ import networkx as nx
 from autotp.synth.graph import Ref, param_modules, refs
 from autotp.synth.experts import bias_breaks, expert_bias, partial_sum_breaks, selected_weight
 from autotp.synth.entries import stray_entry_reads
+from autotp.synth.head_loops import head_loop_breaks, head_step, reads_head
 from autotp.synth.statistics import block_statistic, statistic_breaks, statistic_in_block
 from autotp.synth.params import reading_module, stray_param_reads, stray_tree_reads
 from autotp.synth.ops import FIRST_VALUE_ONLY, GRADLESS_ARGS, GROUPED_MATMULS, NO_VALUES, SCALINGS, SELECTING_PRODUCTS, STACKED_MATMULS, WRITE_VIEWS, WRITES
@@ -127,6 +128,17 @@ class Flow:
     revived: set = field(default_factory=set)  # those this pass found met there by another shard (revives)
     head_scatters: frozenset = frozenset()  # rows reduce-scattered onto the heads they feed (scatters_onto_heads)
     scatter_requests: set = field(default_factory=set)  # rows this pass found feeding whole a product over heads
+    per_head: dict = field(default_factory=dict)  # node -> HeadValue: one head's value in a per-head loop (head_loops.py)
+    head_selects: set = field(default_factory=set)  # selects of one head from a sharded dim
+    head_operands: dict = field(default_factory=dict)  # parameter select (and its chain) of one head -> HeadValue
+    head_loops: dict = field(default_factory=dict)  # join of every head's value -> (heads, joined nodes)
+
+    def select_head(self, name: str, src: str, dim: int) -> bool:
+        """Whether ``select(src, dim, i)`` of the sharded ``dim`` is read as one head's value in a
+        per-head loop (:func:`~autotp.synth.head_loops.select_head`)."""
+        from autotp.synth.head_loops import select_head
+
+        return select_head(self, name, src, dim)
 
     def sharded(self, name: str) -> bool:
         """Whether ``name``'s output (or an element of it) is sharded."""
@@ -1125,11 +1137,18 @@ def propagate(g: nx.DiGraph, active: set[str], unit_heads: frozenset = frozenset
     for name in sorted(g.nodes, key=lambda n: g.nodes[n]["order"]):
         data = g.nodes[name]
         if data["kind"] == "output":
+            for value in (flow.per_head[r.name] for r in refs(data["args"]) if r.name in flow.per_head):
+                for o in value.origins:
+                    flow.broken.setdefault(o, ("one head's values, selected from the sharded dim, are a graph "
+                                               "output", name))
             for src, dim in _sharded_inputs(flow, data).items():
                 for o in flow.state[src].origins:
                     flow.heads[o] = src
             continue
         if data["kind"] != "call":
+            continue
+        if flow.per_head and reads_head(flow, data):
+            head_step(flow, name, data, _sharded_inputs(flow, data))
             continue
         if data["op"] == "getitem":
             _getitem_step(flow, name, data)
@@ -1588,6 +1607,7 @@ def _fixpoint(g: nx.DiGraph, dropped: dict[str, str], unit_heads: frozenset, who
         bad.update({r: reason for r, reason in stray_param_reads(flow).items() if r not in bad})
         bad.update({r: reason for r, reason in stray_tree_reads(flow).items() if r not in bad})
         bad.update({r: reason for r, reason in stray_entry_reads(flow).items() if r not in bad})
+        bad.update({r: reason for r, reason in head_loop_breaks(flow).items() if r not in bad})
         bad.update({r: reason for r, reason in same_weight(g, bad, active).items() if r not in bad})
         yielded.update({r: mine for r, mine in flow.yielded.items() if r in bad})
         met_whole.update({r: node for r, (_, node) in flow.broken.items()

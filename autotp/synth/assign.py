@@ -34,7 +34,8 @@ def root_path(g: nx.DiGraph, flow: Flow, root: str, ends: set[str]) -> list[str]
     def carries(n):
         value = flow.state.get(n)
         values = value if isinstance(value, tuple) else (value,)
-        return any(isinstance(v, Shard) and root in v.origins for v in values)
+        head = flow.per_head.get(n)  # one head's value in a per-head loop carries it too
+        return any(isinstance(v, Shard) and root in v.origins for v in values) or bool(head and root in head.origins)
 
     allowed = {n for n in g.nodes if carries(n)} | set(ends)
     carrying = nx.DiGraph(g.subgraph(allowed))

@@ -25,6 +25,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from autotp.styles.attention import width_view
 from autotp.synth.analysis import Shard, is_linear, module_of, propagate_packed, weight_of
 from autotp.synth.graph import build_graph
+from autotp.synth.head_loops import later_iterations
 from autotp.synth.ops import FIXED_SIZE_CUTS
 from autotp.synth.ops import ELEMENTWISE, PASSTHROUGH, VIEW_LIKE
 from autotp.synth.params import chain_dims, reading_module
@@ -430,8 +431,10 @@ def shapes_are_local(g: nx.DiGraph, local: nx.DiGraph, roles: dict[str, Role], t
     scattered = frozenset(n for n in active if _scatter(g, n, roles))
     flow = propagate_packed(g, active, packed, module_alone=True, copied=copied, head_scatters=scattered)
     order = lambda graph: sorted(graph.nodes, key=lambda n: graph.nodes[n]["order"])  # noqa: E731
-    # Copies may vanish at per-rank shapes (``contiguous`` of a tensor with one head is a no-op).
-    nodes = [n for n in order(g) if g.nodes[n]["op"] not in PASSTHROUGH]
+    # Copies may vanish at per-rank shapes (``contiguous`` of a tensor with one head is a no-op);
+    # a loop over the heads runs only the rank's own heads' iterations (head_loops.py).
+    skipped = later_iterations(flow, tp)
+    nodes = [n for n in order(g) if g.nodes[n]["op"] not in PASSTHROUGH and n not in skipped]
     local_nodes = [n for n in order(local) if local.nodes[n]["op"] not in PASSTHROUGH]
     if [g.nodes[n]["op"] for n in nodes] != [local.nodes[n]["op"] for n in local_nodes]:
         return False

@@ -182,6 +182,9 @@ GRADLESS_ARGS = {
 # block of the whole one, as long as the code sizes it from the per-rank tensors it meets.
 CONSTANT_FACTORIES = frozenset({"zeros", "ones", "full", "empty"})
 
+# Ops that join tensors along a dim: where a loop over heads puts its results back together.
+JOINS = frozenset({"cat", "concat", "concatenate", "stack"})
+
 # Cuts of a tensor into consecutive parts of given sizes.
 SPLITS = frozenset({"split", "split_with_sizes"})
 
@@ -433,18 +436,19 @@ def _parts_view(g, name, in_shape, out_shape, dim, e) -> int:
     if in_shape[dim] % out_shape[e] or not any(math.prod(out_shape[e + 1:k]) == inner
                                                for k in range(e + 2, len(out_shape) + 1)):
         return 0
-    return out_shape[e] if _parts_taken(g, name, e) else 0
+    taken = _parts_taken(g, name, e)
+    return out_shape[e] if taken is not None and not _joined_again(g, taken, out_shape[e]) else 0
 
 
-def _parts_taken(g, name, dim) -> bool:
-    """Whether every reader of ``name`` takes single indices along ``dim`` (``unbind``, ``select``),
-    followed through copies, transposes and permutes that move it."""
-    todo, seen = [(name, dim)], set()
+def _parts_taken(g, name, dim) -> list[str] | None:
+    """The ``unbind`` / ``select`` nodes, if every reader of ``name`` takes single indices along
+    ``dim`` with one, followed through copies, transposes and permutes that move it; else None."""
+    todo, seen, taken = [(name, dim)], set(), []
     while todo:
         node, d = todo.pop()
         readers = [s for s in g.successors(node) if g.nodes[s]["op"] not in SINKS]
         if not readers or (node, d) in seen:
-            return False
+            return None
         seen.add((node, d))
         for reader in readers:
             data, ndim = g.nodes[reader], _ndim(g, node)
@@ -452,7 +456,8 @@ def _parts_taken(g, name, dim) -> bool:
             if op in ("unbind", "select"):
                 at = args[1] if len(args) > 1 else data["kwargs"].get("dim", 0)
                 if not isinstance(at, int) or _norm(at, ndim) != d:
-                    return False
+                    return None
+                taken.append(reader)
             elif op in PASSTHROUGH and args and isinstance(args[0], Ref) and args[0].name == node:
                 todo.append((reader, d))
             elif op == "permute":
@@ -461,8 +466,43 @@ def _parts_taken(g, name, dim) -> bool:
                 a, b = (_norm(x, ndim) for x in args[1:3])
                 todo.append((reader, b if d == a else a if d == b else d))
             else:
-                return False
-    return True
+                return None
+    return taken
+
+
+def _joined_again(g, taken: list[str], count: int) -> bool:
+    """Whether ``taken``, the single indices selected along a dim of ``count``, are every index,
+    each processed apart and joined back in order by one ``cat`` / ``stack``: a loop over heads
+    (:mod:`autotp.synth.head_loops`), whose dim is the heads', not parts of a packed output read
+    apart (``q, k, v = qkv.unbind(2)``)."""
+    by_index: dict[int, set[str]] = {}
+    for node in taken:
+        index = g.nodes[node]["args"][2] if g.nodes[node]["op"] == "select" else None
+        if not isinstance(index, int):
+            return False
+        by_index.setdefault(index % count, set()).add(node)
+    if sorted(by_index) != list(range(count)):
+        return False
+    module = g.nodes[taken[0]]["module"]
+    below = {k: set().union(*(_within(g, n, module) for n in nodes)) for k, nodes in by_index.items()}
+    for join in set.intersection(*below.values()):
+        tensors = g.nodes[join]["args"][0] if g.nodes[join]["op"] in JOINS and g.nodes[join]["args"] else None
+        if isinstance(tensors, (list, tuple)) and len(tensors) == count and all(
+                isinstance(t, Ref) and t.name in below[k] and sum(t.name in b for b in below.values()) == 1
+                for k, t in enumerate(tensors)):
+            return True
+    return False
+
+
+def _within(g, start: str, module: str) -> set[str]:
+    """The nodes computed from ``start`` inside ``module`` (its own ops and its children's)."""
+    seen, todo = set(), [start]
+    while todo:
+        for succ in g.successors(todo.pop()):
+            if succ not in seen and (not module or module in (g.nodes[succ].get("stack") or ())):
+                seen.add(succ)
+                todo.append(succ)
+    return seen
 
 
 def _passthrough(g, name, dims, ctx):
@@ -667,7 +707,9 @@ def _repeat(g, name, dims, ctx):
 def _select(g, name, dims, ctx):
     (src, dim), = dims.items()
     at = _norm(g.nodes[name]["args"][1], _ndim(g, src))
-    if at == dim:
+    if at == dim:  # one head of a loop over every head (autotp.synth.head_loops), or a break
+        if ctx.select_head(name, src, dim):
+            return Given(None)
         return Break(f"select picks one index of the sharded dim {dim}")
     return Out(dim - 1 if at < dim else dim)
 

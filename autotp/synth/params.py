@@ -309,7 +309,7 @@ def _meets_shard(g: nx.DiGraph, flow, param: str, module: str) -> bool:
         for succ in g.successors(todo.pop()):
             if succ in seen or module not in g.nodes[succ]["stack"] or is_linear(g, succ):
                 continue
-            if flow.sharded(succ):
+            if flow.sharded(succ) or succ in flow.per_head:  # one head's value in a per-head loop too
                 return True
             seen.add(succ)
             todo.append(succ)

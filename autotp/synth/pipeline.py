@@ -204,8 +204,9 @@ def _misfit_groups(flow: Flow, tp_size: int | None) -> dict[str, str]:
 def _indivisible_parts(flow: Flow, tp_size: int | None) -> dict[str, str]:
     """Candidates cut into parts by a view whose heads tp does not divide (a fused k / v with
     fewer kv heads than ranks; fixed groups of too few heads each; heads chunked into parts of
-    too few heads each; a fused q / k / v viewed groups first with fewer groups than ranks): kept
-    whole, as the cut alone would leave them, rather than the whole plan refused."""
+    too few heads each; a fused q / k / v viewed groups first with fewer groups than ranks; a loop
+    over fewer heads than ranks, or heads tp does not divide): kept whole, as the cut alone would
+    leave them, rather than the whole plan refused."""
     if not tp_size:
         return {}
     found = {root: f"its output is viewed into parts of {flow.extent[root]} heads each, which tp={tp_size} does "
@@ -219,6 +220,10 @@ def _indivisible_parts(flow: Flow, tp_size: int | None) -> dict[str, str]:
                   if root in flow.roots and flow.extent.get(root, 0) % tp_size})
     found.update({row: f"its {flow.extent[row]} per-head output features, left sharded on the heads, do not split "
                        f"over tp={tp_size}; reduced whole" for row in flow.scatters if flow.extent.get(row, 0) % tp_size})
+    found.update({root: f"its shard reaches a loop over {heads} heads one at a time, which tp={tp_size} does not "
+                        "divide (a rank would hold part of a head); kept whole"
+                  for join, (heads, _) in flow.head_loops.items() if heads % tp_size
+                  for root in flow.state[join].origins if root in flow.roots})
     found.update(fewer_groups_than_tp(flow, tp_size))
     return found
 
