@@ -10,16 +10,15 @@ the projections whole. Every plan is verified on logits and every gradient again
 model.
 """
 
-import warnings
 
 import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from autotp.synth import explain, synthesize
-from autotp.verifier import verify
+from autotp.synth import explain
 from synth_toy import DIM, example_tokens
+from test_joined_shards import _plan_and_report  # synthesize, then verify (not asserted)
 from test_ssm_mixer import SSMStack
 
 HEAD_DIM, Q_HEADS, K_HEADS, KERNEL = 8, 8, 4, 2
@@ -69,14 +68,6 @@ class WidenedJoin(JoinedGroupedConvMixer):
 
     def __init__(self):
         super().__init__(multiplier=2)
-
-
-def _plan_and_report(model, tp, sequence_parallel=False):
-    plan = synthesize(model, example_inputs=(example_tokens(),), tp_size=tp, sequence_parallel=sequence_parallel)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        report = verify(model, plan, tp_size=tp, inputs=(example_tokens(),))
-    return plan, report
 
 
 @pytest.fixture(scope="module")

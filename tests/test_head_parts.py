@@ -12,8 +12,9 @@ import torch.nn.functional as F
 from torch import nn
 
 import autotp
-from autotp.verifier import verify
-from tests.synth_toy import DIM, VOCAB, example_tokens
+from tests.synth_toy import DIM, example_tokens
+from tests.test_per_head_rows import Model
+from tests.test_per_head_rows import _synthesize_and_verify as _plan_and_report
 from tests.test_synth_matrix import megatron_fraction
 
 
@@ -78,41 +79,11 @@ class SwappedHalvesValues(HalvedValues):
         return self.o(y.transpose(1, 2).reshape(b, t, -1))
 
 
-class Block(nn.Module):
-    def __init__(self, mixer: type[nn.Module]):
-        super().__init__()
-        self.norm1, self.norm2 = nn.LayerNorm(DIM), nn.LayerNorm(DIM)
-        self.mixer = mixer()
-        self.ffn = nn.Sequential(nn.Linear(DIM, 2 * DIM), nn.GELU(), nn.Linear(2 * DIM, DIM))
-
-    def forward(self, x):
-        x = x + self.mixer(self.norm1(x))
-        return x + self.ffn(self.norm2(x))
-
-
-class Model(nn.Module):
-    def __init__(self, mixer: type[nn.Module], layers: int = 2):
-        super().__init__()
-        self.embed = nn.Embedding(VOCAB, DIM)
-        self.layers = nn.ModuleList(Block(mixer) for _ in range(layers))
-        self.norm, self.head = nn.LayerNorm(DIM), nn.Linear(DIM, VOCAB, bias=False)
-
-    def forward(self, tokens):
-        h = self.embed(tokens)
-        for layer in self.layers:
-            h = layer(h)
-        return self.head(self.norm(h))
-
-
 def _synthesize_and_verify(mixer, tp_size, sequence_parallel):
+    """The toy model of ``mixer`` (built as the verified one was), its plan and that plan's report."""
+    plan, report = _plan_and_report(mixer, tp_size, sequence_parallel)
     torch.manual_seed(0)
-    model = Model(mixer).eval()
-    tokens = example_tokens()
-    plan = autotp.synthesize(model, example_inputs=(tokens,), tp_size=tp_size, sequence_parallel=sequence_parallel)
-    report = verify(model, plan, tp_size=tp_size, inputs=(tokens,))
-    assert report.ok, str(report)
-    assert max(report.logits_max_abs_diff) <= 1e-5 and report.worst_grad[1] <= 1e-5, str(report)
-    return model, plan, report
+    return Model(mixer).eval(), plan, report
 
 
 @pytest.mark.parametrize("sequence_parallel", [False, True], ids=["plain", "sp"])

@@ -13,9 +13,8 @@ import pytest
 import torch
 from torch import nn
 
-import autotp
-from autotp.verifier import verify
-from tests.synth_toy import DIM, HEADS, VOCAB, example_tokens
+from tests.synth_toy import DIM, HEADS
+from tests.test_per_head_rows import Model, _synthesize_and_verify
 from tests.test_synth_matrix import megatron_fraction
 
 HEAD_DIM = DIM // HEADS
@@ -76,43 +75,6 @@ class QueryReadWholeAttention(LatentQueryAttention):
         b, t, _ = x.shape
         out = super().forward(x)
         return out + self.up(self.norm(self.down(x))).sum(-1, keepdim=True)
-
-
-class Block(nn.Module):
-    def __init__(self, mixer: type[nn.Module]):
-        super().__init__()
-        self.norm1, self.norm2 = nn.LayerNorm(DIM), nn.LayerNorm(DIM)
-        self.mixer = mixer()
-        self.ffn = nn.Sequential(nn.Linear(DIM, 2 * DIM), nn.GELU(), nn.Linear(2 * DIM, DIM))
-
-    def forward(self, x):
-        x = x + self.mixer(self.norm1(x))
-        return x + self.ffn(self.norm2(x))
-
-
-class Model(nn.Module):
-    def __init__(self, mixer: type[nn.Module], layers: int = 2):
-        super().__init__()
-        self.embed = nn.Embedding(VOCAB, DIM)
-        self.layers = nn.ModuleList(Block(mixer) for _ in range(layers))
-        self.norm, self.head = nn.LayerNorm(DIM), nn.Linear(DIM, VOCAB, bias=False)
-
-    def forward(self, tokens):
-        h = self.embed(tokens)
-        for layer in self.layers:
-            h = layer(h)
-        return self.head(self.norm(h))
-
-
-def _synthesize_and_verify(mixer, tp_size, sequence_parallel):
-    torch.manual_seed(0)
-    model = Model(mixer).eval()
-    tokens = example_tokens()
-    plan = autotp.synthesize(model, example_inputs=(tokens,), tp_size=tp_size, sequence_parallel=sequence_parallel)
-    report = verify(model, plan, tp_size=tp_size, inputs=(tokens,))
-    assert report.ok, str(report)
-    assert max(report.logits_max_abs_diff) <= 1e-5 and report.worst_grad[1] <= 1e-5, str(report)
-    return plan, report
 
 
 @pytest.mark.parametrize("sequence_parallel", [False, True], ids=["plain", "sp"])

@@ -24,7 +24,8 @@ from torch import nn
 import autotp
 from autotp import styles
 from autotp.verifier import verify
-from tests.synth_toy import DIM, HEADS, VOCAB, example_tokens
+from tests.synth_toy import DIM, HEADS, example_tokens
+from tests.test_attention_variants import Model as VariantModel
 from tests.test_loop_experts import megatron_bound
 
 EXPERTS, TOP_K, FFN, SLOTS = 4, 2, 32, 2
@@ -198,31 +199,6 @@ class BlockQueryTiledKV(TiledKVAttention):
         return self.o(y.transpose(1, 2).reshape(b, t, -1))  # every head's output, one row Linear
 
 
-class Block(nn.Module):
-    def __init__(self, attention: type[nn.Module], mlp: type[nn.Module]):
-        super().__init__()
-        self.norm1, self.norm2 = nn.LayerNorm(DIM), nn.LayerNorm(DIM)
-        self.attn, self.mlp = attention(), mlp()
-
-    def forward(self, x):
-        x = x + self.attn(self.norm1(x))
-        return x + self.mlp(self.norm2(x))
-
-
-class Model(nn.Module):
-    def __init__(self, attention: type[nn.Module] = Attention, mlp: type[nn.Module] = SplitMoE, layers: int = 2):
-        super().__init__()
-        self.embed = nn.Embedding(VOCAB, DIM)
-        self.layers = nn.ModuleList(Block(attention, mlp) for _ in range(layers))
-        self.norm, self.head = nn.LayerNorm(DIM), nn.Linear(DIM, VOCAB, bias=False)
-
-    def forward(self, tokens):
-        h = self.embed(tokens)
-        for layer in self.layers:
-            h = layer(h)
-        return self.head(self.norm(h))
-
-
 class DenseMLP(nn.Module):
     def __init__(self):
         super().__init__()
@@ -230,6 +206,12 @@ class DenseMLP(nn.Module):
 
     def forward(self, x):
         return self.down(F.gelu(self.up(x)))
+
+
+def toy_model(attention: type[nn.Module] | None = None, mlp: type[nn.Module] | None = None) -> nn.Module:
+    """Two pre-norm layers: ``attention`` as the mixer (plain multi-head attention by default) and
+    ``mlp`` as the FFN (the experts split over two modules by default)."""
+    return VariantModel(attention or Attention, mlp or SplitMoE)
 
 
 def synthesize_and_verify(model: nn.Module, tp_size: int, sequence_parallel: bool):
@@ -247,9 +229,9 @@ def test_experts_split_over_two_modules_are_sharded_and_exact(tp_size, sequence_
     """Would catch the pair left whole (the cat of per-expert partial sums read as non-linear:
     fraction near 0.9), and the up module's output all-reduced as a partial sum (logits off)."""
     torch.manual_seed(0)
-    model = Model().eval()
+    model = toy_model().eval()
     plan, report = synthesize_and_verify(model, tp_size, sequence_parallel)
-    up, down = plan["layers.*.mlp.up"], plan["layers.*.mlp.down"]
+    up, down = plan["layers.*.ffn.up"], plan["layers.*.ffn.down"]
     assert isinstance(up, styles.ExpertsParallel) and up.side == "columns" and up.packed == {"weight": 2}, plan
     assert isinstance(down, styles.ExpertsParallel) and down.side == "rows", plan
     bound = megatron_bound(model, tp_size)
@@ -261,9 +243,9 @@ def test_experts_output_scattered_into_a_fixed_width_stays_whole(tp_size):
     """The near miss stays whole and verifies: without the shape proof over the experts' columns,
     the plan sharded them and the run failed on the zeros' global width."""
     torch.manual_seed(0)
-    model = Model(mlp=FixedWidthScatterMoE).eval()
+    model = toy_model(mlp=FixedWidthScatterMoE).eval()
     plan, report = synthesize_and_verify(model, tp_size, False)
-    assert not {key for key in plan if key.startswith("layers.*.mlp.")}, plan
+    assert not {key for key in plan if key.startswith("layers.*.ffn.")}, plan
 
 
 @pytest.mark.parametrize("sequence_parallel", [False, True], ids=["plain", "sp"])
@@ -272,11 +254,11 @@ def test_kv_heads_tiled_by_repeat_shard_with_folded_query_heads(tp_size, sequenc
     """Would catch the tiled k/v kept whole (``repeat`` of the sharded heads refused: the attention
     and its projections whole, fraction far above the bound)."""
     torch.manual_seed(0)
-    model = Model(TiledKVAttention, DenseMLP).eval()
+    model = toy_model(TiledKVAttention, DenseMLP).eval()
     plan, report = synthesize_and_verify(model, tp_size, sequence_parallel)
-    attention = {key for key in plan if key.startswith("layers.*.attn.")}
-    assert attention == {"layers.*.attn.k", "layers.*.attn.v", "layers.*.attn.o",
-                         *(f"layers.*.attn.queries.{i}" for i in range(SLOTS))}, plan
+    attention = {key for key in plan if key.startswith("layers.*.mixer.")}
+    assert attention == {"layers.*.mixer.k", "layers.*.mixer.v", "layers.*.mixer.o",
+                         *(f"layers.*.mixer.queries.{i}" for i in range(SLOTS))}, plan
     bound = megatron_bound(model, tp_size)
     assert all(abs(f - bound) < 0.03 for f in report.param_fraction), (report.param_fraction, bound)
 
@@ -287,9 +269,9 @@ def test_rows_picked_and_scattered_back_keep_the_feature_shard(tp_size, sequence
     """Would catch ``index`` / ``index_add`` taken as ops that need the whole features (the attention
     whole), and the zeros made at the global width on each rank (the run fails on the shapes)."""
     torch.manual_seed(0)
-    model = Model(PermutedQueryAttention, DenseMLP).eval()
+    model = toy_model(PermutedQueryAttention, DenseMLP).eval()
     plan, report = synthesize_and_verify(model, tp_size, sequence_parallel)
-    assert isinstance(plan["layers.*.attn"], styles.ShardCounts) and plan["layers.*.attn"].names == ("width",), plan
+    assert isinstance(plan["layers.*.mixer"], styles.ShardCounts) and plan["layers.*.mixer"].names == ("width",), plan
     bound = megatron_bound(model, tp_size)
     assert all(abs(f - bound) < 0.03 for f in report.param_fraction), (report.param_fraction, bound)
 
@@ -301,12 +283,12 @@ def test_routed_query_attention_is_proven_on_its_values_and_sharded(tp_size, seq
     the shape proof now runs it on the captured values), and, under sequence parallel, the width
     division dropped when the block is gathered whole at entry (the run fails on the zeros' width)."""
     torch.manual_seed(0)
-    model = Model(RoutedQueryAttention, DenseMLP).eval()
+    model = toy_model(RoutedQueryAttention, DenseMLP).eval()
     plan, report = synthesize_and_verify(model, tp_size, sequence_parallel)
-    style = plan["layers.*.attn"]
+    style = plan["layers.*.mixer"]
     assert isinstance(style, styles.ShardCounts) and style.names == ("width",), plan
     assert (style.base is not None) == sequence_parallel, style
-    assert plan["layers.*.attn.queries"].side == "columns" and plan["layers.*.attn.outputs"].side == "rows", plan
+    assert plan["layers.*.mixer.queries"].side == "columns" and plan["layers.*.mixer.outputs"].side == "rows", plan
     bound = megatron_bound(model, tp_size)
     assert all(abs(f - bound) < 0.03 for f in report.param_fraction), (report.param_fraction, bound)
 
@@ -317,9 +299,9 @@ def test_query_heads_in_one_block_do_not_meet_tiled_kv_heads(tp_size):
     in one block, a layout the attention does not keep (taken, each rank's query head j would read
     another kv head)."""
     torch.manual_seed(0)
-    model = Model(BlockQueryTiledKV, DenseMLP).eval()
+    model = toy_model(BlockQueryTiledKV, DenseMLP).eval()
     plan, report = synthesize_and_verify(model, tp_size, False)
-    assert not {key for key in plan if key.startswith("layers.*.attn.")}, plan
+    assert not {key for key in plan if key.startswith("layers.*.mixer.")}, plan
 
 
 @pytest.mark.parametrize("side", ["columns", "rows"])
