@@ -26,11 +26,11 @@ AT_BOUND = {"llama": "dense GQA", "qwen3": "per-head QK norm", "olmo2": "width Q
             "stablelm": "head count from an attribute (localized)", "gemma2": "soft-capped sliding attention",
             "gemma3": "multimodal family (text model)", "ctrl": "embedding rows scaled in place (copied output)",
             "jamba": "hybrid Mamba + attention + MoE: a scan's state projections broadcast over sharded channels",
-            "doge": "a per-head mask computed from a row Linear's output: the row reduce-scatters onto the heads"}
+            "doge": "a per-head mask computed from a row Linear's output: the row reduce-scatters onto the heads",
+            "zamba": "a Python loop over the Mamba heads; a block tied across two hybrid layers (pattern repeated)"}
 # Verified, with parts kept whole for a recorded reason.
 PARTLY_REPLICATED = {"deepseek_v3": "MLA: kv_a_proj_with_mqa is sliced",
-                     "codegen": "heads split into 4 fixed groups: rebuilt with heads for 2x the ranks",
-                     "zamba": "a block tied across two hybrid layers: layer pattern repeated"}
+                     "codegen": "heads split into 4 fixed groups: rebuilt with heads for 2x the ranks"}
 SUBSET = [*AT_BOUND, *PARTLY_REPLICATED]
 
 

@@ -440,11 +440,13 @@ def test_idiom_keeps_its_shard_and_is_exact(idiom, tp, sequence_parallel):
 
 
 def test_tiled_kv_repeat_is_left_whole():
-    """``repeat`` tiles the kv heads (query head h reads kv head h % kv): a rank's block of query
-    heads then reads kv heads other ranks hold, so k and v (and all attention) must stay whole."""
+    """``repeat`` tiles the kv heads (query head h reads kv head h % kv): each rank holds its block of
+    every copy (a fold), which a query cut in one block of heads does not match (a rank's query heads
+    would read kv heads other ranks hold), so k and v (and all attention) must stay whole."""
     model = Decoder(attention=TiledRepeatGQA)
     roles = analyse_model(model, example_inputs=(tokens(),), tp_size=2).roles
-    assert roles["layers.0.attn.wk"].kind == "replicate" and "repeat" in roles["layers.0.attn.wk"].reason
+    assert roles["layers.0.attn.wk"].kind == "replicate", roles["layers.0.attn.wk"]
+    assert "does not keep that layout" in roles["layers.0.attn.wk"].reason, roles["layers.0.attn.wk"]
     plan, report = run(model, 2)
     assert report.ok, str(report)
 

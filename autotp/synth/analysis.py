@@ -742,6 +742,16 @@ def weight_of(g: nx.DiGraph, name: str) -> Weight | None:
     return None
 
 
+def _projects_down(g: nx.DiGraph, name: str) -> bool:
+    """Whether Linear ``name`` has fewer output features than input features (a classifier's labels,
+    a pooler): as a head at the model output, its few outputs are not worth a gather."""
+    weight = weight_of(g, name)
+    if weight is None:
+        return False
+    shape = g.nodes[weight.node]["shape"]
+    return shape[weight.out_dim] < shape[weight.in_dim]
+
+
 def raw_weight(g: nx.DiGraph, name: str) -> bool:
     """Whether Linear-like node ``name`` multiplies by a raw parameter of the module whose code runs
     it (``x @ self.wq.T``, ``F.linear(x, self.wk)``, an einsum, a ``bmm`` by a stacked 3-D weight):
@@ -1143,6 +1153,11 @@ def propagate(g: nx.DiGraph, active: set[str], unit_heads: frozenset = frozenset
                                                "output", name))
             for src, dim in _sharded_inputs(flow, data).items():
                 for o in flow.state[src].origins:
+                    if _projects_down(g, o):
+                        flow.broken.setdefault(o, ("it projects down to the model output (fewer features than it "
+                                                   "reads: a classifier's labels, a pooler); kept whole, as "
+                                                   "Megatron keeps such a head", name))
+                        continue
                     flow.heads[o] = src
             continue
         if data["kind"] != "call":
