@@ -743,13 +743,17 @@ def weight_of(g: nx.DiGraph, name: str) -> Weight | None:
 
 
 def _projects_down(g: nx.DiGraph, name: str) -> bool:
-    """Whether Linear ``name`` has fewer output features than input features (a classifier's labels,
-    a pooler): as a head at the model output, its few outputs are not worth a gather."""
+    """Whether Linear ``name`` has fewer output features than input features and is no vocabulary
+    head (its outputs are not as many as a token table's rows): a classifier's labels, a value
+    head. As a head at the model output, its few outputs are not worth sharding and gathering."""
     weight = weight_of(g, name)
     if weight is None:
         return False
     shape = g.nodes[weight.node]["shape"]
-    return shape[weight.out_dim] < shape[weight.in_dim]
+    vocab = {g.nodes[d["args"][0].name]["shape"][0] for _, d in g.nodes(data=True)
+             if d["kind"] == "call" and d["op"] == "embedding" and isinstance(d["args"][0], Ref)
+             and g.nodes[d["args"][0].name]["shape"]}
+    return shape[weight.out_dim] < shape[weight.in_dim] and shape[weight.out_dim] not in vocab
 
 
 def raw_weight(g: nx.DiGraph, name: str) -> bool:
