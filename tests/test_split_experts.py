@@ -26,7 +26,7 @@ from autotp import styles
 from autotp.verifier import verify
 from tests.synth_toy import DIM, HEADS, example_tokens
 from tests.test_attention_variants import Model as VariantModel
-from tests.test_loop_experts import megatron_bound
+from tests.test_loop_experts import Attention, megatron_bound
 
 EXPERTS, TOP_K, FFN, SLOTS = 4, 2, 32, 2
 HEAD_DIM = DIM // HEADS
@@ -88,18 +88,6 @@ class FixedWidthScatterMoE(SplitMoE):
         gate, up = rows.chunk(2, dim=-1)
         y = self.down(F.silu(gate) * up, sizes)
         return torch.zeros_like(x).index_add(0, order, y).view(b, t, d) * self.router(x).sum(-1, keepdim=True).view(b, t, 1)
-
-
-class Attention(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.q, self.k, self.v, self.o = (nn.Linear(DIM, DIM) for _ in range(4))
-
-    def forward(self, x):
-        b, t, _ = x.shape
-        q, k, v = (p(x).view(b, t, -1, HEAD_DIM).transpose(1, 2) for p in (self.q, self.k, self.v))
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        return self.o(y.transpose(1, 2).reshape(b, t, -1))
 
 
 class PermutedQueryAttention(Attention):

@@ -167,15 +167,6 @@ def _real_inputs(inputs) -> bool:
     return any(found)
 
 
-def _real_copy(module: nn.Module) -> nn.Module:
-    """A copy of ``module`` with its parameters' values (detached): runs on the values of its inputs."""
-    memo = {id(t): nn.Parameter(t.detach().clone(), requires_grad=False) for t in module.parameters()}
-    memo.update({id(t): t.detach().clone() for t in module.buffers()})
-    memo.update({id(value): None for m in module.modules() for value in vars(m).values()
-                 if isinstance(value, FakeTensor)})
-    return copy.deepcopy(module, memo)
-
-
 def _per_rank(param: torch.Tensor, shape: list) -> torch.Tensor:
     """A tensor of ``shape`` standing for ``param``'s per-rank shard: meta for a meta parameter, else
     the leading block of its values (rank 0's shard of an even split), so that code reading values
@@ -190,11 +181,13 @@ def _per_rank(param: torch.Tensor, shape: list) -> torch.Tensor:
     return block.clone()
 
 
-def _meta_copy(module: nn.Module) -> nn.Module:
-    """A copy of ``module`` on meta (parameters are not copied, only their shapes)."""
-    memo = {id(t): nn.Parameter(torch.empty(t.shape, dtype=t.dtype, device="meta"), requires_grad=False)
-            for t in module.parameters()}
-    memo.update({id(t): torch.empty(t.shape, dtype=t.dtype, device="meta") for t in module.buffers()})
+def _module_copy(module: nn.Module, real: bool = False) -> nn.Module:
+    """A copy of ``module`` on meta (parameters are not copied, only their shapes); with ``real``, a
+    copy holding its parameters' values (detached), to run on the values of its inputs."""
+    tensor = (lambda t: t.detach().clone()) if real else \
+        (lambda t: torch.empty(t.shape, dtype=t.dtype, device="meta"))  # noqa: E731
+    memo = {id(t): nn.Parameter(tensor(t), requires_grad=False) for t in module.parameters()}
+    memo.update({id(t): tensor(t) for t in module.buffers()})
     # A fake tensor the model's own trace left in an attribute (a recurrent block's saved state,
     # restored only when analysis ends) is not copied: a deep copy of one corrupts memory when freed.
     memo.update({id(value): None for m in module.modules() for value in vars(m).values()
@@ -257,7 +250,7 @@ def _local_copy(module: nn.Module, roles: dict[str, Role], names: tuple[str, ...
                 real: bool = False) -> nn.Module:
     """A meta copy of ``module`` (with ``real``, a copy holding values) with per-rank parameter
     shapes and ``names`` divided by ``tp``."""
-    local = _real_copy(module) if real else _meta_copy(module)
+    local = _module_copy(module, real)
     for name, role in roles.items():
         if tp > 1 or _in_out(role):  # at tp=1 too, so that both runs have the same ops
             _shrink(local.get_submodule(name), role, tp)
