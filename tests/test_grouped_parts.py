@@ -82,13 +82,16 @@ def _model(mixer):
     return SSMStack(mixer=mixer)
 
 
-def _verify_near(model, tp, sequence_parallel, fraction):
-    plan = synthesize(model, example_inputs=(example_tokens(),), tp_size=tp, sequence_parallel=sequence_parallel)
+def _verify_near(model, tp, sequence_parallel, fraction, gather_copies=True, report_out=None):
+    plan = synthesize(model, example_inputs=(example_tokens(),), tp_size=tp, sequence_parallel=sequence_parallel,
+                      gather_copies=gather_copies)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         report = verify(model, plan, tp_size=tp, inputs=(example_tokens(),))
     assert report.ok, str(report)
     assert all(abs(f - fraction) < 0.02 for f in report.param_fraction), (report.param_fraction, fraction)
+    if report_out is not None:
+        report_out.append(report)
     return plan
 
 
@@ -125,13 +128,39 @@ def test_two_state_groups_at_tp4_are_copied_per_rank(sequence_parallel):
 @pytest.mark.parametrize("sequence_parallel", MODES)
 @pytest.mark.parametrize("tp", [2, 4])
 def test_fused_qkv_with_one_kv_head_is_copied_per_rank(tp, sequence_parallel):
-    """Would catch: the one kv head's rows cut over ranks (a head in pieces), its copies' weight
-    and bias gradients not summed, or the fused projection kept whole."""
+    """``gather_copies=False``: would catch the one kv head's rows cut over ranks (a head in
+    pieces), its copies' weight and bias gradients not summed, or the fused projection kept whole."""
     model = _model(FusedQKVAttention)
     # Each rank holds the whole kv head (k and v rows with their biases), not 1/tp of it.
     kv = 2 * HEAD_DIM * (DIM + 1) * len(model.layers)
-    plan = _verify_near(model, tp, sequence_parallel, _copied_fraction(model, tp, kv - kv / tp))
-    assert isinstance(plan["layers.*.mixer.qkv"], GroupCopies)
+    plan = _verify_near(model, tp, sequence_parallel, _copied_fraction(model, tp, kv - kv / tp), gather_copies=False)
+    assert isinstance(plan["layers.*.mixer.qkv"], GroupCopies) and not plan["layers.*.mixer.qkv"].gather
+
+
+@pytest.mark.parametrize("sequence_parallel", MODES)
+@pytest.mark.parametrize("groups, tp", [pytest.param(0, 2, id="one-kv-head-tp2"), pytest.param(0, 4, id="one-kv-head-tp4"),
+                                        pytest.param(1, 2, id="one-state-group-tp2"),
+                                        pytest.param(1, 4, id="one-state-group-tp4"),
+                                        pytest.param(2, 4, id="two-state-groups-tp4")])
+def test_gathered_group_parts_move_as_many_bytes_back_as_forward(groups, tp, sequence_parallel):
+    """By default a Linear's parts with fewer groups than ranks are sharded like its other parts
+    and gathered each forward, each rank cutting its group (``GroupCopies(gather=True)``): the
+    backward reduce-scatters the part's gradient instead of all-reducing the copies' weight
+    gradients. Would catch a rank cutting the wrong group, the gathered gradient taken whole
+    (only this rank's heads' share reaching the weights), or the rows still copied (the fraction
+    above 1/tp, the backward above the forward). ``groups=0``: the fused qkv with one kv head."""
+    mixer = FusedQKVAttention if not groups else (lambda: GroupedScanMixer(groups=groups, norm_group=HEAD_DIM))
+    model = _model(mixer)
+    reports = []
+    plan = _verify_near(model, tp, sequence_parallel, 1 / tp, report_out=reports)
+    linear = plan["layers.*.mixer.in_proj" if groups else "layers.*.mixer.qkv"]
+    assert isinstance(linear, GroupCopies) and linear.gather, linear
+    # What the backward moves beyond the forward: only the sums of the depthwise conv's copied B / C
+    # channels (weight and bias, one buffer slot per copied channel plus one, fp32, an all-reduce
+    # counted twice), which stay copies; nothing for the fused qkv.
+    copied_channels = 2 * groups * STATE
+    conv_sums = len(model.layers) * 2 * 4 * (copied_channels + 1) * (KERNEL + 1) if groups else 0
+    assert reports[0].comm_volume_backward - reports[0].comm_volume == conv_sums, reports[0]
 
 
 def test_copy_index_gives_each_rank_its_group():

@@ -374,11 +374,13 @@ class GroupCopies(ParallelStyle):
         ...                                               rows={"weight": (0, 140, ((132, 136, 1), (136, 140, 1)))})}
     """
 
-    def __init__(self, *, base: ParallelStyle | None, rows: dict | None = None, values: dict | None = None):
+    def __init__(self, *, base: ParallelStyle | None, rows: dict | None = None, values: dict | None = None,
+                 gather: bool = False):
         super().__init__()
         self.base = base
         self.rows = {k: (int(d), int(w), tuple(_part(p) for p in parts)) for k, (d, w, parts) in (rows or {}).items()}
         self.values = dict(values or {})
+        self.gather = bool(gather)
 
     def sharded_param_dims(self, module: nn.Module) -> dict[str, int]:
         from autotp.plan import sharded_param_dims
@@ -394,6 +396,8 @@ class GroupCopies(ParallelStyle):
         """
         from autotp.synth.groups import expanded_width
 
+        if self.gather:  # the rows are sharded, not copied
+            return {}
         return {path: width + sum(expanded_width(part, tp) - (part[1] - part[0]) for part in parts)
                 for path, (_, width, parts) in self.rows.items()}
 
@@ -401,6 +405,8 @@ class GroupCopies(ParallelStyle):
         from autotp.synth.groups import Copies, copy_index, expand_module
 
         tp = device_mesh.size()
+        if self.gather:
+            return _gather_groups(self, module, device_mesh)
         expand_module(module, Copies(dict(self.rows), dict(self.values)), tp)
         if self.base is not None:
             module = self.base._apply(module, device_mesh)
@@ -429,4 +435,99 @@ class GroupCopies(ParallelStyle):
         return module
 
     def __repr__(self) -> str:
-        return f"{self.__class__.__name__}(base={self.base!r}, rows={self.rows}, values={self.values})"
+        gather = ", gather=True" if self.gather else ""
+        return f"{self.__class__.__name__}(base={self.base!r}, rows={self.rows}, values={self.values}{gather})"
+
+
+def gathered_sizes(style: GroupCopies) -> tuple[tuple[int, ...], dict[int, int]] | None:
+    """``(sizes, {part index: groups})`` of a :class:`GroupCopies` around a column style whose
+    copied parts can be sharded like the others and gathered instead (``gather=True``): the
+    unexpanded widths of the packed parts, and which of them hold whole groups. None when the
+    copies are not of that form: a base other than a column style with a local output sharded on
+    its last dim, parts with pieces (a fused qkv viewed groups first), parameters other than a
+    Linear's weight and bias, or a copied part that is not one part of the packed output.
+
+    >>> from autotp.styles import PackedColwiseParallel
+    >>> gathered_sizes(GroupCopies(base=PackedColwiseParallel(sizes=(64, 32, 32)),
+    ...                            rows={"weight": (0, 80, ((64, 72, 1), (72, 80, 1)))}))
+    ((64, 8, 8), {1: 1, 2: 1})
+    """
+    base = style.base
+    if (not isinstance(base, ColwiseParallel) or not base.use_local_output
+            or tuple(base.output_layouts) != (Shard(-1),)
+            or not style.rows or set(style.rows) - {"weight", "bias"} or style.values):
+        return None
+    specs = set(style.rows.values())
+    if len(specs) != 1:
+        return None
+    dim, width, parts = specs.pop()
+    if dim != 0 or any(len(part) > 3 or (part[1] - part[0]) % part[2] for part in parts):
+        return None
+    tp_free = {part[0]: part for part in parts}  # expanded widths are tp * group width, tp unknown here
+    expanded = getattr(base, "sizes", None)
+    if expanded is None:  # plain columns: the whole output is one grouped part
+        return ((width,), {0: parts[0][2]}) if len(parts) == 1 and parts[0][:2] == (0, width) else None
+    sizes, grouped, at = [], {}, 0
+    for size in expanded:
+        part = tp_free.pop(at, None)
+        if part is not None:
+            groups = part[2]
+            if size % ((part[1] - part[0]) // groups):
+                return None
+            sizes.append(part[1] - part[0])
+            grouped[len(sizes) - 1] = groups
+        else:
+            if any(at < start < at + size for start in tp_free):
+                return None
+            sizes.append(size)
+        at += sizes[-1]
+    return (tuple(sizes), grouped) if not tp_free and at == width else None
+
+
+def _gather_groups(style: GroupCopies, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+    """``GroupCopies(gather=True)``: every part of the Linear sharded by :class:`PackedColwiseParallel`
+    (the grouped parts too, ``1/tp`` of their rows per rank), then each grouped part of the local
+    output all-gathered and rank r's group ``r * G // tp`` cut from it. Rank r sees the output of
+    the copies' layout; the gradient of the gathered part, each rank's heads' share, is
+    reduce-scattered back onto the shards, so no weight gradient is summed."""
+    found = gathered_sizes(style)
+    if found is None:
+        from autotp.errors import PlanError
+
+        raise PlanError(f"{type(module).__name__}: GroupCopies(gather=True) takes a column style (ColwiseParallel or "
+                        "PackedColwiseParallel, local output sharded on its last dim) over a Linear's whole-group "
+                        f"parts, each one part of the packed output; got base={style.base!r}, rows={style.rows}: "
+                        "use gather=False (copies with summed gradients)")
+    sizes, grouped = found
+    tp = device_mesh.size()
+    for index, groups in grouped.items():
+        if sizes[index] % tp or tp % groups:
+            from autotp.errors import PlanError
+
+            raise PlanError(f"{type(module).__name__}: GroupCopies(gather=True) shards a part of {sizes[index]} "
+                            f"features in {groups} groups over {tp} ranks, which needs both to divide: "
+                            "use gather=False (copies with summed gradients)")
+    base = style.base
+    packed = PackedColwiseParallel(sizes=sizes, input_layouts=base.input_layouts[0], output_layouts=Shard(-1),
+                                   use_local_output=True)
+    module = packed._apply(module, device_mesh)
+    module.register_forward_hook(partial(_cut_groups, sizes=sizes, grouped=grouped, mesh=device_mesh))
+    return module
+
+
+def _cut_groups(module, args, output: torch.Tensor, *, sizes, grouped, mesh: DeviceMesh) -> torch.Tensor:
+    from autotp._simulate import mesh_coordinate
+
+    tp = mesh.size()
+    chunks = list(output.split([size // tp for size in sizes], dim=-1))
+    order = sorted(grouped)
+    # One all-gather for all grouped parts: ranks' blocks side by side, each block the parts in order.
+    local = torch.cat([chunks[index] for index in order], dim=-1)
+    blocks = DTensor.from_local(local, mesh, [Shard(output.ndim - 1)], run_check=False)
+    whole = blocks.redistribute(placements=[Replicate()]).to_local(grad_placements=[Partial()]).unflatten(-1, (tp, -1))
+    mine = mesh_coordinate(mesh).reshape(1).to(output.device)
+    for index, part in zip(order, whole.split([sizes[index] // tp for index in order], dim=-1)):
+        groups = grouped[index]
+        by_group = part.flatten(-2).unflatten(-1, (groups, sizes[index] // groups))
+        chunks[index] = by_group.index_select(-2, mine * groups // tp).flatten(-2)
+    return torch.cat(chunks, dim=-1)

@@ -48,7 +48,7 @@ def analyse_model(model: nn.Module, *, example_inputs=None, sequence_parallel: b
 
 def synthesize(model: nn.Module, *, example_inputs=None, sequence_parallel: bool = False,
                loss_parallel: bool = True, tp_size: int | None = None,
-               verify: bool = False) -> dict[str, ParallelStyle]:
+               verify: bool = False, gather_copies: bool = True) -> dict[str, ParallelStyle]:
     """Write a tensor-parallel plan for ``model`` from its traced graph.
 
     Keyword Args:
@@ -62,6 +62,12 @@ def synthesize(model: nn.Module, *, example_inputs=None, sequence_parallel: bool
             logits and every gradient at ``tp_size`` (2 if None) on simulated ranks, on the model
             itself or on a tiny copy built from its config). Off by default: it costs 2-5 s on a
             tiny model, several times the synthesis; ``autotp.parallelize`` turns it on.
+        gather_copies: parts with fewer groups than ranks (the one kv head of a fused multi-query
+            qkv, B and C of a state-space mixer with ``n_groups < tp``) come from a Linear whose
+            rows are sharded like its other parts; each forward all-gathers the part and each rank
+            cuts its group, and the backward reduce-scatters the part's gradient: the same bytes each
+            way. False: every rank holds a whole copy of its group's rows and the copies' weight
+            gradients are all-reduced in the backward (no forward communication: the serving choice).
 
     Returns:
         ``{fnmatch key: ParallelStyle}`` for ``parallelize_module``, keys relative to ``model``.
@@ -77,7 +83,8 @@ def synthesize(model: nn.Module, *, example_inputs=None, sequence_parallel: bool
     """
     analysis = analyse_model(model, example_inputs=example_inputs, sequence_parallel=sequence_parallel,
                              tp_size=tp_size)
-    plan = build_plan(analysis.roles, analysis.groups, loss_parallel=loss_parallel, copies=analysis.copies)
+    plan = build_plan(analysis.roles, analysis.groups, loss_parallel=loss_parallel, copies=analysis.copies,
+                      gather_copies=gather_copies)
     if verify:
         from autotp.self_check import self_check
 

@@ -15,6 +15,7 @@ from torch.distributed.tensor.parallel.style import ParallelStyle
 
 from autotp import styles
 from autotp.plan import describe_style
+from autotp.styles.linear import gathered_sizes
 from autotp.styles.raw_linear import LinearParams
 from autotp.synth.roles import Role
 from autotp.synth.copies import row_copies
@@ -78,6 +79,14 @@ def _packed_column(role: Role) -> ParallelStyle:
     # sharded, so rank r holds its share of each sharded part and a whole copy of each held part.
     rows = row_copies(role)
     return styles.GroupCopies(base=style, rows={"weight": (0, *rows), "bias": (0, *rows)})
+
+
+def _gathered(style: ParallelStyle | None) -> ParallelStyle | None:
+    """``style`` with a Linear's copied parts gathered (:class:`~autotp.styles.GroupCopies` ``gather=True``)
+    where its form allows; otherwise as it is."""
+    if not isinstance(style, styles.GroupCopies) or style.gather or gathered_sizes(style) is None:
+        return style
+    return styles.GroupCopies(base=style.base, rows=style.rows, values=style.values, gather=True)
 
 
 def _kv_head_counts(role: Role, loss_parallel: bool) -> ParallelStyle:
@@ -248,13 +257,17 @@ def _stack_order(entry: str) -> tuple:
 
 
 def build_plan(roles: dict[str, Role], groups: LayerGroups, *, loss_parallel: bool = True,
-               copies: dict | None = None) -> dict[str, ParallelStyle]:
+               copies: dict | None = None, gather_copies: bool = True) -> dict[str, ParallelStyle]:
     """The plan: a style for every role that needs one, with repeated layers folded into ``*``.
 
     ``copies``: modules whose grouped parts are held as copies per rank (:mod:`autotp.synth.groups`):
-    their style is wrapped in :class:`~autotp.styles.GroupCopies`, which expands them first."""
+    their style is wrapped in :class:`~autotp.styles.GroupCopies`, which expands them first.
+    ``gather_copies``: a Linear's copied parts are sharded and gathered instead where they can be
+    (``GroupCopies(gather=True)``; see :func:`autotp.synth.api.synthesize`)."""
     traced = {fqn: style_for(role, loss_parallel=loss_parallel) for fqn, role in roles.items()}
     for fqn, spec in (copies or {}).items():
         traced[fqn] = styles.GroupCopies(base=traced.get(fqn), rows=spec.rows, values=spec.values)
+    if gather_copies:
+        traced = {fqn: _gathered(style) for fqn, style in traced.items()}
     traced = {fqn: style for fqn, style in traced.items() if style is not None}
     return generalise(expand(traced, groups), groups)
