@@ -18,7 +18,7 @@ from autotp.styles import GroupCopies
 from autotp.synth import explain, synthesize
 from autotp.synth.groups import copy_index
 from autotp.verifier import verify
-from synth_toy import DIM, example_tokens
+from synth_toy import DIM, VOCAB, example_tokens
 from test_ssm_mixer import GroupedGatedNorm as GatedNorm
 from test_ssm_mixer import SSMStack
 
@@ -82,12 +82,12 @@ def _model(mixer):
     return SSMStack(mixer=mixer)
 
 
-def _verify_near(model, tp, sequence_parallel, fraction, gather_copies=True, report_out=None):
+def _verify_near(model, tp, sequence_parallel, fraction, gather_copies=True, report_out=None, tokens=None):
     plan = synthesize(model, example_inputs=(example_tokens(),), tp_size=tp, sequence_parallel=sequence_parallel,
                       gather_copies=gather_copies)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        report = verify(model, plan, tp_size=tp, inputs=(example_tokens(),))
+        report = verify(model, plan, tp_size=tp, inputs=(example_tokens() if tokens is None else tokens,))
     assert report.ok, str(report)
     assert all(abs(f - fraction) < 0.02 for f in report.param_fraction), (report.param_fraction, fraction)
     if report_out is not None:
@@ -142,17 +142,22 @@ def test_fused_qkv_with_one_kv_head_is_copied_per_rank(tp, sequence_parallel):
                                         pytest.param(1, 2, id="one-state-group-tp2"),
                                         pytest.param(1, 4, id="one-state-group-tp4"),
                                         pytest.param(2, 4, id="two-state-groups-tp4")])
-def test_gathered_group_parts_move_as_many_bytes_back_as_forward(groups, tp, sequence_parallel):
+@pytest.mark.parametrize("long", [pytest.param(False, id="few-tokens"), pytest.param(True, id="many-tokens")])
+def test_gathered_group_parts_move_as_many_bytes_back_as_forward(groups, tp, sequence_parallel, long):
     """By default a Linear's parts with fewer groups than ranks are sharded like its other parts
     and gathered each forward, each rank cutting its group (``GroupCopies(gather=True)``): the
     backward reduce-scatters the part's gradient instead of all-reducing the copies' weight
     gradients. Would catch a rank cutting the wrong group, the gathered gradient taken whole
     (only this rank's heads' share reaching the weights), or the rows still copied (the fraction
-    above 1/tp, the backward above the forward). ``groups=0``: the fused qkv with one kv head."""
+    above 1/tp, the backward above the forward). ``groups=0``: the fused qkv with one kv head.
+    ``long``: a batch with more tokens than the model width, where the parts' weight rows are
+    gathered (and the parts recomputed from them) rather than their outputs."""
     mixer = FusedQKVAttention if not groups else (lambda: GroupedScanMixer(groups=groups, norm_group=HEAD_DIM))
     model = _model(mixer)
+    tokens = torch.randint(0, VOCAB, (DIM // 8, 12)) if long else example_tokens()  # 96 tokens: sequences short
+    assert (tokens.numel() > DIM) == long
     reports = []
-    plan = _verify_near(model, tp, sequence_parallel, 1 / tp, report_out=reports)
+    plan = _verify_near(model, tp, sequence_parallel, 1 / tp, report_out=reports, tokens=tokens)
     linear = plan["layers.*.mixer.in_proj" if groups else "layers.*.mixer.qkv"]
     assert isinstance(linear, GroupCopies) and linear.gather, linear
     # What the backward moves beyond the forward: only the sums of the depthwise conv's copied B / C

@@ -516,18 +516,52 @@ def _gather_groups(style: GroupCopies, module: nn.Module, device_mesh: DeviceMes
 
 
 def _cut_groups(module, args, output: torch.Tensor, *, sizes, grouped, mesh: DeviceMesh) -> torch.Tensor:
-    from autotp._simulate import mesh_coordinate
-
+    """Rank r's output of the copies' layout from its shards: each grouped part's group ``r * G // tp``
+    whole. It gathers whichever is smaller: the parts' outputs (``tokens x W`` features) or their
+    weight rows (``W x in_features``), recomputing the parts from the gathered rows. Either way the
+    forward all-gathers and the backward reduce-scatters as many bytes."""
     tp = mesh.size()
     chunks = list(output.split([size // tp for size in sizes], dim=-1))
     order = sorted(grouped)
-    # One all-gather for all grouped parts: ranks' blocks side by side, each block the parts in order.
-    local = torch.cat([chunks[index] for index in order], dim=-1)
-    blocks = DTensor.from_local(local, mesh, [Shard(output.ndim - 1)], run_check=False)
-    whole = blocks.redistribute(placements=[Replicate()]).to_local(grad_placements=[Partial()]).unflatten(-1, (tp, -1))
-    mine = mesh_coordinate(mesh).reshape(1).to(output.device)
-    for index, part in zip(order, whole.split([sizes[index] // tp for index in order], dim=-1)):
-        groups = grouped[index]
-        by_group = part.flatten(-2).unflatten(-1, (groups, sizes[index] // groups))
-        chunks[index] = by_group.index_select(-2, mine * groups // tp).flatten(-2)
+    x = args[0]
+    tokens = output.numel() // output.shape[-1]
+    if tokens <= x.shape[-1]:
+        parts = _gather_blocks([chunks[index] for index in order], output.ndim - 1, mesh)
+        for index, part in zip(order, parts):
+            chunks[index] = _own_group(part, grouped[index], output.ndim - 1, mesh)
+        return torch.cat(chunks, dim=-1)
+    # Rows of each part in this rank's (packed) weight block, then the grouped parts' rows gathered.
+    starts = [sum(sizes[:index]) // tp for index in range(len(sizes))]
+    local_x = x.to_local(grad_placements=[Partial()]) if isinstance(x, DTensor) else x
+    weights = {}
+    for name in ("weight", "bias"):
+        param = getattr(module, name, None)
+        if param is None:
+            continue
+        local = param.to_local() if isinstance(param, DTensor) else param
+        rows = [local.narrow(0, starts[index], sizes[index] // tp) for index in order]
+        weights[name] = [_own_group(whole, grouped[index], 0, mesh)
+                         for index, whole in zip(order, _gather_blocks(rows, 0, mesh))]
+    for k, index in enumerate(order):
+        bias = weights["bias"][k] if "bias" in weights else None
+        chunks[index] = torch.nn.functional.linear(local_x, weights["weight"][k], bias)
     return torch.cat(chunks, dim=-1)
+
+
+def _gather_blocks(blocks: list[torch.Tensor], dim: int, mesh: DeviceMesh) -> list[torch.Tensor]:
+    """Each rank's ``blocks`` (its shards of parts along ``dim``) all-gathered in one collective, as
+    the whole parts; the gradient taken as a partial sum, so the backward reduce-scatters it."""
+    tp = mesh.size()
+    local = torch.cat(blocks, dim=dim)
+    gathered = DTensor.from_local(local, mesh, [Shard(dim)], run_check=False).redistribute(
+        placements=[Replicate()]).to_local(grad_placements=[Partial()])
+    by_rank = gathered.unflatten(dim, (tp, -1))
+    return [part.flatten(dim, dim + 1) for part in by_rank.split([b.shape[dim] for b in blocks], dim=dim + 1)]
+
+
+def _own_group(whole: torch.Tensor, groups: int, dim: int, mesh: DeviceMesh) -> torch.Tensor:
+    """Group ``r * groups // tp`` of ``whole``'s ``groups`` equal groups along ``dim``, on rank r."""
+    from autotp._simulate import mesh_coordinate
+
+    mine = (mesh_coordinate(mesh) * groups // mesh.size()).reshape(1).to(whole.device)
+    return whole.unflatten(dim, (groups, -1)).index_select(dim, mine).flatten(dim, dim + 1)
