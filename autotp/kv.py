@@ -41,8 +41,13 @@ def check_kv_replication(where: str, kv_heads: int, heads: int, tp: int) -> None
                         fix=f"use tp in {working_tp_sizes([heads])}" if heads else "keep tp a divisor of the kv heads")
 
 
-def replicate_kv_heads(model: nn.Module, plan: Plan, tp_size: int) -> Plan:
+def replicate_kv_heads(model: nn.Module, plan: Plan, tp_size: int, *, gather: bool = True) -> Plan:
     """Return ``plan`` rewritten for ``tp_size`` > kv heads (unchanged when tp divides the kv heads).
+
+    ``gather``: the k/v rows are sharded and each rank's head gathered per forward, the backward
+    reduce-scattering as many bytes (:class:`~autotp.styles.ReplicatedKVColwise` ``gather=True``);
+    False: each rank holds a copy of its head, the copies' gradients summed in the backward (no
+    forward collective: the serving choice).
 
     The head size is read per attention module (its ``head_dim``), falling back to the config's,
     so models whose layer types differ in head size are rewritten layer by layer; a Linear under a
@@ -70,7 +75,7 @@ def replicate_kv_heads(model: nn.Module, plan: Plan, tp_size: int) -> Plan:
                  and module.out_features == local_kv * head_dim and local_kv % tp_size != 0)
         if is_kv:
             check_kv_replication(fqn, local_kv, heads, tp_size)
-            kv_styles[fqn] = ReplicatedKVColwise(kv_heads=local_kv, head_dim=head_dim)
+            kv_styles[fqn] = ReplicatedKVColwise(kv_heads=local_kv, head_dim=head_dim, gather=gather)
             counts[key.rsplit(".", 1)[0]] = KVHeadCounts(heads=heads)
     return {**_rewrite_keys(plan, resolved, kv_styles), **counts}
 

@@ -58,12 +58,13 @@ def plan_function(model: nn.Module) -> PlanFunction | None:
 
 
 def plan_for(
-    model: nn.Module, *, sequence_parallel: bool = False, replicate_kv_for_tp: int | None = None
+    model: nn.Module, *, sequence_parallel: bool = False, replicate_kv_for_tp: int | None = None,
+    gather_kv: bool = True,
 ) -> dict[str, ParallelStyle] | None:
     """The handwritten plan for ``model``, or ``None`` if its class has none.
 
     ``replicate_kv_for_tp=N`` opts in to tp sizes larger than the kv heads: the k/v projections
-    are rewritten by :func:`autotp.kv.replicate_kv_heads` for tp=N.
+    are rewritten by :func:`autotp.kv.replicate_kv_heads` for tp=N (``gather_kv``: its ``gather``).
     """
     function = plan_function(model)
     if function is None:
@@ -72,5 +73,5 @@ def plan_for(
     if replicate_kv_for_tp is not None:
         from autotp.kv import replicate_kv_heads
 
-        plan = replicate_kv_heads(model, plan, replicate_kv_for_tp)
+        plan = replicate_kv_heads(model, plan, replicate_kv_for_tp, gather=gather_kv)
     return plan

@@ -186,10 +186,11 @@ def test_columns_reading_the_stream_share_one_reduction(tp_size, sequence_parall
 
 
 def test_replicated_kv_heads_sum_copies_with_one_all_reduce_each():
-    """tp > kv heads: activations at the limit; each k / v weight gradient's copies are summed by
-    one all-reduce of the kv-head-sized gradient (was an all-gather of the tp-times-expanded one)."""
+    """tp > kv heads, copies held (``gather_copies=False``): activations at the limit; each k / v
+    weight gradient's copies are summed by one all-reduce of the kv-head-sized gradient (was an
+    all-gather of the tp-times-expanded one)."""
     model = tiny_model("llama", device="cpu", num_key_value_heads=1)
-    plan = synthesize(model, tp_size=4)
+    plan = synthesize(model, tp_size=4, gather_copies=False)
     assert type(plan["model.layers.*.self_attn.k_proj"]).__name__ == "ReplicatedKVColwise"
     report = _report(model, plan, tp_size=4)
     assert report.collectives == {"all_reduce": 2 * LAYERS + 1}

@@ -68,16 +68,18 @@ def test_full_state_dict_undoes_the_packed_row_order():
             assert torch.equal(value, expected[name]), name
 
 
-def test_full_state_dict_keeps_one_copy_of_replicated_kv_heads_and_both_tied_names():
-    """Catches an export of the tp-expanded k/v rows, and one that drops or shares a tied weight."""
+@pytest.mark.parametrize("gather", [False, True], ids=["copies", "gathered"])
+def test_full_state_dict_keeps_one_copy_of_replicated_kv_heads_and_both_tied_names(gather):
+    """Catches an export of the tp-expanded k/v rows (copies) or of one rank's shard (gathered), and
+    one that drops or shares a tied weight."""
     model = build_model("llama-1b", tiny=True, tp=1, device="cpu")  # one kv head, tied head
     plan = autotp.get_plan(build_model("llama-1b", tiny=True, tp=2), tp_size=2).plan
-    plan = replicate_kv_heads(model, plan, 2)
+    plan = replicate_kv_heads(model, plan, 2, gather=gather)
     expected = {k: v.clone() for k, v in model.state_dict().items()}
     with simulated_mesh(2) as mesh:
         apply_plan(model, mesh, plan)
         full = full_state_dict(model)
-    assert "model.layers.0.self_attn.k_proj.weight" in layout_transforms(model)
+    assert ("model.layers.0.self_attn.k_proj.weight" in layout_transforms(model)) != gather
     rank0 = _rank_values(full, 2)[0]
     assert {"lm_head.weight", "model.embed_tokens.weight"} <= rank0.keys()
     for name, value in rank0.items():

@@ -44,23 +44,37 @@ def test_tp_above_kv_heads_replicates_kv_heads_exactly(family, tp_size, sequence
     assert isinstance(plan[attn], styles.KVHeadCounts) and plan[attn].heads == 8
     assert plan[attn].attribute == "num_key_value_groups"
     report = _verify(model, plan, tp_size)
+    assert report.collectives == _optimum(sequence_parallel, gathered=True)
+    assert report.comm_volume_backward == report.comm_volume, report
+
+
+def _optimum(sequence_parallel: bool, gathered: bool) -> dict[str, int]:
+    """One reduction per block and the head's (2 layers); ``gathered``: and the k and v of each layer
+    gathered (``ReplicatedKVColwise(gather=True)``)."""
     optimum = {"all_gather_into_tensor": 5, "reduce_scatter_tensor": 5} if sequence_parallel else {"all_reduce": 5}
-    assert report.collectives == optimum
+    if gathered:
+        optimum["all_gather_into_tensor"] = optimum.get("all_gather_into_tensor", 0) + 4
+    return optimum
 
 
 @pytest.mark.parametrize("tp_size", [2, 4, 8])
 @pytest.mark.parametrize("sequence_parallel", [False, True], ids=["tp", "sp"])
-def test_tp_above_one_kv_head_replicates_it(tp_size, sequence_parallel):
+@pytest.mark.parametrize("gather", [True, False], ids=["gathered", "copies"])
+def test_tp_above_one_kv_head_replicates_it(tp_size, sequence_parallel, gather):
     """One kv head (MQA): the view to (b, t, 1, head_dim) is read as a split into one head, so each
     rank holds that head whole instead of half of its head_dim (or, as before, the whole attention
     left replicated). Would catch a head_dim split (wrong logits), unsummed k/v gradients, or
-    extra collectives."""
+    extra collectives. Gathered (the default), the head's rows are sharded and gathered each
+    forward, the backward moving as many bytes; copies (``gather_copies=False``): each rank holds
+    it whole, no forward collective."""
     model = tiny_model("llama", device="cpu", num_key_value_heads=1, **WIDE)
-    plan = synthesize(model, sequence_parallel=sequence_parallel, tp_size=tp_size)
+    plan = synthesize(model, sequence_parallel=sequence_parallel, tp_size=tp_size, gather_copies=gather)
     assert plan["model.layers.*.self_attn.k_proj"].kv_heads == 1
+    assert plan["model.layers.*.self_attn.k_proj"].gather == gather
     report = _verify(model, plan, tp_size)
-    optimum = {"all_gather_into_tensor": 5, "reduce_scatter_tensor": 5} if sequence_parallel else {"all_reduce": 5}
-    assert report.collectives == optimum
+    assert report.collectives == _optimum(sequence_parallel, gather)
+    if gather:
+        assert report.comm_volume_backward == report.comm_volume, report
 
 
 def test_tp_not_a_multiple_of_kv_heads_raises_naming_the_projection():

@@ -224,18 +224,42 @@ class ReplicatedKVColwise(ColwiseParallel):
     of a head (an all-gather of the small k/v gradient) so every copy gets the full gradient and the
     copies stay identical after an optimizer step.
 
+    With ``gather=True`` the rows are not copied: the projection is sharded ``Shard(0)`` as
+    ``ColwiseParallel`` would (``1/tp`` of its rows per rank, a piece of a head), and each forward
+    all-gathers the output, or the weight rows when the batch holds more tokens than the input
+    width, and rank r cuts its head ``r * kv_heads // tp`` from it; the backward reduce-scatters the
+    gradient of what was gathered (each rank's query heads' share), so it moves the forward's bytes
+    and no weight gradient is summed (see :class:`~autotp.styles.GroupCopies`).
+
     Keyword Args:
         kv_heads (int): number of kv heads of the projection.
         head_dim (int): size of one head.
+        gather (bool): shard the rows and gather per forward instead of copying them, where tp cuts
+            the kv rows evenly. Default: False (no forward collective: the serving choice).
 
     Example::
         >>> plan = {"model.layers.*.self_attn.k_proj": ReplicatedKVColwise(kv_heads=2, head_dim=128)}
     """
 
-    def __init__(self, *, kv_heads: int, head_dim: int, **kwargs):
+    def __init__(self, *, kv_heads: int, head_dim: int, gather: bool = False, **kwargs):
         super().__init__(**kwargs)
         self.kv_heads = kv_heads
         self.head_dim = head_dim
+        self.gather = bool(gather)
+
+    def _gathers(self, device_mesh: DeviceMesh) -> bool:
+        """``gather``, where tp cuts the kv rows evenly (else each rank holds a copy of its head)."""
+        return self.gather and self.kv_heads * self.head_dim % device_mesh.size() == 0
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        module = super()._apply(module, device_mesh)
+        if self._gathers(device_mesh):
+            from autotp.styles.linear import _cut_groups
+
+            width = self.kv_heads * self.head_dim
+            module.register_forward_hook(partial(_cut_groups, sizes=(width,), grouped={0: self.kv_heads},
+                                                 mesh=device_mesh))
+        return module
 
     def _partition_linear_fn(self, name, module, device_mesh):
         tp = device_mesh.size()
@@ -246,6 +270,8 @@ class ReplicatedKVColwise(ColwiseParallel):
                 f"{type(module).__name__}: tp={tp} is not a multiple of kv_heads={self.kv_heads}; "
                 "each kv head must be shared by the same number of ranks."
             )
+        if self._gathers(device_mesh):
+            return super()._partition_linear_fn(name, module, device_mesh)
         for pname, param in list(module.named_parameters(recurse=False)):
             with torch.no_grad():
                 expanded = expand_kv_rows(param, self.kv_heads, self.head_dim, tp)
@@ -255,7 +281,8 @@ class ReplicatedKVColwise(ColwiseParallel):
             module.register_parameter(pname, new)
 
     def __repr__(self) -> str:
-        return super().__repr__()[:-1] + f", kv_heads={self.kv_heads}, head_dim={self.head_dim})"
+        gather = ", gather=True" if self.gather else ""
+        return super().__repr__()[:-1] + f", kv_heads={self.kv_heads}, head_dim={self.head_dim}{gather})"
 
 
 def sum_kv_copies(grad: DTensor, *, kv_heads: int, head_dim: int) -> DTensor:

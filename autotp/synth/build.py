@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Callable
 
 from torch.distributed.tensor import Replicate, Shard
@@ -82,8 +83,13 @@ def _packed_column(role: Role) -> ParallelStyle:
 
 
 def _gathered(style: ParallelStyle | None) -> ParallelStyle | None:
-    """``style`` with a Linear's copied parts gathered (:class:`~autotp.styles.GroupCopies` ``gather=True``)
-    where its form allows; otherwise as it is."""
+    """``style`` with a Linear's copied parts gathered (:class:`~autotp.styles.GroupCopies` or
+    :class:`~autotp.styles.ReplicatedKVColwise` with ``gather=True``) where its form allows; otherwise
+    as it is."""
+    if isinstance(style, styles.ReplicatedKVColwise) and not style.gather:
+        gathered = copy.copy(style)
+        gathered.gather = True
+        return gathered
     if not isinstance(style, styles.GroupCopies) or style.gather or gathered_sizes(style) is None:
         return style
     return styles.GroupCopies(base=style.base, rows=style.rows, values=style.values, gather=True)
