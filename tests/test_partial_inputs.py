@@ -70,3 +70,15 @@ def test_plain_partial_gradients_need_a_module_of_columns():
     """A module of rows takes this rank's features: no partial input gradient to hand back."""
     with pytest.raises(PlanError, match="partial_grad_plain"):
         styles.ExpertsParallel(shard_dims={"weight": 2}, packed={}, side="rows", partial_grad_plain=True)
+
+
+def test_plain_partial_gradient_styles_export_as_they_are():
+    from autotp import emit
+
+    for style in (styles.ExpertsParallel(shard_dims={"weight": 1}, packed={}, side="columns", partial_grad_plain=True),
+                  styles.PartialGradRouter(partial_grad_plain=True)):
+        names: set[str] = set()
+        namespace: dict = {}
+        source = emit.render(style, names)
+        exec("\n".join(emit._imports(names, uses_parts=False)), namespace)
+        assert repr(eval(source, namespace)) == repr(style), source
