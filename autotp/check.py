@@ -2,7 +2,8 @@
 
 :func:`check_plan` reads any plan (handwritten, transformers', a user's dict) against the model's
 dataflow graph, the same graph the synthesizer analyses: it starts a shard at every Linear the plan
-shards column-wise and follows it with the synthesizer's propagation rules. What the shard meets
+shards column-wise (experts columns under ``ExpertsParallel`` included) and follows it with the
+synthesizer's propagation rules (a ``repeat`` of the sharded heads folds them, as there). What the shard meets
 says what the plan must do: a row-parallel Linear to close it, a packed style where the output is
 cut into parts, an exact style for a norm that reduces over it or whose gradient becomes partial.
 Each :class:`Finding` names the module, the problem and the fix.
@@ -14,6 +15,7 @@ Sequence-parallel layouts are not checked here; :func:`autotp.verify` covers the
 
 from __future__ import annotations
 
+from collections import defaultdict
 from dataclasses import dataclass
 
 from torch import nn
@@ -104,6 +106,39 @@ def _raw_kind(g, node: str, style: ParallelStyle | None) -> str | None:
     return "column" if leaf in style.columns else "row" if leaf in style.rows else None
 
 
+def _experts_kind(g, node: str, style: ParallelStyle | None) -> str | None:
+    """``"column"`` / ``"row"`` when ``style`` (an :class:`~autotp.styles.ExpertsParallel`) shards
+    the 3-D per-expert weight that node ``node`` multiplies by on its output / input features (the
+    rank's share of every expert's FFN); None otherwise."""
+    from autotp.synth.analysis import weight_of
+    from autotp.synth.params import reading_module
+
+    weight = weight_of(g, node)
+    if not isinstance(style, styles.ExpertsParallel) or weight is None or len(g.nodes[weight.node]["shape"]) != 3:
+        return None
+    dim = style.shard_dims.get(reading_module(g, weight.node)[1])
+    return "column" if dim == weight.out_dim else "row" if dim == weight.in_dim else None
+
+
+def _experts_parts(g, node: str, style, sizes: tuple[int, ...]) -> Finding | None:
+    """A finding when experts columns (node ``node``) whose output the graph cuts into the parts
+    ``sizes`` are not packed alike by their :class:`~autotp.styles.ExpertsParallel` style (which
+    packs equal parts only: the rank's share of each)."""
+    from autotp.synth.analysis import linear_weight
+    from autotp.synth.params import reading_module
+
+    module, name = reading_module(g, linear_weight(g, node))
+    given = style.packed.get(name, 1)
+    if len(set(sizes)) == 1 and given == len(sizes):
+        return None
+    if len(set(sizes)) == 1:
+        return Finding(module, f"its experts' output is split into {len(sizes)} equal parts {sizes}, but its "
+                       f"style packs {name} as {given} part(s), so ranks get mixed parts",
+                       f"use ExpertsParallel(..., packed={{{name!r}: {len(sizes)}}})", "fused_sizes")
+    return Finding(module, f"its experts' output is split into unequal parts {sizes}, which ExpertsParallel "
+                   "cannot pack", "keep this module's experts whole", "fused_sizes")
+
+
 def _slices_entries(style: ParallelStyle | None) -> bool:
     """Whether ``style`` (or a style it wraps) is :class:`~autotp.styles.ShardedInputs`."""
     while style is not None:
@@ -143,6 +178,7 @@ def _graph_findings(model: nn.Module, resolved: dict, example_inputs, tp_size: i
     from autotp.synth.copies import expanded_sizes
     from autotp.synth.assign import expert_roles, norm_roles
     from autotp.synth.graph import build_graph
+    from autotp.synth.roles import Role
     from autotp.synth.trace import trace
 
     if analysis is not None:
@@ -157,7 +193,7 @@ def _graph_findings(model: nn.Module, resolved: dict, example_inputs, tp_size: i
     linears = {n: g.nodes[n]["module"] for n in g.nodes if is_linear(g, n)}
     active = {n for n, module in linears.items()
               if _starts_shard(style_of.get(module)) or _raw_kind(g, n, style_of.get(module)) == "column"
-              or _scatters_heads(style_of.get(module))}
+              or _experts_kind(g, n, style_of.get(module)) == "column" or _scatters_heads(style_of.get(module))}
     packed = {n for n in active if getattr(style_of.get(linears[n]), "sizes", None)}
     copied = {n: frozenset(held[linears[n]]) for n in active if linears[n] in held}
     scattered = frozenset(n for n in active if _scatters_heads(style_of.get(linears[n])))
@@ -193,6 +229,10 @@ def _graph_findings(model: nn.Module, resolved: dict, example_inputs, tp_size: i
             sizes = expanded_sizes(sizes, tuple(copied[root]), tp_size)
         packed = getattr(style, "sizes", None) if isinstance(
             style, (styles.PackedColwiseParallel, styles.ColwiseParallelInOut)) else None
+        if isinstance(style, styles.ExpertsParallel):  # one finding per module, not per expert's product
+            found = _experts_parts(g, root, style, sizes)
+            findings += [found] if found is not None and found not in findings else []
+            continue
         if not packed:
             findings.append(Finding(module, f"its output is split into parts {sizes} but it is sharded "
                                     "contiguously, so ranks get mixed parts and the logits are wrong",
@@ -211,7 +251,7 @@ def _graph_findings(model: nn.Module, resolved: dict, example_inputs, tp_size: i
                                     f"use sizes={sizes}" if sizes else "drop its sizes", "packed_row"))
     reached_rows = {linears[r] for r in flow.rows}
     rowwise = {linears[r] for r in flow.rows if isinstance(style_of.get(linears[r]), RowwiseParallel)
-               or _raw_kind(g, r, style_of.get(linears[r])) == "row"}
+               or "row" in (_raw_kind(g, r, style_of.get(linears[r])), _experts_kind(g, r, style_of.get(linears[r])))}
     for row in reached_rows:
         if row not in rowwise:
             findings.append(Finding(row, "receives a column-sharded input but is not row-parallel, so it "
@@ -224,7 +264,9 @@ def _graph_findings(model: nn.Module, resolved: dict, example_inputs, tp_size: i
             findings.append(Finding(module, "row-parallel, but its input is not column-sharded by the plan",
                                     "shard the Linear that produces its input column-wise, or use "
                                     "RowwiseParallel(input_layouts=Replicate())", "row_without_shard"))
-    demanded = {**norm_roles(g, flow, set(linears.values())), **expert_roles(g, flow, {}, {})}
+    # Every experts module reached is the plan's own (its evidence unused here).
+    reached = defaultdict(lambda: Role("experts", ""))
+    demanded = {**norm_roles(g, flow, set(linears.values())), **expert_roles(g, flow, {}, reached)}
     for module, role in demanded.items():
         need = _REQUIRED.get(role.kind)
         if need and not isinstance(style_of.get(module), need[0]):

@@ -1,12 +1,15 @@
 """check_plan: each known-bad plan is caught statically; good plans yield no finding."""
 
 import pytest
+import torch
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
 import handwritten_plans
-from autotp import synthesize
+from autotp import styles, synthesize
 from autotp.check import check_plan
 from autotp.models import build_model, load_config, shrink_config
+from tests.synth_toy import example_tokens
+from tests.test_split_experts import RoutedQueryAttention, synthesize_and_verify, toy_model
 
 FAMILIES = ["llama", "mistral", "qwen2", "qwen3", "gemma3", "gemma3-vlm", "phi3"]
 
@@ -99,3 +102,40 @@ def test_tied_weights_sharded_differently():
     plan = handwritten_plans.plan_for(model)
     plan["lm_head"] = RowwiseParallel()
     assert "tied_weights" in kinds(check_plan(model, plan, tp_size=2))
+
+
+@pytest.mark.parametrize("sequence_parallel", [False, True], ids=["plain", "sp"])
+@pytest.mark.parametrize("tp_size", [2, 4])
+def test_verified_plan_with_routed_experts_columns_is_not_flagged(tp_size, sequence_parallel):
+    """Would catch the checker starting no shard at experts columns (``ExpertsParallel``): the
+    routed query heads read as replicated, the k/v Linear whose heads ``repeat`` tiles to the query
+    slots flagged ``breaks_shard`` on a plan that verifies, and the experts' fused gate/up output
+    taken for a contiguous shard (``fused_contiguous``)."""
+    torch.manual_seed(0)
+    model = toy_model(RoutedQueryAttention).eval()
+    plan, _ = synthesize_and_verify(model, tp_size, sequence_parallel)
+    assert plan["layers.*.mixer.queries"].side == "columns" and plan["layers.*.ffn.up"].packed == {"weight": 2}, plan
+    assert check_plan(model, plan, tp_size=tp_size, example_inputs=(example_tokens(),)) == []
+
+
+def test_routed_query_left_replicated_beside_sharded_kv_is_flagged():
+    """The real break next to the verified plan: the routed query projections kept whole while the
+    tiled k/v are sharded, so attention would mix sharded and replicated heads."""
+    torch.manual_seed(0)
+    model = toy_model(RoutedQueryAttention).eval()
+    plan = {k: v for k, v in synthesize(model, example_inputs=(example_tokens(),), tp_size=2).items()
+            if not k.startswith("layers.*.mixer.queries")}
+    findings = check_plan(model, plan, tp_size=2, example_inputs=(example_tokens(),))
+    assert ("layers.0.mixer.kv", "breaks_shard") in {(f.module, f.kind) for f in findings}, findings
+
+
+def test_experts_columns_packed_unlike_their_parts_are_flagged():
+    """Experts columns whose output is chunked into gate and up, sharded as one contiguous block:
+    each rank would take gate features as up features."""
+    torch.manual_seed(0)
+    model = toy_model(RoutedQueryAttention).eval()
+    plan = synthesize(model, example_inputs=(example_tokens(),), tp_size=2)
+    plan["layers.*.ffn.up"] = styles.ExpertsParallel(shard_dims={"weight": 1}, packed={}, side="columns")
+    findings = check_plan(model, plan, tp_size=2, example_inputs=(example_tokens(),))
+    assert [(f.module, f.kind) for f in findings] == [("layers.0.ffn.up", "fused_sizes")], findings
+    assert "packed={'weight': 2}" in findings[0].fix

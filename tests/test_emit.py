@@ -38,8 +38,8 @@ _PER_CLASS = {"HeadParams": {"packed": {"w1": (3, 3)}}, "LinearParams": {"packed
               "GroupCopies": {"rows": {"weight": (0, 10, ((8, 10, 1),))}, "values": {"n_groups": 2}},
               # scale_rows counts whole terms once in place of ``once``: the two do not go together; a
               # module of one side (``side``) takes neither with partial-gradient inputs (test_split_experts
-              # round-trips those).
-              **{name: {"scale_rows": ("w1",), "once": (), "side": "both"}
+              # round-trips those; partial_grad_plain, a module of columns only, test_partial_inputs).
+              **{name: {"scale_rows": ("w1",), "once": (), "side": "both", "partial_grad_plain": False}
                  for name in ("ExpertsParallel", "PartialExpertsParallel")}}
 
 
@@ -58,8 +58,9 @@ def _instances(cls: type) -> list[ParallelStyle]:
     """``cls`` with its required options only, and with every optional one moved off its default."""
     params = emit._parameters(cls)
     required = {p.name: _REQUIRED[p.name] for p in params if p.default is p.empty}
-    samples = {**_OPTIONAL, **_PER_CLASS.get(cls.__name__, {})}
-    optional = {p.name: (not p.default) if isinstance(p.default, bool) else samples[p.name]
+    own = _PER_CLASS.get(cls.__name__, {})
+    samples = {**_OPTIONAL, **own}
+    optional = {p.name: (not p.default) if isinstance(p.default, bool) and p.name not in own else samples[p.name]
                 for p in params if p.default is not p.empty}
     return [cls(**required), cls(**required, **optional)]
 

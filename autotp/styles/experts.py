@@ -64,6 +64,9 @@ class ExpertsParallel(LocalParamsStyle):
             every rank count once. Default: none.
         side (str): ``"both"`` (the module holds columns and rows), ``"columns"`` or ``"rows"``.
             Default: ``"both"``.
+        partial_grad_plain (bool): with ``side="columns"``, plain floating inputs are handed back
+            their gradient unreduced, as this rank's partial sum: a value reduced once further back
+            (``ReplicatedOutput(partial_grad=True)``) with every other reader's share. Default: False.
 
     Example::
         >>> plan = {"model.layers.*.mlp.experts": ExpertsParallel()}
@@ -74,8 +77,13 @@ class ExpertsParallel(LocalParamsStyle):
 
     def __init__(self, *, shard_dims: dict[str, int] | None = None, packed: dict[str, int] | None = None,
                  partial_grad_inputs: bool = False, once: tuple[str, ...] = (), scale_rows: tuple[str, ...] = (),
-                 side: str = "both"):
+                 side: str = "both", partial_grad_plain: bool = False):
         super().__init__()
+        if partial_grad_plain and (side != "columns" or partial_grad_inputs):
+            raise PlanError(f"ExpertsParallel(partial_grad_plain=True) with side={side!r}, partial_grad_inputs="
+                            f"{partial_grad_inputs}: only a module of columns (side='columns') hands its plain "
+                            "inputs' partial gradients back unreduced; drop partial_grad_plain")
+        self.partial_grad_plain = partial_grad_plain
         if side not in ("both", "columns", "rows"):
             raise PlanError(f"ExpertsParallel: side={side!r}; use 'both', 'columns' or 'rows'")
         if side == "columns" and (once or scale_rows):
@@ -172,8 +180,10 @@ class ExpertsParallel(LocalParamsStyle):
             module.register_parameter(name, new)
 
     def _prepare_inputs(self, args, kwargs, device_mesh):
-        if self.side == "rows":
-            return args, kwargs  # this rank's features: their gradients are this rank's
+        if self.side == "rows" or self.partial_grad_plain:
+            # rows: this rank's features, their gradients this rank's; partial_grad_plain: the
+            # columns' partial input gradients, reduced once where the value was made
+            return args, kwargs
         if self.partial_grad_inputs:
             if not any(isinstance(v, DTensor) for v in (*args, *kwargs.values())):
                 from autotp.errors import PlanError
@@ -199,6 +209,7 @@ class ExpertsParallel(LocalParamsStyle):
     def __repr__(self) -> str:
         extra = ", partial_grad_inputs=True" if self.partial_grad_inputs else ""
         extra += f", side={self.side!r}" if self.side != "both" else ""
+        extra += ", partial_grad_plain=True" if self.partial_grad_plain else ""
         extra += f", once={self.once}" if self.once else ""
         extra += f", scale_rows={self.scale_rows}" if self.scale_rows else ""
         return f"{self.__class__.__name__}(shard_dims={self.shard_dims}, packed={self.packed}{extra})"
@@ -220,12 +231,28 @@ class PartialGradRouter(LocalParamsStyle):
     multiplies its own by tp. DTensor inputs (the norm's ``Replicate()`` output) are taken local
     with ``Partial()`` gradients; plain floating inputs all-reduce theirs.
 
+    With ``partial_grad_plain`` plain floating inputs are taken as they are: their gradient, a share
+    of the whole (the outputs' gradients divided by tp), is added to other readers' shares and
+    reduced once where the value was made (``ReplicatedOutput(partial_grad=True)``). Right only
+    where the outputs' gradients are whole on every rank (no output reaches a reader that hands
+    back a partial gradient).
+
+    Keyword Args:
+        partial_grad_plain (bool): leave plain inputs' gradients unreduced shares. Default: False.
+
     Example::
         >>> from autotp.styles import ReplicatedOutput
         >>> plan = {"model.layers.*.post_attention_layernorm": ReplicatedOutput(),
         ...         "model.layers.*.mlp.gate": PartialGradRouter(),
         ...         "model.layers.*.mlp.experts": ExpertsParallel(partial_grad_inputs=True)}
     """
+
+    def __init__(self, *, partial_grad_plain: bool = False):
+        super().__init__()
+        self.partial_grad_plain = partial_grad_plain
+
+    def __repr__(self) -> str:
+        return f"{self.__class__.__name__}({'partial_grad_plain=True' if self.partial_grad_plain else ''})"
 
     def _placement(self, name, param):
         return Replicate()
@@ -270,7 +297,7 @@ class PartialGradRouter(LocalParamsStyle):
         return module
 
     def _prepare_inputs(self, args, kwargs, device_mesh):
-        take = partial(_partial_grad_input, scale=None, device_mesh=device_mesh)
+        take = partial(_partial_grad_input, scale=1.0 if self.partial_grad_plain else None, device_mesh=device_mesh)
         args = tuple(take(a) if isinstance(a, torch.Tensor) else a for a in args)
         kwargs = {k: take(v) if isinstance(v, torch.Tensor) else v for k, v in kwargs.items()}
         return args, kwargs

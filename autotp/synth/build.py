@@ -131,7 +131,8 @@ def _experts(role: Role, loss_parallel: bool) -> ParallelStyle:
     experts = styles.PartialExpertsParallel if role.seq_output else styles.ExpertsParallel
     return experts(shard_dims=dict(role.param_dims), packed=dict(role.param_parts),
                    partial_grad_inputs=role.partial_grad_inputs, once=role.once,
-                   scale_rows=role.scale_rows, **({"side": role.experts_side} if role.experts_side else {}))
+                   scale_rows=role.scale_rows, **({"side": role.experts_side} if role.experts_side else {}),
+                   **({"partial_grad_plain": True} if role.partial_grad else {}))
 
 
 # Role kind -> style, one entry per kind of ``ROLE_KINDS`` (``None``: the module stays replicated).
@@ -155,7 +156,7 @@ _STYLES: dict[str, Callable[[Role, bool], ParallelStyle | None]] = {
     "shared_input": lambda role, lp: styles.ReplicatedOutput(partial_grad=role.partial_grad),
     "whole_module": lambda role, lp: styles.ReplicatedModule(),
     "broadcast_source": lambda role, lp: styles.ReplicatedModule(reduce_grad_features=role.grad_spans),
-    "router": lambda role, lp: styles.PartialGradRouter(),
+    "router": lambda role, lp: styles.PartialGradRouter(partial_grad_plain=role.partial_grad),
     "shared_entry": lambda role, lp: styles.SharedReplicatedInput(columns=role.names, partial_grad=role.partial_grad),
     "stream_block": lambda role, lp: styles.ReplicatedStream(),
     "stream_params": lambda role, lp: styles.ReplicatedParams(),

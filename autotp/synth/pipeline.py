@@ -38,6 +38,7 @@ from autotp.synth.mixes import mixed_inputs
 from autotp.synth.params import readers
 from autotp.synth.roles import Role
 from autotp.synth.sequence import sequence_parallel_roles, unshardable_stream
+from autotp.synth.partial_inputs import partial_input_roles
 from autotp.synth.partial_sums import partial_sum_blocks
 from autotp.synth.shared import shared_input_roles
 from autotp.synth.statistics import statistics_roles
@@ -299,9 +300,10 @@ def partial_sums(a: Analysis) -> Analysis:
 
 
 def shared_inputs(a: Analysis) -> Analysis:
-    """Inputs shared by several column projections (and parallel blocks) are reduced once."""
-    return replace(a, roles=shared_input_roles(a.graph, a.flow, a.roles, sequence_parallel=a.sequence_parallel,
-                                               groups=a.groups))
+    """Inputs shared by several column projections (and parallel blocks) are reduced once; where
+    experts columns or routers read them too, each reader hands back its share of the gradient."""
+    roles = shared_input_roles(a.graph, a.flow, a.roles, sequence_parallel=a.sequence_parallel, groups=a.groups)
+    return replace(a, roles={**roles, **partial_input_roles(a.graph, roles, sequence_parallel=a.sequence_parallel)})
 
 
 def whole_fronts(a: Analysis) -> Analysis:

@@ -139,7 +139,9 @@ class Role:
             ``partial_grad_module`` modules, :mod:`autotp.synth.fronts`); of a column Linear
             (``column``, ``packed_column``, ``kv_column``, ``head``), it takes its plain input with
             a partial gradient, handed back unreduced, where no module above it can share the input
-            (:class:`~autotp.styles.PartialGradInput`).
+            (:class:`~autotp.styles.PartialGradInput`); of ``experts`` (columns) and a ``router``,
+            their plain inputs' gradients are handed back as this rank's share, reduced once by a
+            ``shared_input`` norm (:mod:`autotp.synth.partial_inputs`).
         scatter_heads: of a ``row``, its output holds one value per head of its input's shard and
             stays sharded on them (reduce-scattered onto its last dim), for the heads it meets again
             (:func:`~autotp.synth.analysis.per_head_row`).
