@@ -29,43 +29,31 @@ CASES = [  # 2 kv heads (Llama-shaped, Qwen2 with k/v biases) and MQA (Qwen3 wit
 ]
 
 
+@pytest.mark.parametrize("gather", [True, False], ids=["gathered", "copies"])
 @pytest.mark.parametrize("name,kv_heads,tp_size,sequence_parallel", CASES)
-def test_kv_heads_replicated_across_ranks_match_unsharded(name, kv_heads, tp_size, sequence_parallel):
-    """``gather_kv=False``: each rank holds a copy of its kv head, the copies' gradients summed."""
+def test_kv_heads_replicated_across_ranks_match_unsharded(name, kv_heads, tp_size, sequence_parallel, gather):
+    """Gathered (the default): k/v rows sharded like any column (``1/tp`` of them per rank), each
+    forward all-gathers k and v (one collective each per layer) and rank r cuts its head; the
+    backward reduce-scatters their gradient. Would catch the wrong head cut on a rank, the gathered
+    gradient taken whole (only this rank's query heads reaching k/v), or rows still copied.
+    Copies (``gather_kv=False``): each rank holds its kv head whole, no collective added to the
+    forward (k/v computed locally from the replicated input), the copies' gradients summed."""
     model = tiny(name, kv_heads)
     plan = handwritten_plans.plan_for(model, sequence_parallel=sequence_parallel, replicate_kv_for_tp=tp_size,
-                                      gather_kv=False)
-    report = verify(model, plan, tp_size=tp_size)
-    assert report.ok, str(report)
-    # No collective is added to the forward: k/v are computed locally from the replicated input.
-    layers = model.config.num_hidden_layers
-    expected = (
-        {"all_gather_into_tensor": 2 * layers + 1, "reduce_scatter_tensor": 2 * layers + 1}
-        if sequence_parallel
-        else {"all_reduce": 2 * layers + 1}
-    )
-    assert report.collectives == expected
-
-
-@pytest.mark.parametrize("name,kv_heads,tp_size,sequence_parallel", CASES)
-def test_gathered_kv_heads_move_as_many_bytes_back_as_forward(name, kv_heads, tp_size, sequence_parallel):
-    """The default: k/v rows sharded like any column (``1/tp`` of them per rank), each forward
-    all-gathers k and v (one collective each per layer) and rank r cuts its head; the backward
-    reduce-scatters their gradient. Would catch the wrong head cut on a rank, the gathered
-    gradient taken whole (only this rank's query heads reaching k/v), or rows still copied."""
-    model = tiny(name, kv_heads)
-    plan = handwritten_plans.plan_for(model, sequence_parallel=sequence_parallel, replicate_kv_for_tp=tp_size)
+                                      gather_kv=gather)
     report = verify(model, plan, tp_size=tp_size)
     assert report.ok, str(report)
     layers = model.config.num_hidden_layers
+    gathers = 2 * layers if gather else 0
     expected = (
-        {"all_gather_into_tensor": 4 * layers + 1, "reduce_scatter_tensor": 2 * layers + 1}
+        {"all_gather_into_tensor": 2 * layers + 1 + gathers, "reduce_scatter_tensor": 2 * layers + 1}
         if sequence_parallel
-        else {"all_reduce": 2 * layers + 1, "all_gather_into_tensor": 2 * layers}
+        else {"all_reduce": 2 * layers + 1, **({"all_gather_into_tensor": gathers} if gather else {})}
     )
     assert report.collectives == expected
-    assert report.comm_volume_backward == report.comm_volume, report
-    assert all(abs(f - 1 / tp_size) < 0.01 for f in report.param_fraction), report.param_fraction
+    if gather:
+        assert report.comm_volume_backward == report.comm_volume, report
+        assert all(abs(f - 1 / tp_size) < 0.01 for f in report.param_fraction), report.param_fraction
 
 
 def test_without_opt_in_tp_above_kv_heads_is_refused_with_the_way_out():
