@@ -1,9 +1,11 @@
 """tp larger than the number of kv heads: rewrite a plan so each rank holds the kv head it reads.
 
 transformers, DeepSpeed AutoTP and torchtitan refuse ``tp > num_key_value_heads``. Here the k and
-v projections become :class:`~autotp.styles.ReplicatedKVColwise` (each kv head repeated over the
-``tp / kv_heads`` ranks whose query heads read it, copies' gradients summed) and the attention
-module gets :class:`~autotp.styles.KVHeadCounts` so its grouped-query repeat is the local one.
+v projections become :class:`~autotp.styles.ReplicatedKVColwise` (each rank computes the kv head
+its query heads read: by default from sharded rows gathered each forward, the backward
+reduce-scattering as many bytes; with ``gather=False`` from a copy of the head's rows, the copies'
+gradients summed) and the attention module gets :class:`~autotp.styles.KVHeadCounts` so its
+grouped-query repeat is the local one.
 """
 
 from __future__ import annotations

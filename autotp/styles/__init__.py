@@ -23,7 +23,8 @@ options, static ``_prepare_input_fn`` / ``_prepare_output_fn``, and a comment on
 - :class:`LocalWidthInputs`: a module that reads its widths from an input's size (nanoGPT's ``C = x.size(-1)``)
   sees that input at its per-rank width; its column Linears read the real one.
 - :class:`ReplicatedKVColwise`, :class:`KVHeadCounts`: tp larger than the number of kv heads; each
-  rank holds the one kv head its query heads read, copies' gradients summed.
+  rank computes the one kv head its query heads read, from a copy of its rows (copies' gradients
+  summed) or, with ``gather=True``, from sharded rows gathered each forward.
 - :class:`ExpertsParallel`, :class:`AllReduceOutput`, :class:`GradAllReduceOutputSlice`: MoE experts
   (3-D parameters) sharded on their FFN dim, and the reductions around them and around MLA.
 - :class:`SharedReplicatedInput`: column projections reading one tensor at a module's entry share

@@ -10,7 +10,10 @@ parts' rows are expanded to tp copies and the result packed-column sharded, so r
 part is its heads' share (the analysis asks that the part meet the shard only as a broadcast,
 :func:`~autotp.synth.analysis.copy_leaks`): the column's all-reduced input gradient adds those
 shares up, and the copies' weight and bias gradients are summed, so every gradient is the
-unsharded model's.
+unsharded model's. By default the plan gathers instead (``GroupCopies(gather=True)``, see
+:func:`autotp.synth.build.build_plan`): the copied parts' rows are sharded like the others, and each
+forward all-gathers the parts (or their rows) for rank r to cut its copy, the backward
+reduce-scattering their gradient; rank r's output is the same ``[q_r | k | v]``.
 """
 
 from __future__ import annotations

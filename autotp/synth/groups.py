@@ -18,7 +18,9 @@ the inputs it gets in the model (the smallest set of attributes that does), and 
 parts now divide over tp, and every rule of the uniform analysis (cuts, per-rank counts, shape
 proofs, sequence parallel) applies unchanged. The plan does the same expansion on the user's
 model (:class:`~autotp.styles.GroupCopies`) before each module's usual style, and sums the
-copies' gradients, so they stay identical: ``dL/dW = E^T dL/dE(W)`` for the expansion ``E``.
+copies' gradients, so they stay identical: ``dL/dW = E^T dL/dE(W)`` for the expansion ``E``. A
+Linear's copies are by default gathered instead (``gather=True``: its rows sharded, the expanded
+output made per rank by an all-gather and a cut, the same ``E`` applied to activations).
 
 Default-deny: a part whose expansion is not proven equivalent (no set of attributes found that
 gives the same output), or whose expanded model does not shard the projection, leaves the
