@@ -523,9 +523,9 @@ def _cut_groups(module, args, output: torch.Tensor, *, sizes, grouped, mesh: Dev
     tp = mesh.size()
     chunks = list(output.split([size // tp for size in sizes], dim=-1))
     order = sorted(grouped)
-    x = args[0]
+    x = args[0] if args else None  # a Linear called with keywords only: its outputs are gathered
     tokens = output.numel() // output.shape[-1]
-    if tokens <= x.shape[-1]:
+    if x is None or tokens <= module.weight.shape[-1]:
         parts = _gather_blocks([chunks[index] for index in order], output.ndim - 1, mesh)
         for index, part in zip(order, parts):
             chunks[index] = _own_group(part, grouped[index], output.ndim - 1, mesh)
