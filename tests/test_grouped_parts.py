@@ -168,6 +168,24 @@ def test_gathered_group_parts_move_as_many_bytes_back_as_forward(groups, tp, seq
     assert reports[0].comm_volume_backward - reports[0].comm_volume == conv_sums, reports[0]
 
 
+def test_gathered_part_that_tp_cannot_cut_is_held_as_copies():
+    """``GroupCopies(gather=True)`` where tp does not divide a grouped part's rows (6-row k and v
+    heads beside 24 query rows, tp=4) holds each rank's copy instead, as ``gather=False`` does: would
+    catch the plan failing at apply, or rows cut unevenly (a piece of a head per rank)."""
+    from autotp._simulate import simulated_mesh
+    from autotp.apply import apply_plan
+    from autotp.styles import PackedColwiseParallel
+
+    rows = (0, 36, ((24, 30, 1), (30, 36, 1)))
+    style = GroupCopies(base=PackedColwiseParallel(sizes=(24, 24, 24)), rows={"weight": rows, "bias": rows},
+                        gather=True)
+    assert style.expanded_sizes(4) == {"weight": 72, "bias": 72} and style.expanded_sizes(2) == {}
+    model = nn.Sequential(nn.Linear(DIM, 36))
+    with simulated_mesh(4) as mesh:
+        apply_plan(model, mesh, {"0": style})
+        assert tuple(model[0].weight.to_local().shape) == (6 + 6 + 6, DIM)  # 6 query rows, whole k and v
+
+
 def test_copy_index_gives_each_rank_its_group():
     """Rank r's block of the expanded rows is group r * G // tp of the part; other rows untouched."""
     assert copy_index(6, ((2, 6, 2),), 4).tolist() == [0, 1, 2, 3, 2, 3, 4, 5, 4, 5]

@@ -368,6 +368,12 @@ class GroupCopies(ParallelStyle):
             query heads) and the others whole (its k and v, a fused qkv viewed groups first).
         values (dict[str, int]): attribute path -> its value in the expanded module (before
             ``base`` divides counts by tp).
+        gather (bool): for a Linear under a column ``base`` whose grouped parts hold whole groups:
+            shard their rows like the other parts, and each forward all-gather the parts' outputs
+            (or their weight rows, when the batch holds more tokens than the input width) for rank
+            r to cut its group, the backward reduce-scattering as many bytes, instead of holding
+            copies whose gradients are summed. Where tp does not cut a grouped part evenly, the
+            copies are held. Default: False (no forward collective: the serving choice).
 
     Example::
         >>> plan = {"layers.*.mixer.in_proj": GroupCopies(base=PackedColwiseParallel(sizes=(64, 64, 8, 8, 8)),
@@ -387,6 +393,14 @@ class GroupCopies(ParallelStyle):
 
         return sharded_param_dims(module, self.base) if self.base is not None else {}
 
+    def _gathered(self, tp: int) -> tuple[tuple[int, ...], dict[int, int]] | None:
+        """:func:`gathered_sizes` where ``gather`` applies at ``tp`` (it cuts every grouped part
+        evenly); None where the rows are copied."""
+        found = gathered_sizes(self) if self.gather else None
+        if found is None or any(found[0][index] % tp for index in found[1]):
+            return None
+        return found
+
     def expanded_sizes(self, tp: int) -> dict[str, int]:
         """The size of each copied parameter's dim 0 once expanded at ``tp`` (its per-rank share
         is that over tp): each grouped part of ``G`` groups becomes ``tp`` groups.
@@ -396,7 +410,7 @@ class GroupCopies(ParallelStyle):
         """
         from autotp.synth.groups import expanded_width
 
-        if self.gather:  # the rows are sharded, not copied
+        if self._gathered(tp) is not None:  # the rows are sharded, not copied
             return {}
         return {path: width + sum(expanded_width(part, tp) - (part[1] - part[0]) for part in parts)
                 for path, (_, width, parts) in self.rows.items()}
@@ -405,8 +419,16 @@ class GroupCopies(ParallelStyle):
         from autotp.synth.groups import Copies, copy_index, expand_module
 
         tp = device_mesh.size()
-        if self.gather:
-            return _gather_groups(self, module, device_mesh)
+        if self.gather and gathered_sizes(self) is None:
+            from autotp.errors import PlanError
+
+            raise PlanError(f"{type(module).__name__}: GroupCopies(gather=True) takes a column style "
+                            "(ColwiseParallel or PackedColwiseParallel, local output sharded on its last dim) "
+                            "over a Linear's whole-group parts, each one part of the packed output; got "
+                            f"base={self.base!r}, rows={self.rows}: use gather=False (copies with summed gradients)")
+        found = self._gathered(tp)
+        if found is not None:
+            return _gather_groups(module, device_mesh, *found, self.base)
         expand_module(module, Copies(dict(self.rows), dict(self.values)), tp)
         if self.base is not None:
             module = self.base._apply(module, device_mesh)
@@ -484,30 +506,13 @@ def gathered_sizes(style: GroupCopies) -> tuple[tuple[int, ...], dict[int, int]]
     return (tuple(sizes), grouped) if not tp_free and at == width else None
 
 
-def _gather_groups(style: GroupCopies, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+def _gather_groups(module: nn.Module, device_mesh: DeviceMesh, sizes: tuple[int, ...], grouped: dict[int, int],
+                   base: ColwiseParallel) -> nn.Module:
     """``GroupCopies(gather=True)``: every part of the Linear sharded by :class:`PackedColwiseParallel`
     (the grouped parts too, ``1/tp`` of their rows per rank), then each grouped part of the local
     output all-gathered and rank r's group ``r * G // tp`` cut from it. Rank r sees the output of
     the copies' layout; the gradient of the gathered part, each rank's heads' share, is
     reduce-scattered back onto the shards, so no weight gradient is summed."""
-    found = gathered_sizes(style)
-    if found is None:
-        from autotp.errors import PlanError
-
-        raise PlanError(f"{type(module).__name__}: GroupCopies(gather=True) takes a column style (ColwiseParallel or "
-                        "PackedColwiseParallel, local output sharded on its last dim) over a Linear's whole-group "
-                        f"parts, each one part of the packed output; got base={style.base!r}, rows={style.rows}: "
-                        "use gather=False (copies with summed gradients)")
-    sizes, grouped = found
-    tp = device_mesh.size()
-    for index, groups in grouped.items():
-        if sizes[index] % tp or tp % groups:
-            from autotp.errors import PlanError
-
-            raise PlanError(f"{type(module).__name__}: GroupCopies(gather=True) shards a part of {sizes[index]} "
-                            f"features in {groups} groups over {tp} ranks, which needs both to divide: "
-                            "use gather=False (copies with summed gradients)")
-    base = style.base
     packed = PackedColwiseParallel(sizes=sizes, input_layouts=base.input_layouts[0], output_layouts=Shard(-1),
                                    use_local_output=True)
     module = packed._apply(module, device_mesh)
