@@ -393,7 +393,8 @@ class ReplicatedModule(ParallelStyle):
     computes the same one), which autograd adds to the projections' ``Partial()`` gradients with no
     extra collective. Sequence-sharded inputs are all-gathered.
 
-    With ``reduce_grad_features``, spans of the (first) output's features are read by sharded
+    With ``reduce_grad_features``, spans of the output's features (of a tuple, the first element
+    with a gradient) are read by sharded
     computation through a broadcast (a rope key cut from this Linear and expanded to every head
     of a head-sharded attention): each rank's gradient of them covers its own heads only, so it
     is all-reduced on the way back, and the module's weight and input gradients are whole again.
@@ -429,9 +430,11 @@ class ReplicatedModule(ParallelStyle):
             spans = self.reduce_grad_features
 
             def reduce_hook(mod, args, out):
-                first = out[0] if type(out) in (tuple, list) else out
-                reduced = reduce_feature_grads(first, spans, device_mesh)
-                return type(out)([reduced, *out[1:]]) if type(out) in (tuple, list) else reduced
+                if type(out) not in (tuple, list):
+                    return reduce_feature_grads(out, spans, device_mesh)
+                # The output with a gradient (a mask handed out beside it has none); else the first.
+                at = next((i for i, v in enumerate(out) if isinstance(v, torch.Tensor) and v.requires_grad), 0)
+                return type(out)([*out[:at], reduce_feature_grads(out[at], spans, device_mesh), *out[at + 1:]])
 
             module.register_forward_hook(reduce_hook)
         if self.output_layouts is not None:

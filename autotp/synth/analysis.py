@@ -346,21 +346,39 @@ class Flow:
         return reached
 
     def broadcast_from_module(self, other: str) -> bool:
-        """Whether replicated operand ``other`` is the output of a small whole module (no Linear, nothing
-        sharded: a norm over a row's output) whose output gradient can be all-reduced there
-        (:func:`~autotp.synth.params.module_output_source`). Recorded in ``broadcasts``."""
-        from autotp.synth.params import module_output_source
+        """Whether replicated operand ``other`` is computed from the outputs of whole modules (a
+        norm over a row's output; a block of whole Linears) whose output gradients can be all-
+        reduced there (:func:`~autotp.synth.params.module_output_sources`): nothing in them is
+        sharded, and each hands out no other value with a gradient (its style reduces its first
+        output's). Recorded in ``broadcasts``."""
+        from autotp.synth.params import carries_grad, module_output_sources
+        from autotp.synth.sequence import module_outputs
 
-        found = module_output_source(self.g, other)
+        found = module_output_sources(self.g, other)
         if found is None:
             return False
-        inside = [n for n, d in self.g.nodes(data=True) if found[3] in d["stack"]]
-        if not inside or any(is_linear(self.g, n) or self.sharded(n) for n in inside):
-            return False
-        self.broadcasts.setdefault(found[0], set()).add(found[1])
-        self.broadcast_starts[found[0], found[1]] = found[2]
-        self.broadcast_modules[found[0]] = found[3]
+        memo: dict = {}
+        for node, _, _, module in found:
+            inside = [n for n, d in self.g.nodes(data=True) if module in d["stack"]]
+            # A shard that broke this round is dropped before the round that converges, where the
+            # check is exact (as for :meth:`broadcast_from`): it must not drop the shard met here.
+            if not inside or any(self._live_shard(n) for n in inside):
+                return False
+            if [n for n in module_outputs(self.g, module)[0] if carries_grad(self.g, n, memo)] != [node]:
+                return False
+            if any(self.broadcast_modules.get(s, module) != module and module in self.g.nodes[s]["stack"]
+                   for s in self.broadcast_modules):  # a module inside reduces its own output already
+                return False
+        for node, span, start, module in found:
+            self.broadcasts.setdefault(node, set()).add(span)
+            self.broadcast_starts[node, span] = start
+            self.broadcast_modules[node] = module
         return True
+
+    def _live_shard(self, name: str) -> bool:
+        value = self.state.get(name)
+        shards = value if isinstance(value, tuple) else (value,)
+        return any(isinstance(v, Shard) and not v.origins <= set(self.broken) for v in shards)
 
     def gives_way(self, other: str, name: str) -> bool:
         """Whether replicated operand ``other`` of ``name``, the reduced output of a row Linear,
@@ -1509,10 +1527,74 @@ def analyse(g: nx.DiGraph, forbidden: dict[str, str] | None = None, *, unit_head
     """
     whole = dict(whole or {})
     forbidden = {**whole, **(forbidden or {})}
+    flow, dropped = _analyse_once(g, forbidden, whole, unit_heads, copy_parts, per_group)
+    pairs = low_rank_pairs(g, flow)
+    if not pairs:
+        return flow, dropped
+    # The up-projections may shard by what they feed (heads) once their down-projections stay whole,
+    # as Megatron keeps a query down-projection whole: the reading that shards more weight is kept.
+    kept = {c: f"a down-projection ({_out_in(g, c)}) whose up-projection {module_of(g, r)} shards more weight "
+               "as a column of its own; kept whole, as Megatron keeps a low-rank down-projection"
+            for c, r in pairs.items()}
+    other, other_dropped = _analyse_once(g, {**forbidden, **kept}, whole, unit_heads, copy_parts, per_group)
+    if sharded_numel(g, other) > sharded_numel(g, flow):
+        log.debug("low-rank down-projections kept whole: %s", sorted(module_of(g, c) for c in kept))
+        return other, other_dropped
+    return flow, dropped
+
+
+def _analyse_once(g, forbidden, whole, unit_heads, copy_parts, per_group):
     flow, dropped = _one_head_reading(g, forbidden, whole, unit_heads, per_group)
     if copy_parts and set(dropped) - set(forbidden):
         return copied_parts(g, flow, dropped, forbidden, whole, per_group)
     return flow, dropped
+
+
+def low_rank_pairs(g: nx.DiGraph, flow: Flow) -> dict[str, str]:
+    """Column roots that project down (fewer output features than input ones) whose shard ends
+    at row Linears that project up, each its row alone: a low-rank pair ``up(down(x))`` (a query
+    compressed to a rank), its down-projection -> its (first) up-projection. Such up-projections
+    could instead start shards of their own (by the heads they feed), the down-projection whole."""
+    rows_of: dict[str, list[str]] = {}
+    for row, origins in flow.rows.items():
+        for o in origins:
+            rows_of.setdefault(o, []).append(row)
+    pairs = {}
+    for root in sorted(flow.roots):
+        rows = rows_of.get(root, [])
+        if not rows or not _narrows(g, root) or not all(_widens(g, r) and flow.rows[r] == {root} for r in rows):
+            continue
+        pairs[root] = rows[0]
+    return pairs
+
+
+def _features(g: nx.DiGraph, name: str) -> tuple[int, int] | None:
+    weight = weight_of(g, name)
+    if weight is None or weight.out_dim is None:
+        return None
+    shape = g.nodes[weight.node]["shape"]
+    return shape[weight.out_dim], shape[weight.in_dim]
+
+
+def _narrows(g: nx.DiGraph, name: str) -> bool:
+    found = _features(g, name)
+    return found is not None and found[0] < found[1]
+
+
+def _widens(g: nx.DiGraph, name: str) -> bool:
+    found = _features(g, name)
+    return found is not None and found[0] > found[1]
+
+
+def _out_in(g: nx.DiGraph, name: str) -> str:
+    out, inp = _features(g, name)
+    return f"{inp} -> {out} features"
+
+
+def sharded_numel(g: nx.DiGraph, flow: Flow) -> int:
+    """The weights a reading shards: its columns' and rows', and the parameters sharded with them."""
+    params = sum(math.prod(g.nodes[p]["shape"] or ()) for p in flow.param_shards)
+    return _weight_numel(g, set(flow.roots) | set(flow.rows)) + params
 
 
 def _one_head_reading(g: nx.DiGraph, forbidden: dict[str, str], whole: dict[str, str],

@@ -480,12 +480,16 @@ def _held_width(g: nx.DiGraph, flow, roles: dict[str, Role], state, tp: int) -> 
     return local_point(role, state.span[1], tp) - local_point(role, state.span[0], tp)
 
 
+# Ops that only reorder their input's dims.
+_REORDERS = frozenset({"transpose", "swapaxes", "permute", "t"})
+
+
 def _spread_view(g: nx.DiGraph, name: str, shape, local_shape, tp: int, spread: set[str]) -> bool:
     """A view of a tensor repeated to the per-rank heads (:func:`_broadcast_to_heads`) that merges
-    its size-1 dim away (``k[:, :, None].expand(b, 1, n, t, d).reshape(b, n, t, d)``): one dim
-    differs, divided by tp."""
+    its size-1 dim away (``k[:, :, None].expand(b, 1, n, t, d).reshape(b, n, t, d)``), or a
+    transpose of one (``k.transpose(2, 3)`` for the scores): one dim differs, divided by tp."""
     data = g.nodes[name]
-    source = data["args"][0] if data["op"] in VIEW_LIKE and data["args"] else None
+    source = data["args"][0] if data["op"] in VIEW_LIKE | _REORDERS and data["args"] else None
     if getattr(source, "name", None) not in spread or local_shape is None or len(shape) != len(local_shape):
         return False
     differ = [(size, local_size) for size, local_size in zip(shape, local_shape) if size != local_size]

@@ -185,7 +185,7 @@ def candidate_names(module: nn.Module, values: set[int]) -> list[str]:
         elif _plain_object(value):
             names += [f"{name}.{sub}" for sub, inner in vars(value).items() if is_count(inner) and inner in values]
     for name, child in module.named_children():
-        if isinstance(child, (nn.Linear, nn.Embedding)):
+        if type(child) in (nn.Linear, nn.Embedding):  # a subclass may hold counts (a grouped Linear's groups)
             continue
         names += [f"{name}.{sub}" for sub, inner in vars(child).items()
                   if not sub.startswith("_") and is_count(inner) and inner in values]

@@ -521,7 +521,7 @@ def _broadcast_ok(g, name, other, out_dim, out_ndim, ctx) -> bool:
     if shape is None:
         return True
     offset = out_ndim - len(shape)
-    if out_dim < offset or shape[out_dim - offset] == 1 or _broadcast_of(g, other, out_dim - offset):
+    if out_dim < offset or _same_along(g, other, out_dim - offset):
         return ctx.broadcast_grad_ok(other)
     return ctx.shards_along(other, name) or ctx.shard_param(other, out_dim - offset) \
         or ctx.sized_with(other, out_dim - offset) or ctx.expert_bias(other, out_dim - offset) \
@@ -559,12 +559,33 @@ def _same_along(g, name, dim) -> bool:
     if shape[dim] == 1 or _broadcast_of(g, name, dim):
         return True
     data = g.nodes[name]
+    moved = _moved_from(g, name, dim)
+    if moved is not None:  # a transpose / permute: the same dim of its input, under another index
+        return _same_along(g, data["args"][0].name, moved)
     if data["op"] not in VIEW_LIKE or not data["args"] or not isinstance(data["args"][0], Ref):
         return False
     source = g.nodes[data["args"][0].name]["shape"] or ()
     return any(tuple(source[:at]) == tuple(shape[:dim]) and source[at] == 1 and source[at + 1] == shape[dim]
                and tuple(source[at + 2:]) == tuple(shape[dim + 1:]) and _same_along(g, data["args"][0].name, at + 1)
                for at in range(len(source) - 1))
+
+
+def _moved_from(g, name, dim) -> int | None:
+    """The input dim that dim ``dim`` of ``name`` is, when ``name`` only reorders its input's dims
+    (``transpose``, ``permute``, ``t``); else None."""
+    data = g.nodes[name]
+    if not data["args"] or not isinstance(data["args"][0], Ref):
+        return None
+    ndim = len(data["shape"] or ())
+    if data["op"] in ("transpose", "swapaxes") and len(data["args"]) >= 3:
+        a, b = (_norm(d, ndim) for d in data["args"][1:3])
+        return b if dim == a else a if dim == b else dim
+    if data["op"] == "t" and ndim == 2:
+        return 1 - dim
+    if data["op"] == "permute" and len(data["args"]) >= 2:
+        order = [_norm(d, ndim) for d in data["args"][1]]
+        return order[dim] if dim < len(order) else None
+    return None
 
 
 def _new_like(g, name, dims, ctx):

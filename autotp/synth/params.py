@@ -428,15 +428,20 @@ def broadcast_source(g: nx.DiGraph, name: str) -> tuple[str, tuple[int, int], st
     return linear, span, start
 
 
-def module_output_source(g: nx.DiGraph, name: str) -> tuple[str, tuple[int, int], str, str] | None:
-    """``(node, (0, width), node, module)``: the output of the module that replicated tensor
-    ``name`` (broadcast along the sharded dim where it meets the shard) is a one-tensor chain of
-    ops of, with no parameter entering on the way; else None.
+def module_output_sources(g: nx.DiGraph, name: str) -> list[tuple[str, tuple[int, int], str, str]] | None:
+    """``[(node, (0, width), node, module)]``: the outputs of the modules that replicated tensor
+    ``name`` (broadcast along the sharded dim where it meets the shard) is computed from by ops of
+    the reading module alone, with no parameter entering on the way; else None. Several when the
+    way joins outputs of several modules (keys cut from a norm, joined to compressed ones).
 
     For a broadcast operand with parameters behind it (a norm's weight over a row's output): all-
     reducing the gradient of that module's whole output makes every gradient behind it whole, the
-    parameters' included. The module must be small and whole: no Linear and nothing sharded in it
-    (checked by the caller, which knows the shards).
+    parameters' included. Nothing in the module may be sharded (checked by the caller, which knows
+    the shards). The way from that output to ``name`` may
+    branch and join (a rotary embedding: ``x * cos + rotate(x) * sin``) as long as every other
+    value entering it carries no gradient (computed from inputs and buffers only: cos, sin); that
+    no other reader of the way would count the reduced gradient twice is checked after the
+    propagation (:func:`~autotp.synth.analysis.broadcast_leaks`).
 
     >>> from autotp.synth.graph import add_node
     >>> g = nx.DiGraph()
@@ -444,24 +449,74 @@ def module_output_source(g: nx.DiGraph, name: str) -> tuple[str, tuple[int, int]
     >>> _ = add_node(g, "x", "placeholder", kind="input", shape=(2, 4))
     >>> _ = add_node(g, "n", "mul", (Ref("x"), Ref("w")), shape=(2, 4), module="m.norm", stack=("m", "m.norm"))
     >>> _ = add_node(g, "u", "unsqueeze", (Ref("n"), 1), shape=(2, 1, 4), module="m", stack=("m",))
-    >>> module_output_source(g, "u")
-    ('n', (0, 4), 'n', 'm.norm')
+    >>> module_output_sources(g, "u")
+    [('n', (0, 4), 'n', 'm.norm')]
+    >>> _ = add_node(g, "c", "placeholder", kind="buffer", param="m.cos", shape=(2, 4))
+    >>> _ = add_node(g, "a", "mul", (Ref("n"), Ref("c")), shape=(2, 4), module="m", stack=("m",))
+    >>> _ = add_node(g, "b", "neg", (Ref("n"),), shape=(2, 4), module="m", stack=("m",))
+    >>> _ = add_node(g, "r", "add", (Ref("a"), Ref("b")), shape=(2, 4), module="m", stack=("m",))
+    >>> module_output_sources(g, "r")  # two ways from the norm's output, joined with a buffer's values
+    [('n', (0, 4), 'n', 'm.norm')]
+    >>> _ = add_node(g, "j", "add", (Ref("r"), Ref("w")), shape=(2, 4), module="m", stack=("m",))
+    >>> module_output_sources(g, "j") is None  # a parameter enters: its gradient would stay partial
+    True
     """
-    node = name
-    while True:
-        data = g.nodes[node]
+    stack, memo = g.nodes[name]["stack"], {}
+    sources, seen, todo = set(), {name}, [name]
+    while todo:
+        data = g.nodes[todo.pop()]
         inputs = [r.name for r in refs(data["args"], data["kwargs"])]
-        if data["kind"] != "call" or any(g.nodes[i]["kind"] == "param" for i in inputs):
+        if data["kind"] != "call" or data["stack"] != stack or any(g.nodes[i]["kind"] == "param" for i in inputs):
             return None
-        tensors = [i for i in inputs if g.nodes[i]["kind"] == "call" and g.nodes[i]["op"] not in SINKS]
-        if len(tensors) != 1:
+        for prev in inputs:
+            pdata = g.nodes[prev]
+            if prev in seen or pdata["op"] in SINKS or not carries_grad(g, prev, memo):
+                continue  # no gradient of its own: cos and sin, a mask
+            seen.add(prev)
+            if pdata["kind"] == "call" and any(m not in stack for m in pdata["stack"]):
+                sources.add(prev)  # the output of a module inside the reading one
+            else:
+                todo.append(prev)
+    found = []
+    for prev in sorted(sources):
+        shape = g.nodes[prev]["shape"]
+        if not shape:
             return None
-        prev = tensors[0]
-        left = [m for m in g.nodes[prev]["stack"] if m not in data["stack"]]
-        if left:
-            shape = g.nodes[prev]["shape"]
-            return (prev, (0, shape[-1]), prev, left[0]) if shape else None
-        node = prev
+        left = [m for m in g.nodes[prev]["stack"] if m not in stack]
+        found.append((prev, (0, shape[-1]), prev, left[0]))
+    return found or None
+
+
+# Ops whose output holds no values of their tensor inputs (those give a dtype, a device, a shape).
+_FRESH = CONSTANT_FACTORIES | {"new_zeros", "new_ones", "new_full", "new_empty", "zeros_like", "ones_like",
+                               "empty_like", "full_like", "arange", "sym_size"}
+
+
+def carries_grad(g: nx.DiGraph, name: str, memo: dict) -> bool:
+    """Whether a gradient reaches the parameters through node ``name``: it is a parameter, or an op
+    that reads the values of one where a gradient flows (a fresh ``new_zeros(x, ...)`` does not, nor
+    the index of a ``scatter``). ``memo`` caches the answers of one graph."""
+    from autotp.synth.analysis import _grad_inputs
+
+    def inputs(node):
+        data = g.nodes[node]
+        if data["kind"] != "call" or data["op"] in _FRESH:
+            return []
+        return _grad_inputs(g, node)  # not an index, not a mask
+
+    stack = [(name, iter(inputs(name)))] if name not in memo else []
+    entered = {name}
+    while stack:  # post-order, iteratively: a traced model's graph is deep
+        node, rest = stack[-1]
+        nxt = next((i for i in rest if i not in memo and i not in entered), None)
+        if nxt is not None:
+            entered.add(nxt)
+            stack.append((nxt, iter(inputs(nxt))))
+            continue
+        stack.pop()
+        data = g.nodes[node]
+        memo[node] = data["kind"] == "param" or any(memo.get(i, False) for i in inputs(node))
+    return memo[name]
 
 
 def broadcast_roles(g: nx.DiGraph, flow, roles: dict[str, Role]) -> dict[str, Role]:

@@ -34,15 +34,20 @@ def inner_rows(g: nx.DiGraph, flow: Flow) -> set[str]:
     """Row Linears whose reduced output meets another activation in an attention or matmul, or
     meets a sharded value, before any Linear: a projection inside attention (MLA's ``q_b_proj``
     after a sharded ``q_a_proj``), a scan's step and state projections, not a return to the
-    residual stream. They all-reduce as under plain TP."""
+    residual stream. They all-reduce as under plain TP. Only ops inside the module that runs the
+    row count: what its output meets after leaving it is the stream's (a hyper-connection's per-
+    position ``comb @ streams``), and a Linear's output leaves its module reduced like any row's."""
     found = set(flow.scatters)  # left sharded on the heads, it meets them
     for row in set(flow.rows) - found:
         seen, todo = {row}, [row]
+        parent = module_of(g, row).rpartition(".")[0]
         while todo and row not in found:
             for succ in g.successors(todo.pop()):
                 data = g.nodes[succ]
                 if succ in seen or data["kind"] != "call" or is_linear(g, succ):
                     continue
+                if parent and parent not in data["stack"]:
+                    continue  # out of the module that runs it: back in the stream (mixed per position there)
                 if flow.sharded(succ) or data["op"] in ATTENTION | MATMULS and not any(
                         param_source(g, r.name) for r in refs(data["args"], data["kwargs"])):
                     found.add(row)
