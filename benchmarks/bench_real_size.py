@@ -2,7 +2,7 @@
 
 For each model type below, the real-size model is built on the meta device from the config
 defaults of transformers 5.23.0 (which follow the reference checkpoints: Qwen3-Next-80B-A3B,
-Bamba-9B, Nemotron-H, gpt-oss-20b, Falcon-7B) and planned at tp 2, 4 and 8 by the synthesizer and
+Bamba-9B, Nemotron-H, gpt-oss-20b, Falcon-7B, DeepSeek-V4-Flash) and planned at tp 2, 4 and 8 by the synthesizer and
 by transformers' own plan (and Falcon-H1's defaults, a Mamba2 hybrid with one B/C group): the bytes each rank holds (:func:`autotp.memory.param_bytes_per_rank`)
 against the Megatron-style bound of ``tests/test_synth_matrix.py``. The collectives of one forward and
 backward come from the tiny model of the same type (``autotp.models.build_model(tiny=True)``) on
@@ -37,7 +37,7 @@ from autotp.selection import get_plan  # noqa: E402
 from autotp.synth import synthesize  # noqa: E402
 from autotp.verifier import verify  # noqa: E402
 
-TYPES = ("qwen3_next", "bamba", "nemotron_h", "falcon_h1", "gpt_oss", "falcon")
+TYPES = ("qwen3_next", "bamba", "nemotron_h", "falcon_h1", "gpt_oss", "falcon", "deepseek_v4")
 RESULTS = Path(__file__).parent / "results" / "real_size.json"
 
 
