@@ -1170,6 +1170,19 @@ RULES = {
 }
 
 
+def _by_dtensor(g, name, dims, ctx, op):
+    """An op outside the table: DTensor's own strategy for it (:mod:`autotp.synth.dtensor_rules`)."""
+    from autotp.synth.dtensor_rules import dtensor_rule
+
+    found = dtensor_rule(g, name, dims, ctx)
+    if found is None:
+        return Break(f"{op} is not known to keep a sharded dim (neither autotp's rules nor DTensor's "
+                     "strategy keep it without moving data)")
+    if len(found) == 1 and g.nodes[name]["shape"] is not None:
+        return Out(found[0])
+    return Parts(tuple(Out(d) for d in found))
+
+
 def apply_rule(g: nx.DiGraph, name: str, dims: dict[str, int], ctx):
     """The effect of node ``name`` on the sharded inputs ``dims`` (see the module docstring)."""
     op = g.nodes[name]["op"]
@@ -1177,7 +1190,7 @@ def apply_rule(g: nx.DiGraph, name: str, dims: dict[str, int], ctx):
         return None
     rule = RULES.get(op)
     if rule is None:
-        return Break(f"{op} is not known to keep a sharded dim")
+        return _by_dtensor(g, name, dims, ctx, op)
     try:
         result = rule(g, name, dims, ctx)
     except (TypeError, ValueError, IndexError, KeyError) as error:
