@@ -27,7 +27,7 @@ from autotp.synth.analysis import Shard, is_linear, module_of, propagate_packed,
 from autotp.synth.graph import build_graph
 from autotp.synth.head_loops import later_iterations
 from autotp.synth.ops import FIXED_SIZE_CUTS
-from autotp.synth.ops import ELEMENTWISE, PASSTHROUGH, VIEW_LIKE
+from autotp.synth.ops import ELEMENTWISE, PASSTHROUGH, REORDERS, VIEW_LIKE
 from autotp.synth.params import chain_dims, reading_module
 from autotp.synth.roles import WEIGHT_DIMS, Role, kind_of
 from autotp.synth.trace import LayerGroups, collapsed, data_dependent, example_args, on_meta
@@ -480,16 +480,12 @@ def _held_width(g: nx.DiGraph, flow, roles: dict[str, Role], state, tp: int) -> 
     return local_point(role, state.span[1], tp) - local_point(role, state.span[0], tp)
 
 
-# Ops that only reorder their input's dims.
-_REORDERS = frozenset({"transpose", "swapaxes", "permute", "t"})
-
-
 def _spread_view(g: nx.DiGraph, name: str, shape, local_shape, tp: int, spread: set[str]) -> bool:
     """A view of a tensor repeated to the per-rank heads (:func:`_broadcast_to_heads`) that merges
     its size-1 dim away (``k[:, :, None].expand(b, 1, n, t, d).reshape(b, n, t, d)``), or a
     transpose of one (``k.transpose(2, 3)`` for the scores): one dim differs, divided by tp."""
     data = g.nodes[name]
-    source = data["args"][0] if data["op"] in VIEW_LIKE | _REORDERS and data["args"] else None
+    source = data["args"][0] if data["op"] in VIEW_LIKE | REORDERS and data["args"] else None
     if getattr(source, "name", None) not in spread or local_shape is None or len(shape) != len(local_shape):
         return False
     differ = [(size, local_size) for size, local_size in zip(shape, local_shape) if size != local_size]

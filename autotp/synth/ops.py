@@ -570,6 +570,10 @@ def _same_along(g, name, dim) -> bool:
                for at in range(len(source) - 1))
 
 
+# Ops that only reorder their input's dims (:func:`_moved_from` reads each).
+REORDERS = frozenset({"transpose", "swapaxes", "permute", "t"})
+
+
 def _moved_from(g, name, dim) -> int | None:
     """The input dim that dim ``dim`` of ``name`` is, when ``name`` only reorders its input's dims
     (``transpose``, ``permute``, ``t``); else None."""

@@ -487,11 +487,6 @@ def module_output_sources(g: nx.DiGraph, name: str) -> list[tuple[str, tuple[int
     return found or None
 
 
-# Ops whose output holds no values of their tensor inputs (those give a dtype, a device, a shape).
-_FRESH = CONSTANT_FACTORIES | {"new_zeros", "new_ones", "new_full", "new_empty", "zeros_like", "ones_like",
-                               "empty_like", "full_like", "arange", "sym_size"}
-
-
 def carries_grad(g: nx.DiGraph, name: str, memo: dict) -> bool:
     """Whether a gradient reaches the parameters through node ``name``: it is a parameter, or an op
     that reads the values of one where a gradient flows (a fresh ``new_zeros(x, ...)`` does not, nor
@@ -500,9 +495,9 @@ def carries_grad(g: nx.DiGraph, name: str, memo: dict) -> bool:
 
     def inputs(node):
         data = g.nodes[node]
-        if data["kind"] != "call" or data["op"] in _FRESH:
+        if data["kind"] != "call" or data["op"] in SINKS:
             return []
-        return _grad_inputs(g, node)  # not an index, not a mask
+        return _grad_inputs(g, node)  # not a fresh tensor's shape source, not an index, not a mask
 
     stack = [(name, iter(inputs(name)))] if name not in memo else []
     entered = {name}
