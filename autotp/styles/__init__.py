@@ -13,6 +13,8 @@ options, static ``_prepare_input_fn`` / ``_prepare_output_fn``, and a comment on
   reducing its statistic across ranks.
 - :class:`ShardedStatistics`: a block whose own code takes per-token statistics (mean, std) over its
   sharded width runs on DTensors, each statistic all-reduced where it is made.
+- :class:`DTensorRegion`: a module whose code cannot run on per-rank tensors (a sum over heads before a
+  top-k, a literal group count in a reshape) runs on DTensors with some Linears sharded.
 - :class:`BroadcastRowwiseParallel`: a row-parallel Linear whose output spans are broadcast along a
   sharded dim downstream (a scan's state projections), their gradient all-reduced.
 - :class:`PackedColwiseParallel`: a column-parallel Linear whose output is split into parts
@@ -80,6 +82,7 @@ from autotp.styles.boundaries import (
     SharedReplicatedInput,
 )
 from autotp.styles.embedding import VocabParallelEmbedding
+from autotp.styles.region import DTensorRegion
 from autotp.styles.experts import ExpertsParallel, PartialExpertsParallel, PartialGradRouter, SequenceParallelMoEBlock
 from autotp.styles.linear import (
     BroadcastRowwiseParallel,
@@ -137,5 +140,6 @@ __all__ = [
     "VocabParallelEmbedding",
     "WidthShardedNorm",
     "ShardedStatistics",
+    "DTensorRegion",
     "packed_row_order",
 ]

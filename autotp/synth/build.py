@@ -47,6 +47,8 @@ def style_for(role: Role, *, loss_parallel: bool = True) -> ParallelStyle | None
         style = styles.LocalWidthInputs(inputs=role.width_view[0], readers=role.width_view[1], style=style)
     if role.statistics:
         style = styles.ShardedStatistics(style=style)
+    if role.region:
+        style = styles.DTensorRegion(params=dict(role.region), style=style)
     return style
 
 
@@ -179,6 +181,8 @@ _STYLES: dict[str, Callable[[Role, bool], ParallelStyle | None]] = {
     "multihead_attention": lambda role, lp: styles.MultiheadAttentionParallel(sequence_parallel=role.seq_output),
     "entry_shard": lambda role, lp: None,  # the ShardedInputs wrapper alone (see style_for)
     "width_stats": lambda role, lp: None,  # the ShardedStatistics wrapper alone (see style_for)
+    "dtensor_region": lambda role, lp: None,  # the DTensorRegion wrapper alone (see style_for)
+    "region_member": lambda role, lp: None,  # placed by the DTensorRegion around it
     "replicate": lambda role, lp: _replicated_at_sequence_edge(role),
 }
 

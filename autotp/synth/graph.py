@@ -9,6 +9,8 @@ Node attributes (all plain data, so tests can build graphs by hand with :func:`a
 - ``module``: FQN of the innermost module that ran the node (``""`` for the root).
 - ``stack``: FQNs of every module the node ran in, outermost first.
 - ``shape``: output shape as a tuple of ints, or ``None`` (tuples, scalars, no output).
+- ``dtype``: the output's dtype (a tuple of them for a tuple output), where the trace recorded it;
+  absent on nodes made by hand or by the graph's own rewrites.
 - ``args`` / ``kwargs``: the call arguments, with graph nodes replaced by :class:`Ref`.
 
 Edge ``u -> v`` means v reads u's output.
@@ -93,6 +95,16 @@ def _value_shape(node: torch.fx.Node):
     return tuple(val.shape) if isinstance(val, torch.Tensor) else None
 
 
+def _value_dtype(node: torch.fx.Node):
+    """The dtype of a node's tensor output, or of each tensor of a tuple output (None elsewhere)."""
+    val = node.meta.get("val")
+    if isinstance(val, torch.Tensor):
+        return val.dtype
+    if isinstance(val, (tuple, list)):
+        return tuple(v.dtype if isinstance(v, torch.Tensor) else None for v in val)
+    return None
+
+
 def _module_stack(node: torch.fx.Node) -> tuple[str, ...]:
     stack = node.meta.get("nn_module_stack") or {}
     return tuple(fqn for fqn, _ in stack.values() if fqn)
@@ -151,6 +163,7 @@ def _add_nodes(g: nx.DiGraph, owner: torch.fx.GraphModule, graph: torch.fx.Graph
         if node.op == "placeholder" and not prefix:
             kind, param = sources.get(node.name, ("input", None))
             add_node(g, node.name, "placeholder", kind=kind, param=param, shape=_value_shape(node))
+            g.nodes[node.name]["dtype"] = _value_dtype(node)
         elif node.op == "output" and not prefix:
             add_node(g, node.name, "output", _plain(node.args, alias), kind="output")
         elif node.op == "get_attr":
@@ -168,6 +181,7 @@ def _add_nodes(g: nx.DiGraph, owner: torch.fx.GraphModule, graph: torch.fx.Graph
             add_node(g, prefix + node.name, op_name(node.target), _plain(node.args, alias),
                      kwargs=_plain(node.kwargs, alias), shape=_value_shape(node),
                      module=stack[-1] if stack else "", stack=stack)
+            g.nodes[prefix + node.name]["dtype"] = _value_dtype(node)
 
 
 def _add_constant(g: nx.DiGraph, owner: torch.fx.GraphModule, node: torch.fx.Node, prefix: str,

@@ -40,6 +40,7 @@ from autotp.synth.roles import Role
 from autotp.synth.sequence import sequence_parallel_roles, unshardable_stream
 from autotp.synth.partial_inputs import partial_input_roles
 from autotp.synth.partial_sums import partial_sum_blocks
+from autotp.synth.regions import dtensor_regions
 from autotp.synth.shared import shared_input_roles
 from autotp.synth.statistics import statistics_roles
 from autotp.synth.torch_attention import multihead_attention_roles
@@ -333,6 +334,15 @@ def sliced_entries(a: Analysis) -> Analysis:
     return replace(a, roles=with_entries(a.roles, a.entries))
 
 
+def dtensor_region_modules(a: Analysis) -> Analysis:
+    """Modules left whole whose code can run on DTensors with some of their Linears sharded
+    (:mod:`autotp.synth.regions`); after every pass that gives roles, so only what stayed whole."""
+    if a.model is None:
+        return a
+    return replace(a, roles=dtensor_regions(a.graph, a.roles, a.model, a.groups, a.tp_size,
+                                                    sequence_parallel=a.sequence_parallel))
+
+
 def divisibility(a: Analysis) -> Analysis:
     """With a tp size: every sharded extent must divide (else MeshError); vocab tables it does not
     divide stay whole."""
@@ -388,7 +398,7 @@ def untraced_linears(a: Analysis) -> Analysis:
 # The passes after the fixpoint, in order.
 POST_PASSES: tuple[Callable[[Analysis], Analysis], ...] = (
     shard_counts, kv_replication, torch_attention, sequence_parallel, shared_inputs, partial_sums, whole_fronts,
-    mixed_column_inputs, width_statistics, sliced_entries,
+    mixed_column_inputs, width_statistics, sliced_entries, dtensor_region_modules,
     divisibility,
     owned_outputs,
     untraced_linears,

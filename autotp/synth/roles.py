@@ -54,6 +54,9 @@ ROLE_KINDS = {
                            "sums, left Partial()",
     "multihead_attention": "torch's nn.MultiheadAttention sharded by heads: packed q/k/v projection column-parallel "
                            "part by part, out_proj row-parallel, a per-rank forward",
+    "dtensor_region": "module whose code cannot run on per-rank tensors, run on DTensors with some of its Linears "
+                      "sharded: DTensor all-reduces the partial sums its ops need",
+    "region_member": "Linear sharded by the DTensor region around it (no style of its own)",
     "replicate": "kept whole on every rank",
 }
 
@@ -157,6 +160,9 @@ class Role:
             statistics (:mod:`autotp.synth.statistics`): its style runs that code on DTensors
             (:class:`~autotp.styles.ShardedStatistics`); of a ``column`` inside such a module,
             ``dtensor_output`` hands its output on as a ``Shard(-1)`` DTensor.
+        region: of ``dtensor_region`` (or a ``seq_gather`` that is one), (parameter name relative to
+            the module, sharded dim) pairs: the module runs on DTensors
+            (:class:`~autotp.styles.DTensorRegion`, :mod:`autotp.synth.regions`).
         all_outputs: of a ``seq_gather`` with ``seq_output``, the stream reads several of the
             module's outputs (a hyper-connection's branch input and output weights): each
             per-position output is sliced back, not only the first.
@@ -200,6 +206,7 @@ class Role:
     copied: tuple[tuple[int, int], ...] = ()
     scatter_heads: bool = False
     statistics: bool = False
+    region: tuple[tuple[str, int], ...] = ()
 
     def __post_init__(self):
         if self.kind not in ROLE_KINDS:

@@ -1,0 +1,109 @@
+"""A module run on DTensors: its own code, global shapes, DTensor's redistributions."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
+from torch.distributed.tensor.experimental import implicit_replication
+from torch.distributed.tensor.parallel.style import ParallelStyle
+from torch.utils._pytree import tree_map
+
+from autotp.styles.base import WrapperStyle
+
+
+class DTensorRegion(WrapperStyle):
+    """Run a module's forward on DTensors, with some of its Linears' weights sharded.
+
+    Where a module's code cannot run on per-rank tensors (it sums its heads' scores by a ``matmul``
+    over the heads before a top-k, it reshapes by a literal group count), it can still run on
+    DTensors: every shape it sees is the global one, and DTensor inserts the one communication its
+    ops need (a ``Partial()`` sum all-reduced where a top-k or a mask meets it). Parameters named in
+    ``params`` are sharded on the given dim (``"wq.weight": 0`` a column, ``"wo.weight": 1`` a
+    row), every other parameter of the module and its children is a ``Replicate()`` DTensor.
+
+    Inputs that arrive as plain tensors become ``Replicate()`` DTensors (their gradient, partial
+    where sharded code read them, is all-reduced on the way back: ``DTensor.from_local``'s
+    backward); inputs that arrive as DTensors are taken as they are; plain tensors made inside the
+    forward (``torch.arange``, buffers) count as replicated. Outputs go back as plain tensors:
+    ``Replicate()`` as is, ``Partial()`` all-reduced; a ``Shard``-ed output (attention weights
+    nobody reads) stays a DTensor, so that code reading it gets the right values or a clear error,
+    never a shard taken for the whole. Each parameter's gradient is brought to the parameter's
+    placement (a replicated weight that met sharded values gets its partial gradient all-reduced).
+
+    Keyword Args:
+        params: parameter name (relative to the module, dotted) -> sharded dim.
+        style (ParallelStyle, optional): the module's own style, applied first (a gather of its
+            sequence-sharded inputs at entry): its input hooks run before this style's, its output
+            hooks after.
+
+    Example::
+        >>> plan = {"model.layers.*.self_attn.indexer": DTensorRegion(params={"wq_b.weight": 0, "proj.weight": 0})}
+    """
+
+    def __init__(self, *, params: dict[str, int], style: ParallelStyle | None = None):
+        super().__init__()
+        self.params = dict(params)
+        self.style = style
+
+    def sharded_param_dims(self, module: nn.Module) -> dict[str, int]:
+        return {name: dim for name, dim in self.params.items() if "." not in name}
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        module = self._apply_wrapped(module, device_mesh)
+        unknown = set(self.params) - {name for name, _ in module.named_parameters()}
+        if unknown:
+            from autotp.errors import PlanError
+
+            raise PlanError(f"{type(module).__name__}: DTensorRegion names parameters it does not have: "
+                            f"{sorted(unknown)}; name them relative to the module the plan key selects.")
+        for name, param in list(module.named_parameters()):
+            if isinstance(param, DTensor):
+                continue  # a child's own style placed it
+            owner_name, _, leaf = name.rpartition(".")
+            owner = module.get_submodule(owner_name) if owner_name else module
+            placement = Shard(self.params[name]) if name in self.params else Replicate()
+            dist = nn.Parameter(distribute_tensor(param.detach(), device_mesh, [placement]),
+                                requires_grad=param.requires_grad)
+            if dist.requires_grad:
+                dist.register_hook(_to_placement(dist.placements))
+            owner.register_parameter(leaf, dist)
+        contexts = []
+
+        def wrap(x):
+            if isinstance(x, torch.Tensor) and not isinstance(x, DTensor):
+                return DTensor.from_local(x, device_mesh, [Replicate()], run_check=False)
+            return x
+
+        def enter(mod, args, kwargs):
+            contexts.append(implicit_replication())
+            contexts[-1].__enter__()
+            return tree_map(wrap, args), tree_map(wrap, kwargs)
+
+        def leave(mod, args, kwargs, output):
+            contexts.pop().__exit__(None, None, None)
+            return tree_map(_plain, output)
+
+        module.register_forward_pre_hook(enter, with_kwargs=True)
+        module.register_forward_hook(leave, with_kwargs=True, prepend=True)
+        return module
+
+    def __repr__(self) -> str:
+        inner = f", style={self.style!r}" if self.style is not None else ""
+        return f"{self.__class__.__name__}(params={self.params!r}{inner})"
+
+
+def _plain(x):
+    """An output of the region: a plain tensor where the value is whole on every rank."""
+    if not isinstance(x, DTensor) or any(p.is_shard() for p in x.placements):
+        return x
+    return x.redistribute(placements=[Replicate()] * x.device_mesh.ndim).to_local()
+
+
+def _to_placement(placements):
+    def hook(grad):
+        if isinstance(grad, DTensor) and tuple(grad.placements) != tuple(placements):
+            return grad.redistribute(placements=placements)
+        return grad
+    return hook

@@ -1,0 +1,326 @@
+"""Modules run on DTensors: where per-rank code cannot hold the shard, DTensor's own algebra can.
+
+Some modules' code cannot run on per-rank tensors however their counts are divided: a scorer that
+sums its heads' scores with a ``matmul`` over the heads before a ``topk`` (a partial sum with no
+module boundary to reduce it at), an attention that reshapes by a literal group count. Run on
+DTensors, the same code sees global shapes, and DTensor inserts the communication its ops need.
+:class:`~autotp.styles.DTensorRegion` does that for one module.
+
+Which of the module's Linears to shard is decided here, on metadata: the module's traced ops are
+run one by one through DTensor's own dispatch on meta tensors (a device mesh with no process group),
+with the module's inputs ``Replicate()``, each Linear reading a replicated value sharded as a column
+(``Shard(0)`` weight) and each reading its last dim sharded as a row (``Shard(1)``). Every
+redistribution DTensor asks for is recorded instead of run. Allowed: a ``Partial()`` sum all-reduced
+(the one collective a Megatron pair needs), a replicated value sliced locally. Anything else (an
+all-gather of a shard, an all-to-all) means the shard does not belong there: the Linears whose shard
+reached that op are kept whole and the run is repeated. Every output the rest of the model reads
+must come out whole (``Replicate()``, or ``Partial()``: all-reduced at the module's output).
+
+Only modules that the analysis left entirely whole, strictly inside a repeated block, with every
+parameter they read their own, and whose ancestors' roles hand them plain whole inputs (no role,
+divided counts, or a gather of the sequence at entry); under sequence parallel only inside such a
+gather (the metadata run takes every input as whole). What the region changes is invisible
+outside it: its outputs and its inputs' gradients are whole plain tensors, as they were.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from dataclasses import dataclass, replace
+
+import networkx as nx
+import torch
+from torch import nn
+
+from autotp.synth.analysis import is_linear, linear_weight, module_of
+from autotp.synth.graph import Ref, refs
+from autotp.synth.ops import SINKS
+from autotp.synth.roles import Role
+
+log = logging.getLogger(__name__)
+
+# Roles an enclosing module may have for a region inside it: they leave its inputs whole and plain.
+_SAFE_ABOVE = frozenset({"shard_counts", "kv_head_counts", "seq_gather"})
+# Roles the region's own module may have: a gather at entry is kept (it runs first); a module kept
+# whole that reads a shared input's Replicate() DTensor takes it as it is, as DTensor code does.
+_SAFE_SELF = frozenset({"replicate", "seq_gather", "whole_module"})
+
+
+@dataclass(frozen=True)
+class Region:
+    """A module to run on DTensors: ``params`` (relative name -> sharded dim), the all-reduces its
+    forward makes (``reductions``), and the Linears it shards (traced FQNs)."""
+
+    module: str
+    params: tuple[tuple[str, int], ...]
+    linears: tuple[str, ...]
+    reductions: int
+
+
+class _Refused(Exception):
+    def __init__(self, culprits: frozenset[str], why: str):
+        super().__init__(why)
+        self.culprits, self.why = culprits, why
+
+
+def dtensor_regions(g: nx.DiGraph, roles: dict[str, Role], model: nn.Module, groups, tp_size: int | None, *,
+                    sequence_parallel: bool = False) -> dict[str, Role]:
+    """Roles for the modules run as DTensor regions (the module's, and its sharded Linears').
+
+    Under sequence parallel only where the module or one around it gathers the sequence at entry:
+    elsewhere its inputs may be sequence shards, which the metadata run takes as whole values."""
+    out = dict(roles)
+    taken: list[str] = []
+    for module in _candidates(g, roles, model, groups):
+        if any(module.startswith(t + ".") for t in taken):
+            continue
+        if sequence_parallel and not any(roles[m].kind == "seq_gather" for m in (module, *_ancestors(module))
+                                         if m in roles):
+            continue
+        region = plan_region(g, module, tp_size or 2)
+        if region is None:
+            continue
+        taken.append(module)
+        own = roles.get(module)
+        reason = (f"its code cannot run on per-rank tensors; run on DTensors, {len(region.linears)} Linear(s) sharded "
+                  f"and {region.reductions} partial sum(s) all-reduced inside it")
+        if own is not None and own.kind == "seq_gather":
+            out[module] = replace(own, region=region.params, reason=own.reason + "; " + reason)
+        else:
+            out[module] = Role("dtensor_region", reason, (module, *region.linears), region=region.params)
+        for linear in region.linears:
+            out[linear] = Role("region_member", f"sharded by the DTensor region {module}", (module,))
+        log.info("dtensor region %s: %s", module, dict(region.params))
+    return out
+
+
+def _candidates(g: nx.DiGraph, roles: dict[str, Role], model: nn.Module, groups) -> list[str]:
+    """Modules strictly inside a repeated block, all of whose Linears are whole (outermost first)."""
+    modules = {m for _, d in g.nodes(data=True) if d["kind"] == "call" for m in d["stack"]}
+    blocks = {f"{prefix}.{key}" for prefix, entries in groups.groups.items() for key in _keys(entries)}
+    linears: dict[str, list[str]] = {}
+    for name in g.nodes:
+        if g.nodes[name]["kind"] == "call" and is_linear(g, name):
+            owner = module_of(g, name)
+            for m in g.nodes[name]["stack"]:
+                if m != owner:
+                    linears.setdefault(m, []).append(owner)
+    found = []
+    for module in sorted(modules, key=lambda m: (m.count("."), m)):
+        if not any(module.startswith(b + ".") for b in blocks) or module not in linears:
+            continue
+        if roles.get(module) is not None and roles[module].kind not in _SAFE_SELF:
+            continue
+        if roles.get(module) is not None and any(getattr(roles[module], f) for f in ("entry_inputs", "width_view")):
+            continue
+        inside = [r for m, r in roles.items() if m.startswith(module + ".")]
+        if any(r.kind != "replicate" for r in inside):
+            continue
+        above = [roles[a] for a in _ancestors(module) if a in roles]
+        if any(r.kind not in _SAFE_ABOVE for r in above):
+            continue
+        if not all(isinstance(_submodule(model, lin), nn.Linear) for lin in linears[module]):
+            continue
+        found.append(module)
+    return found
+
+
+def _keys(entries) -> list[str]:
+    return [str(i) if not isinstance(e[0], str) else e[0] for i, e in enumerate(entries)]
+
+
+def _ancestors(module: str) -> list[str]:
+    parts = module.split(".")
+    return [".".join(parts[:i]) for i in range(1, len(parts))]
+
+
+def _submodule(model: nn.Module, fqn: str):
+    try:
+        return model.get_submodule(fqn)
+    except AttributeError:
+        return None
+
+
+def plan_region(g: nx.DiGraph, module: str, tp: int) -> Region | None:
+    """The Linears of ``module`` to shard when it runs on DTensors, or None (see the module docstring)."""
+    whole: set[str] = set()
+    while True:
+        try:
+            chosen, reductions = _run(g, module, tp, whole)
+        except _Refused as refused:
+            log.debug("dtensor region %s: %s", module, refused.why)
+            if not refused.culprits or refused.culprits <= whole:
+                return None
+            whole |= refused.culprits
+            continue
+        if not chosen:
+            return None
+        params = tuple(sorted((f"{lin[len(module) + 1:]}.{p}", d) for lin, dims in chosen.items() for p, d in dims))
+        return Region(module, params, tuple(sorted(chosen)), reductions)
+
+
+def _mesh(tp: int):
+    from autotp.synth.dtensor_rules import _mesh as mesh
+
+    return mesh(tp)
+
+
+@contextlib.contextmanager
+def _recorded_redistributions(log_to: list):
+    """DTensor's redistributions recorded in ``log_to`` as ``(current, target)`` specs and answered with
+    an empty meta tensor of the target's local shape: no process group is asked."""
+    from torch.distributed.tensor import _api, _dispatch, _redistribute
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    def record(local, current, target, **kwargs):
+        log_to.append((current, target))
+        shape, _ = compute_local_shape_and_global_offset(target.shape, target.mesh, target.placements)
+        return torch.empty(shape, dtype=local.dtype, device=local.device)
+
+    saved = [(m, m.redistribute_local_tensor) for m in (_api, _dispatch, _redistribute)]
+    for m, _ in saved:
+        m.redistribute_local_tensor = record
+    try:
+        yield
+    finally:
+        for m, fn in saved:
+            m.redistribute_local_tensor = fn
+
+
+def _run(g: nx.DiGraph, module: str, tp: int, whole: set[str]):
+    """One metadata run of ``module``'s ops on DTensors; raises :class:`_Refused` with the Linears to
+    keep whole when DTensor asks for a redistribution other than an all-reduce or a local slice."""
+    from torch.distributed.tensor import DTensor, Replicate, Shard
+    from torch.distributed.tensor.experimental import implicit_replication
+
+    mesh = _mesh(tp)
+    nodes = sorted((n for n, d in g.nodes(data=True) if d["kind"] == "call" and module in d["stack"]),
+                   key=lambda n: g.nodes[n]["order"])
+    values: dict[str, object] = {}
+    sources: dict[str, frozenset] = {}
+    chosen: dict[str, tuple] = {}
+    reductions = 0
+
+    def value(ref: Ref):
+        if ref.name in values:
+            return values[ref.name]
+        data = g.nodes[ref.name]
+        if data["kind"] == "param" and not data["param"].startswith(module + "."):
+            raise _Refused(frozenset(), f"reads {data['param']}, a parameter of another module")
+        if data["shape"] is None:
+            raise _Refused(frozenset(), f"reads {ref.name}, which has no single tensor shape")
+        meta = torch.empty(data["shape"], dtype=data.get("dtype") or torch.float32, device="meta")
+        values[ref.name] = DTensor.from_local(meta, mesh, [Replicate()], run_check=False)
+        return values[ref.name]
+
+    def convert(a):
+        if isinstance(a, Ref):
+            return value(a)
+        if isinstance(a, (list, tuple)) and not hasattr(a, "_fields"):
+            return type(a)(convert(x) for x in a)
+        return a
+
+    with implicit_replication():
+        for name in nodes:
+            data = g.nodes[name]
+            if data["op"] in SINKS:
+                continue  # the trace's own checks and size reads: nothing runs at run time
+            inputs = [r.name for r in refs(data["args"], data["kwargs"])]
+            reached = frozenset().union(*(sources.get(i, frozenset()) for i in inputs))
+            if data["op"] == "getitem":
+                base = values.get(data["args"][0].name) if isinstance(data["args"][0], Ref) else None
+                if base is None:
+                    raise _Refused(reached, f"{name}: getitem of something the run did not make")
+                values[name], sources[name] = base[data["args"][1]], reached
+                continue
+            args, kwargs = convert(data["args"]), {k: convert(v) for k, v in data["kwargs"].items()}
+            if data["op"] == "linear" and is_linear(g, name):
+                args, reached = _place_linear(g, name, module, args, whole, chosen, mesh, reached)
+            overload = _overload(g, name, args, kwargs)
+            if overload is None:
+                raise _Refused(reached, f"{name}: no aten overload of {data['op']} takes the traced arguments")
+            moved: list = []
+            try:
+                with _recorded_redistributions(moved):
+                    out = overload(*args, **kwargs)
+            except _Refused:
+                raise
+            except Exception as error:  # no sharding strategy, or a call DTensor cannot take
+                raise _Refused(reached, f"{name} ({data['op']}): {type(error).__name__}: {error}") from None
+            for current, target in moved:
+                if current.placements == target.placements:
+                    continue
+                if all(c.is_partial() and t.is_replicate() for c, t in zip(current.placements, target.placements)):
+                    reductions += 1
+                elif all(c.is_replicate() and (t.is_shard() or t.is_replicate())
+                         for c, t in zip(current.placements, target.placements)):
+                    continue  # a local slice of a replicated value
+                else:
+                    raise _Refused(reached, f"{name} ({data['op']}) moves {current.placements} to {target.placements}")
+            values[name], sources[name] = out, reached
+        for name in nodes:  # the values the rest of the model reads leave whole
+            outside = [s for s in g.successors(name) if module not in g.nodes[s]["stack"]]
+            out = values.get(name)
+            if not outside or not isinstance(out, DTensor):
+                continue
+            placement = out.placements[0]
+            if placement.is_partial():
+                reductions += 1
+            elif isinstance(placement, Shard):
+                raise _Refused(sources.get(name, frozenset()), f"{name} leaves the module sharded")
+    return chosen, reductions
+
+
+def _place_linear(g, name, module, args, whole, chosen, mesh, reached):
+    """The weight (and bias) of Linear node ``name`` as DTensors: a column where its input is
+    replicated, a row where its input's last dim is sharded, whole otherwise or when in ``whole``."""
+    from torch.distributed.tensor import DTensor, Replicate, Shard
+
+    owner = module_of(g, name)
+    weight = linear_weight(g, name)
+    if owner in whole or g.nodes[weight]["param"] != f"{owner}.weight" or g.nodes[name].get("weight_in_out"):
+        return args, reached
+    x = args[0]
+    placement = x.placements[0] if isinstance(x, DTensor) else Replicate()
+    if placement.is_replicate():
+        dims = (("weight", 0), ("bias", 0))
+    elif isinstance(placement, Shard) and placement.dim % x.ndim == x.ndim - 1:
+        dims = (("weight", 1),)
+    else:
+        return args, reached
+    chosen[owner] = tuple(d for d in dims if d[0] == "weight" or len(args) > 2)
+
+    def placed(a, dim):
+        local = a.to_local() if isinstance(a, DTensor) else a
+        from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+        shape, _ = compute_local_shape_and_global_offset(local.shape, mesh, [Shard(dim)])
+        return DTensor.from_local(torch.empty(shape, dtype=local.dtype, device="meta"), mesh, [Shard(dim)],
+                                  run_check=False, shape=local.shape, stride=local.stride())
+
+    new = list(args)
+    new[1] = placed(args[1], dims[0][1])
+    if len(args) > 2 and args[2] is not None and dims[0][1] == 0:
+        new[2] = placed(args[2], 0)
+    return tuple(new), reached | {owner}
+
+
+def _overload(g, name, args, kwargs):
+    """The aten overload of node ``name`` that takes these arguments and returns the traced shape."""
+    from torch.distributed.tensor import DTensor
+
+    from autotp.synth.dtensor_rules import _overloads, _runs_as_traced
+
+    def meta(a):
+        if isinstance(a, DTensor):
+            return torch.empty(a.shape, dtype=a.dtype, device="meta")
+        if isinstance(a, (list, tuple)) and not hasattr(a, "_fields"):
+            return type(a)(meta(x) for x in a)
+        return a
+
+    data = g.nodes[name]
+    for overload in _overloads(data["op"]):
+        if _runs_as_traced(overload, [meta(a) for a in args], {k: meta(v) for k, v in kwargs.items()}, data["shape"]):
+            return overload
+    return None
