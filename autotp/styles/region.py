@@ -8,6 +8,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.experimental import implicit_replication
 from torch.distributed.tensor.parallel.style import ParallelStyle
+from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_map
 
 from autotp.styles.base import WrapperStyle
@@ -19,7 +20,8 @@ class DTensorRegion(WrapperStyle):
     Where a module's code cannot run on per-rank tensors (it sums its heads' scores by a ``matmul``
     over the heads before a top-k, it reshapes by a literal group count), it can still run on
     DTensors: every shape it sees is the global one, and DTensor inserts the one communication its
-    ops need (a ``Partial()`` sum all-reduced where a top-k or a mask meets it). Parameters named in
+    ops need (a ``Partial()`` sum all-reduced where a top-k or a mask meets it: before any function
+    not linear in it, as a Megatron row reduces). Parameters named in
     ``params`` are sharded on the given dim (``"wq.weight": 0`` a column, ``"wo.weight": 1`` a
     row), every other parameter of the module and its children is a ``Replicate()`` DTensor.
 
@@ -34,6 +36,8 @@ class DTensorRegion(WrapperStyle):
 
     Keyword Args:
         params: parameter name (relative to the module, dotted) -> sharded dim.
+        replicated_outputs (bool): hand whole outputs on as ``Replicate()`` DTensors, not plain tensors
+            (under sequence parallel, for the sequence-sharded stream to meet). Default: False.
         style (ParallelStyle, optional): the module's own style, applied first (a gather of its
             sequence-sharded inputs at entry): its input hooks run before this style's, its output
             hooks after.
@@ -42,9 +46,10 @@ class DTensorRegion(WrapperStyle):
         >>> plan = {"model.layers.*.self_attn.indexer": DTensorRegion(params={"wq_b.weight": 0, "proj.weight": 0})}
     """
 
-    def __init__(self, *, params: dict[str, int], style: ParallelStyle | None = None):
+    def __init__(self, *, params: dict[str, int], replicated_outputs: bool = False, style: ParallelStyle | None = None):
         super().__init__()
         self.params = dict(params)
+        self.replicated_outputs = replicated_outputs
         self.style = style
 
     def sharded_param_dims(self, module: nn.Module) -> dict[str, int]:
@@ -77,21 +82,53 @@ class DTensorRegion(WrapperStyle):
             return x
 
         def enter(mod, args, kwargs):
-            contexts.append(implicit_replication())
-            contexts[-1].__enter__()
+            contexts.append((implicit_replication(), _ReduceBeforeNonlinear()))
+            for context in contexts[-1]:
+                context.__enter__()
             return tree_map(wrap, args), tree_map(wrap, kwargs)
 
         def leave(mod, args, kwargs, output):
-            contexts.pop().__exit__(None, None, None)
-            return tree_map(_plain, output)
+            for context in reversed(contexts.pop()):
+                context.__exit__(None, None, None)
+            return tree_map(_replicated if self.replicated_outputs else _plain, output)
 
         module.register_forward_pre_hook(enter, with_kwargs=True)
         module.register_forward_hook(leave, with_kwargs=True, prepend=True)
         return module
 
     def __repr__(self) -> str:
-        inner = f", style={self.style!r}" if self.style is not None else ""
+        inner = ", replicated_outputs=True" if self.replicated_outputs else ""
+        inner += f", style={self.style!r}" if self.style is not None else ""
         return f"{self.__class__.__name__}(params={self.params!r}{inner})"
+
+
+# Torch functions linear in a ``Partial()`` operand (and reads of metadata): a partial sum passes
+# through them; before any other function it is all-reduced, where a Megatron row reduces. DTensor
+# alone would be right too, but might reduce-scatter a sum onto the batch for a ``topk`` and hand
+# the module's output on sharded. (``autotp.synth.regions.PARTIAL_LINEAR`` is the same list in aten
+# names, for the metadata run that plans the region.)
+_PARTIAL_LINEAR = frozenset({
+    "__add__", "__radd__", "__iadd__", "add", "__sub__", "__rsub__", "sub", "__mul__", "__rmul__", "mul",
+    "__truediv__", "div", "__neg__", "neg", "view", "reshape", "unsqueeze", "squeeze", "expand", "expand_as",
+    "transpose", "permute", "t", "matmul", "__matmul__", "bmm", "mm", "sum", "mean", "clone", "contiguous", "float",
+    "double", "half", "bfloat16", "to", "type_as", "flatten", "__getitem__", "split", "chunk", "cat", "stack",
+    "linear", "einsum", "__get__", "size", "dim", "numel", "stride", "is_contiguous", "redistribute", "to_local",
+    "full_tensor", "__format__", "__repr__",
+})
+
+
+class _ReduceBeforeNonlinear(TorchFunctionMode):
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if getattr(func, "__name__", "") not in _PARTIAL_LINEAR:
+            args, kwargs = tree_map(_whole_partial, args), tree_map(_whole_partial, kwargs)
+        return func(*args, **kwargs)
+
+
+def _whole_partial(x):
+    if isinstance(x, DTensor) and any(p.is_partial() for p in x.placements):
+        return x.redistribute(placements=[Replicate()] * x.device_mesh.ndim)
+    return x
 
 
 def _plain(x):
@@ -99,6 +136,13 @@ def _plain(x):
     if not isinstance(x, DTensor) or any(p.is_shard() for p in x.placements):
         return x
     return x.redistribute(placements=[Replicate()] * x.device_mesh.ndim).to_local()
+
+
+def _replicated(x):
+    """An output of the region as a ``Replicate()`` DTensor where the value is whole on every rank."""
+    if not isinstance(x, DTensor) or any(p.is_shard() for p in x.placements):
+        return x
+    return x.redistribute(placements=[Replicate()] * x.device_mesh.ndim)
 
 
 def _to_placement(placements):

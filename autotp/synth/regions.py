@@ -18,14 +18,17 @@ must come out whole (``Replicate()``, or ``Partial()``: all-reduced at the modul
 
 Only modules that the analysis left entirely whole, strictly inside a repeated block, with every
 parameter they read their own, and whose ancestors' roles hand them plain whole inputs (no role,
-divided counts, or a gather of the sequence at entry); under sequence parallel only inside such a
-gather (the metadata run takes every input as whole). What the region changes is invisible
+divided counts, or a gather of the sequence at entry); under sequence parallel only where nothing
+inside it meets the sequence-sharded stream (the metadata run takes every input as whole). What the region changes is invisible
 outside it: its outputs and its inputs' gradients are whole plain tensors, as they were.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
+import itertools
+import math
 import logging
 from dataclasses import dataclass, replace
 
@@ -37,6 +40,7 @@ from autotp.synth.analysis import is_linear, linear_weight, module_of
 from autotp.synth.graph import Ref, refs
 from autotp.synth.ops import SINKS
 from autotp.synth.roles import Role
+from autotp.synth.sequence import module_outputs
 
 log = logging.getLogger(__name__)
 
@@ -68,15 +72,17 @@ def dtensor_regions(g: nx.DiGraph, roles: dict[str, Role], model: nn.Module, gro
                     sequence_parallel: bool = False) -> dict[str, Role]:
     """Roles for the modules run as DTensor regions (the module's, and its sharded Linears').
 
-    Under sequence parallel only where the module or one around it gathers the sequence at entry:
-    elsewhere its inputs may be sequence shards, which the metadata run takes as whole values."""
+    Under sequence parallel, the sequence pass has already made every whole module's inputs whole
+    (a gather at its entry or at an enclosing module's, at a norm before it, or at a Linear inside it
+    that reads the stream): only the first three are kept, so a module with a Linear that gathers its
+    own input, or any other sequence edge inside it, is left as it is."""
     out = dict(roles)
     taken: list[str] = []
     for module in _candidates(g, roles, model, groups):
         if any(module.startswith(t + ".") for t in taken):
             continue
-        if sequence_parallel and not any(roles[m].kind == "seq_gather" for m in (module, *_ancestors(module))
-                                         if m in roles):
+        edges = _sequence_edges(g, roles, module) if sequence_parallel else _Edges()
+        if edges is None:
             continue
         region = plan_region(g, module, tp_size or 2)
         if region is None:
@@ -87,12 +93,61 @@ def dtensor_regions(g: nx.DiGraph, roles: dict[str, Role], model: nn.Module, gro
                   f"and {region.reductions} partial sum(s) all-reduced inside it")
         if own is not None and own.kind == "seq_gather":
             out[module] = replace(own, region=region.params, reason=own.reason + "; " + reason)
+        elif edges.gather or edges.reshard:
+            out[module] = Role("seq_gather", reason + "; its sequence-sharded inputs gathered once at entry"
+                               + ("; its output is the stream, sliced back" if edges.reshard else ""),
+                               (module, *region.linears), seq_output=edges.reshard, region=region.params,
+                               seq_join=edges.join)
         else:
-            out[module] = Role("dtensor_region", reason, (module, *region.linears), region=region.params)
+            out[module] = Role("dtensor_region", reason, (module, *region.linears), region=region.params,
+                               seq_join=edges.join)
+        for inner in [m for m in out if m.startswith(module + ".")]:
+            out[inner] = Role("replicate", f"runs whole inside the DTensor region {module}", (module,))
         for linear in region.linears:
             out[linear] = Role("region_member", f"sharded by the DTensor region {module}", (module,))
         log.info("dtensor region %s: %s", module, dict(region.params))
     return out
+
+
+_SEQUENCE_FLAGS = ("seq_input", "seq_output", "seq_join", "seq_cut")
+
+
+@dataclass(frozen=True)
+class _Edges:
+    """Where a region meets the sequence-sharded stream: its inputs gathered at entry, its output
+    sliced back to the stream, or handed on as a ``Replicate()`` DTensor for the stream to meet."""
+
+    gather: bool = False
+    reshard: bool = False
+    join: bool = False
+
+
+def _sequence_edges(g: nx.DiGraph, roles: dict[str, Role], module: str) -> _Edges | None:
+    """How ``module``, run as one region, meets the sequence-sharded stream, from the edges the sequence
+    pass gave the whole Linears and modules inside it (None: an edge a region cannot take over).
+
+    A whole Linear inside that gathers its input becomes one gather at the region's entry; one whose
+    output is the region's output and is sliced back (or handed on as a ``Replicate()`` DTensor for
+    the stream to meet) makes the region's output so. Anything else is left as the pass made it."""
+    own = roles.get(module)
+    if own is not None and own.kind != "seq_gather" and any(getattr(own, f) for f in _SEQUENCE_FLAGS):
+        return None
+    outputs = set(module_outputs(g, module)[0])
+    gather = reshard = join = False
+    for inner, role in roles.items():
+        if not inner.startswith(module + ".") or not any(getattr(role, f) for f in _SEQUENCE_FLAGS):
+            continue
+        at_output = set(module_outputs(g, inner)[0]) <= outputs
+        if role.seq_cut is not None or (role.seq_output or role.seq_join) and not at_output:
+            return None
+        gather |= role.seq_input
+        reshard |= role.seq_output
+        join |= role.seq_join and not role.seq_input
+        if role.seq_join and role.seq_input:
+            gather = reshard = True  # a whole Linear between two points of the stream
+    if reshard and join or own is not None and own.seq_output and join:
+        return None
+    return _Edges(gather, reshard, join)
 
 
 def _candidates(g: nx.DiGraph, roles: dict[str, Role], model: nn.Module, groups) -> list[str]:
@@ -143,27 +198,58 @@ def _submodule(model: nn.Module, fqn: str):
 
 
 def plan_region(g: nx.DiGraph, module: str, tp: int) -> Region | None:
-    """The Linears of ``module`` to shard when it runs on DTensors, or None (see the module docstring)."""
-    whole: set[str] = set()
-    while True:
+    """The Linears of ``module`` to shard when it runs on DTensors, or None (see the module docstring).
+
+    Sets of its Linears are tried, the most weight first (at most :data:`_TRIES` runs): the first
+    set whose run DTensor completes with only allowed redistributions is taken. A run refused at an
+    op rules out, as a set to try, every set holding all the Linears whose shard reached that op.
+    """
+    sizes = _linear_sizes(g, module)
+    names = sorted(sizes)
+    subsets = sorted((frozenset(c) for r in range(len(names), 0, -1) for c in itertools.combinations(names, r)),
+                     key=lambda c: (-sum(sizes[n] for n in c), sorted(c)))
+    ruled_out: list[frozenset] = []
+    for tries, keep in enumerate(subsets):
+        if tries >= _TRIES:
+            break
+        if any(bad <= keep for bad in ruled_out):
+            continue
         try:
-            chosen, reductions = _run(g, module, tp, whole)
+            chosen, reductions = _run(g, module, tp, set(names) - keep)
         except _Refused as refused:
-            log.debug("dtensor region %s: %s", module, refused.why)
-            if not refused.culprits or refused.culprits <= whole:
-                return None
-            whole |= refused.culprits
+            log.debug("dtensor region %s, sharding %s: %s", module, sorted(keep), refused.why)
+            if not refused.culprits:
+                return None  # the module cannot run on DTensors at all
+            ruled_out.append(refused.culprits & keep)
             continue
         if not chosen:
             return None
         params = tuple(sorted((f"{lin[len(module) + 1:]}.{p}", d) for lin, dims in chosen.items() for p, d in dims))
         return Region(module, params, tuple(sorted(chosen)), reductions)
+    return None
 
 
+# Metadata runs one module may take while its sets of Linears to shard are tried.
+_TRIES = 32
+
+
+def _linear_sizes(g: nx.DiGraph, module: str) -> dict[str, int]:
+    """The Linears run inside ``module`` (traced FQNs) and their weights' sizes."""
+    found = {}
+    for name, data in g.nodes(data=True):
+        if data["kind"] == "call" and module in data["stack"] and is_linear(g, name):
+            weight = linear_weight(g, name)
+            found[module_of(g, name)] = math.prod(g.nodes[weight]["shape"])
+    return found
+
+
+@functools.cache
 def _mesh(tp: int):
-    from autotp.synth.dtensor_rules import _mesh as mesh
+    """A 1-D mesh of ``tp`` ranks with no process group. DTensor's dispatch caches shardings by mesh
+    (the redistributions they name included): its dim name makes it equal to no mesh a real run uses."""
+    from torch.distributed.device_mesh import DeviceMesh
 
-    return mesh(tp)
+    return DeviceMesh("cpu", torch.arange(tp), mesh_dim_names=("autotp_metadata_run",), _init_backend=False, _rank=0)
 
 
 @contextlib.contextmanager
@@ -219,6 +305,8 @@ def _run(g: nx.DiGraph, module: str, tp: int, whole: set[str]):
             return value(a)
         if isinstance(a, (list, tuple)) and not hasattr(a, "_fields"):
             return type(a)(convert(x) for x in a)
+        if isinstance(a, torch.device):
+            return torch.device("meta")  # tensors the code makes (``torch.full``) as metadata too
         return a
 
     with implicit_replication():
@@ -237,6 +325,9 @@ def _run(g: nx.DiGraph, module: str, tp: int, whole: set[str]):
             args, kwargs = convert(data["args"]), {k: convert(v) for k, v in data["kwargs"].items()}
             if data["op"] == "linear" and is_linear(g, name):
                 args, reached = _place_linear(g, name, module, args, whole, chosen, mesh, reached)
+            if data["op"] not in PARTIAL_LINEAR:
+                args, kwargs, early = _reduce_partials(args, kwargs)
+                reductions += early
             overload = _overload(g, name, args, kwargs)
             if overload is None:
                 raise _Refused(reached, f"{name}: no aten overload of {data['op']} takes the traced arguments")
@@ -253,9 +344,8 @@ def _run(g: nx.DiGraph, module: str, tp: int, whole: set[str]):
                     continue
                 if all(c.is_partial() and t.is_replicate() for c, t in zip(current.placements, target.placements)):
                     reductions += 1
-                elif all(c.is_replicate() and (t.is_shard() or t.is_replicate())
-                         for c, t in zip(current.placements, target.placements)):
-                    continue  # a local slice of a replicated value
+                elif all(c.is_replicate() for c in current.placements):
+                    continue  # a local slice of a replicated value, or its share of a partial sum
                 else:
                     raise _Refused(reached, f"{name} ({data['op']}) moves {current.placements} to {target.placements}")
             values[name], sources[name] = out, reached
@@ -270,6 +360,37 @@ def _run(g: nx.DiGraph, module: str, tp: int, whole: set[str]):
             elif isinstance(placement, Shard):
                 raise _Refused(sources.get(name, frozenset()), f"{name} leaves the module sharded")
     return chosen, reductions
+
+
+# Aten ops linear in a ``Partial()`` operand: a partial sum passes through them as DTensor decides;
+# before any other op it is all-reduced (where a Megatron row reduces), as
+# :class:`~autotp.styles.DTensorRegion` does at run time (DTensor alone might reduce-scatter it
+# onto the batch for a ``topk`` and leave the module's output sharded).
+PARTIAL_LINEAR = frozenset({
+    "add", "sub", "mul", "div", "neg", "view", "reshape", "_unsafe_view", "unsqueeze", "squeeze", "expand",
+    "transpose", "permute", "t", "matmul", "bmm", "mm", "sum", "mean", "clone", "contiguous", "_to_copy", "to",
+    "type_as", "flatten", "slice", "select", "split", "split_with_sizes", "cat", "stack", "alias", "linear",
+})
+
+
+def _reduce_partials(args, kwargs):
+    """``args`` / ``kwargs`` with every ``Partial()`` DTensor all-reduced, and how many were."""
+    from torch.distributed.tensor import DTensor, Replicate
+
+    count = 0
+
+    def reduce(a):
+        nonlocal count
+        if isinstance(a, DTensor) and any(p.is_partial() for p in a.placements):
+            count += 1
+            return a.redistribute(placements=[Replicate()] * a.device_mesh.ndim)
+        if isinstance(a, (list, tuple)) and not hasattr(a, "_fields"):
+            return type(a)(reduce(x) for x in a)
+        return a
+
+    with _recorded_redistributions([]):
+        args, kwargs = reduce(args), {k: reduce(v) for k, v in kwargs.items()}
+    return args, kwargs, count
 
 
 def _place_linear(g, name, module, args, whole, chosen, mesh, reached):
@@ -313,7 +434,7 @@ def _overload(g, name, args, kwargs):
     from autotp.synth.dtensor_rules import _overloads, _runs_as_traced
 
     def meta(a):
-        if isinstance(a, DTensor):
+        if isinstance(a, torch.Tensor):
             return torch.empty(a.shape, dtype=a.dtype, device="meta")
         if isinstance(a, (list, tuple)) and not hasattr(a, "_fields"):
             return type(a)(meta(x) for x in a)

@@ -1,0 +1,160 @@
+"""Modules whose code cannot run on per-rank tensors run on DTensors (``autotp.synth.regions``).
+
+Two patterns no per-rank plan can shard, in toy attentions named after no architecture:
+
+- a key selector that scores every key with several query heads against one shared key head,
+  weighs the heads and sums them with a ``matmul`` over the heads, then keeps the top-k keys per
+  query (under ``no_grad``), or hands the summed scores on as an additive bias (with gradients): a
+  partial sum over sharded heads with no module boundary before the op that needs it whole;
+- an attention whose fused q/k/v output is cut by a literal group count (``view(b, t, 4, -1)``), one
+  head per group, so no integer attribute divided by tp gives per-rank shapes.
+
+Run on DTensors, the selector's query heads and head weights are column-sharded and DTensor
+all-reduces the summed scores where the top-k (or the module's output) needs them; the grouped
+attention's fused projection is sharded by groups and its output projection by rows. Every plan is
+verified on logits and every gradient against the unsharded model at tp 2 and 4, plain and (where a
+gather at entry hands the module whole inputs) sequence-parallel, parameters per rank asserted.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+from autotp import styles
+from autotp.synth.regions import plan_region
+from tests.synth_toy import DIM
+from tests.test_attention_variants import Model
+from tests.test_split_experts import synthesize_and_verify
+
+HEADS, HEAD_DIM = 4, 16
+SELECT_HEADS, SELECT_DIM, TOPK = 8, 16, 6
+GROUPS = 4
+
+
+def causal_bias(t: int) -> torch.Tensor:
+    return torch.full((t, t), float("-inf")).triu(1)
+
+
+class KeySelector(nn.Module):
+    """Per-head relu scores of every key against one shared key head, weighed per head and summed
+    over the heads by a matmul; the top-k keys per query kept (an additive 0 / -inf mask)."""
+
+    def __init__(self, differentiable: bool = False):
+        super().__init__()
+        self.differentiable = differentiable
+        self.query = nn.Linear(DIM, SELECT_HEADS * SELECT_DIM, bias=False)
+        self.key = nn.Linear(DIM, SELECT_DIM, bias=False)
+        self.head_weights = nn.Linear(DIM, SELECT_HEADS, bias=False)
+
+    def scores(self, x):
+        b, t, _ = x.shape
+        q = self.query(x).view(b, t, SELECT_HEADS, SELECT_DIM)
+        k = self.key(x)
+        per_head = F.relu(q @ k.transpose(-1, -2).unsqueeze(1))  # (b, t, heads, t)
+        return (self.head_weights(x).unsqueeze(-2) @ per_head).squeeze(-2) * SELECT_DIM ** -0.5  # (b, t, t)
+
+    def forward(self, x):
+        if self.differentiable:
+            return self.scores(x).unsqueeze(1)  # an additive bias, with gradients
+        with torch.no_grad():
+            total = self.scores(x) + causal_bias(x.shape[1])
+            keep = total.topk(TOPK, dim=-1).indices
+            return torch.full_like(total, float("-inf")).scatter(-1, keep, 0.0).unsqueeze(1)
+
+
+class SelectedAttention(nn.Module):
+    def __init__(self, differentiable: bool = False):
+        super().__init__()
+        self.q, self.k, self.v, self.o = (nn.Linear(DIM, DIM, bias=False) for _ in range(4))
+        self.selector = KeySelector(differentiable)
+        self.heads = HEADS
+
+    def forward(self, x):
+        b, t, _ = x.shape
+        q, k, v = (p(x).view(b, t, self.heads, HEAD_DIM).transpose(1, 2) for p in (self.q, self.k, self.v))
+        scores = q @ k.transpose(2, 3) * HEAD_DIM ** -0.5 + causal_bias(t) + self.selector(x)
+        y = scores.softmax(dim=-1) @ v
+        return self.o(y.transpose(1, 2).reshape(b, t, -1))
+
+
+class ScoredAttention(SelectedAttention):
+    def __init__(self):
+        super().__init__(differentiable=True)
+
+
+class LiteralGroupAttention(nn.Module):
+    """A fused q/k/v cut into a literal 4 groups, each ``[q | k | v]`` of its heads (one head each)."""
+
+    def __init__(self):
+        super().__init__()
+        self.qkv = nn.Linear(DIM, 3 * DIM, bias=False)
+        self.out = nn.Linear(DIM, DIM, bias=False)
+
+    def forward(self, x):
+        b, t, _ = x.shape
+        qkv = self.qkv(x).view(b, t, 4, -1)
+        q, k, v = qkv.split(DIM // 4, dim=-1)
+        q, k, v = (y.reshape(b, t, 4, -1, HEAD_DIM).reshape(b, t, -1, HEAD_DIM).transpose(1, 2) for y in (q, k, v))
+        probs = (q @ k.transpose(2, 3) * HEAD_DIM ** -0.5 + causal_bias(t)).softmax(dim=-1)
+        return self.out((probs @ v).transpose(1, 2).reshape(b, t, DIM))
+
+
+def fraction(model: nn.Module, tp_size: int, whole=("selector.key",)) -> float:
+    """Parameters per rank with every Linear weight and the embedding sharded but ``whole`` (the
+    selector's one shared key head, kept whole as a shared kv head is)."""
+    sharded = {id(m.weight) for name, m in model.named_modules() if isinstance(m, (nn.Linear, nn.Embedding))
+               and not any(name.endswith(w) for w in whole)}
+    total = sum(p.numel() for p in model.parameters())
+    split = sum(p.numel() for p in model.parameters() if id(p) in sharded)
+    return (total - split + split / tp_size) / total
+
+
+@pytest.mark.parametrize("sequence_parallel", [False, True], ids=["plain", "sp"])
+@pytest.mark.parametrize("tp_size", [2, 4])
+@pytest.mark.parametrize("mixer", [SelectedAttention, ScoredAttention], ids=["top_k", "bias"])
+def test_head_summing_selector_runs_on_dtensors(mixer, tp_size, sequence_parallel):
+    """Would catch the selector left whole (its query heads are 40% of the model: fraction far above
+    the bound), its summed scores taken per rank (logits off: each rank's heads only), and a
+    replicated weight's gradient left partial (the shared key head's gradient off).
+
+    With gradients through the summed scores, the attention around the selector cannot hold its
+    heads per rank either (the whole bias broadcast over sharded heads): it becomes the region,
+    with its own q / k / v / o sharded inside it as the selector's heads are."""
+    torch.manual_seed(0)
+    model = Model(mixer).eval()
+    plan, report = synthesize_and_verify(model, tp_size, sequence_parallel)
+    regions = {k: v for k, v in plan.items() if isinstance(v, styles.DTensorRegion)}
+    if mixer is SelectedAttention:
+        assert list(regions) == ["layers.*.mixer.selector"], plan
+        assert regions["layers.*.mixer.selector"].params == {"query.weight": 0, "head_weights.weight": 0}
+        assert isinstance(plan["layers.*.mixer.q"], ColwiseParallel) and isinstance(plan["layers.*.mixer.o"], RowwiseParallel)
+    else:
+        assert list(regions) == ["layers.*.mixer"], plan
+        assert regions["layers.*.mixer"].params == {
+            "q.weight": 0, "k.weight": 0, "v.weight": 0, "o.weight": 1,
+            "selector.query.weight": 0, "selector.head_weights.weight": 0}, regions
+    expected = fraction(model, tp_size)
+    assert all(abs(f - expected) < 0.01 for f in report.param_fraction), (report.param_fraction, expected)
+    if mixer is SelectedAttention:  # the selector has no backward; the rest is the Megatron layout
+        assert report.comm_volume_backward <= report.comm_volume, (report.comm_volume, report.comm_volume_backward)
+    # With gradients, DTensor's own backward strategies inside the region reduce-scatter and gather
+    # partial gradients where one all-reduce would do: 1.66x (plain) and 1.52x (SP) the forward's
+    # bytes here, still short of issue 13's limit.
+
+
+@pytest.mark.parametrize("tp_size", [2, 4])
+def test_literal_group_count_runs_on_dtensors(tp_size):
+    """Would catch the attention left whole (fraction ~0.6), and a per-rank run of the literal
+    ``view(b, t, 4, -1)`` (wrong q / k / v columns: logits off)."""
+    torch.manual_seed(0)
+    model = Model(LiteralGroupAttention).eval()
+    plan, report = synthesize_and_verify(model, tp_size, False)
+    assert plan["layers.*.mixer"].params == {"qkv.weight": 0, "out.weight": 1}, plan
+    expected = fraction(model, tp_size, whole=())
+    assert all(abs(f - expected) < 0.01 for f in report.param_fraction), (report.param_fraction, expected)
+    # The output projection's partial sum is all-reduced once, as a row's is.
+    assert report.collectives["all_reduce"] == 1 + 2 * 2, report.collectives
