@@ -118,8 +118,8 @@ def fraction(model: nn.Module, tp_size: int, whole=("selector.key",)) -> float:
 @pytest.mark.parametrize("mixer", [SelectedAttention, ScoredAttention], ids=["top_k", "bias"])
 def test_head_summing_selector_runs_on_dtensors(mixer, tp_size, sequence_parallel):
     """Would catch the selector left whole (its query heads are 40% of the model: fraction far above
-    the bound), its summed scores taken per rank (logits off: each rank's heads only), and a
-    replicated weight's gradient left partial (the shared key head's gradient off).
+    the bound), and its summed scores taken per rank or reduce-scattered onto the batch by DTensor's
+    cheapest ``topk`` strategy (logits off, or a sharded mask meeting plain tensors).
 
     With gradients through the summed scores, the attention around the selector cannot hold its
     heads per rank either (the whole bias broadcast over sharded heads): it becomes the region,

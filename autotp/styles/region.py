@@ -31,8 +31,8 @@ class DTensorRegion(WrapperStyle):
     forward (``torch.arange``, buffers) count as replicated. Outputs go back as plain tensors:
     ``Replicate()`` as is, ``Partial()`` all-reduced; a ``Shard``-ed output (attention weights
     nobody reads) stays a DTensor, so that code reading it gets the right values or a clear error,
-    never a shard taken for the whole. Each parameter's gradient is brought to the parameter's
-    placement (a replicated weight that met sharded values gets its partial gradient all-reduced).
+    never a shard taken for the whole. Each parameter's gradient comes back in the parameter's
+    placement (DTensor's gradient accumulation redistributes a replicated weight's partial one).
 
     Keyword Args:
         params: parameter name (relative to the module, dotted) -> sharded dim.
@@ -69,11 +69,8 @@ class DTensorRegion(WrapperStyle):
             owner_name, _, leaf = name.rpartition(".")
             owner = module.get_submodule(owner_name) if owner_name else module
             placement = Shard(self.params[name]) if name in self.params else Replicate()
-            dist = nn.Parameter(distribute_tensor(param.detach(), device_mesh, [placement]),
-                                requires_grad=param.requires_grad)
-            if dist.requires_grad:
-                dist.register_hook(_to_placement(dist.placements))
-            owner.register_parameter(leaf, dist)
+            owner.register_parameter(leaf, nn.Parameter(distribute_tensor(param.detach(), device_mesh, [placement]),
+                                                        requires_grad=param.requires_grad))
         contexts = []
 
         def wrap(x):
@@ -145,9 +142,3 @@ def _replicated(x):
     return x.redistribute(placements=[Replicate()] * x.device_mesh.ndim)
 
 
-def _to_placement(placements):
-    def hook(grad):
-        if isinstance(grad, DTensor) and tuple(grad.placements) != tuple(placements):
-            return grad.redistribute(placements=placements)
-        return grad
-    return hook

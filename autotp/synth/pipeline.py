@@ -339,7 +339,7 @@ def dtensor_region_modules(a: Analysis) -> Analysis:
     (:mod:`autotp.synth.regions`); after every pass that gives roles, so only what stayed whole."""
     if a.model is None:
         return a
-    return replace(a, roles=dtensor_regions(a.graph, a.roles, a.model, a.groups, a.tp_size,
+    return replace(a, roles=dtensor_regions(a.graph, a.flow, a.roles, a.model, a.groups, a.tp_size,
                                                     sequence_parallel=a.sequence_parallel))
 
 

@@ -68,7 +68,7 @@ class _Refused(Exception):
         self.culprits, self.why = culprits, why
 
 
-def dtensor_regions(g: nx.DiGraph, roles: dict[str, Role], model: nn.Module, groups, tp_size: int | None, *,
+def dtensor_regions(g: nx.DiGraph, flow, roles: dict[str, Role], model: nn.Module, groups, tp_size: int | None, *,
                     sequence_parallel: bool = False) -> dict[str, Role]:
     """Roles for the modules run as DTensor regions (the module's, and its sharded Linears').
 
@@ -81,6 +81,8 @@ def dtensor_regions(g: nx.DiGraph, roles: dict[str, Role], model: nn.Module, gro
     for module in _candidates(g, roles, model, groups):
         if any(module.startswith(t + ".") for t in taken):
             continue
+        if _meets_shards(g, flow, module):
+            continue  # a per-rank value inside or entering it: not the whole value the region takes
         edges = _sequence_edges(g, roles, module) if sequence_parallel else _Edges()
         if edges is None:
             continue
@@ -110,6 +112,15 @@ def dtensor_regions(g: nx.DiGraph, roles: dict[str, Role], model: nn.Module, gro
 
 
 _SEQUENCE_FLAGS = ("seq_input", "seq_output", "seq_join", "seq_cut")
+
+
+def _meets_shards(g: nx.DiGraph, flow, module: str) -> bool:
+    """Whether a value inside ``module``, or one it reads, is per-rank in the analysis' flow."""
+    for name, data in g.nodes(data=True):
+        if module in data["stack"] and (flow.sharded(name) or any(
+                flow.sharded(r.name) for r in refs(data["args"], data["kwargs"]))):
+            return True
+    return False
 
 
 @dataclass(frozen=True)
