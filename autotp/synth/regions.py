@@ -72,10 +72,11 @@ def dtensor_regions(g: nx.DiGraph, flow, roles: dict[str, Role], model: nn.Modul
                     sequence_parallel: bool = False) -> dict[str, Role]:
     """Roles for the modules run as DTensor regions (the module's, and its sharded Linears').
 
-    Under sequence parallel, the sequence pass has already made every whole module's inputs whole
-    (a gather at its entry or at an enclosing module's, at a norm before it, or at a Linear inside it
-    that reads the stream): only the first three are kept, so a module with a Linear that gathers its
-    own input, or any other sequence edge inside it, is left as it is."""
+    Under sequence parallel, the sequence pass has already made every whole module's inputs whole: a
+    gather at its entry or at an enclosing module's, at a norm before it, or at a whole Linear inside it
+    that reads the stream. The last becomes one gather at the region's entry, and a whole module at the
+    region's output that hands the stream its value keeps doing so (:func:`_sequence_edges`); a module
+    with any other sequence edge inside it is left as it is."""
     out = dict(roles)
     taken: list[str] = []
     for module in _candidates(g, roles, model, groups):
