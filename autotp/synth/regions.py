@@ -218,7 +218,9 @@ def plan_region(g: nx.DiGraph, module: str, tp: int) -> Region | None:
     """
     sizes = _linear_sizes(g, module)
     names = sorted(sizes)
-    subsets = sorted((frozenset(c) for r in range(len(names), 0, -1) for c in itertools.combinations(names, r)),
+    # Every subset for a few Linears; for many, those that keep at most two of them whole.
+    smallest = 1 if len(names) <= _EVERY_SUBSET else max(len(names) - 2, 1)
+    subsets = sorted((frozenset(c) for r in range(len(names), smallest - 1, -1) for c in itertools.combinations(names, r)),
                      key=lambda c: (-sum(sizes[n] for n in c), sorted(c)))
     ruled_out: list[frozenset] = []
     for tries, keep in enumerate(subsets):
@@ -241,8 +243,10 @@ def plan_region(g: nx.DiGraph, module: str, tp: int) -> Region | None:
     return None
 
 
-# Metadata runs one module may take while its sets of Linears to shard are tried.
+# Metadata runs one module may take while its sets of Linears to shard are tried, and the most
+# Linears whose every subset is a candidate.
 _TRIES = 32
+_EVERY_SUBSET = 8
 
 
 def _linear_sizes(g: nx.DiGraph, module: str) -> dict[str, int]:
@@ -422,7 +426,10 @@ def _place_linear(g, name, module, args, whole, chosen, mesh, reached):
         dims = (("weight", 1),)
     else:
         return args, reached
-    chosen[owner] = tuple(d for d in dims if d[0] == "weight" or len(args) > 2)
+    dims = tuple(d for d in dims if d[0] == "weight" or len(args) > 2)
+    if chosen.get(owner, dims) != dims:  # called twice, its input sharded differently: one layout only
+        raise _Refused(reached | {owner}, f"{owner} is called on inputs that need two layouts of its weight")
+    chosen[owner] = dims
 
     def placed(a, dim):
         local = a.to_local() if isinstance(a, DTensor) else a
