@@ -141,6 +141,8 @@ def test_head_summing_selector_runs_on_dtensors(mixer, tp_size, sequence_paralle
     assert all(abs(f - expected) < 0.01 for f in report.param_fraction), (report.param_fraction, expected)
     if mixer is SelectedAttention:  # the selector has no backward; the rest is the Megatron layout
         assert report.comm_volume_backward <= report.comm_volume, (report.comm_volume, report.comm_volume_backward)
+        if not sequence_parallel:  # per layer: the summed scores once (read twice), attention, MLP; the embedding
+            assert report.collectives == {"all_reduce": 2 * 3 + 1}, report.collectives
     # With gradients, DTensor's own backward strategies inside the region reduce-scatter and gather
     # partial gradients where one all-reduce would do: 1.66x (plain) and 1.52x (SP) the forward's
     # bytes here, still short of issue 13's limit.
@@ -162,3 +164,33 @@ def test_literal_group_count_runs_on_dtensors(tp_size, sequence_parallel):
     assert report.comm_volume_backward <= report.comm_volume, (report.comm_volume, report.comm_volume_backward)
     if not sequence_parallel:  # the output projection's partial sum is all-reduced once, as a row's is
         assert report.collectives["all_reduce"] == 1 + 2 * 2, report.collectives
+
+
+def test_metadata_runs_leave_real_meshes_alone():
+    """While a region is planned, a redistribution on any other mesh (a real run in another thread)
+    still communicates: would catch the recording answering it with an empty tensor."""
+    from torch.distributed.tensor import DTensor, Partial, Replicate
+
+    from autotp import _simulate
+    from autotp.synth.regions import _recorded_redistributions
+
+    with _simulate.simulated_mesh(2) as mesh:
+        partial = DTensor.from_local(torch.ones(3), mesh, [Partial()], run_check=False)
+        log: list = []
+        with _recorded_redistributions(log):
+            whole = partial.redistribute(placements=[Replicate()]).to_local()
+        assert log == [] and torch.equal(_simulate.per_rank(whole, 2)[1], torch.full((3,), 2.0))
+
+
+def test_region_is_planned_from_the_graph_alone():
+    """The planner alone, on the traced graph (no process group is up): the selector's heads and head
+    weights sharded, the shared key head whole, one all-reduce (the summed scores, before the top-k).
+    Would catch the key head sharded too (its shard meets the heads' in the score matmul) and the
+    partial sum reduce-scattered by DTensor's cheapest strategy (counted as refused)."""
+    from autotp.synth.pipeline import run
+    from tests.synth_toy import example_tokens
+
+    analysis = run(Model(SelectedAttention).eval(), example_inputs=(example_tokens(),), tp_size=4)
+    region = plan_region(analysis.graph, "layers.0.mixer.selector", 4)
+    assert region is not None and dict(region.params) == {"query.weight": 0, "head_weights.weight": 0}
+    assert region.reductions == 1

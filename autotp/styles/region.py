@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import weakref
+
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
@@ -115,17 +117,28 @@ _PARTIAL_LINEAR = frozenset({
 
 
 class _ReduceBeforeNonlinear(TorchFunctionMode):
+    """All-reduce each ``Partial()`` operand of a function not linear in it, once: a partial sum the
+    code reads again (``x.topk(...)``, then ``torch.full_like(x, ...)``) reuses its reduced value."""
+
+    def __init__(self):
+        super().__init__()
+        self.reduced: dict[int, tuple[weakref.ref, DTensor]] = {}
+
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         if getattr(func, "__name__", "") not in _PARTIAL_LINEAR:
-            args, kwargs = tree_map(_whole_partial, args), tree_map(_whole_partial, kwargs)
+            args, kwargs = tree_map(self._whole, args), tree_map(self._whole, kwargs)
         return func(*args, **kwargs)
 
-
-def _whole_partial(x):
-    if isinstance(x, DTensor) and any(p.is_partial() for p in x.placements):
-        return x.redistribute(placements=[Replicate()] * x.device_mesh.ndim)
-    return x
+    def _whole(self, x):
+        if not isinstance(x, DTensor) or not any(p.is_partial() for p in x.placements):
+            return x
+        held = self.reduced.get(id(x))
+        if held is not None and held[0]() is x:
+            return held[1]
+        whole = x.redistribute(placements=[Replicate()] * x.device_mesh.ndim)
+        self.reduced[id(x)] = (weakref.ref(x), whole)
+        return whole
 
 
 def _plain(x):

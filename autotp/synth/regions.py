@@ -29,6 +29,7 @@ import contextlib
 import functools
 import itertools
 import math
+import threading
 import logging
 from dataclasses import dataclass, replace
 
@@ -259,35 +260,51 @@ def _linear_sizes(g: nx.DiGraph, module: str) -> dict[str, int]:
     return found
 
 
+_MESH_NAME = ("autotp_metadata_run",)
+
+
 @functools.cache
 def _mesh(tp: int):
     """A 1-D mesh of ``tp`` ranks with no process group. DTensor's dispatch caches shardings by mesh
     (the redistributions they name included): its dim name makes it equal to no mesh a real run uses."""
     from torch.distributed.device_mesh import DeviceMesh
 
-    return DeviceMesh("cpu", torch.arange(tp), mesh_dim_names=("autotp_metadata_run",), _init_backend=False, _rank=0)
+    return DeviceMesh("cpu", torch.arange(tp), mesh_dim_names=_MESH_NAME, _init_backend=False, _rank=0)
+
+
+_RECORDING = threading.local()
 
 
 @contextlib.contextmanager
 def _recorded_redistributions(log_to: list):
-    """DTensor's redistributions recorded in ``log_to`` as ``(current, target)`` specs and answered with
-    an empty meta tensor of the target's local shape: no process group is asked."""
+    """DTensor's redistributions on the metadata mesh recorded in ``log_to`` as ``(current, target)``
+    specs and answered with an empty tensor of the target's local shape: no process group is asked.
+    Any other mesh's (another thread's real run) go to DTensor's own function, as they would."""
     from torch.distributed.tensor import _api, _dispatch, _redistribute
     from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
-    def record(local, current, target, **kwargs):
-        log_to.append((current, target))
-        shape, _ = compute_local_shape_and_global_offset(target.shape, target.mesh, target.placements)
-        return torch.empty(shape, dtype=local.dtype, device=local.device)
+    originals = [(m, m.redistribute_local_tensor) for m in (_api, _dispatch, _redistribute)]
 
-    saved = [(m, m.redistribute_local_tensor) for m in (_api, _dispatch, _redistribute)]
-    for m, _ in saved:
-        m.redistribute_local_tensor = record
+    def wrap(original):
+        def redistribute_local_tensor(local, current, target, **kwargs):
+            log = getattr(_RECORDING, "log", None)
+            if log is None or current.mesh.mesh_dim_names != _MESH_NAME:
+                return original(local, current, target, **kwargs)
+            log.append((current, target))
+            shape, _ = compute_local_shape_and_global_offset(target.shape, target.mesh, target.placements)
+            return torch.empty(shape, dtype=local.dtype, device=local.device)
+        return redistribute_local_tensor
+
+    outer = getattr(_RECORDING, "log", None)
+    _RECORDING.log = log_to
+    for m, fn in originals:
+        m.redistribute_local_tensor = wrap(fn)
     try:
         yield
     finally:
-        for m, fn in saved:
+        for m, fn in originals:
             m.redistribute_local_tensor = fn
+        _RECORDING.log = outer
 
 
 def _run(g: nx.DiGraph, module: str, tp: int, whole: set[str]):
@@ -338,12 +355,11 @@ def _run(g: nx.DiGraph, module: str, tp: int, whole: set[str]):
                     raise _Refused(reached, f"{name}: getitem of something the run did not make")
                 values[name], sources[name] = base[data["args"][1]], reached
                 continue
+            if data["op"] not in PARTIAL_LINEAR:
+                reductions += _reduce_partials(values, inputs)
             args, kwargs = convert(data["args"]), {k: convert(v) for k, v in data["kwargs"].items()}
             if data["op"] == "linear" and is_linear(g, name):
                 args, reached = _place_linear(g, name, module, args, whole, chosen, mesh, reached)
-            if data["op"] not in PARTIAL_LINEAR:
-                args, kwargs, early = _reduce_partials(args, kwargs)
-                reductions += early
             overload = _overload(g, name, args, kwargs)
             if overload is None:
                 raise _Refused(reached, f"{name}: no aten overload of {data['op']} takes the traced arguments")
@@ -389,24 +405,19 @@ PARTIAL_LINEAR = frozenset({
 })
 
 
-def _reduce_partials(args, kwargs):
-    """``args`` / ``kwargs`` with every ``Partial()`` DTensor all-reduced, and how many were."""
+def _reduce_partials(values: dict, inputs: list[str]) -> int:
+    """All-reduce each ``Partial()`` value among ``inputs`` in ``values`` (later readers see it whole,
+    as the region's style hands them the one reduced tensor); the number reduced."""
     from torch.distributed.tensor import DTensor, Replicate
 
     count = 0
-
-    def reduce(a):
-        nonlocal count
-        if isinstance(a, DTensor) and any(p.is_partial() for p in a.placements):
+    for name in dict.fromkeys(inputs):
+        value = values.get(name)
+        if isinstance(value, DTensor) and any(p.is_partial() for p in value.placements):
+            with _recorded_redistributions([]):
+                values[name] = value.redistribute(placements=[Replicate()] * value.device_mesh.ndim)
             count += 1
-            return a.redistribute(placements=[Replicate()] * a.device_mesh.ndim)
-        if isinstance(a, (list, tuple)) and not hasattr(a, "_fields"):
-            return type(a)(reduce(x) for x in a)
-        return a
-
-    with _recorded_redistributions([]):
-        args, kwargs = reduce(args), {k: reduce(v) for k, v in kwargs.items()}
-    return args, kwargs, count
+    return count
 
 
 def _place_linear(g, name, module, args, whole, chosen, mesh, reached):
