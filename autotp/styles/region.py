@@ -92,7 +92,7 @@ class DTensorRegion(WrapperStyle):
             return tree_map(_replicated if self.replicated_outputs else _plain, output)
 
         module.register_forward_pre_hook(enter, with_kwargs=True)
-        module.register_forward_hook(leave, with_kwargs=True, prepend=True)
+        module.register_forward_hook(leave, with_kwargs=True, prepend=True, always_call=True)
         return module
 
     def __repr__(self) -> str:
@@ -126,8 +126,14 @@ class _ReduceBeforeNonlinear(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if getattr(func, "__name__", "") not in _PARTIAL_LINEAR:
+        name = getattr(func, "__name__", "")
+        if name not in _PARTIAL_LINEAR:
             args, kwargs = tree_map(self._whole, args), tree_map(self._whole, kwargs)
+        elif name == "reshape" and args and isinstance(args[0], DTensor) and not args[0].to_local().is_contiguous():
+            # DTensor turns a reshape its sharding allows into a view of the local tensor, which a
+            # transposed shard cannot take: copy it contiguous first, as reshape itself would.
+            args = (args[0].contiguous() if args[0].is_contiguous() is False else torch.clone(
+                args[0], memory_format=torch.contiguous_format), *args[1:])
         return func(*args, **kwargs)
 
     def _whole(self, x):

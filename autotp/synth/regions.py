@@ -330,6 +330,8 @@ def _run(g: nx.DiGraph, module: str, tp: int, whole: set[str]):
         if data["shape"] is None:
             raise _Refused(frozenset(), f"reads {ref.name}, which has no single tensor shape")
         meta = torch.empty(data["shape"], dtype=data.get("dtype") or torch.float32, device="meta")
+        if meta.is_floating_point() and data["kind"] in ("call", "input", "param"):
+            meta.requires_grad_(True)  # the backward is run too (see below)
         values[ref.name] = DTensor.from_local(meta, mesh, [Replicate()], run_check=False)
         return values[ref.name]
 
@@ -342,6 +344,7 @@ def _run(g: nx.DiGraph, module: str, tp: int, whole: set[str]):
             return torch.device("meta")  # tensors the code makes (``torch.full``) as metadata too
         return a
 
+    leaving: list = []
     with implicit_replication():
         for name in nodes:
             data = g.nodes[name]
@@ -391,7 +394,36 @@ def _run(g: nx.DiGraph, module: str, tp: int, whole: set[str]):
                 reductions += 1
             elif isinstance(placement, Shard):
                 raise _Refused(sources.get(name, frozenset()), f"{name} leaves the module sharded")
+            if out.requires_grad:
+                leaving.append(out)
+        _backward(leaving, frozenset(chosen))
     return chosen, reductions
+
+
+def _backward(outputs: list, chosen: frozenset[str]) -> None:
+    """The backward of the metadata run, from whole gradients at the outputs: every op it runs must
+    have a DTensor strategy, and it may move partial gradients only by all-reducing them (DTensor's
+    own backward strategies may otherwise reduce-scatter and gather them where Megatron's layout
+    all-reduces once). Refusals name every sharded Linear: the set is tried smaller."""
+    from torch.distributed.tensor import DTensor, Replicate
+
+    if not outputs:
+        return
+    grads = [DTensor.from_local(torch.empty(o.to_local().shape, dtype=o.dtype, device="meta"), o.device_mesh,
+                                [Replicate()], run_check=False) for o in outputs]
+    moved: list = []
+    try:
+        with _recorded_redistributions(moved):
+            torch.autograd.backward(outputs, grads)
+    except _Refused:
+        raise
+    except Exception as error:  # an op whose backward has no strategy (attention kernels on cpu)
+        raise _Refused(chosen, f"backward: {type(error).__name__}: {str(error).splitlines()[0]}") from None
+    for current, target in moved:
+        if current.placements == target.placements or all(c.is_replicate() for c in current.placements):
+            continue
+        if not all(c.is_partial() and t.is_replicate() for c, t in zip(current.placements, target.placements)):
+            raise _Refused(chosen, f"backward moves {current.placements} to {target.placements}")
 
 
 # Aten ops linear in a ``Partial()`` operand: a partial sum passes through them as DTensor decides;
