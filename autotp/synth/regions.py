@@ -13,14 +13,20 @@ with the module's inputs ``Replicate()``, each Linear reading a replicated value
 redistribution DTensor asks for is recorded instead of run. Allowed: a ``Partial()`` sum all-reduced
 (the one collective a Megatron pair needs), a replicated value sliced locally. Anything else (an
 all-gather of a shard, an all-to-all) means the shard does not belong there: the Linears whose shard
-reached that op are kept whole and the run is repeated. Every output the rest of the model reads
-must come out whole (``Replicate()``, or ``Partial()``: all-reduced at the module's output).
+reached that op are ruled out together (sets of Linears are tried, the most weight first, at most
+32 runs). Every output the rest of the model reads must come out whole (``Replicate()``, or
+``Partial()``: all-reduced at the module's output). The backward is run too, from whole gradients
+at those outputs: every op in it needs a strategy, and partial gradients may only be all-reduced
+(DTensor's own backward strategies would otherwise reduce-scatter and gather them where Megatron's
+layout all-reduces once). A fused attention kernel on sharded values is refused: whether DTensor
+has a strategy for its backward depends on the device (none on cpu).
 
 Only modules that the analysis left entirely whole, strictly inside a repeated block, with every
 parameter they read their own, and whose ancestors' roles hand them plain whole inputs (no role,
-divided counts, or a gather of the sequence at entry); under sequence parallel only where nothing
-inside it meets the sequence-sharded stream (the metadata run takes every input as whole). What the region changes is invisible
-outside it: its outputs and its inputs' gradients are whole plain tensors, as they were.
+divided counts, or a gather of the sequence at entry), and where no per-rank value enters or lives
+inside it; under sequence parallel the gathers of its whole Linears move to its entry
+(:func:`_sequence_edges`). What the region changes is invisible outside it: its outputs and its
+inputs' gradients are whole plain tensors, as they were.
 """
 
 from __future__ import annotations
@@ -39,7 +45,7 @@ from torch import nn
 
 from autotp.synth.analysis import is_linear, linear_weight, module_of
 from autotp.synth.graph import Ref, refs
-from autotp.synth.ops import SINKS
+from autotp.synth.ops import ATTENTION, SINKS
 from autotp.synth.roles import Role
 from autotp.synth.sequence import module_outputs
 
@@ -358,6 +364,10 @@ def _run(g: nx.DiGraph, module: str, tp: int, whole: set[str]):
                     raise _Refused(reached, f"{name}: getitem of something the run did not make")
                 values[name], sources[name] = base[data["args"][1]], reached
                 continue
+            if data["op"] in ATTENTION and reached:
+                # Fused attention kernels: whether DTensor has a strategy for their backward depends
+                # on the device the plan runs on (none on cpu), which a metadata run cannot see.
+                raise _Refused(reached, f"{name}: a fused attention kernel on sharded values")
             if data["op"] not in PARTIAL_LINEAR:
                 reductions += _reduce_partials(values, inputs)
             args, kwargs = convert(data["args"]), {k: convert(v) for k, v in data["kwargs"].items()}
