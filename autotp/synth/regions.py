@@ -501,8 +501,6 @@ def _place_linear(g, name, module, args, whole, chosen, mesh, reached):
 
 def _overload(g, name, args, kwargs):
     """The aten overload of node ``name`` that takes these arguments and returns the traced shape."""
-    from torch.distributed.tensor import DTensor
-
     from autotp.synth.dtensor_rules import _overloads, _runs_as_traced
 
     def meta(a):
