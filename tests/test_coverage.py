@@ -27,10 +27,10 @@ AT_BOUND = {"llama": "dense GQA", "qwen3": "per-head QK norm", "olmo2": "width Q
             "gemma3": "multimodal family (text model)", "ctrl": "embedding rows scaled in place (copied output)",
             "jamba": "hybrid Mamba + attention + MoE: a scan's state projections broadcast over sharded channels",
             "doge": "a per-head mask computed from a row Linear's output: the row reduce-scatters onto the heads",
-            "zamba": "a Python loop over the Mamba heads; a block tied across two hybrid layers (pattern repeated)"}
+            "zamba": "a Python loop over the Mamba heads; a block tied across two hybrid layers (pattern repeated)",
+            "codegen": "heads split into 4 fixed groups (rebuilt with heads for 2x the ranks): runs on DTensors"}
 # Verified, with parts kept whole for a recorded reason.
-PARTLY_REPLICATED = {"deepseek_v3": "MLA: kv_a_proj_with_mqa is sliced",
-                     "codegen": "heads split into 4 fixed groups: rebuilt with heads for 2x the ranks"}
+PARTLY_REPLICATED = {"deepseek_v3": "MLA: kv_a_proj_with_mqa is sliced"}
 SUBSET = [*AT_BOUND, *PARTLY_REPLICATED]
 
 

@@ -5,8 +5,9 @@ along time, ``logcumsumexp`` and ``cummax`` along time, ``narrow`` along time, `
 ``logaddexp`` of two sharded tensors and ``erfinv``, each on channel-sharded activations. DTensor's
 strategy for each, asked on shapes alone, keeps ``Shard`` on the channels with no redistribution,
 so the shard goes on (:mod:`autotp.synth.dtensor_rules`). The near misses stay whole: the same ops
-along the sharded channels (DTensor would gather them), a whole buffer DTensor would slice to the
-rank's channels, and an op with no strategy at all. Every plan
+along the sharded channels (DTensor would gather them) and an op with no strategy at all. A whole
+buffer DTensor would slice to the rank's channels gets no per-rank styles, but the mixer runs on
+DTensors (:class:`autotp.styles.DTensorRegion`), where that slice is what DTensor does. Every plan
 is verified on logits and every gradient at tp 2 and 4, plain and sequence-parallel.
 """
 
@@ -95,11 +96,31 @@ def test_ops_outside_the_table_keep_the_shard_by_dtensor_strategy(tp_size, seque
     assert all(abs(f - bound) < 0.02 for f in report.param_fraction), (report.param_fraction, bound)
 
 
-@pytest.mark.parametrize("mixer", [ChannelFlipMixer, WholeOperandMixer, NoStrategyMixer],
-                         ids=["flip_channels", "whole_operand", "no_strategy"])
+@pytest.mark.parametrize("mixer", [ChannelFlipMixer, NoStrategyMixer], ids=["flip_channels", "no_strategy"])
 @pytest.mark.parametrize("tp_size", [2, 4])
 def test_ops_that_would_move_data_keep_the_mixer_whole(mixer, tp_size):
     torch.manual_seed(0)
     model = Model(mixer, MLP).eval()
     plan, _ = synthesize_and_verify(model, tp_size, False)
     assert not {"layers.*.mixer.a", "layers.*.mixer.b", "layers.*.mixer.out"} & set(plan), plan
+    assert "layers.*.mixer" not in plan, plan
+
+
+@pytest.mark.parametrize("sequence_parallel", [False, True], ids=["plain", "sp"])
+@pytest.mark.parametrize("tp_size", [2, 4])
+def test_a_whole_buffer_meeting_the_shard_runs_the_mixer_on_dtensors(tp_size, sequence_parallel):
+    """Per-rank code would add the whole buffer to a shard of the channels, so the Linears get no
+    per-rank styles; on DTensors the mixer is sharded (DTensor slices the replicated buffer to each
+    rank's channels). Would catch the buffer saved plain for the backward (a mixed Tensor/DTensor
+    ``sub`` in logaddexp's backward) and a per-rank plan for a/b/out (logits off)."""
+    torch.manual_seed(0)
+    model = Model(WholeOperandMixer, MLP).eval()
+    plan, report = synthesize_and_verify(model, tp_size, sequence_parallel)
+    assert not {"layers.*.mixer.a", "layers.*.mixer.b", "layers.*.mixer.out"} & set(plan), plan
+    region = plan["layers.*.mixer"]
+    assert type(region).__name__ == "DTensorRegion", region
+    assert region.params == {"a.weight": 0, "a.bias": 0, "b.weight": 0, "b.bias": 0, "out.weight": 1}, region
+    linears = sum(m.weight.numel() for m in model.modules() if isinstance(m, (nn.Linear, nn.Embedding)))
+    total = sum(p.numel() for p in model.parameters())
+    bound = (total - linears + linears / tp_size) / total
+    assert all(abs(f - bound) < 0.02 for f in report.param_fraction), (report.param_fraction, bound)

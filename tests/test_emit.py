@@ -22,6 +22,7 @@ _REQUIRED = {
     "wrapped": ColwiseParallel(output_layouts=Replicate()), "output_layouts": Shard(1),
     "desired_output_layouts": Replicate(), "shard_dims": {"w1": 0}, "columns": ("w1",),
     "base": ColwiseParallel(), "inputs": ((1, 0), ("bias", 1)), "readers": ("c_attn",), "style": ColwiseParallel(),
+    "params": {"wq.weight": 0, "wo.weight": 1},
 }
 _OPTIONAL = {
     "input_layouts": Shard(1), "output_layouts": Partial(), "desired_input_layouts": Replicate(),
@@ -30,7 +31,7 @@ _OPTIONAL = {
     "reshard_output": True, "sizes": (3, 3, 2), "stream": "hidden_states",
     "reduce": ("lam",), "counts": ("n_heads",), "columns": ("w1",), "rows": ("w2",),
     "reduce_grad_features": ((4, 8),), "once": ("b2",), "style": ColwiseParallel(),
-    "kv_attributes": ("n_kv_heads",), "head_attributes": ("n_heads",),
+    "kv_attributes": ("n_kv_heads",), "head_attributes": ("n_heads",), "replicated_outputs": True,
 }
 # Where one option name means another thing in another style: its sample there.
 _PER_CLASS = {"HeadParams": {"packed": {"w1": (3, 3)}}, "LinearParams": {"packed": {"w1": (3, 3)}},

@@ -11,7 +11,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tenso
 from torch.distributed.tensor.experimental import implicit_replication
 from torch.distributed.tensor.parallel.style import ParallelStyle
 from torch.overrides import TorchFunctionMode
-from torch.utils._pytree import tree_map
+from torch.utils._pytree import tree_leaves, tree_map
 
 from autotp.styles.base import WrapperStyle
 
@@ -30,7 +30,9 @@ class DTensorRegion(WrapperStyle):
     Inputs that arrive as plain tensors become ``Replicate()`` DTensors (their gradient, partial
     where sharded code read them, is all-reduced on the way back: ``DTensor.from_local``'s
     backward); inputs that arrive as DTensors are taken as they are; plain tensors made inside the
-    forward (``torch.arange``, buffers) count as replicated. Outputs go back as plain tensors:
+    forward or read from buffers (``torch.arange``, a per-channel curve) become ``Replicate()``
+    DTensors where a function reads them beside a DTensor, so that autograd saves DTensors for the
+    backward, which runs outside the module and could not mix the two. Outputs go back as plain tensors:
     ``Replicate()`` as is, ``Partial()`` all-reduced; a ``Shard``-ed output (attention weights
     nobody reads) stays a DTensor, so that code reading it gets the right values or a clear error,
     never a shard taken for the whole. Each parameter's gradient comes back in the parameter's
@@ -118,7 +120,10 @@ _PARTIAL_LINEAR = frozenset({
 
 class _ReduceBeforeNonlinear(TorchFunctionMode):
     """All-reduce each ``Partial()`` operand of a function not linear in it, once: a partial sum the
-    code reads again (``x.topk(...)``, then ``torch.full_like(x, ...)``) reuses its reduced value."""
+    code reads again (``x.topk(...)``, then ``torch.full_like(x, ...)``) reuses its reduced value.
+    A plain tensor read beside a DTensor is made a ``Replicate()`` one: ``implicit_replication``
+    would do so at dispatch, but autograd would save the plain tensor, and the backward (outside
+    the mode) would meet it mixed with DTensor gradients."""
 
     def __init__(self):
         super().__init__()
@@ -127,6 +132,9 @@ class _ReduceBeforeNonlinear(TorchFunctionMode):
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         name = getattr(func, "__name__", "")
+        mesh = next((x.device_mesh for x in tree_leaves((args, kwargs)) if isinstance(x, DTensor)), None)
+        if mesh is not None:
+            args, kwargs = tree_map(lambda x: _replicate_plain(x, mesh), (args, kwargs))
         if name not in _PARTIAL_LINEAR:
             args, kwargs = tree_map(self._whole, args), tree_map(self._whole, kwargs)
         elif name == "reshape" and args and isinstance(args[0], DTensor) and not args[0].to_local().is_contiguous():
@@ -145,6 +153,12 @@ class _ReduceBeforeNonlinear(TorchFunctionMode):
         whole = x.redistribute(placements=[Replicate()] * x.device_mesh.ndim)
         self.reduced[id(x)] = (weakref.ref(x), whole)
         return whole
+
+
+def _replicate_plain(x, mesh: DeviceMesh):
+    if not isinstance(x, torch.Tensor) or isinstance(x, DTensor):
+        return x
+    return DTensor.from_local(x, mesh, [Replicate()] * mesh.ndim, run_check=False)
 
 
 def _plain(x):

@@ -8,10 +8,12 @@ and then passed through a literal list of passes::
     analysis = constraint_fixpoint(...)        # analyse (shard propagation) -> assign_roles ->
                                                # new constraints (foreign reads, tie conflicts,
                                                # fused outputs cut with global sizes), until none
-    for step in POST_PASSES:                   # shard_counts, kv_replication, sequence_parallel,
-        analysis = step(analysis)              # shared_inputs, partial_sums, whole_fronts,
-                                               # sliced_entries, divisibility, owned_outputs,
-                                               # untraced_linears
+    for step in POST_PASSES:                   # shard_counts, kv_replication, torch_attention,
+        analysis = step(analysis)              # sequence_parallel, shared_inputs, partial_sums,
+                                               # whole_fronts, mixed_column_inputs,
+                                               # width_statistics, sliced_entries,
+                                               # dtensor_region_modules, divisibility,
+                                               # owned_outputs, untraced_linears
     plan = build_plan(analysis.roles, groups)  # one table maps role kinds to styles
 
 ``synthesize``, ``explain``, ``check_plan`` (``analysis=``) and the CLI share one Analysis.
