@@ -104,11 +104,19 @@ class _SideBySide(nn.Module):
         return self.attn(h) + self.down(F.gelu(self.up(h))) + x
 
 
+class _ScaledSideBySide(_SideBySide):
+    """The same block with each branch scaled by its own constant before the sum."""
+
+    def forward(self, x):
+        h = self.norm(x)
+        return x + (self.attn(h) * 0.5 + self.down(F.gelu(self.up(h))) * 2.0)
+
+
 class _Decoder(nn.Module):
-    def __init__(self, vocab=128, dim=64, heads=4):
+    def __init__(self, vocab=128, dim=64, heads=4, block=_SideBySide):
         super().__init__()
         self.embed = nn.Embedding(vocab, dim)
-        self.blocks = nn.ModuleList(_SideBySide(dim, heads) for _ in range(LAYERS))
+        self.blocks = nn.ModuleList(block(dim, heads) for _ in range(LAYERS))
         self.norm = nn.LayerNorm(dim)
         self.head = nn.Linear(dim, vocab, bias=False)
 
@@ -131,6 +139,23 @@ def test_plain_pytorch_parallel_block_found_from_the_graph():
     report = _report(model, plan, inputs=(ids,))
     assert report.collectives == {"all_reduce": LAYERS + 1}
     assert report.collectives_backward == {"all_reduce": LAYERS + 1}  # + the head's input gradient
+
+
+@pytest.mark.parametrize("tp_size", [2, 4])
+def test_scaled_parallel_branches_under_sp_gather_their_gradient_once(tp_size):
+    """SP, branches scaled by different constants before their sum: the reduce-scatter's gradient
+    reaches each branch as a different tensor, and without :class:`~autotp.styles.JoinPartialSums`
+    on the block each branch all-gathered its own (2 all-gathers per layer in backward, not 1)."""
+    torch.manual_seed(0)
+    model = _Decoder(block=_ScaledSideBySide)
+    ids = torch.randint(0, 128, (2, 8))
+    plan = synthesize(model, example_inputs=(ids,), sequence_parallel=True, tp_size=tp_size)
+    assert type(plan["blocks.*"]).__name__ == "JoinPartialSums", plan.get("blocks.*")
+    report = _report(model, plan, tp_size=tp_size, inputs=(ids,))
+    assert max(report.logits_max_abs_diff) <= 1e-5 and report.worst_grad[1] <= 1e-5, report
+    assert report.collectives == {"all_gather_into_tensor": LAYERS + 1, "reduce_scatter_tensor": LAYERS + 1}
+    assert report.collectives_backward == _mirrored(report.collectives)
+    assert report.comm_volume_backward == report.comm_volume
 
 
 def _counts(report, sequence_parallel: bool, per_direction: int) -> None:

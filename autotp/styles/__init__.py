@@ -37,6 +37,8 @@ options, static ``_prepare_input_fn`` / ``_prepare_output_fn``, and a comment on
 - :class:`PartialGradRouter`: a router kept whole that runs backward on the experts' partial
   gradients, so the MoE block's input gradient is reduced once; :class:`ReplicatedInputs` hands
   such a block its input as a DTensor where no norm before it can.
+- :class:`JoinPartialSums`: a sequence-parallel parallel block whose branches' ``Partial()`` sums meet the
+  ``Shard(1)`` stream in its own code: reduce-scattered there, the gradient all-gathered once.
 - :class:`PartialSumBlock`: a module that adds up row Linears' partial sums (a MoE loop over
   ``nn.Linear`` experts) reduces them once at its output, and its input gradient once at entry.
 - :class:`OwnPositionsOutput`: under sequence parallel, a module computed whole from inputs without
@@ -88,6 +90,7 @@ from autotp.styles.linear import (
     BroadcastRowwiseParallel,
     ColwiseParallelInOut,
     GroupCopies,
+    JoinPartialSums,
     PackedColwiseParallel,
     PackedRowwiseParallel,
     PartialRowwiseParallel,
@@ -121,6 +124,7 @@ __all__ = [
     "GroupCopies",
     "PackedColwiseParallel",
     "PackedRowwiseParallel",
+    "JoinPartialSums",
     "PartialRowwiseParallel",
     "PartialSumBlock",
     "PartialGradRouter",

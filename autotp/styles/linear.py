@@ -12,8 +12,9 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_module, distribute_tensor
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 from torch.distributed.tensor.parallel.style import ParallelStyle
+from torch.overrides import TorchFunctionMode
 
-from autotp.styles.base import packed_row_order, permute_rows, reduce_feature_grads
+from autotp.styles.base import WrapperStyle, mode_during_forward, packed_row_order, permute_rows, reduce_feature_grads
 
 
 class _PackedInput:
@@ -178,6 +179,67 @@ class _PartialFromLocal(torch.autograd.Function):
         whole = grad.redistribute(placements=[Replicate()] * grad.device_mesh.ndim).to_local()
         _GATHERED[key] = (weakref.ref(grad, lambda _, key=key: _GATHERED.pop(key, None)), whole)
         return whole, None
+
+
+class JoinPartialSums(WrapperStyle):
+    """A module whose code adds its branches' ``Partial()`` sums to the ``Shard(1)`` stream
+    (a sequence-parallel parallel block): the sum is reduce-scattered there, and in backward the
+    gradient is all-gathered once, before it splits into the branches.
+
+    DTensor reduce-scatters ``residual + (attn * a + mixer * b)`` correctly on its own, but its add
+    hands the gradient back to the partial operand still ``Shard(1)``: each branch scaled by its own
+    constant then holds a different sequence-sharded gradient, and each
+    :class:`PartialRowwiseParallel` all-gathers its own (two all-gathers per layer where the forward
+    made one reduce-scatter). While this module's forward runs, an add or subtraction of a
+    ``Partial()`` DTensor and a sharded one redistributes the partial operand explicitly first, so
+    that the redistribution's backward gathers the gradient whole (``Replicate()``) once; the scaled
+    branches then take it as it is.
+
+    Keyword Args:
+        style (ParallelStyle, optional): the module's own style, applied first.
+
+    Example::
+        >>> plan = {"model.layers.*": JoinPartialSums(),
+        ...         "model.layers.*.self_attn.o_proj": PartialRowwiseParallel(),
+        ...         "model.layers.*.mamba.out_proj": PartialRowwiseParallel()}
+    """
+
+    def __init__(self, *, style: ParallelStyle | None = None):
+        super().__init__()
+        self.style = style
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        module = self._apply_wrapped(module, device_mesh)
+        mode_during_forward(module, _ScatterPartialsAtJoins)
+        return module
+
+    def __repr__(self) -> str:
+        return f"{self.__class__.__name__}({f'style={self.style!r}' if self.style is not None else ''})"
+
+
+_JOINS = frozenset({"add", "__add__", "__radd__", "__iadd__", "sub", "__sub__", "__rsub__", "__isub__"})
+
+
+class _ScatterPartialsAtJoins(TorchFunctionMode):
+    """``partial + sharded`` as ``partial.redistribute(sharded's placements) + sharded``."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if getattr(func, "__name__", "") in _JOINS and len(args) >= 2:
+            a, b = args[0], args[1]
+            if _is_partial(a) and _is_sharded(b) and not func.__name__.startswith("__i"):  # not in place
+                args = (a.redistribute(placements=b.placements), *args[1:])
+            elif _is_partial(b) and _is_sharded(a):
+                args = (a, b.redistribute(placements=a.placements), *args[2:])
+        return func(*args, **kwargs)
+
+
+def _is_partial(x) -> bool:
+    return isinstance(x, DTensor) and any(p.is_partial() for p in x.placements)
+
+
+def _is_sharded(x) -> bool:
+    return isinstance(x, DTensor) and any(p.is_shard() for p in x.placements) and not _is_partial(x)
 
 
 class PackedColwiseParallel(ColwiseParallel):

@@ -276,6 +276,8 @@ def build_plan(roles: dict[str, Role], groups: LayerGroups, *, loss_parallel: bo
     ``gather_copies``: a Linear's copied parts are sharded and gathered instead where they can be
     (``GroupCopies(gather=True)``; see :func:`autotp.synth.api.synthesize`)."""
     traced = {fqn: style_for(role, loss_parallel=loss_parallel) for fqn, role in roles.items()}
+    for join in sorted({role.partial_join for role in roles.values() if role.partial_output and role.partial_join}):
+        traced[join] = styles.JoinPartialSums(style=traced.get(join))
     for fqn, spec in (copies or {}).items():
         traced[fqn] = styles.GroupCopies(base=traced.get(fqn), rows=spec.rows, values=spec.values)
     if gather_copies:

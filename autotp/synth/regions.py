@@ -34,9 +34,9 @@ from __future__ import annotations
 import contextlib
 import functools
 import itertools
+import logging
 import math
 import threading
-import logging
 from dataclasses import dataclass, replace
 
 import networkx as nx

@@ -113,6 +113,8 @@ class Role:
             of a ``column``, its output stays a ``Shard(-1)`` DTensor (read by a ``statistics`` block).
         partial_output: of a ``row``, its output stays ``Partial()``: a parallel block adds it to
             another row's before one reduction.
+        partial_join: of a ``partial_output`` row under sequence parallel, the module whose code adds
+            the branches' sums to the ``Shard(1)`` stream (:class:`~autotp.styles.JoinPartialSums`).
         partial_local: of a ``row``, its output is the plain per-rank partial sum, added up by a
             ``partial_sum_block`` around it before one reduction.
         partial_grad_inputs: of ``experts``, the block input arrives as a ``Replicate()`` DTensor and
@@ -190,6 +192,7 @@ class Role:
     weight_in_out: bool = False
     dtensor_output: bool = False
     partial_output: bool = False
+    partial_join: str | None = None
     partial_local: bool = False
     partial_grad_inputs: bool = False
     columns: tuple[str, ...] = ()

@@ -602,6 +602,7 @@ def parallel_blocks(g: nx.DiGraph, flow: Flow, roles: dict[str, Role], *, sequen
                 continue
             for module in modules:
                 found[module] = replace(roles[module], partial_output=True,
+                                        partial_join=layer if sequence_parallel else None,
                                         reason=roles[module].reason + "; its partial sum is added to "
                                         f"{[m for m in modules if m != module][0]}'s before one reduction")
             if not sequence_parallel:
