@@ -206,10 +206,36 @@ def check_and_verify(model, plan, tp: int, *, isolated: int = 0) -> dict:
                                   "grad_diff": report.float64.worst_grad[1]}
     if report.ok:
         out["status"] = "verified"
+        out.update(per_token_comm(model, plan, tp, report))
     else:
         out.update(status="failed", reason="verify-mismatch", error=f"worst gradient {name} {worst:.2e}, "
                    f"logits {max(report.logits_max_abs_diff):.2e}")
     return out
+
+
+def per_token_comm(model, plan, tp: int, report) -> dict:
+    """Collective bytes per token, forward and backward, and the bytes that do not grow with tokens.
+
+    The plan is verified again at twice the batch: the volumes' difference over the tokens added is
+    what each token costs (activations and their gradients); the rest of the first run's volume is
+    fixed per step (a weight gradient all-reduced: copies of grouped B/C channels, replicated norms),
+    which a 32-token tiny model weighs far above what it weighs at training token counts.
+    """
+    from autotp import verify
+    from autotp.verifier import default_inputs
+
+    tokens = default_inputs(model, tp)["input_ids"].numel()
+    try:
+        again = verify(model, plan, tp_size=tp, inputs=default_inputs(model, tp, batch=4))
+    except Exception as error:  # recorded, not fatal: the first verification decided the row
+        return {"per_token_error": _message(error)}
+    if not again.ok:
+        return {"per_token_error": str(again).splitlines()[0]}
+    forward = (again.comm_volume - report.comm_volume) / tokens
+    backward = (again.comm_volume_backward - report.comm_volume_backward) / tokens
+    return {"comm_per_token": {"forward": forward, "backward": backward,
+                               "forward_fixed": round(report.comm_volume - forward * tokens),
+                               "backward_fixed": round(report.comm_volume_backward - backward * tokens)}}
 
 
 def _run_label(report) -> str:

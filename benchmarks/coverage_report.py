@@ -70,6 +70,18 @@ def summarize(results: list[dict]) -> dict:
                 "backward_le_forward_decoder_text": sum(_backward_le_forward(r) for r in verified_dec),
                 # verified, and the backward's collectives move no more bytes than the forward's
                 "backward_bytes_le_forward_decoder_text": sum(_backward_bytes_le_forward(r) for r in verified_dec),
+                # verified, and the backward's bytes per token at most the forward's (of those measured)
+                "backward_per_token_le_forward_decoder_text": sum(
+                    _backward_per_token_le_forward(r) is True for r in verified_dec),
+                "per_token_measured_decoder_text": sum(
+                    _backward_per_token_le_forward(r) is not None for r in verified_dec),
+                # issue 13's measure over the near-bound types: bytes per step, and per token
+                "near_bound_backward_bytes_le_forward": sum(
+                    _backward_bytes_le_forward(r) for r in verified_dec if _near_bound(r)),
+                "near_bound_backward_per_token_le_forward": sum(
+                    _backward_per_token_le_forward(r) is True for r in verified_dec if _near_bound(r)),
+                "near_bound_per_token_measured": sum(
+                    _backward_per_token_le_forward(r) is not None for r in verified_dec if _near_bound(r)),
                 # verified, and every gradient the size of its parameter's local shard (issue 13)
                 "local_grads_decoder_text": sum(_local_grads(r) for r in verified_dec),
                 "synth_verified": sum(_status(r.get("synth")) == "verified" for r in rows),
@@ -107,6 +119,14 @@ def _backward_bytes_le_forward(r: dict) -> bool:
     synth = r.get("synth") or {}
     back = synth.get("comm_volume_backward")
     return back is not None and back <= synth.get("comm_volume", 0)
+
+
+def _backward_per_token_le_forward(r: dict) -> bool | None:
+    """Whether the backward's bytes per token are at most the forward's (None: not measured)."""
+    per_token = (r.get("synth") or {}).get("comm_per_token")
+    if per_token is None:
+        return None
+    return per_token["backward"] <= per_token["forward"] + 1e-9
 
 
 def _local_grads(r: dict) -> bool:
@@ -223,6 +243,13 @@ def write_markdown(path: Path, meta: dict, summary: dict, results: list[dict]) -
         "per rank), decoder-only text architectures of " + str(h["decoder_text_types"]) + ": "
         + ", ".join(f"**{c.get('near_bound_decoder_text', '-')}** at {k}" for k, c in summary["per_case"].items())
         + ".",
+        "- Of those, the backward's collectives move no more bytes than the forward's: "
+        + ", ".join(f"**{c.get('near_bound_backward_bytes_le_forward', '-')}** at {k}"
+                    for k, c in summary["per_case"].items())
+        + " per step; per token (a second run at twice the batch; weight-gradient reductions, fixed per "
+        "step, left out): " + ", ".join(f"**{c.get('near_bound_backward_per_token_le_forward', '-')}** of "
+                                        f"{c.get('near_bound_per_token_measured', '-')} measured at {k}"
+                                        for k, c in summary["per_case"].items()) + ".",
         f"- Synthesized plan verified at tp=2 plain: {h['tp2_plain_verified_decoder_text']}/"
         f"{h['decoder_text_types']} decoder-only text architectures = {h['tp2_plain_verified_pct']}% (a plan "
         "that keeps a block whole also verifies: the line above is the measure).",
@@ -242,12 +269,14 @@ def write_markdown(path: Path, meta: dict, summary: dict, results: list[dict]) -
         "parameters per rank. `bwd <= fwd`: verified decoder-only text types whose backward issues no more "
         "collectives than their forward; `bwd bytes <= fwd`: whose backward's collectives move no more bytes "
         "(issue 13's measure: an all-reduce counts twice its input, a reduce-scatter its input, an all-gather "
-        "its output). `local grads`: verified decoder-only text types in which every "
+        "its output); `bwd bytes/token <= fwd`: whose backward moves no more bytes per token (measured / of "
+        "those measured: the plan verified again at twice the batch, the volumes' difference over the tokens "
+        "added). `local grads`: verified decoder-only text types in which every "
         "parameter's gradient has the size of its local shard (no full-size gradient on any rank).",
         "",
         "| case | cases | synthesized verified | of decoder-only text | near bound | bwd <= fwd | bwd bytes <= fwd "
-        "| local grads | synthesized failures | transformers' plan |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+        "| bwd bytes/token <= fwd | local grads | synthesized failures | transformers' plan |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for key, c in summary["per_case"].items():
         fails = ", ".join(f"{k} {v}" for k, v in sorted(c["synth_failures"].items())) or "-"
@@ -255,8 +284,11 @@ def write_markdown(path: Path, meta: dict, summary: dict, results: list[dict]) -
         lines.append(f"| {key} | {c['cases']} | {c['synth_verified']} | {c['synth_verified_decoder_text']} | "
                      f"{c.get('near_bound_decoder_text', '-')} | {c.get('backward_le_forward_decoder_text', '-')} | "
                      f"{c.get('backward_bytes_le_forward_decoder_text', '-')} | "
+                     f"{c.get('backward_per_token_le_forward_decoder_text', '-')} / "
+                     f"{c.get('per_token_measured_decoder_text', '-')} | "
                      f"{c.get('local_grads_decoder_text', '-')} | {fails} | {hf} |")
     lines += _above_bound_section(results)
+    lines += _backward_above_section(results)
     lines += _confusion_section(summary["checker_confusion"])
     lines += ["", "## Reason classes", ""] + [f"- `{k}`: {v}" for k, v in REASONS.items()]
     lines += _table(results)
@@ -276,6 +308,29 @@ def _above_bound_section(results: list[dict]) -> list[str]:
     for r in rows:
         reason = r["reason"].replace("|", "\\|")
         lines.append(f"| {r['model_type']} | {r['param_fraction']} | {r['bound']} | `{r['module']}` | {reason} |")
+    return lines
+
+
+def _backward_above_section(results: list[dict]) -> list[str]:
+    """Near-bound cases whose backward moves more bytes than their forward, per step or per token."""
+    lines = ["", "## Backward above forward (near-bound cases)", "",
+             "Bytes of the backward's collectives over the forward's, per step (the sweep's one run) and per "
+             "token (the difference of a second run at twice the batch); `fixed`: backward bytes that do not "
+             "grow with tokens (weight gradients all-reduced).", "",
+             "| architecture | case | bwd / fwd per step | bwd / fwd per token | fixed backward bytes |",
+             "| --- | --- | --- | --- | --- |"]
+    for r in sorted(results, key=lambda r: (r["model_type"], r["tp"], r["sp"])):
+        synth = r.get("synth") or {}
+        if r.get("class") != "decoder-text" or _status(synth) != "verified" or not _near_bound(r):
+            continue
+        per_token = synth.get("comm_per_token")
+        if _backward_bytes_le_forward(r) and _backward_per_token_le_forward(r) is not False:
+            continue
+        step = synth["comm_volume_backward"] / max(synth["comm_volume"], 1)
+        token = (f"{per_token['backward'] / max(per_token['forward'], 1e-9):.2f}" if per_token else "not measured")
+        fixed = per_token["backward_fixed"] if per_token else "-"
+        lines.append(f"| {r['model_type']} | tp{r['tp']} {'SP' if r['sp'] else 'plain'} | {step:.2f} | {token} | "
+                     f"{fixed} |")
     return lines
 
 

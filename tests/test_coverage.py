@@ -107,3 +107,17 @@ def test_update_replaces_the_rerun_cases_and_records_the_run(tmp_path):
     assert [(c["model_type"], c["synth"]["param_fraction"]) for c in cases] == [("a", 0.5), ("b", 0.6)]
     assert meta["command"] == "first" and meta["updates"][0]["command"] == "again"
     assert meta["updates"][0]["types"] == ["a"] and meta["updates"][0]["cases"] == 1
+
+
+def test_per_token_bytes_come_from_a_second_run_at_twice_the_batch(results):
+    """A dense decoder moves only activations: all of its bytes grow with tokens, none fixed. Zamba's
+    shared block reduces the gradient of a 2h-wide concatenation it reads once per hybrid layer, which
+    grows with tokens too: its per-token backward stays above its forward. Would catch a second run at
+    the same batch (no slope) or fixed bytes taken for per-token ones."""
+    llama = results["llama"]["synth"]
+    per_token = llama["comm_per_token"]
+    tokens = 2 * 16
+    assert per_token["forward"] > 0 and per_token["forward_fixed"] == per_token["backward_fixed"] == 0, per_token
+    assert per_token["forward"] * tokens == llama["comm_volume"] and per_token["backward"] == per_token["forward"]
+    zamba = results["zamba"]["synth"]["comm_per_token"]
+    assert zamba["backward"] > zamba["forward"] > 0 and zamba["backward_fixed"] == 0, zamba
