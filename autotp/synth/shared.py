@@ -576,11 +576,14 @@ def parallel_blocks(g: nx.DiGraph, flow: Flow, roles: dict[str, Role], *, sequen
             and kind_of(roles, module_of(g, n)) == "row"]
     blocks = expert_blocks(roles)
     inner = inner_rows(g, flow)
-    ends = {}
+    ends, carried = {}, set()
     for row in rows:
         if row in inner or blocks & set(g.nodes[row]["stack"]):
             continue
-        ends[row] = _carried(g, row)[-1]
+        chain = _carried(g, row)
+        ends[row] = chain[-1]
+        if len(chain) > 1:
+            carried.add(row)  # scaled, cast or dropped out before the add: its own gradient tensor
     found: dict[str, Role] = {}
     for row, end in ends.items():
         for add in g.successors(end):
@@ -600,9 +603,11 @@ def parallel_blocks(g: nx.DiGraph, flow: Flow, roles: dict[str, Role], *, sequen
             layer = common_module([g.nodes[r]["stack"] for r in pair])
             if not layer:
                 continue
+            # Under SP, branches whose outputs pass through an op before the add get different
+            # sequence-sharded gradients, each gathered on its own, unless the join redistributes.
+            join = layer if sequence_parallel and carried & set(pair) else None
             for module in modules:
-                found[module] = replace(roles[module], partial_output=True,
-                                        partial_join=layer if sequence_parallel else None,
+                found[module] = replace(roles[module], partial_output=True, partial_join=join,
                                         reason=roles[module].reason + "; its partial sum is added to "
                                         f"{[m for m in modules if m != module][0]}'s before one reduction")
             if not sequence_parallel:
