@@ -90,8 +90,10 @@ ABOVE = (
     "gemma4 and qwen3_5 at tp 8) sum each k / v weight gradient's copies with one all-reduce of the "
     "kv-head-sized gradient per projection (an all-gather of the tp-times-expanded gradient before: "
     "gemma3 tp 4 went 1.25 -> 1.12; equal where kv heads = tp / 2); an all-reduce among a head's copies "
-    "only would need sub-groups of the tp mesh. Falcon-H1 under SP (2.00): not examined yet. Phi under SP: the two branches now share one all-gather of the joined "
-    "gradient (1.50 -> 1.00). MoE and OLMo2 (not in the plan benchmark): see the counts below.\n"
+    "only would need sub-groups of the tp mesh. Falcon-H1 under SP: its branches are scaled by different "
+    "constants before their sum, and each gathered its own gradient (1.24); the block's add now "
+    "redistributes the partial sum explicitly (`JoinPartialSums`), one gather for both (1.00). Phi under "
+    "SP: the two branches now share one all-gather of the joined gradient (1.50 -> 1.00). MoE and OLMo2 (not in the plan benchmark): see the counts below.\n"
 )
 
 
