@@ -224,9 +224,10 @@ def per_token_comm(model, plan, tp: int, report) -> dict:
     from autotp import verify
     from autotp.verifier import default_inputs
 
-    tokens = default_inputs(model, tp)["input_ids"].numel()
+    ids = default_inputs(model, tp)["input_ids"]  # what the first verification ran on
+    tokens = ids.numel()
     try:
-        again = verify(model, plan, tp_size=tp, inputs=default_inputs(model, tp, batch=4))
+        again = verify(model, plan, tp_size=tp, inputs=default_inputs(model, tp, batch=2 * ids.shape[0]))
     except Exception as error:  # recorded, not fatal: the first verification decided the row
         return {"per_token_error": _message(error)}
     if not again.ok:
