@@ -190,3 +190,51 @@ def test_region_is_planned_from_the_graph_alone():
     region = plan_region(analysis.graph, "layers.0.mixer.selector", 4)
     assert region is not None and dict(region.params) == {"query.weight": 0, "head_weights.weight": 0}
     assert region.reductions == 1
+
+
+class ParallelGroupBlock(nn.Module):
+    """A parallel block (attention and MLP read one norm; both outputs summed into the residual)
+    whose attention reshapes by a literal group count, so it can only run as a DTensor region. With
+    ``dropout`` the MLP branch passes through one (an identity here) before the sum."""
+
+    def __init__(self, dropout: bool):
+        super().__init__()
+        self.norm = nn.LayerNorm(DIM)
+        self.attn = LiteralGroupAttention()
+        self.up, self.down = nn.Linear(DIM, 4 * DIM), nn.Linear(4 * DIM, DIM)
+        self.drop = nn.Dropout(0.0) if dropout else nn.Identity()
+
+    def forward(self, x):
+        h = self.norm(x)
+        return x + (self.attn(h) + self.drop(self.down(F.gelu(self.up(h)))))
+
+
+class ParallelGroupModel(Model):
+    def __init__(self, dropout: bool):
+        super().__init__(LiteralGroupAttention)
+        self.layers = nn.ModuleList(ParallelGroupBlock(dropout) for _ in range(2))
+
+
+@pytest.mark.parametrize("dropout", [False, True], ids=["sum", "dropout"])
+@pytest.mark.parametrize("sequence_parallel", [False, True], ids=["plain", "sp"])
+@pytest.mark.parametrize("tp_size", [2, 4])
+def test_region_branch_of_a_parallel_block_is_reduced_with_the_other(tp_size, sequence_parallel, dropout):
+    """Would catch the region all-reducing its output on its own (two reductions per layer forward:
+    5 all-reduces plain, an extra all-reduce per layer under SP) and, under SP, the region and the MLP
+    each gathering the norm's output (two all-gathers per layer). Per layer one reduction forward and
+    one backward, plus the vocab-parallel embedding's (plain) or the embedding and head's (SP)."""
+    torch.manual_seed(0)
+    model = ParallelGroupModel(dropout).eval()
+    plan, report = synthesize_and_verify(model, tp_size, sequence_parallel)
+    region = plan["layers.*.attn"]
+    assert isinstance(region, styles.DTensorRegion) and region.partial_outputs, plan
+    assert region.params == {"qkv.weight": 0, "out.weight": 1}, plan
+    assert isinstance(plan["layers.*.down"], styles.PartialRowwiseParallel), plan
+    expected = fraction(model, tp_size, whole=())
+    assert all(abs(f - expected) < 0.01 for f in report.param_fraction), (report.param_fraction, expected)
+    if sequence_parallel:
+        once = {"reduce_scatter_tensor": 3, "all_gather_into_tensor": 3}
+    else:
+        once = {"all_reduce": 3}
+    assert report.collectives == once and report.collectives_backward == once, report
+    assert report.comm_volume_backward == report.comm_volume, report

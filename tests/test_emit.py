@@ -32,6 +32,7 @@ _OPTIONAL = {
     "reduce": ("lam",), "counts": ("n_heads",), "columns": ("w1",), "rows": ("w2",),
     "reduce_grad_features": ((4, 8),), "once": ("b2",), "style": ColwiseParallel(),
     "kv_attributes": ("n_kv_heads",), "head_attributes": ("n_heads",), "replicated_outputs": True,
+    "partial_outputs": True,
 }
 # Where one option name means another thing in another style: its sample there.
 _PER_CLASS = {"HeadParams": {"packed": {"w1": (3, 3)}}, "LinearParams": {"packed": {"w1": (3, 3)}},

@@ -35,13 +35,17 @@ class DTensorRegion(WrapperStyle):
     backward, which runs outside the module and could not mix the two. Outputs go back as plain tensors:
     ``Replicate()`` as is, ``Partial()`` all-reduced; a ``Shard``-ed output (attention weights
     nobody reads) stays a DTensor, so that code reading it gets the right values or a clear error,
-    never a shard taken for the whole. Each parameter's gradient comes back in the parameter's
+    never a shard taken for the whole. With ``partial_outputs`` a ``Partial()`` output stays a
+    ``Partial()`` DTensor: one branch of a parallel block, added to the other branch's partial sum
+    before one reduction (as :class:`PartialRowwiseParallel` leaves a row's). Each parameter's gradient comes back in the parameter's
     placement (DTensor's gradient accumulation redistributes a replicated weight's partial one).
 
     Keyword Args:
         params: parameter name (relative to the module, dotted) -> sharded dim.
         replicated_outputs (bool): hand whole outputs on as ``Replicate()`` DTensors, not plain tensors
             (under sequence parallel, for the sequence-sharded stream to meet). Default: False.
+        partial_outputs (bool): hand ``Partial()`` outputs on unreduced, as ``Partial()`` DTensors.
+            Default: False.
         style (ParallelStyle, optional): the module's own style, applied first (a gather of its
             sequence-sharded inputs at entry): its input hooks run before this style's, its output
             hooks after.
@@ -50,10 +54,12 @@ class DTensorRegion(WrapperStyle):
         >>> plan = {"model.layers.*.self_attn.indexer": DTensorRegion(params={"wq_b.weight": 0, "proj.weight": 0})}
     """
 
-    def __init__(self, *, params: dict[str, int], replicated_outputs: bool = False, style: ParallelStyle | None = None):
+    def __init__(self, *, params: dict[str, int], replicated_outputs: bool = False, partial_outputs: bool = False,
+                 style: ParallelStyle | None = None):
         super().__init__()
         self.params = dict(params)
         self.replicated_outputs = replicated_outputs
+        self.partial_outputs = partial_outputs
         self.style = style
 
     def sharded_param_dims(self, module: nn.Module) -> dict[str, int]:
@@ -91,7 +97,8 @@ class DTensorRegion(WrapperStyle):
         def leave(mod, args, kwargs, output):
             for context in reversed(contexts.pop()):
                 context.__exit__(None, None, None)
-            return tree_map(_replicated if self.replicated_outputs else _plain, output)
+            convert = _replicated if self.replicated_outputs else _plain
+            return tree_map(lambda x: x if self.partial_outputs and _is_partial(x) else convert(x), output)
 
         module.register_forward_pre_hook(enter, with_kwargs=True)
         module.register_forward_hook(leave, with_kwargs=True, prepend=True, always_call=True)
@@ -99,6 +106,7 @@ class DTensorRegion(WrapperStyle):
 
     def __repr__(self) -> str:
         inner = ", replicated_outputs=True" if self.replicated_outputs else ""
+        inner += ", partial_outputs=True" if self.partial_outputs else ""
         inner += f", style={self.style!r}" if self.style is not None else ""
         return f"{self.__class__.__name__}(params={self.params!r}{inner})"
 
@@ -135,7 +143,7 @@ class _ReduceBeforeNonlinear(TorchFunctionMode):
         mesh = next((x.device_mesh for x in tree_leaves((args, kwargs)) if isinstance(x, DTensor)), None)
         if mesh is not None:
             args, kwargs = tree_map(lambda x: _replicate_plain(x, mesh), (args, kwargs))
-        if name not in _PARTIAL_LINEAR:
+        if name not in _PARTIAL_LINEAR and not _identity_dropout(name, args, kwargs):
             args, kwargs = tree_map(self._whole, args), tree_map(self._whole, kwargs)
         elif name == "reshape" and args and isinstance(args[0], DTensor) and not args[0].to_local().is_contiguous():
             # DTensor turns a reshape its sharding allows into a view of the local tensor, which a
@@ -155,10 +163,20 @@ class _ReduceBeforeNonlinear(TorchFunctionMode):
         return whole
 
 
+def _identity_dropout(name: str, args, kwargs) -> bool:
+    from autotp.synth.regions import _identity_dropout as identity  # the metadata run's rule
+
+    return identity(name, args, kwargs)
+
+
 def _replicate_plain(x, mesh: DeviceMesh):
     if not isinstance(x, torch.Tensor) or isinstance(x, DTensor):
         return x
     return DTensor.from_local(x, mesh, [Replicate()] * mesh.ndim, run_check=False)
+
+
+def _is_partial(x) -> bool:
+    return isinstance(x, DTensor) and any(p.is_partial() for p in x.placements)
 
 
 def _plain(x):

@@ -12,7 +12,8 @@ and then passed through a literal list of passes::
         analysis = step(analysis)              # sequence_parallel, shared_inputs, partial_sums,
                                                # whole_fronts, mixed_column_inputs,
                                                # width_statistics, sliced_entries,
-                                               # dtensor_region_modules, divisibility,
+                                               # dtensor_region_modules,
+                                               # region_parallel_blocks, divisibility,
                                                # owned_outputs, untraced_linears
     plan = build_plan(analysis.roles, groups)  # one table maps role kinds to styles
 

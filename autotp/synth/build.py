@@ -48,7 +48,8 @@ def style_for(role: Role, *, loss_parallel: bool = True) -> ParallelStyle | None
     if role.statistics:
         style = styles.ShardedStatistics(style=style)
     if role.region:
-        style = styles.DTensorRegion(params=dict(role.region), replicated_outputs=role.seq_join, style=style)
+        style = styles.DTensorRegion(params=dict(role.region), replicated_outputs=role.seq_join,
+                                     partial_outputs=role.partial_output, style=style)
     return style
 
 

@@ -41,7 +41,7 @@ from autotp.synth.sequence import sequence_parallel_roles, unshardable_stream
 from autotp.synth.partial_inputs import partial_input_roles
 from autotp.synth.partial_sums import partial_sum_blocks
 from autotp.synth.regions import dtensor_regions
-from autotp.synth.shared import shared_input_roles
+from autotp.synth.shared import region_blocks, shared_input_roles
 from autotp.synth.statistics import statistics_roles
 from autotp.synth.torch_attention import multihead_attention_roles
 from autotp.synth.trace import LayerGroups, repeated_lists, trace
@@ -343,6 +343,12 @@ def dtensor_region_modules(a: Analysis) -> Analysis:
                                                     sequence_parallel=a.sequence_parallel))
 
 
+def region_parallel_blocks(a: Analysis) -> Analysis:
+    """Parallel blocks with a DTensor region for a branch reduce the two branches' sum once
+    (:func:`~autotp.synth.shared.region_blocks`); after the regions are planned."""
+    return replace(a, roles={**a.roles, **region_blocks(a.graph, a.flow, a.roles, sequence_parallel=a.sequence_parallel)})
+
+
 def divisibility(a: Analysis) -> Analysis:
     """With a tp size: every sharded extent must divide (else MeshError); vocab tables it does not
     divide stay whole."""
@@ -398,7 +404,7 @@ def untraced_linears(a: Analysis) -> Analysis:
 # The passes after the fixpoint, in order.
 POST_PASSES: tuple[Callable[[Analysis], Analysis], ...] = (
     shard_counts, kv_replication, torch_attention, sequence_parallel, shared_inputs, partial_sums, whole_fronts,
-    mixed_column_inputs, width_statistics, sliced_entries, dtensor_region_modules,
+    mixed_column_inputs, width_statistics, sliced_entries, dtensor_region_modules, region_parallel_blocks,
     divisibility,
     owned_outputs,
     untraced_linears,

@@ -61,12 +61,15 @@ _SAFE_SELF = frozenset({"replicate", "seq_gather", "whole_module"})
 @dataclass(frozen=True)
 class Region:
     """A module to run on DTensors: ``params`` (relative name -> sharded dim), the all-reduces its
-    forward makes (``reductions``), and the Linears it shards (traced FQNs)."""
+    forward makes (``reductions``), the Linears it shards (traced FQNs), and its output nodes that
+    leave as ``Partial()`` sums (``partial``: all-reduced at its output, unless a parallel block
+    adds them to another branch's first)."""
 
     module: str
     params: tuple[tuple[str, int], ...]
     linears: tuple[str, ...]
     reductions: int
+    partial: tuple[str, ...] = ()
 
 
 class _Refused(Exception):
@@ -102,15 +105,16 @@ def dtensor_regions(g: nx.DiGraph, flow, roles: dict[str, Role], model: nn.Modul
         reason = (f"its code cannot run on per-rank tensors; run on DTensors, {len(region.linears)} Linear(s) sharded "
                   f"and {region.reductions} partial sum(s) all-reduced inside it")
         if own is not None and own.kind == "seq_gather":
-            out[module] = replace(own, region=region.params, reason=own.reason + "; " + reason)
+            out[module] = replace(own, region=region.params, region_partial=region.partial,
+                                  reason=own.reason + "; " + reason)
         elif edges.gather or edges.reshard:
             out[module] = Role("seq_gather", reason + "; its sequence-sharded inputs gathered once at entry"
                                + ("; its output is the stream, sliced back" if edges.reshard else ""),
                                (module, *region.linears), seq_output=edges.reshard, region=region.params,
-                               seq_join=edges.join)
+                               seq_join=edges.join, region_partial=region.partial)
         else:
             out[module] = Role("dtensor_region", reason, (module, *region.linears), region=region.params,
-                               seq_join=edges.join)
+                               seq_join=edges.join, region_partial=region.partial)
         for inner in [m for m in out if m.startswith(module + ".")]:
             out[inner] = Role("replicate", f"runs whole inside the DTensor region {module}", (module,))
         for linear in region.linears:
@@ -236,7 +240,7 @@ def plan_region(g: nx.DiGraph, module: str, tp: int) -> Region | None:
         if any(bad <= keep for bad in ruled_out):
             continue
         try:
-            chosen, reductions = _run(g, module, tp, set(names) - keep)
+            chosen, reductions, partial = _run(g, module, tp, set(names) - keep)
         except _Refused as refused:
             log.debug("dtensor region %s, sharding %s: %s", module, sorted(keep), refused.why)
             if not refused.culprits:
@@ -246,7 +250,7 @@ def plan_region(g: nx.DiGraph, module: str, tp: int) -> Region | None:
         if not chosen:
             return None
         params = tuple(sorted((f"{lin[len(module) + 1:]}.{p}", d) for lin, dims in chosen.items() for p, d in dims))
-        return Region(module, params, tuple(sorted(chosen)), reductions)
+        return Region(module, params, tuple(sorted(chosen)), reductions, partial)
     return None
 
 
@@ -325,7 +329,7 @@ def _run(g: nx.DiGraph, module: str, tp: int, whole: set[str]):
     values: dict[str, object] = {}
     sources: dict[str, frozenset] = {}
     chosen: dict[str, tuple] = {}
-    reductions = 0
+    reductions, partial = 0, []
 
     def value(ref: Ref):
         if ref.name in values:
@@ -368,7 +372,7 @@ def _run(g: nx.DiGraph, module: str, tp: int, whole: set[str]):
                 # Fused attention kernels: whether DTensor has a strategy for their backward depends
                 # on the device the plan runs on (none on cpu), which a metadata run cannot see.
                 raise _Refused(reached, f"{name}: a fused attention kernel on sharded values")
-            if data["op"] not in PARTIAL_LINEAR:
+            if data["op"] not in PARTIAL_LINEAR and not _identity_dropout(data["op"], data["args"], data["kwargs"]):
                 reductions += _reduce_partials(values, inputs)
             args, kwargs = convert(data["args"]), {k: convert(v) for k, v in data["kwargs"].items()}
             if data["op"] == "linear" and is_linear(g, name):
@@ -402,12 +406,13 @@ def _run(g: nx.DiGraph, module: str, tp: int, whole: set[str]):
             placement = out.placements[0]
             if placement.is_partial():
                 reductions += 1
+                partial.append(name)
             elif isinstance(placement, Shard):
                 raise _Refused(sources.get(name, frozenset()), f"{name} leaves the module sharded")
             if out.requires_grad:
                 leaving.append(out)
         _backward(leaving, frozenset(chosen))
-    return chosen, reductions
+    return chosen, reductions, tuple(partial)
 
 
 def _backward(outputs: list, chosen: frozenset[str]) -> None:
@@ -445,6 +450,15 @@ PARTIAL_LINEAR = frozenset({
     "transpose", "permute", "t", "matmul", "bmm", "mm", "sum", "mean", "clone", "contiguous", "_to_copy", "to",
     "type_as", "flatten", "slice", "select", "split", "split_with_sizes", "cat", "stack", "alias", "linear",
 })
+
+
+def _identity_dropout(op: str, args, kwargs) -> bool:
+    """A dropout that returns its input (``p == 0``, or not training): linear in a partial sum. (A
+    live one draws its own mask on each rank: a partial sum is reduced before it.)"""
+    if op not in ("dropout", "feature_dropout", "alpha_dropout"):
+        return False
+    named = dict(zip(("input", "p", "training", "train"), args)) | dict(kwargs)
+    return named.get("p", 0.5) == 0 or not named.get("training", named.get("train", True))
 
 
 def _reduce_partials(values: dict, inputs: list[str]) -> int:

@@ -111,8 +111,8 @@ class Role:
             stays a ``Replicate()`` DTensor: every reader is a column Linear, or the experts, router
             and modules kept whole of a MoE block, whose input gradients are then reduce-scattered once;
             of a ``column``, its output stays a ``Shard(-1)`` DTensor (read by a ``statistics`` block).
-        partial_output: of a ``row``, its output stays ``Partial()``: a parallel block adds it to
-            another row's before one reduction.
+        partial_output: of a ``row`` (or a ``dtensor_region``), its output stays ``Partial()``: a
+            parallel block adds it to another branch's before one reduction.
         partial_join: of a ``partial_output`` row under sequence parallel, the module whose code adds
             the branches' sums to the ``Shard(1)`` stream (:class:`~autotp.styles.JoinPartialSums`).
         partial_local: of a ``row``, its output is the plain per-rank partial sum, added up by a
@@ -165,6 +165,9 @@ class Role:
         region: of ``dtensor_region`` (or a ``seq_gather`` that is one), (parameter name relative to
             the module, sharded dim) pairs: the module runs on DTensors
             (:class:`~autotp.styles.DTensorRegion`, :mod:`autotp.synth.regions`).
+        region_partial: of a ``dtensor_region``, its output nodes that leave it as ``Partial()`` sums
+            (all-reduced at its output; with ``partial_output`` a parallel block adds them to another
+            branch's partial sum before one reduction).
         all_outputs: of a ``seq_gather`` with ``seq_output``, the stream reads several of the
             module's outputs (a hyper-connection's branch input and output weights): each
             per-position output is sliced back, not only the first.
@@ -210,6 +213,7 @@ class Role:
     scatter_heads: bool = False
     statistics: bool = False
     region: tuple[tuple[str, int], ...] = ()
+    region_partial: tuple[str, ...] = ()
 
     def __post_init__(self):
         if self.kind not in ROLE_KINDS:

@@ -626,6 +626,92 @@ def parallel_blocks(g: nx.DiGraph, flow: Flow, roles: dict[str, Role], *, sequen
     return found
 
 
+def region_blocks(g: nx.DiGraph, flow: Flow, roles: dict[str, Role], *, sequence_parallel: bool) -> dict[str, Role]:
+    """Parallel blocks one of whose branches is a DTensor region (its code cannot run on per-rank
+    tensors) ending in a ``Partial()`` sum: the region hands it on unreduced and the row Linear of the
+    other branch keeps its own partial, so that their sum is reduced once per layer
+    (:func:`parallel_blocks` pairs rows; regions are planned after it, on what stayed whole).
+
+    Plain TP: the layer runs on a ``Replicate()`` DTensor stream (``stream_block``) and the norms
+    on it, the branches' shared input included, get DTensor parameters. Sequence parallel: the sum
+    is reduce-scattered once onto the stream, explicitly at the join (``partial_join``: the region's
+    DTensor ops would otherwise gather the sequence-sharded gradient on their own), and a norm read only by the region and column Linears gathers once, handing both a
+    ``Replicate()`` DTensor (the region's own gather passes it through).
+
+    Returns:
+        Changed roles: the region and the row with ``partial_output``, and the layer and its norms.
+    """
+    inner = inner_rows(g, flow)
+    rows = {n: module_of(g, n) for n, d in g.nodes(data=True)
+            if d["kind"] == "call" and is_linear(g, n) and kind_of(roles, module_of(g, n)) == "row"
+            and not roles[module_of(g, n)].partial_output and n not in inner}
+    regions = {r.region_partial[0]: m for m, r in roles.items()
+               if r.region and len(r.region_partial) == 1 and not r.partial_output and not r.seq_output}
+    chains = {n: _carried(g, n) for n in (*rows, *regions)}
+    found: dict[str, Role] = {}
+    for source, module in regions.items():
+        for add in g.successors(chains[source][-1]):
+            data = g.nodes[add]
+            operands = [r.name for r in refs(data["args"])]
+            others = [r for r in rows if chains[r][-1] in operands]
+            if data["kind"] != "call" or data["op"] != "add" or len(operands) != 2 or len(others) != 1:
+                continue
+            row = rows[others[0]]
+            if roles[row].weight_in_out or roles[row].owned_output or roles[row].seq_output != sequence_parallel:
+                continue
+            layer = common_module([g.nodes[source]["stack"], g.nodes[others[0]]["stack"]])
+            if not layer or layer in roles or layer in found:
+                continue
+            if sequence_parallel:
+                changed = _sequence_region_block(g, roles, module, row, layer)
+            else:
+                changed = _stream_region_block(g, roles, module, row, layer, set(rows))
+            found.update(changed or {})
+    return found
+
+
+def _sequence_region_block(g: nx.DiGraph, roles: dict[str, Role], region: str, row: str,
+                           join: str) -> dict[str, Role]:
+    note = "; its partial sum is added to {}'s and reduce-scattered once onto the stream (a parallel block)"
+    found = {region: replace(roles[region], partial_output=True, partial_join=join,
+                             reason=roles[region].reason + note.format(row)),
+             row: replace(roles[row], partial_output=True, partial_join=join, reason=roles[row].reason + note.format(region))}
+    for norm, role in roles.items():
+        if role.kind != "seq_norm" or role.seq_output:
+            continue
+        outputs, readers = module_outputs(g, norm)
+        inside = [r for r in readers if region in g.nodes[r]["stack"]]
+        others = [r for r in readers if r not in inside]
+        if len(outputs) != 1 or not inside or not all(column_reader(g, roles, r, seq_input_ok=True) for r in others):
+            continue
+        found[norm] = replace(role, kind="seq_norm_gather", dtensor_output=True, reason=role.reason + "; read by "
+                              f"the DTensor region {region} and column Linears: all-gathered once, a Replicate() DTensor")
+        for reader in others:
+            column = module_of(g, reader)
+            found[column] = replace(roles[column], seq_input=False)
+    return found
+
+
+def _stream_region_block(g: nx.DiGraph, roles: dict[str, Role], region: str, row: str, layer: str,
+                         rows: set[str]) -> dict[str, Role] | None:
+    norms = _stream_norms(g, {m: r for m, r in roles.items() if r.kind != "shared_input"}, layer)
+    if norms is None:
+        return None
+    norms = [n for n in norms if not n.startswith(region + ".")]  # the region's own become DTensors there
+    shared = [m for m, r in roles.items() if r.kind == "shared_input" and m.startswith(layer + ".")]
+    if not set(shared) <= set(norms) or _plain_returns(g, roles, layer, rows, [region, row]):
+        return None  # a shared input other than a norm, or a plain return, would meet the DTensor stream
+    note = "; its partial sum is added to {}'s before one reduction (a parallel block)"
+    found = {region: replace(roles[region], partial_output=True, reason=roles[region].reason + note.format(row)),
+             row: replace(roles[row], partial_output=True, reason=roles[row].reason + note.format(region)),
+             layer: Role("stream_block", "a parallel block: runs on a Replicate() DTensor stream so that its branches' "
+                         "partial sums (one a DTensor region's) are reduced once, at the residual add", (layer, region, row))}
+    for norm in norms:
+        found[norm] = Role("stream_params", "applies its parameters to the block's Replicate() DTensor stream: "
+                           "replicated DTensors", (layer, norm))
+    return found
+
+
 def _plain_returns(g: nx.DiGraph, roles: dict[str, Role], layer: str, returning: set[str],
                    branches: list[str]) -> list[str]:
     """Modules of ``layer`` besides the ``branches`` whose reduced output, a plain tensor under plain
