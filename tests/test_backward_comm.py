@@ -158,6 +158,89 @@ def test_scaled_parallel_branches_under_sp_gather_their_gradient_once(tp_size):
     assert report.comm_volume_backward == report.comm_volume
 
 
+class _DroppedSideBySide(_SideBySide):
+    """The same block with each branch passed through its own dropout before the sum (GPT-J, Phi)."""
+
+    def __init__(self, dim, heads, p=0.25):
+        super().__init__(dim, heads)
+        self.attn_drop, self.mlp_drop = nn.Dropout(p), nn.Dropout(p)
+
+    def forward(self, x):
+        h = self.norm(x)
+        return self.attn_drop(self.attn(h)) + self.mlp_drop(self.down(F.gelu(self.up(h)))) + x
+
+
+def _train_step_runs(model, plan, tp_size, ids):
+    """One training-mode forward and backward of the sharded model (live dropout), every rank
+    holding the same logits; returns the logits' local values."""
+    import copy
+
+    from autotp import _simulate
+    from autotp.apply import apply_plan
+
+    sharded = copy.deepcopy(model).train()
+    with _simulate.simulated_mesh(tp_size) as mesh:
+        apply_plan(sharded, mesh, plan)
+        logits = sharded(ids)
+        logits = getattr(logits, "logits", logits)
+        logits.full_tensor().float().square().mean().backward()
+        ranks = _simulate.per_rank(logits.full_tensor(), tp_size)
+    assert all(torch.equal(ranks[0], r) for r in ranks[1:]), "ranks disagree on the logits"
+    assert all(p.grad is not None for p in sharded.parameters() if p.requires_grad)
+    return ranks[0]
+
+
+@pytest.mark.parametrize("sequence_parallel", [False, True], ids=["plain", "sp"])
+def test_branches_through_live_dropout_reduce_before_it(sequence_parallel):
+    """A parallel block whose branches pass through dropout before their sum: in eval (dropout an
+    identity) the branches' partial sums are reduced once, and verified; in training (p > 0) each
+    partial sum is reduced before its dropout (a mask drawn on a partial sum would be wrong, and
+    DTensor refuses it: the step crashed with "bernoulli_ ... Partial(sum)" before)."""
+    torch.manual_seed(0)
+    model = _Decoder(block=_DroppedSideBySide).eval()
+    ids = torch.randint(0, 128, (2, 8))
+    plan = synthesize(model, example_inputs=(ids,), sequence_parallel=sequence_parallel, tp_size=2)
+    assert type(plan["blocks.*.down"]).__name__ == "PartialRowwiseParallel", plan
+    report = _report(model, plan, inputs=(ids,))
+    assert max(report.logits_max_abs_diff) <= 1e-5 and report.worst_grad[1] <= 1e-5, report
+    once = ({"all_gather_into_tensor": LAYERS + 1, "reduce_scatter_tensor": LAYERS + 1} if sequence_parallel
+            else {"all_reduce": LAYERS + 1})
+    assert report.collectives == once, report.collectives
+    _train_step_runs(model, plan, 2, ids)
+
+
+@pytest.mark.parametrize("sequence_parallel", [False, True], ids=["plain", "sp"])
+def test_handwritten_phi_trains_with_residual_dropout(sequence_parallel):
+    """Phi-2 ships ``resid_pdrop=0.1``: the handwritten plan's branches pass through it before their
+    sum; a training step must run (it crashed on the partial sum before)."""
+    torch.manual_seed(0)
+    model = build_model("phi", tiny=True, tp=2, device="cpu")
+    for module in model.modules():
+        if isinstance(module, nn.Dropout):
+            module.p = 0.1
+    plan = handwritten_plans.plan_for(model, sequence_parallel=sequence_parallel)
+    _train_step_runs(model, plan, 2, torch.randint(0, model.config.vocab_size, (2, 8)))
+
+
+def test_partial_sum_meets_dropout_whole():
+    """The mode's unit: a partial sum (1 on each of 2 ranks) through a live dropout comes out
+    ``Replicate()``, each element 0 or 2 / (1 - p), equal on every rank (a mask drawn per partial
+    would leave some at 1 / (1 - p)); through an identity dropout it stays ``Partial()``."""
+    from torch.distributed.tensor import DTensor, Partial, Replicate
+
+    from autotp import _simulate
+    from autotp.styles.base import ReduceBeforeLiveDropout
+
+    with _simulate.simulated_mesh(2) as mesh:
+        x = DTensor.from_local(torch.ones(256), mesh, [Partial()], run_check=False)
+        with ReduceBeforeLiveDropout():
+            live, idle = F.dropout(x, 0.5, True), F.dropout(x, 0.0, True)
+        assert live.placements == (Replicate(),) and idle.placements == (Partial(),)
+        ranks = _simulate.per_rank(live.to_local(), 2)
+    assert torch.equal(ranks[0], ranks[1])
+    assert set(ranks[0].unique().tolist()) == {0.0, 4.0}
+
+
 def _counts(report, sequence_parallel: bool, per_direction: int) -> None:
     if sequence_parallel:
         assert report.collectives == {"all_gather_into_tensor": per_direction, "reduce_scatter_tensor": per_direction}

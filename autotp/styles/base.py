@@ -9,6 +9,40 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.parallel.style import ParallelStyle
+from torch.overrides import TorchFunctionMode
+
+# Torch functions that zero random elements: ``f(input, p, training, ...)``.
+DROPOUTS = frozenset({"dropout", "dropout1d", "dropout2d", "dropout3d", "alpha_dropout", "feature_alpha_dropout",
+                      "feature_dropout"})
+
+
+def identity_dropout(name: str, args, kwargs) -> bool:
+    """Whether a call ``name(*args, **kwargs)`` is a dropout that returns its input (``p == 0``, or not
+    training): linear in a partial sum. A live one draws a mask per rank, which a partial sum cannot
+    take (DTensor refuses it: no strategy keeps ``Partial()`` through ``bernoulli_``)."""
+    if name not in DROPOUTS:
+        return False
+    named = dict(zip(("input", "p", "training"), args)) | dict(kwargs)
+    return named.get("p", 0.5) == 0 or not named.get("training", named.get("train", True))
+
+
+def is_partial(x) -> bool:
+    return isinstance(x, DTensor) and any(p.is_partial() for p in x.placements)
+
+
+class ReduceBeforeLiveDropout(TorchFunctionMode):
+    """A ``Partial()`` DTensor that meets a live dropout is all-reduced first. A parallel block's
+    branches may pass through dropout between their row (which leaves its output partial) and the
+    add that joins them: in training with ``p > 0`` each branch then reduces on its own (the mask
+    must apply to the whole sum); at ``p == 0`` or in eval the partial passes as it is."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        name = getattr(func, "__name__", "")
+        if name in DROPOUTS and args and is_partial(args[0]) and not identity_dropout(name, args, kwargs):
+            args = (args[0].redistribute(placements=[Replicate()] * args[0].device_mesh.ndim), *args[1:])
+        return func(*args, **kwargs)
+
 
 def to_local(x):
     """Return the full local value of ``x``: a replicated plain tensor for any DTensor."""

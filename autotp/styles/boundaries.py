@@ -19,7 +19,8 @@ from torch.distributed.tensor.placement_types import Placement
 
 from autotp.errors import PlanError
 from autotp.styles.embedding import VocabParallelEmbedding  # noqa: F401 (doctest)
-from autotp.styles.base import LocalParamsStyle, WrapperStyle, all_reduce_backward, all_reduce_forward, reduce_feature_grads, to_local
+from autotp.styles.base import (LocalParamsStyle, ReduceBeforeLiveDropout, WrapperStyle, all_reduce_backward,
+                                all_reduce_forward, mode_during_forward, reduce_feature_grads, to_local)
 
 class SequenceParallelAllGather(SequenceParallel):
     """A sequence-parallel norm whose output is all-gathered once, for column-parallel consumers.
@@ -517,6 +518,7 @@ class ReplicatedStream(ParallelStyle):
             return to_local(out)
 
         module.register_forward_pre_hook(pre_hook, with_kwargs=True)
+        mode_during_forward(module, ReduceBeforeLiveDropout)  # a branch's partial sum meeting a live dropout
         module.register_forward_hook(hook, with_kwargs=True)
         return module
 

@@ -14,7 +14,8 @@ from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 from torch.distributed.tensor.parallel.style import ParallelStyle
 from torch.overrides import TorchFunctionMode
 
-from autotp.styles.base import WrapperStyle, mode_during_forward, packed_row_order, permute_rows, reduce_feature_grads
+from autotp.styles.base import (DROPOUTS, ReduceBeforeLiveDropout, WrapperStyle, is_partial, mode_during_forward,
+                                packed_row_order, permute_rows, reduce_feature_grads)
 
 
 class _PackedInput:
@@ -220,11 +221,14 @@ class JoinPartialSums(WrapperStyle):
 _JOINS = frozenset({"add", "__add__", "__radd__", "__iadd__", "sub", "__sub__", "__rsub__", "__isub__"})
 
 
-class _ScatterPartialsAtJoins(TorchFunctionMode):
-    """``partial + sharded`` as ``partial.redistribute(sharded's placements) + sharded``."""
+class _ScatterPartialsAtJoins(ReduceBeforeLiveDropout):
+    """``partial + sharded`` as ``partial.redistribute(sharded's placements) + sharded``; a partial
+    meeting a live dropout all-reduced first."""
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        if getattr(func, "__name__", "") in DROPOUTS:
+            return super().__torch_function__(func, types, args, kwargs)
         if getattr(func, "__name__", "") in _JOINS and len(args) >= 2:
             a, b = args[0], args[1]
             if _is_partial(a) and _is_sharded(b) and not func.__name__.startswith("__i"):  # not in place
@@ -234,8 +238,7 @@ class _ScatterPartialsAtJoins(TorchFunctionMode):
         return func(*args, **kwargs)
 
 
-def _is_partial(x) -> bool:
-    return isinstance(x, DTensor) and any(p.is_partial() for p in x.placements)
+_is_partial = is_partial
 
 
 def _is_sharded(x) -> bool:

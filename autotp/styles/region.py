@@ -13,7 +13,7 @@ from torch.distributed.tensor.parallel.style import ParallelStyle
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_leaves, tree_map
 
-from autotp.styles.base import WrapperStyle
+from autotp.styles.base import WrapperStyle, identity_dropout, is_partial
 
 
 class DTensorRegion(WrapperStyle):
@@ -98,7 +98,7 @@ class DTensorRegion(WrapperStyle):
             for context in reversed(contexts.pop()):
                 context.__exit__(None, None, None)
             convert = _replicated if self.replicated_outputs else _plain
-            return tree_map(lambda x: x if self.partial_outputs and _is_partial(x) else convert(x), output)
+            return tree_map(lambda x: x if self.partial_outputs and is_partial(x) else convert(x), output)
 
         module.register_forward_pre_hook(enter, with_kwargs=True)
         module.register_forward_hook(leave, with_kwargs=True, prepend=True, always_call=True)
@@ -143,7 +143,7 @@ class _ReduceBeforeNonlinear(TorchFunctionMode):
         mesh = next((x.device_mesh for x in tree_leaves((args, kwargs)) if isinstance(x, DTensor)), None)
         if mesh is not None:
             args, kwargs = tree_map(lambda x: _replicate_plain(x, mesh), (args, kwargs))
-        if name not in _PARTIAL_LINEAR and not _identity_dropout(name, args, kwargs):
+        if name not in _PARTIAL_LINEAR and not identity_dropout(name, args, kwargs):
             args, kwargs = tree_map(self._whole, args), tree_map(self._whole, kwargs)
         elif name == "reshape" and args and isinstance(args[0], DTensor) and not args[0].to_local().is_contiguous():
             # DTensor turns a reshape its sharding allows into a view of the local tensor, which a
@@ -163,20 +163,10 @@ class _ReduceBeforeNonlinear(TorchFunctionMode):
         return whole
 
 
-def _identity_dropout(name: str, args, kwargs) -> bool:
-    from autotp.synth.regions import _identity_dropout as identity  # the metadata run's rule
-
-    return identity(name, args, kwargs)
-
-
 def _replicate_plain(x, mesh: DeviceMesh):
     if not isinstance(x, torch.Tensor) or isinstance(x, DTensor):
         return x
     return DTensor.from_local(x, mesh, [Replicate()] * mesh.ndim, run_check=False)
-
-
-def _is_partial(x) -> bool:
-    return isinstance(x, DTensor) and any(p.is_partial() for p in x.placements)
 
 
 def _plain(x):

@@ -372,7 +372,8 @@ def _run(g: nx.DiGraph, module: str, tp: int, whole: set[str]):
                 # Fused attention kernels: whether DTensor has a strategy for their backward depends
                 # on the device the plan runs on (none on cpu), which a metadata run cannot see.
                 raise _Refused(reached, f"{name}: a fused attention kernel on sharded values")
-            if data["op"] not in PARTIAL_LINEAR and not _identity_dropout(data["op"], data["args"], data["kwargs"]):
+            # A dropout counts as linear where it can never be live: p == 0 (the trace runs in eval).
+            if data["op"] not in PARTIAL_LINEAR and not _zero_dropout(data["op"], data["args"], data["kwargs"]):
                 reductions += _reduce_partials(values, inputs)
             args, kwargs = convert(data["args"]), {k: convert(v) for k, v in data["kwargs"].items()}
             if data["op"] == "linear" and is_linear(g, name):
@@ -452,13 +453,10 @@ PARTIAL_LINEAR = frozenset({
 })
 
 
-def _identity_dropout(op: str, args, kwargs) -> bool:
-    """A dropout that returns its input (``p == 0``, or not training): linear in a partial sum. (A
-    live one draws its own mask on each rank: a partial sum is reduced before it.)"""
-    if op not in ("dropout", "feature_dropout", "alpha_dropout"):
-        return False
-    named = dict(zip(("input", "p", "training", "train"), args)) | dict(kwargs)
-    return named.get("p", 0.5) == 0 or not named.get("training", named.get("train", True))
+def _zero_dropout(op: str, args, kwargs) -> bool:
+    from autotp.styles.base import identity_dropout
+
+    return identity_dropout(op, (*args[:2], True), kwargs)
 
 
 def _reduce_partials(values: dict, inputs: list[str]) -> int:
