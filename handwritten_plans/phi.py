@@ -37,7 +37,8 @@ def parallelize_phi(model: nn.Module, sequence_parallel: bool = False) -> dict[s
         plan |= {f"{layer}.self_attn.{n}": HeadShardedNorm() for n in ("q_layernorm", "k_layernorm")}
     if sequence_parallel:
         # Each branch passes through ``resid_dropout`` before the sum: in training each then gets its
-        # own sequence-sharded gradient from the add, gathered once for both by the layer's join.
+        # own sequence-sharded gradient from the add, gathered once for both by the layer's join
+        # (which all-reduces a branch's partial sum before a live dropout, as ReplicatedStream does).
         plan |= {"model.rotary_emb": RotaryEmbedParallel(), "model.final_layernorm": SequenceParallel(),
                  layer: JoinPartialSums()}
     else:

@@ -473,7 +473,9 @@ class ReplicatedStream(ParallelStyle):
     inside the block: the stream input is wrapped as ``Replicate()`` at entry (free: every rank
     holds it) and the output is made replicated and local at exit. The norm on the stream needs
     DTensor parameters (:class:`ReplicatedParams`). Under sequence parallel the stream is already a
-    ``Shard(1)`` DTensor and this style is not needed.
+    ``Shard(1)`` DTensor and this style is not needed. A branch's partial sum that meets a live
+    dropout (training, ``p > 0``) is all-reduced before it, while the block runs: the mask applies
+    to the whole sum (:class:`~autotp.styles.base.ReduceBeforeLiveDropout`).
 
     Keyword Args:
         stream (int | str): the positional index or keyword name of the residual-stream input.

@@ -194,7 +194,8 @@ class JoinPartialSums(WrapperStyle):
     made one reduce-scatter). While this module's forward runs, an add or subtraction of a
     ``Partial()`` DTensor and a sharded one redistributes the partial operand explicitly first, so
     that the redistribution's backward gathers the gradient whole (``Replicate()``) once; the scaled
-    branches then take it as it is.
+    branches then take it as it is. A ``Partial()`` DTensor that meets a live dropout (training,
+    ``p > 0``) is all-reduced before it: the mask applies to the whole sum.
 
     Keyword Args:
         style (ParallelStyle, optional): the module's own style, applied first.
