@@ -210,3 +210,23 @@ class StackedExperts(nn.Module):
             y = F.linear(F.silu(gate) * up, self.down_proj[expert]) * weights[token, slot, None]
             out = out.index_add(0, token, y)
         return out
+
+
+def train_step_runs(model, plan, tp_size, ids):
+    """One training-mode forward and backward of the sharded model (live dropout), every rank
+    holding the same logits; returns the logits' local values."""
+    import copy
+
+    from autotp import _simulate
+    from autotp.apply import apply_plan
+
+    sharded = copy.deepcopy(model).train()
+    with _simulate.simulated_mesh(tp_size) as mesh:
+        apply_plan(sharded, mesh, plan)
+        logits = sharded(ids)
+        logits = getattr(logits, "logits", logits)
+        logits.full_tensor().float().square().mean().backward()
+        ranks = _simulate.per_rank(logits.full_tensor(), tp_size)
+    assert all(torch.equal(ranks[0], r) for r in ranks[1:]), "ranks disagree on the logits"
+    assert all(p.grad is not None for p in sharded.parameters() if p.requires_grad)
+    return ranks[0]

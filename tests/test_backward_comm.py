@@ -20,7 +20,7 @@ from autotp.models import build_model
 from autotp.synth import synthesize
 from autotp.verifier import verify
 from synth_models import tiny_model
-from synth_toy import SeparateQKVAttention, StackedExperts
+from synth_toy import SeparateQKVAttention, StackedExperts, train_step_runs
 
 LAYERS = 2
 
@@ -170,26 +170,6 @@ class _DroppedSideBySide(_SideBySide):
         return self.attn_drop(self.attn(h)) + self.mlp_drop(self.down(F.gelu(self.up(h)))) + x
 
 
-def _train_step_runs(model, plan, tp_size, ids):
-    """One training-mode forward and backward of the sharded model (live dropout), every rank
-    holding the same logits; returns the logits' local values."""
-    import copy
-
-    from autotp import _simulate
-    from autotp.apply import apply_plan
-
-    sharded = copy.deepcopy(model).train()
-    with _simulate.simulated_mesh(tp_size) as mesh:
-        apply_plan(sharded, mesh, plan)
-        logits = sharded(ids)
-        logits = getattr(logits, "logits", logits)
-        logits.full_tensor().float().square().mean().backward()
-        ranks = _simulate.per_rank(logits.full_tensor(), tp_size)
-    assert all(torch.equal(ranks[0], r) for r in ranks[1:]), "ranks disagree on the logits"
-    assert all(p.grad is not None for p in sharded.parameters() if p.requires_grad)
-    return ranks[0]
-
-
 @pytest.mark.parametrize("sequence_parallel", [False, True], ids=["plain", "sp"])
 def test_branches_through_live_dropout_reduce_before_it(sequence_parallel):
     """A parallel block whose branches pass through dropout before their sum: in eval (dropout an
@@ -206,7 +186,7 @@ def test_branches_through_live_dropout_reduce_before_it(sequence_parallel):
     once = ({"all_gather_into_tensor": LAYERS + 1, "reduce_scatter_tensor": LAYERS + 1} if sequence_parallel
             else {"all_reduce": LAYERS + 1})
     assert report.collectives == once, report.collectives
-    _train_step_runs(model, plan, 2, ids)
+    train_step_runs(model, plan, 2, ids)
 
 
 @pytest.mark.parametrize("sequence_parallel", [False, True], ids=["plain", "sp"])
@@ -219,7 +199,7 @@ def test_handwritten_phi_trains_with_residual_dropout(sequence_parallel):
         if isinstance(module, nn.Dropout):
             module.p = 0.1
     plan = handwritten_plans.plan_for(model, sequence_parallel=sequence_parallel)
-    _train_step_runs(model, plan, 2, torch.randint(0, model.config.vocab_size, (2, 8)))
+    train_step_runs(model, plan, 2, torch.randint(0, model.config.vocab_size, (2, 8)))
 
 
 def test_partial_sum_meets_dropout_whole():

@@ -26,7 +26,7 @@ from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
 from autotp import styles
 from autotp.synth.regions import plan_region
-from tests.synth_toy import DIM
+from tests.synth_toy import DIM, example_tokens, train_step_runs
 from tests.test_attention_variants import Model
 from tests.test_split_experts import synthesize_and_verify
 
@@ -195,14 +195,14 @@ def test_region_is_planned_from_the_graph_alone():
 class ParallelGroupBlock(nn.Module):
     """A parallel block (attention and MLP read one norm; both outputs summed into the residual)
     whose attention reshapes by a literal group count, so it can only run as a DTensor region. With
-    ``dropout`` the MLP branch passes through one (an identity here) before the sum."""
+    ``dropout`` the MLP branch passes through one (live in training) before the sum."""
 
     def __init__(self, dropout: bool):
         super().__init__()
         self.norm = nn.LayerNorm(DIM)
         self.attn = LiteralGroupAttention()
         self.up, self.down = nn.Linear(DIM, 4 * DIM), nn.Linear(4 * DIM, DIM)
-        self.drop = nn.Dropout(0.0) if dropout else nn.Identity()
+        self.drop = nn.Dropout(0.25) if dropout else nn.Identity()
 
     def forward(self, x):
         h = self.norm(x)
@@ -238,3 +238,31 @@ def test_region_branch_of_a_parallel_block_is_reduced_with_the_other(tp_size, se
         once = {"all_reduce": 3}
     assert report.collectives == once and report.collectives_backward == once, report
     assert report.comm_volume_backward == report.comm_volume, report
+    if dropout:  # in training the MLP's partial sum is reduced before its dropout; the region's stays
+        train_step_runs(model, plan, tp_size, example_tokens())
+
+
+class DroppedGroupAttention(LiteralGroupAttention):
+    """The grouped attention with a dropout on its output (live in training)."""
+
+    def __init__(self):
+        super().__init__()
+        self.drop = nn.Dropout(0.25)
+
+    def forward(self, x):
+        return self.drop(super().forward(x))
+
+
+@pytest.mark.parametrize("sequence_parallel", [False, True], ids=["plain", "sp"])
+def test_region_reduces_before_its_own_live_dropout(sequence_parallel):
+    """A region whose output passes through a dropout with ``p > 0`` inside it cannot hand on a
+    partial sum (the mask must apply to the whole): it reduces at its output as before, the block
+    keeps a reduction per branch, and a training step runs, every rank holding the same logits."""
+    torch.manual_seed(0)
+    model = ParallelGroupModel(False)
+    for layer in model.layers:
+        layer.attn = DroppedGroupAttention()
+    model.eval()
+    plan, report = synthesize_and_verify(model, 2, sequence_parallel)
+    assert isinstance(plan["layers.*.attn"], styles.DTensorRegion) and not plan["layers.*.attn"].partial_outputs, plan
+    train_step_runs(model, plan, 2, example_tokens())

@@ -37,7 +37,8 @@ class DTensorRegion(WrapperStyle):
     nobody reads) stays a DTensor, so that code reading it gets the right values or a clear error,
     never a shard taken for the whole. With ``partial_outputs`` a ``Partial()`` output stays a
     ``Partial()`` DTensor: one branch of a parallel block, added to the other branch's partial sum
-    before one reduction (as :class:`PartialRowwiseParallel` leaves a row's). Each parameter's gradient comes back in the parameter's
+    before one reduction (as :class:`PartialRowwiseParallel` leaves a row's); its whole outputs then
+    stay ``Replicate()`` DTensors. Each parameter's gradient comes back in the parameter's
     placement (DTensor's gradient accumulation redistributes a replicated weight's partial one).
 
     Keyword Args:
@@ -97,7 +98,8 @@ class DTensorRegion(WrapperStyle):
         def leave(mod, args, kwargs, output):
             for context in reversed(contexts.pop()):
                 context.__exit__(None, None, None)
-            convert = _replicated if self.replicated_outputs else _plain
+            # A branch of a parallel block meets the other's DTensor: its whole outputs stay DTensors too.
+            convert = _replicated if self.replicated_outputs or self.partial_outputs else _plain
             return tree_map(lambda x: x if self.partial_outputs and is_partial(x) else convert(x), output)
 
         module.register_forward_pre_hook(enter, with_kwargs=True)
