@@ -370,9 +370,10 @@ class _NotTiny(Exception):
     pass
 
 
-def _tiny_model(model_type: str, tp: int, repeat: int = 1):
+def _tiny_model(model_type: str, tp: int, repeat: int = 1, dropout: float | None = None):
     """The shrunk model of ``model_type`` with heads for ``tp`` ranks, on cpu, without a KV cache;
-    with ``repeat`` > 1 its layers (and every per-layer list) repeated that many times."""
+    with ``repeat`` > 1 its layers (and every per-layer list) repeated that many times; with
+    ``dropout``, every dropout probability of its config set to that value."""
     from transformers import AutoConfig
 
     from autotp.models import build_model, load_config, shrink_config
@@ -387,6 +388,10 @@ def _tiny_model(model_type: str, tp: int, repeat: int = 1):
         config = AutoConfig.for_model(model_type, **options)
     for part in (config, config.get_text_config()):
         part.use_cache = False  # a KV cache plays no part in a plan; pure-SSM stacks fail with one
+        if dropout is not None:
+            for key, value in list(vars(part).items()):
+                if ("dropout" in key or "pdrop" in key) and isinstance(value, float):
+                    setattr(part, key, dropout)
     size = sum(p.numel() for p in build_model(config).parameters())  # meta: milliseconds
     if size > MAX_TINY_PARAMS:
         raise _NotTiny(f"the shrunk config still has {size / 1e6:.0f}M parameters (limit "
