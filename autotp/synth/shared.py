@@ -634,9 +634,10 @@ def region_blocks(g: nx.DiGraph, flow: Flow, roles: dict[str, Role], *, sequence
 
     Plain TP: the layer runs on a ``Replicate()`` DTensor stream (``stream_block``) and the norms
     on it, the branches' shared input included, get DTensor parameters. Sequence parallel: the sum
-    is reduce-scattered once onto the stream, explicitly at the join (``partial_join``: the region's
-    DTensor ops would otherwise gather the sequence-sharded gradient on their own), and a norm read only by the region and column Linears gathers once, handing both a
-    ``Replicate()`` DTensor (the region's own gather passes it through).
+    is reduce-scattered once onto the stream, explicitly at the join (``partial_join``: the
+    region's DTensor ops would otherwise gather the sequence-sharded gradient on their own), and a
+    norm read only by the region and column Linears gathers once, handing both a ``Replicate()``
+    DTensor (the region's own gather passes it through).
 
     Returns:
         Changed roles: the region and the row with ``partial_output``, and the layer and its norms.
