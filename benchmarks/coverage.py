@@ -370,6 +370,13 @@ class _NotTiny(Exception):
     pass
 
 
+def _layer_indices(value, n: int) -> bool:
+    """Whether a config value is a list of layer indices (Zamba2's ``hybrid_layer_ids``), fewer than
+    the ``n`` layers: repeated with the layers, each copy offset by ``n``."""
+    return (isinstance(value, list) and 0 < len(value) < n and all(type(i) is int and 0 <= i < n for i in value)
+            and value == sorted(set(value)))
+
+
 def _tiny_model(model_type: str, tp: int, repeat: int = 1, dropout: float | None = None):
     """The shrunk model of ``model_type`` with heads for ``tp`` ranks, on cpu, without a KV cache;
     with ``repeat`` > 1 its layers (and every per-layer list) repeated that many times; with
@@ -382,7 +389,9 @@ def _tiny_model(model_type: str, tp: int, repeat: int = 1, dropout: float | None
     if repeat > 1:
         options = config.to_dict()
         n, key = config.num_hidden_layers, config.attribute_map.get("num_hidden_layers", "num_hidden_layers")
-        options = {k: v * repeat if isinstance(v, list) and len(v) == n else v for k, v in options.items()}
+        options = {k: v * repeat if isinstance(v, list) and len(v) == n else
+                   [i + r * n for r in range(repeat) for i in v] if _layer_indices(v, n) else v
+                   for k, v in options.items()}
         options[key] = n * repeat
         options.pop("model_type", None)
         config = AutoConfig.for_model(model_type, **options)

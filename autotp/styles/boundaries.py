@@ -16,6 +16,7 @@ from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distrib
 from torch.distributed.tensor.parallel import SequenceParallel
 from torch.distributed.tensor.parallel.style import ParallelStyle
 from torch.distributed.tensor.placement_types import Placement
+from torch.utils.weak import WeakTensorKeyDictionary
 
 from autotp.errors import PlanError
 from autotp.styles.embedding import VocabParallelEmbedding  # noqa: F401 (doctest)
@@ -276,6 +277,70 @@ class PartialGradInput(WrapperStyle):
 
     def __repr__(self) -> str:
         return f"{self.__class__.__name__}(style={self.style!r})"
+
+
+class ReducedInputGrads(ParallelStyle):
+    """A module kept whole whose floating inputs feed column Linears through replicated computation:
+    their gradients arrive as per-rank partial sums and are all-reduced here, at entry.
+
+    A block that reads a concatenation of the residual stream and a value made once at the model's
+    root (Zamba's shared transformer reads ``concat(hidden, embeddings)``, normalises it and hands
+    it to q, k and v) all-reduced its gradient at the concatenation's width: twice the stream's, in
+    every layer that runs the block. A backward is linear in its incoming gradient, so the norm and
+    the concatenation may run theirs on the columns' partial sums (their weights'
+    gradients left ``Partial()``, :class:`~autotp.styles.ReplicatedWithGradAllReduce`), and each
+    input is reduced where it enters. An input that several calls share (the same tensor handed to
+    every layer) is wrapped once per autograd graph: autograd adds every call's partial gradient
+    before that one all-reduce, so the embeddings' half costs one reduction per step, not one per
+    layer. A value without a gradient, or one seen outside autograd (``no_grad``, the first pass of
+    reentrant checkpointing), is left as it is.
+
+    Only for a module every read of whose floating inputs ends in column Linears that hand their
+    input gradients back unreduced (:class:`SharedReplicatedInput` with ``partial_grad``).
+
+    Example::
+        >>> plan = {"model.layers.*.shared_transf": ReducedInputGrads(),
+        ...         "model.layers.*.shared_transf.input_layernorm": ReplicatedWithGradAllReduce(),
+        ...         "model.layers.*.shared_transf.self_attn": SharedReplicatedInput(
+        ...             columns=("q_proj", "k_proj", "v_proj"), partial_grad=True)}
+    """
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        if getattr(module, "_autotp_reduced_inputs", False):
+            return module  # one module object under two plan keys (a block shared by several layers)
+        module._autotp_reduced_inputs = True
+
+        def take(value):
+            if (not isinstance(value, torch.Tensor) or isinstance(value, DTensor) or not value.is_floating_point()
+                    or not value.requires_grad or not torch.is_grad_enabled()):
+                return value
+            return reduced_once(value, device_mesh)
+
+        def pre_hook(mod, args, kwargs):
+            return tuple(take(a) for a in args), {k: take(v) for k, v in kwargs.items()}
+
+        module.register_forward_pre_hook(pre_hook, with_kwargs=True)
+        return module
+
+    def __repr__(self) -> str:
+        return f"{self.__class__.__name__}()"
+
+
+# Each non-leaf tensor a ReducedInputGrads module took, with its mesh and the tensor handed on. Weak
+# keys: an entry lives as long as the tensor, and a non-leaf tensor belongs to one autograd graph.
+_REDUCED = WeakTensorKeyDictionary()
+
+
+def reduced_once(value: torch.Tensor, device_mesh: DeviceMesh) -> torch.Tensor:
+    """``value`` with its gradient all-reduced, the same wrapper for every call that takes this
+    tensor (so their partial gradients are summed first). A leaf (a checkpoint's recomputed input, a
+    user's tensor kept across steps) gets a wrapper of its own per call."""
+    if value.grad_fn is None:
+        return all_reduce_backward(value, device_mesh)
+    hit = _REDUCED.get(value)
+    if hit is None or hit[0] is not device_mesh:
+        hit = _REDUCED[value] = (device_mesh, all_reduce_backward(value, device_mesh))
+    return hit[1]
 
 
 class PartialSumBlock(ParallelStyle):

@@ -25,6 +25,13 @@ the columns can share their input (a head Linear at the model's root), each colu
 with a partial gradient (:class:`~autotp.styles.PartialGradInput`): with nothing reduced there,
 sharing it would save nothing.
 
+A front may also start at a module's inputs (:func:`_input_fronts`, plain TP): a block that
+normalises the concatenation of the stream and a value made once at the model's root (Zamba's
+shared transformer) reduces each input at its entry (:class:`~autotp.styles.ReducedInputGrads`)
+rather than the norm's output, twice the stream's width. Only where the root value is read by a
+layer that stands for several: every layer adds its partial gradient into that value's one
+reduction per step, the stream is reduced at its own width.
+
 Sound only where (:func:`front`): every path from the branch input ends in a column Linear, or in a
 broadcast span of a Linear of the front whose gradient the analysis would have all-reduced
 (:meth:`~autotp.synth.analysis.Flow.broadcast_from`); every op on the way is replicated and
@@ -88,6 +95,7 @@ class Front:
     spans: dict[str, int] = field(default_factory=dict)
     owners: set[str] = field(default_factory=set)
     modules: set[str] = field(default_factory=set)
+    starts: tuple[str, ...] = ()
 
 
 def _numel(g: nx.DiGraph, name: str) -> int:
@@ -109,20 +117,21 @@ def _column(g: nx.DiGraph, roles: dict, reader: str) -> bool:
     return role is not None and role.kind == "head" and not role.seq_input and is_linear(g, reader)
 
 
-def _walk(g: nx.DiGraph, flow: Flow, roles: dict, start: str,
-          gather: str | None = None) -> tuple[Front, list[str]] | None:
-    """Every node reached from ``start`` before a column Linear or a sharded op; with the front
-    values that sharded ops read. None where a path meets anything else. With ``gather`` (the
-    module that gathers ``start`` at its entry) only that module's reads of ``start`` are followed:
-    the others read the sequence-sharded value, not the gathered copy."""
-    front, meets, todo = Front(start, {start}), [], [start]
+def _walk(g: nx.DiGraph, flow: Flow, roles: dict, starts: tuple[str, ...],
+          within: str | None = None) -> tuple[Front, list[str]] | None:
+    """Every node reached from ``starts`` before a column Linear or a sharded op; with the front
+    values that sharded ops read. None where a path meets anything else. With ``within`` (the
+    module that gathers the start at its entry, or whose inputs the starts are) only that module's
+    reads of the starts are followed: the others read the sequence-sharded value, or the value as
+    it was before the module took it."""
+    front, meets, todo = Front(starts[0], set(starts), starts=starts), [], list(starts)
     while todo:
         node = todo.pop()
         for reader in g.successors(node):
             data = g.nodes[reader]
             if data["op"] in SINKS or reader in front.nodes:
                 continue
-            if node == start and gather is not None and gather not in data["stack"]:
+            if node in starts and within is not None and within not in data["stack"]:
                 continue
             if _column(g, roles, reader):
                 if data["args"][0].name != node:
@@ -139,14 +148,24 @@ def _walk(g: nx.DiGraph, flow: Flow, roles: dict, start: str,
     return front, meets
 
 
-def front(g: nx.DiGraph, flow: Flow, roles: dict, start: str, gather: str | None = None) -> Front | None:
+def front(g: nx.DiGraph, flow: Flow, roles: dict, start: str, gather: str | None = None, *,
+          inputs_of: str | None = None) -> Front | None:
     """The front that ``start`` feeds, if its backward can run on partial gradients (see the module
-    docstring); None otherwise. ``gather``: the module kept whole that gathers ``start`` at entry."""
-    walked = _walk(g, flow, roles, start, gather)
+    docstring); None otherwise. ``gather``: the module kept whole that gathers ``start`` at entry.
+    ``inputs_of``: the front is that module's (see :func:`_input_fronts`), from every input of it
+    with a gradient; ``start`` is then ignored."""
+    starts = (start,) if inputs_of is None else tuple(sorted(
+        (n for n in module_inputs(g, inputs_of) if made_from_params(g, n)), key=lambda n: g.nodes[n]["order"]))
+    if not starts:
+        return None
+    walked = _walk(g, flow, roles, starts, gather or inputs_of)
     if walked is None:
         return None
     found, meets = walked
-    for name in found.nodes - {start}:
+    if inputs_of is not None and any(inputs_of not in g.nodes[n]["stack"] for n in found.nodes - set(starts)):
+        return None  # the front leaves the module: readers outside it would get partial gradients
+    outside = set(g.nodes[start]["stack"]) if inputs_of is None else None
+    for name in found.nodes - set(starts):
         for operand in _operands(g.nodes[name]):
             if operand in found.nodes:
                 continue
@@ -154,7 +173,8 @@ def front(g: nx.DiGraph, flow: Flow, roles: dict, start: str, gather: str | None
                 found.owners.add(g.nodes[operand]["param"].rpartition(".")[0])
             elif made_from_params(g, operand):
                 return None  # a value with a gradient of its own would get a partial one
-        found.modules.update(m for m in g.nodes[name]["stack"] if m not in g.nodes[start]["stack"])
+        found.modules.update(m for m in g.nodes[name]["stack"]
+                             if (m not in outside if outside is not None else m.startswith(inputs_of + ".")))
     spans = {begin: _numel(g, begin) for (source, _), begin in flow.broadcast_starts.items()
              if source in found.nodes and begin in found.nodes}
     on_spans = set(spans).union(*(nx.descendants(g, s) for s in spans)) if spans else set()
@@ -190,12 +210,13 @@ def _modules_ok(g: nx.DiGraph, roles: dict, found: Front, gather: str | None = N
     return True
 
 
-def cheaper(g: nx.DiGraph, found: Front, *, sequence_parallel: bool) -> bool:
+def cheaper(g: nx.DiGraph, found: Front, *, sequence_parallel: bool, shares: dict[str, int] | None = None) -> bool:
     """Whether one reduction of the branch input moves fewer bytes than today's reductions of the
     front's column inputs and rope spans (each an all-reduce: twice its input). The branch input
-    is all-reduced under plain TP (twice its size) and reduce-scattered under SP (once)."""
+    is all-reduced under plain TP (twice its size) and reduce-scattered under SP (once). A start
+    in ``shares`` is reduced once for that many layers: its cost per layer is divided by it."""
     today = 2 * (sum(found.reads.values()) + sum(found.spans.values()))
-    once = _numel(g, found.start) * (1 if sequence_parallel else 2)
+    once = sum(_numel(g, s) / (shares or {}).get(s, 1) for s in found.starts) * (1 if sequence_parallel else 2)
     return once < today
 
 
@@ -224,12 +245,14 @@ def partial_fronts(g: nx.DiGraph, flow: Flow, roles: dict[str, Role], *,
         and is dropped.
     """
     found: dict[str, Role] = {}
-    for entry, start in _entries(g, roles, sequence_parallel=sequence_parallel):
+    inputs = [] if sequence_parallel else _input_fronts(g, flow, roles, groups)
+    for entry, start in [(module, None) for module, _ in inputs] + _entries(g, roles, sequence_parallel=sequence_parallel):
         if entry in found:
             continue  # inside a front found already
-        gather = entry if kind_of(roles, entry) == "replicate" else None
-        branch = front(g, flow, roles, start, gather)
-        if branch is None or not branch.columns or not cheaper(g, branch, sequence_parallel=sequence_parallel):
+        gather = entry if start is not None and kind_of(roles, entry) == "replicate" else None
+        branch = dict(inputs)[entry] if start is None else front(g, flow, roles, start, gather)
+        if branch is None or not branch.columns or (
+                start is not None and not cheaper(g, branch, sequence_parallel=sequence_parallel)):
             continue
         if (branch.modules | branch.owners | branch.columns) & found.keys():
             continue
@@ -241,11 +264,14 @@ def partial_fronts(g: nx.DiGraph, flow: Flow, roles: dict[str, Role], *,
             continue
         found.update(dict.fromkeys(released))  # their columns share the front's wrapper now
         columns = tuple(sorted(m[len(scope) + 1:] if scope else m for m in branch.columns))
-        made = "input" if gather else "output"
-        reason = (f"its {made} feeds modules kept whole ({', '.join(sorted(branch.owners))}) before column Linears "
-                  f"({', '.join(columns)}): their partial input gradients are reduced once here, fewer bytes than "
-                  f"one all-reduce per column input and rope span")
-        if gather:
+        made = "inputs" if start is None else "input" if gather else "output"
+        reason = (f"its {made} feed{'' if start is None else 's'} modules kept whole ({', '.join(sorted(branch.owners))}) "
+                  f"before column Linears ({', '.join(columns)}): their partial input gradients are reduced once here, "
+                  f"fewer bytes than one all-reduce per column input and rope span")
+        if start is None:
+            found[entry] = Role("reduced_inputs", f"{reason}; an input made once at the root is reduced once for every "
+                                "layer that reads it", (entry,))
+        elif gather:
             found[entry] = _gathering_entry(g, roles, entry, branch, reason)
         else:
             found[entry] = (replace(roles[entry], partial_grad=True, reason=f"{roles[entry].reason}; {reason}")
@@ -254,8 +280,8 @@ def partial_fronts(g: nx.DiGraph, flow: Flow, roles: dict[str, Role], *,
         why = (f"read{'s' if len(columns) == 1 else ''} values computed whole from {entry}'s {made}: each hands its "
                f"input gradient back as a partial sum, reduced once at {entry}")
         if scope:
-            found[scope] = shared_entry(roles, scope, columns, f"its column Linears ({', '.join(columns)}) {why}",
-                                        (start, *sorted(branch.columns)), partial_grad=True)
+            found[scope] = shared_entry({**roles, **found}, scope, columns, f"its column Linears ({', '.join(columns)}) {why}",
+                                        (branch.start, *sorted(branch.columns)), partial_grad=True)
         else:  # no module above the columns to share their input: each takes its own
             for column in sorted(branch.columns):
                 found[column] = replace(roles[column], partial_grad=True, reason=f"{roles[column].reason}; {why}")
@@ -271,6 +297,52 @@ def partial_fronts(g: nx.DiGraph, flow: Flow, roles: dict[str, Role], *,
     log.info("partial fronts: %d branches reduce their input gradient once", sum(
         1 for r in found.values() if r is not None and shared_columns(r)))
     return found
+
+
+def _input_fronts(g: nx.DiGraph, flow: Flow, roles: dict[str, Role], groups=None) -> list[tuple[str, Front]]:
+    """Plain TP: modules kept whole whose inputs feed a front (a norm's ``shared_input`` inside them,
+    reached through replicated ops), where reducing each input once at entry moves fewer bytes than
+    reducing the norm's output. Only pays where an input is made once at the model's root and read by
+    a layer that stands for several: every layer then adds its partial gradient to one reduction.
+
+    Zamba's shared transformer normalises ``concat(stream, embeddings)``: the norm's output is twice
+    the stream's width; at entry the stream costs its width and the embeddings their width once per
+    step, whatever the number of layers running the block. The innermost such module of each norm.
+    """
+    found = []
+    for norm, role in roles.items():
+        if role is None or role.kind != "shared_input" or role.partial_grad:
+            continue
+        for module in reversed(list(_ancestors(norm))):
+            if roles.get(module) is not None or any(module == m for m, _ in found):
+                break
+            branch = front(g, flow, roles, "", inputs_of=module)
+            if branch is None or not branch.columns:
+                continue
+            shares = _shares(g, groups, module, branch.starts)
+            if shares and cheaper(g, branch, sequence_parallel=False, shares=shares):
+                found.append((module, branch))  # without a shared input, a norm's own front costs no more
+            break
+    return found
+
+
+def _ancestors(module: str) -> list[str]:
+    """The modules containing ``module``, outermost first, the root ("") aside.
+
+    >>> _ancestors("model.layers.1.attn.norm")
+    ['model', 'model.layers', 'model.layers.1', 'model.layers.1.attn']
+    """
+    parts = module.split(".")
+    return [".".join(parts[:i]) for i in range(1, len(parts))]
+
+
+def _shares(g: nx.DiGraph, groups, module: str, starts: tuple[str, ...]) -> dict[str, int]:
+    """For each start made outside every layer stack, read by ``module`` which stands for several
+    layers: how many (that input's one reduction serves them all)."""
+    if groups is None or len(groups.original(module)) < 2:
+        return {}
+    return {s: len(groups.original(module)) for s in starts
+            if g.nodes[s]["module"] is not None and len(groups.original(g.nodes[s]["module"])) == 1}
 
 
 def _entries(g: nx.DiGraph, roles: dict[str, Role], *, sequence_parallel: bool) -> list[tuple[str, str]]:

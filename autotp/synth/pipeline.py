@@ -44,7 +44,7 @@ from autotp.synth.regions import dtensor_regions
 from autotp.synth.shared import region_blocks, shared_input_roles
 from autotp.synth.statistics import statistics_roles
 from autotp.synth.torch_attention import multihead_attention_roles
-from autotp.synth.trace import LayerGroups, repeated_lists, trace
+from autotp.synth.trace import LayerGroups, block_signature, repeated_lists, trace
 from autotp.synth.validate import require_language_model, require_repeated_block
 
 log = logging.getLogger(__name__)
@@ -401,6 +401,64 @@ def untraced_linears(a: Analysis) -> Analysis:
     return replace(a, roles=roles)
 
 
+def untraced_siblings(a: Analysis) -> Analysis:
+    """Entries of an ``nn.ModuleList`` inside a traced layer that the trace never calls, shaped like
+    an entry it does call, get that entry's roles.
+
+    A layer that stands for several may pick one entry of a list by its layer index: Zamba2's shared
+    block holds one low-rank adapter per hybrid layer (``gate_up_proj_adapter_list[layer_idx]``),
+    and the traced layer runs only its own. The other layers run theirs the same way, so those are
+    planned like the one traced; left whole, they would add a full-width output to a sharded one.
+    Where a role names the traced entry's modules (the column Linears whose input a module shares),
+    the siblings' are named with them: each layer's pre-hook then finds the one its layer calls.
+    """
+    if a.model is None:
+        return a
+    ran = {m for _, d in a.graph.nodes(data=True) for m in d.get("stack") or ()}
+    stacks = set(a.groups.groups)
+    copies: dict[str, list[str]] = {}  # a called entry -> its uncalled siblings of the same shape
+    for fqn in a.roles:
+        parts = fqn.split(".")
+        for i in range(1, len(parts)):
+            parent, entry = ".".join(parts[:i]), f"{'.'.join(parts[:i])}.{parts[i]}"
+            if parent in stacks or entry in copies or entry not in ran:
+                continue
+            try:
+                container = a.model.get_submodule(a.groups.original(parent)[0])
+            except AttributeError:
+                continue
+            if not isinstance(container, nn.ModuleList) or not parts[i].isdigit():
+                continue
+            signature = block_signature(container[int(parts[i])])
+            siblings = [f"{parent}.{j}" for j, other in enumerate(container)
+                        if f"{parent}.{j}" not in ran and block_signature(other) == signature]
+            if siblings:
+                copies[entry] = siblings
+    if not copies:
+        return a
+    roles = dict(a.roles)
+    for fqn, role in a.roles.items():
+        for entry, siblings in copies.items():
+            if fqn == entry or fqn.startswith(entry + "."):
+                for sibling in siblings:
+                    roles.setdefault(sibling + fqn[len(entry):], role)
+
+    def widened(module: str, names: tuple[str, ...]) -> tuple[str, ...]:
+        out = list(names)
+        for name in names:
+            full = f"{module}.{name}"
+            for entry, siblings in copies.items():
+                if full.startswith(entry + "."):
+                    out += [(sibling + full[len(entry):])[len(module) + 1:] for sibling in siblings]
+        return tuple(dict.fromkeys(out))
+
+    for fqn, role in list(roles.items()):
+        if role is not None and (role.names or role.shared_columns):
+            roles[fqn] = replace(role, names=widened(fqn, role.names), shared_columns=widened(fqn, role.shared_columns))
+    log.info("untraced siblings: %d list entries planned like the one traced", sum(map(len, copies.values())))
+    return replace(a, roles=roles)
+
+
 # The passes after the fixpoint, in order.
 POST_PASSES: tuple[Callable[[Analysis], Analysis], ...] = (
     shard_counts, kv_replication, torch_attention, sequence_parallel, shared_inputs, partial_sums, whole_fronts,
@@ -408,6 +466,7 @@ POST_PASSES: tuple[Callable[[Analysis], Analysis], ...] = (
     divisibility,
     owned_outputs,
     untraced_linears,
+    untraced_siblings,
 )
 
 

@@ -52,6 +52,8 @@ ROLE_KINDS = {
     "partial_grad_module": "module kept whole whose backward runs on partial gradients (inside a partial-sum "
                            "block, or between a norm and column Linears): its parameters' gradients are partial "
                            "sums, left Partial()",
+    "reduced_inputs": "module kept whole whose inputs feed column Linears through replicated computation only: "
+                      "their partial gradients all-reduced at entry, an input shared by every layer once per step",
     "multihead_attention": "torch's nn.MultiheadAttention sharded by heads: packed q/k/v projection column-parallel "
                            "part by part, out_proj row-parallel, a per-rank forward",
     "dtensor_region": "module whose code cannot run on per-rank tensors, run on DTensors with some of its Linears "

@@ -185,9 +185,10 @@ def shared_entries(g: nx.DiGraph, roles: dict[str, Role]) -> dict[str, Role]:
 def shared_entry(roles: dict[str, Role], scope: str, columns: tuple[str, ...], reason: str,
                  evidence: tuple[str, ...], *, partial_grad: bool = False) -> Role:
     """The role that shares ``columns``' input at ``scope``: a ``shared_entry``, or the scope's own
-    ``shard_counts`` role with the columns added (one style divides its head counts and shares)."""
+    ``shard_counts`` or ``reduced_inputs`` role with the columns added (one style divides its head
+    counts, or reduces its inputs' gradients, and shares)."""
     current = roles.get(scope)
-    if current is not None and current.kind == "shard_counts":
+    if current is not None and current.kind in ("shard_counts", "reduced_inputs"):
         return replace(current, shared_columns=columns, partial_grad=partial_grad, evidence=evidence,
                        reason=f"{current.reason}; {reason}")
     return Role("shared_entry", reason, evidence, names=columns, partial_grad=partial_grad)
