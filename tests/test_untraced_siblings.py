@@ -68,3 +68,23 @@ def test_each_layers_own_adapter_is_sharded(tp):
         assert isinstance(plan[f"blocks.*.adapters.{entry}.1"], type(plan["blocks.*.up"])), plan
     # every up projection and adapter output sharded: near the bound, not whole
     assert max(report.param_fraction) < 1.2 / tp, report.param_fraction
+
+
+def test_zamba2_with_two_hybrid_layers_verifies():
+    """transformers' Zamba2 with two hybrid layers (the published 2.7B config has nine): the second
+    runs adapter 1 of its shared block, which the trace of the first never called. Would catch the
+    plan failing on the shapes there."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    from coverage import _tiny_model
+
+    model = _tiny_model("zamba2", 2, repeat=2)
+    assert model.config.layers_block_type.count("hybrid") == 2
+    plan = synthesize(model, tp_size=2)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        report = verify(model, plan, tp_size=2)
+    assert report.ok, str(report)
+    assert max(report.param_fraction) < 0.6, report.param_fraction
