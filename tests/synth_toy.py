@@ -165,15 +165,16 @@ def example_tokens() -> torch.Tensor:
     return torch.randint(0, VOCAB, (2, SEQ))
 
 
-def verify_toy(model: nn.Module, plan, tp_size: int = 2):
-    """Verify ``plan`` on a toy model fed :func:`example_tokens`; the report, asserted ok."""
+def verify_toy(model: nn.Module, plan, tp_size: int = 2, inputs=None):
+    """Verify ``plan`` on a toy model fed ``inputs`` (default :func:`example_tokens`); the report,
+    asserted ok."""
     import warnings
 
     from autotp.verifier import verify
 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        report = verify(model, plan, tp_size=tp_size, inputs=(example_tokens(),))
+        report = verify(model, plan, tp_size=tp_size, inputs=(example_tokens(),) if inputs is None else inputs)
     assert report.ok, str(report)
     return report
 
