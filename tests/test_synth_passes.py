@@ -218,7 +218,8 @@ def test_post_passes_run_in_the_documented_order():
     assert [p.__name__ for p in POST_PASSES] == ["shard_counts", "kv_replication", "torch_attention",
                                                   "sequence_parallel", "shared_inputs", "partial_sums", "whole_fronts",
                                                   "mixed_column_inputs", "width_statistics", "sliced_entries",
-                                                  "dtensor_region_modules", "region_parallel_blocks", "divisibility", "owned_outputs", "untraced_linears"]
+                                                  "dtensor_region_modules", "region_parallel_blocks", "divisibility", "owned_outputs", "untraced_linears",
+                                                  "untraced_siblings"]
 
 
 def test_shard_counts_pass_gives_a_counting_role_or_extends_a_params_role():

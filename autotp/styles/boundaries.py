@@ -299,6 +299,7 @@ class ReducedInputGrads(ParallelStyle):
     input gradients back unreduced (:class:`SharedReplicatedInput` with ``partial_grad``).
 
     Example::
+        >>> from autotp.styles import ReplicatedWithGradAllReduce
         >>> plan = {"model.layers.*.shared_transf": ReducedInputGrads(),
         ...         "model.layers.*.shared_transf.input_layernorm": ReplicatedWithGradAllReduce(),
         ...         "model.layers.*.shared_transf.self_attn": SharedReplicatedInput(
