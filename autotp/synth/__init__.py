@@ -14,7 +14,8 @@ and then passed through a literal list of passes::
                                                # width_statistics, sliced_entries,
                                                # dtensor_region_modules,
                                                # region_parallel_blocks, divisibility,
-                                               # owned_outputs, untraced_linears
+                                               # owned_outputs, untraced_linears,
+                                               # untraced_siblings
     plan = build_plan(analysis.roles, groups)  # one table maps role kinds to styles
 
 ``synthesize``, ``explain``, ``check_plan`` (``analysis=``) and the CLI share one Analysis.
