@@ -448,7 +448,7 @@ def untraced_siblings(a: Analysis) -> Analysis:
         for name in names:
             full = f"{module}.{name}"
             for entry, siblings in copies.items():
-                if full.startswith(entry + "."):
+                if entry.startswith(module + ".") and full.startswith(entry + "."):  # names below the module
                     out += [(sibling + full[len(entry):])[len(module) + 1:] for sibling in siblings]
         return tuple(dict.fromkeys(out))
 
