@@ -108,7 +108,7 @@ def test_side_input_reduced_once_for_every_layer(tp, monkeypatch):
     report = _report(model, plan, tp)
     assert max(report.param_fraction) < 1.2 / tp, report.param_fraction
     assert report.collectives_backward == {"all_reduce": 2 * layers + 2}, report.collectives_backward
-    monkeypatch.setattr(fronts, "_input_fronts", lambda *args, **kwargs: [])  # the layout before
+    monkeypatch.setattr(fronts, "_input_fronts", lambda *args, **kwargs: {})  # the layout before
     before = _report(model, _plan(model, tp), tp)
     assert before.collectives_backward == {"all_reduce": 2 * layers + 1}, before.collectives_backward
     # in stream widths: 3 per layer + 1 before, 2 per layer + 2 now

@@ -245,12 +245,12 @@ def partial_fronts(g: nx.DiGraph, flow: Flow, roles: dict[str, Role], *,
         and is dropped.
     """
     found: dict[str, Role] = {}
-    inputs = [] if sequence_parallel else _input_fronts(g, flow, roles, groups)
-    for entry, start in [(module, None) for module, _ in inputs] + _entries(g, roles, sequence_parallel=sequence_parallel):
+    inputs = {} if sequence_parallel else _input_fronts(g, flow, roles, groups)
+    for entry, start in [(module, None) for module in inputs] + _entries(g, roles, sequence_parallel=sequence_parallel):
         if entry in found:
             continue  # inside a front found already
         gather = entry if start is not None and kind_of(roles, entry) == "replicate" else None
-        branch = dict(inputs)[entry] if start is None else front(g, flow, roles, start, gather)
+        branch = inputs[entry] if start is None else front(g, flow, roles, start, gather)
         if branch is None or not branch.columns or (
                 start is not None and not cheaper(g, branch, sequence_parallel=sequence_parallel)):
             continue
@@ -299,7 +299,7 @@ def partial_fronts(g: nx.DiGraph, flow: Flow, roles: dict[str, Role], *,
     return found
 
 
-def _input_fronts(g: nx.DiGraph, flow: Flow, roles: dict[str, Role], groups=None) -> list[tuple[str, Front]]:
+def _input_fronts(g: nx.DiGraph, flow: Flow, roles: dict[str, Role], groups=None) -> dict[str, Front]:
     """Plain TP: modules kept whole whose inputs feed a front (a norm's ``shared_input`` inside them,
     reached through replicated ops), where reducing each input once at entry moves fewer bytes than
     reducing the norm's output. Only pays where an input is made once at the model's root and read by
@@ -309,19 +309,19 @@ def _input_fronts(g: nx.DiGraph, flow: Flow, roles: dict[str, Role], groups=None
     the stream's width; at entry the stream costs its width and the embeddings their width once per
     step, whatever the number of layers running the block. The innermost such module of each norm.
     """
-    found = []
+    found: dict[str, Front] = {}
     for norm, role in roles.items():
         if role is None or role.kind != "shared_input" or role.partial_grad:
             continue
-        for module in reversed(list(_ancestors(norm))):
-            if roles.get(module) is not None or any(module == m for m, _ in found):
+        for module in reversed(_ancestors(norm)):
+            if roles.get(module) is not None or module in found:
                 break
             branch = front(g, flow, roles, "", inputs_of=module)
             if branch is None or not branch.columns:
                 continue
             shares = _shares(g, groups, module, branch.starts)
             if shares and cheaper(g, branch, sequence_parallel=False, shares=shares):
-                found.append((module, branch))  # without a shared input, a norm's own front costs no more
+                found[module] = branch  # without a shared input, a norm's own front costs no more
             break
     return found
 
