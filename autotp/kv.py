@@ -79,6 +79,9 @@ def replicate_kv_heads(model: nn.Module, plan: Plan, tp_size: int, *, gather: bo
             check_kv_replication(fqn, local_kv, heads, tp_size)
             kv_styles[fqn] = ReplicatedKVColwise(kv_heads=local_kv, head_dim=head_dim, gather=gather)
             counts[key.rsplit(".", 1)[0]] = KVHeadCounts(heads=heads)
+    # An attention module with a style of its own keeps it, applied after the counts are set.
+    counts = {key: style if isinstance(plan.get(key), (type(None), KVHeadCounts)) else
+              KVHeadCounts(heads=style.heads, base=plan[key]) for key, style in counts.items()}
     return {**_rewrite_keys(plan, resolved, kv_styles), **counts}
 
 

@@ -143,7 +143,9 @@ def base_style(style: ParallelStyle) -> ParallelStyle:
 
 
 def sharded_param_dims(module: nn.Module, style: ParallelStyle) -> dict[str, int]:
-    """Which dimension of each of ``module``'s own parameters ``style`` shards (absent: replicated).
+    """Which dimension of each of ``module``'s parameters ``style`` shards (absent: replicated): its
+    own, and for a style that places its descendants' (:class:`~autotp.styles.DTensorRegion`) their
+    dotted names too.
 
     Colwise on a Linear shards ``weight`` (out, in) and ``bias`` on dim 0, since Linear computes
     x @ W^T + b and the output features are W's rows; Rowwise shards the contracted input features,

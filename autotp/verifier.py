@@ -202,11 +202,25 @@ def default_inputs(model: nn.Module, tp_size: int, *, batch: int = 2, seed: int 
 
 def call_model(model: nn.Module, inputs) -> torch.Tensor:
     out = model(**inputs) if isinstance(inputs, dict) else model(*inputs)
-    if hasattr(out, "logits"):
-        return out.logits
-    if isinstance(out, (tuple, list)):
-        return out[0]
-    return out
+    return model_logits(out, model)
+
+
+def model_logits(output, model: nn.Module | None = None) -> torch.Tensor:
+    """The logits in a model's output: the tensor itself, its ``logits`` (an attribute, as in
+    transformers' outputs, or a key of a plain dict), or the first element of a tuple or list."""
+    if isinstance(output, dict) and "logits" in output:
+        output = output["logits"]
+    elif hasattr(output, "logits"):
+        output = output.logits
+    elif isinstance(output, (tuple, list)) and output:
+        output = output[0]
+    if not isinstance(output, torch.Tensor):
+        name = type(model).__name__ if model is not None else "the model"
+        raise VerificationError(
+            f"{name}: its forward returned {type(output).__name__} where the logits were expected; return "
+            "the logits as a tensor, as the first element of a tuple, or under the key or attribute 'logits'."
+        )
+    return output
 
 
 def _loss(logits: torch.Tensor) -> torch.Tensor:
@@ -263,7 +277,16 @@ def clean_copy(model: nn.Module) -> nn.Module:
     if leftovers:
         log.warning("%s: dropping fake tensors a trace left in module state (%s) from the verified copies",
                     type(model).__name__, ", ".join(sorted(leftovers)))
-    return copy.deepcopy(model, memo={id(value): None for value in leftovers.values()})
+    try:
+        return copy.deepcopy(model, memo={id(value): None for value in leftovers.values()})
+    except RuntimeError as error:  # a non-leaf tensor held as module state (legacy weight_norm)
+        if "deepcopy" not in str(error):
+            raise
+        raise VerificationError(
+            f"{type(model).__name__}: cannot be copied for verification ({one_line(error)}). Each rank shards a "
+            "copy of the model: make it deep-copyable (legacy torch.nn.utils.weight_norm: use "
+            "torch.nn.utils.parametrizations.weight_norm, or remove_weight_norm before sharding)."
+        ) from error
 
 
 def reference_run(model: nn.Module, inputs, backward: bool):

@@ -41,7 +41,6 @@ REASONS = {
     "config-unbuildable": "the tiny config or the model could not be built from it",
     "config-not-tiny": "the shrunk config is still large (a width or table the shrinker does not know)",
     "unsharded-forward-failed": "the unsharded tiny model fails on token ids alone",
-    "no-repeated-block": "no nn.ModuleList of repeated blocks to plan",
     "not-a-language-model": "the traced forward looks up no token embedding",
     "export-failed": "torch.export could not trace the model",
     "indivisible": "a sharded extent is not divisible by tp",
@@ -150,8 +149,6 @@ def _synthesis_reason(error: BaseException) -> str:
 
     text = str(error)
     if isinstance(error, TraceError):
-        if "no repeated block" in text:
-            return "no-repeated-block"
         if "no embedding lookup" in text:
             return "not-a-language-model"
         return "export-failed"

@@ -46,8 +46,8 @@ def _verify(model, plan, tp_size=2):
 
 @pytest.mark.parametrize("sequence_parallel", [False, True], ids=["tp", "sp"])
 def test_module_dict_layers_are_planned_under_the_dict_keys(sequence_parallel):
-    """Would catch "no repeated block found" on torchtitan / olmo-core layer dicts, or plan keys that
-    name traced positions instead of the dict's keys."""
+    """Would catch torchtitan / olmo-core layer dicts not read as a layer stack (plan keys per layer,
+    no ``layers.*``), or plan keys that name traced positions instead of the dict's keys."""
     model = DictStack()
     plan = synthesize(model, example_inputs=(example_tokens(),), sequence_parallel=sequence_parallel, tp_size=2)
     assert {"layers.*.attention.wq", "layers.*.attention.wo", "layers.*.feed_forward.w2"} <= set(plan)

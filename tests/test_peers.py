@@ -115,7 +115,7 @@ def titan_cpu_mesh(monkeypatch):
 @pytest.mark.parametrize("tp_size", [2, 4])
 @pytest.mark.parametrize("name", VERIFIED)
 def test_torchtitan_model_as_shipped_is_synthesized_and_verified(name, tp_size, sequence_parallel):
-    """Would catch "no repeated block found" on the ModuleDict layers, torchtitan's Embedding
+    """Would catch ModuleDict layers not read as a layer stack, torchtitan's Embedding
     failing on DTensor ids (it unwraps its weight itself), or Qwen3-MoE's routing weights, applied
     to the experts' output in the block's combine, left with a partial gradient under SP (its
     router weight's gradient was 65% off)."""

@@ -525,14 +525,23 @@ class TiedLinearHead(Decoder):
         return F.linear(self.norm(x), self.embed.weight)
 
 
+class FreeNormTiedLinearHead(TiedLinearHead):
+    """The same head after a parameter-free final norm (``LayerNorm(d, elementwise_affine=False)``)."""
+
+    def __init__(self):
+        super().__init__()
+        self.norm = nn.LayerNorm(DIM, elementwise_affine=False)
+
+
 @pytest.mark.parametrize("tp", [2, 4])
 @pytest.mark.parametrize("sequence_parallel", [False, True], ids=["tp", "sp"])
-def test_a_head_on_the_tied_embedding_in_the_models_own_code(tp, sequence_parallel):
+@pytest.mark.parametrize("model_class", [TiedLinearHead, FreeNormTiedLinearHead], ids=["norm", "free_norm"])
+def test_a_head_on_the_tied_embedding_in_the_models_own_code(model_class, tp, sequence_parallel):
     """Under sequence parallel the final norm's output reaches ``F.linear`` with a plain weight in
     code no style wraps: it is all-gathered to a plain tensor there (the plan crashed on a
-    sequence-sharded DTensor before). The embedding and its tied reader stay whole; the blocks are
-    sharded."""
-    model = TiedLinearHead()
+    sequence-sharded DTensor before; with a parameter-free norm, until it got a style too). The
+    embedding and its tied reader stay whole; the blocks are sharded."""
+    model = model_class()
     plan, report = run(model, tp, sequence_parallel)
     assert report.ok, str(report)
     assert "layers.*.attn.wq" in plan and type(plan.get("embed")).__name__ != "VocabParallelEmbedding", plan
@@ -614,3 +623,41 @@ def test_a_whole_module_taking_the_stream_three_times(sequence_parallel):
     if sequence_parallel:
         # Per layer: one gather into the attention, one for the MLP; one before the head.
         assert report.collectives["all_gather_into_tensor"] == 2 * len(model.layers) + 1, report.collectives
+
+
+class HeadTemperatureGQA(nn.Module):
+    """Two kv heads read by eight query heads (``repeat_interleave`` by a ratio attribute), and a
+    learned temperature per query head scaling the scores: at tp 4 the kv heads are replicated
+    (the ratio set per rank) and the temperature sharded with the query heads."""
+
+    def __init__(self, kv_heads=2):
+        super().__init__()
+        self.num_key_value_groups = HEADS // kv_heads
+        self.temperature = nn.Parameter(torch.linspace(0.5, 1.5, HEADS).view(HEADS, 1, 1))
+        self.wq, self.wo = nn.Linear(DIM, HEADS * HD, bias=False), nn.Linear(HEADS * HD, DIM, bias=False)
+        self.wk, self.wv = nn.Linear(DIM, kv_heads * HD, bias=False), nn.Linear(DIM, kv_heads * HD, bias=False)
+
+    def forward(self, x):
+        b, t, _ = x.shape
+        q, k, v = _heads(self.wq(x), -1), _heads(self.wk(x), -1), _heads(self.wv(x), -1)
+        k, v = (z.repeat_interleave(self.num_key_value_groups, dim=1) for z in (k, v))
+        scores = q @ k.transpose(-1, -2) * HD**-0.5 * self.temperature
+        scores = scores.masked_fill(torch.ones(t, t, dtype=torch.bool).triu(1), float("-inf"))
+        y = scores.softmax(-1) @ v
+        return self.wo(y.transpose(1, 2).reshape(b, t, -1))
+
+
+@pytest.mark.parametrize("sequence_parallel", [False, True], ids=["tp", "sp"])
+def test_per_head_parameter_with_kv_heads_replicated(sequence_parallel):
+    """Would catch the kv-head counts and the per-head parameter competing for the attention's one
+    plan key (before: the counts won, the temperature stayed whole and broadcast over 2 of 8 heads,
+    and the sharded run failed on the shapes)."""
+    from autotp.styles import HeadParams, KVHeadCounts
+
+    model = Decoder(attention=HeadTemperatureGQA)
+    plan, report = run(model, 4, sequence_parallel)
+    assert report.ok, str(report)
+    style = plan["layers.*.attn"]
+    assert isinstance(style, KVHeadCounts) and isinstance(style.base, HeadParams), style
+    assert style.base.shard_dims == {"temperature": 0}
+    assert all(f <= 1 / 4 + 0.1 for f in report.param_fraction), report.param_fraction

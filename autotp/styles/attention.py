@@ -333,14 +333,24 @@ class KVHeadCounts(ParallelStyle):
         attribute (str | None): the ratio attribute. Default: ``"num_key_value_groups"``.
         kv_attributes (tuple[str, ...]): attributes holding the kv head count, set to 1.
         head_attributes (tuple[str, ...]): attributes holding the query head count, set to heads / tp.
+        base (ParallelStyle | None): the module's own style, applied after the counts are set (a
+            :class:`~autotp.styles.HeadParams` sharding a per-head parameter with the heads).
+            Default: None.
     """
 
     def __init__(self, *, heads: int, attribute: str | None = "num_key_value_groups",
-                 kv_attributes: tuple[str, ...] = (), head_attributes: tuple[str, ...] = ()):
+                 kv_attributes: tuple[str, ...] = (), head_attributes: tuple[str, ...] = (),
+                 base: ParallelStyle | None = None):
         super().__init__()
         self.heads = heads
         self.attribute = attribute
         self.kv_attributes, self.head_attributes = tuple(kv_attributes), tuple(head_attributes)
+        self.base = base
+
+    def sharded_param_dims(self, module: nn.Module) -> dict[str, int]:
+        from autotp.plan import sharded_param_dims
+
+        return sharded_param_dims(module, self.base) if self.base is not None else {}
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         local = self.heads // device_mesh.size()
@@ -348,9 +358,10 @@ class KVHeadCounts(ParallelStyle):
             setattr(module, name, local)
         for name in self.kv_attributes:
             setattr(module, name, 1)
-        return module
+        return self.base._apply(module, device_mesh) if self.base is not None else module
 
     def __repr__(self) -> str:
         extra = "".join(f", {k}={v!r}" for k, v in (("kv_attributes", self.kv_attributes),
-                                                    ("head_attributes", self.head_attributes)) if v)
+                                                    ("head_attributes", self.head_attributes),
+                                                    ("base", self.base)) if v)
         return f"{self.__class__.__name__}(heads={self.heads}, attribute={self.attribute!r}{extra})"

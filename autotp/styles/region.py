@@ -64,7 +64,11 @@ class DTensorRegion(WrapperStyle):
         self.style = style
 
     def sharded_param_dims(self, module: nn.Module) -> dict[str, int]:
-        return {name: dim for name, dim in self.params.items() if "." not in name}
+        # Dotted names are descendants' parameters, which this style places (memory, divisibility).
+        from autotp.plan import sharded_param_dims
+
+        inner = sharded_param_dims(module, self.style) if self.style is not None else {}
+        return {**inner, **self.params}
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         module = self._apply_wrapped(module, device_mesh)

@@ -35,6 +35,8 @@ _INPUT_COLUMNS = frozenset({"column", "packed_column", "kv_column", "head"})
 def style_for(role: Role, *, loss_parallel: bool = True) -> ParallelStyle | None:
     """The ParallelStyle that realises ``role``, returning a copy where the caller writes the output."""
     style = _style_for(role, loss_parallel=loss_parallel)
+    if role.kv_counts and role.kind != "kv_head_counts":  # tp > kv heads, on a module with a style of its own
+        style = _kv_head_counts(role, loss_parallel, base=style)
     if style is not None and role.owned_output:
         style = styles.OwnedOutput(style)
     if role.partial_grad and role.kind in _INPUT_COLUMNS:
@@ -98,13 +100,14 @@ def _gathered(style: ParallelStyle | None) -> ParallelStyle | None:
     return styles.GroupCopies(base=style.base, rows=style.rows, values=style.values, gather=True)
 
 
-def _kv_head_counts(role: Role, loss_parallel: bool) -> ParallelStyle:
+def _kv_head_counts(role: Role, loss_parallel: bool, base: ParallelStyle | None = None) -> ParallelStyle:
     # The ratio and the query heads both become heads / tp per rank: one ratio attribute is named
     # as such (the common case, ``num_key_value_groups``), any other is set with the head counts.
     ratios = [n for n, k in role.kv_counts if k == "ratio"]
     return styles.KVHeadCounts(heads=role.heads, attribute=ratios[0] if ratios else None,
                                kv_attributes=tuple(n for n, k in role.kv_counts if k == "kv"),
-                               head_attributes=tuple(ratios[1:] + [n for n, k in role.kv_counts if k == "heads"]))
+                               head_attributes=tuple(ratios[1:] + [n for n, k in role.kv_counts if k == "heads"]),
+                               base=base)
 
 
 def _head(role: Role, loss_parallel: bool) -> ParallelStyle:

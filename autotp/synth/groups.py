@@ -49,6 +49,7 @@ from autotp.synth.localize import candidate_names, cutting_module
 from autotp.synth.ops import ELEMENTWISE, PASSTHROUGH, VIEW_LIKE
 from autotp.synth.params import reading_module
 from autotp.synth.trace import LayerGroups, example_args
+from autotp.verifier import model_logits
 
 log = logging.getLogger(__name__)
 
@@ -341,7 +342,7 @@ def _prove(model, example_inputs, g, flow, fqn: str, parts: list[GroupedPart], t
     if inputs is None or target is None:
         return None
     with torch.no_grad():
-        reference = _logits(target(*inputs[0], **inputs[1]))
+        reference = model_logits(target(*inputs[0], **inputs[1]))
     prefix = fqn + "." if fqn else ""
     trials = 0
     for count in range(min(MAX_ATTRIBUTES, len(candidates)) + 1):
@@ -423,7 +424,7 @@ def _same_output(target: nn.Module, local: dict[str, Copies], tp: int, inputs, r
         for path, spec in local.items():
             expand_module(trial.get_submodule(path), spec, tp)
         with torch.no_grad():
-            output = _logits(trial(*inputs[0], **inputs[1]))
+            output = model_logits(trial(*inputs[0], **inputs[1]))
     except Exception as error:  # noqa: BLE001 - a shape the attributes left inconsistent: not this set
         log.debug("group copies trial %s failed: %s", local, error)
         return False
@@ -438,14 +439,6 @@ def _get(module: nn.Module, path: str):
     for part in path.split("."):
         module = getattr(module, part)
     return module
-
-
-def _logits(output) -> torch.Tensor:
-    if isinstance(output, torch.Tensor):
-        return output
-    if isinstance(output, dict) or hasattr(output, "logits"):
-        return output["logits"] if isinstance(output, dict) else output.logits
-    return output[0]
 
 
 def expand_module(module: nn.Module, copies: Copies, tp: int) -> None:

@@ -44,8 +44,8 @@ from autotp.synth.regions import dtensor_regions
 from autotp.synth.shared import region_blocks, shared_input_roles
 from autotp.synth.statistics import statistics_roles
 from autotp.synth.torch_attention import multihead_attention_roles
-from autotp.synth.trace import LayerGroups, block_signature, repeated_lists, trace
-from autotp.synth.validate import require_language_model, require_repeated_block
+from autotp.synth.trace import LayerGroups, block_signature, trace
+from autotp.synth.validate import require_language_model
 
 log = logging.getLogger(__name__)
 
@@ -90,7 +90,6 @@ class Analysis:
 def run(model: nn.Module, *, example_inputs=None, sequence_parallel: bool = False,
         tp_size: int | None = None) -> Analysis:
     """The whole pipeline on ``model``: trace, graph, constraint fixpoint, then :data:`POST_PASSES`."""
-    require_repeated_block(model, repeated_lists(model))
     program, groups = trace(model, example_inputs)
     g = build_graph(program)
     require_language_model(model, g)
@@ -258,7 +257,17 @@ def kv_replication(a: Analysis) -> Analysis:
     if a.tp_size is None:
         return a
     kv_roles, handled = replicate_kv(a.model, a.example_inputs, a.graph, a.flow, a.roles, a.tp_size, a.groups)
-    return replace(a, roles={**a.roles, **kv_roles}, kv_handled=frozenset(handled))
+    roles = dict(a.roles)
+    for module, role in kv_roles.items():
+        current = roles.get(module)
+        if role.kind == "kv_head_counts" and current is not None and current.kind != "kv_head_counts":
+            # The attention has a style of its own (per-head parameters sharded with the heads): the
+            # per-rank counts are set first, then that style applies (one plan key, both styles).
+            roles[module] = replace(current, kv_counts=role.kv_counts, heads=role.heads,
+                                    reason=f"{current.reason}; {role.reason}")
+        else:
+            roles[module] = role
+    return replace(a, roles=roles, kv_handled=frozenset(handled))
 
 
 def torch_attention(a: Analysis) -> Analysis:

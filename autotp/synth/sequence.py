@@ -564,7 +564,16 @@ def sequence_norms(g: nx.DiGraph, region: set[str], roles: dict[str, Role], grou
     found = {}
     for name in sorted(region, key=lambda n: g.nodes[n]["order"]):
         for module in g.nodes[name]["stack"]:
-            if module not in owners or module in roles or module in found:
+            if module in roles or module in found:
+                continue
+            if module not in owners:
+                # A parameter-free norm (``LayerNorm(d, elementwise_affine=False)``) needs no style,
+                # unless the model's own code multiplies its output by a weight: it hands on a plain tensor.
+                if not any(o.startswith(module + ".") for o in owners) and not any(
+                        module.startswith(m + ".") for m in found) and _root_product(g, module_outputs(g, module)[1]):
+                    found[module] = Role("seq_norm_gather", "parameter-free norm on the sequence-sharded residual "
+                                         "stream whose output the model's own code multiplies by a weight it holds "
+                                         "whole: all-gathered to a plain tensor", ("residual", module))
                 continue
             if any(module.startswith(t + ".") for t in tables):
                 continue
@@ -919,6 +928,12 @@ def unshardable_stream(g: nx.DiGraph, flow: Flow, roles: dict[str, Role], groups
     for table in time_major_tables(g, flow, region):
         return (f"the token embedding's output ({table}) is sequence-first, (t, b, d): its dim 1 is the batch, "
                 "which sequence-parallel styles would shard: the stream stays replicated (plain TP)")
+    if not any(layer_of(g.nodes[n]["stack"], groups) for n in region):  # no layer stack (one block)
+        whole = sorted((n for n in region if is_linear(g, n) and kind_of(roles, module_of(g, n)) in (None, "replicate")),
+                       key=lambda n: g.nodes[n]["order"])
+        if whole:
+            return (f"{module_of(g, whole[0])} is kept whole on the stream and the model has no layer stack at "
+                    "whose entry the stream could start sequence-sharded: it stays replicated (plain TP)")
     if not root_joins(g, flow, region, groups):
         return None
     region, _ = start_at_layers(g, region, groups)

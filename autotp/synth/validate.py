@@ -8,22 +8,6 @@ from torch import nn
 from autotp.errors import TraceError
 
 
-def require_repeated_block(model: nn.Module, repeated: dict) -> None:
-    """Raise unless ``model`` has a stack of repeated blocks (the decoder layers): an ``nn.ModuleList``,
-    or an ``nn.ModuleDict`` / ``nn.Sequential`` with two entries of the same structure.
-
-    Raises:
-        TraceError: no repeated block; the message gives the ways out.
-    """
-    if not repeated:
-        raise TraceError(
-            f"{type(model).__name__}: no repeated block found (an nn.ModuleList, nn.ModuleDict or "
-            "nn.Sequential below the root holding two or more layers of the same structure); autotp "
-            "synthesizes plans for stacks of decoder blocks. Keep the layers in one of those containers, "
-            "or pass a hand-written plan (tp_shard_plan=...)."
-        )
-
-
 def require_language_model(model: nn.Module, g: nx.DiGraph) -> None:
     """Raise unless the traced forward looks up token ids in an embedding table.
 
