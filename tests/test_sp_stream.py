@@ -236,6 +236,45 @@ def test_block_scaling_by_a_whole_router_is_gathered_under_sequence_parallel(tp)
     verify_toy(model, plan, tp)
 
 
+class DenseMixture(nn.Module):
+    """Every expert (a sharded MLP) on every token, their outputs stacked and weighted by top-k
+    gates from a whole router: ``einsum`` (``combine="einsum"``) or a broadcast product summed."""
+
+    def __init__(self, combine: str, experts: int = 4, top_k: int = 2):
+        super().__init__()
+        self.combine, self.top_k = combine, top_k
+        self.router = nn.Linear(DIM, experts, bias=False)
+        self.experts = nn.ModuleList(MLP() for _ in range(experts))
+
+    def forward(self, x):
+        logits = self.router(x)
+        top, index = torch.topk(logits, self.top_k, dim=-1)
+        gates = torch.full_like(logits, float("-inf")).scatter(-1, index, top).softmax(-1)
+        outs = torch.stack([expert(x) for expert in self.experts], dim=-2)
+        if self.combine == "einsum":
+            return torch.einsum("bte,bted->btd", gates, outs)
+        return (gates.unsqueeze(-1) * outs).sum(-2)
+
+
+class DenseMixtureLayer(RoutedLayer):
+    def __init__(self, combine: str):
+        super().__init__()
+        self.moe = DenseMixture(combine)
+
+
+@pytest.mark.parametrize("combine", ["einsum", "mul_sum"])
+def test_dense_mixture_weighted_by_a_whole_router_is_gathered_under_sequence_parallel(combine):
+    """Would catch the gates (from ``topk`` / ``scatter`` / ``softmax`` of a whole router's logits,
+    a plain tensor) meeting the experts' reduce-scattered outputs (the sharded run raised "got
+    mixed torch.Tensor and DTensor" in ``bmm`` / ``mul``): the block is gathered at entry, its
+    experts stay sharded."""
+    model = Stack(lambda: DenseMixtureLayer(combine))
+    plan = synthesize(model, example_inputs=(example_tokens(),), tp_size=2, sequence_parallel=True)
+    assert isinstance(plan.get("layers.*.moe"), styles.GatherSequenceInput), plan.get("layers.*.moe")
+    assert "layers.*.moe.experts.0.c_fc" in plan, sorted(plan)
+    verify_toy(model, plan, 2)
+
+
 class MaskedMixer(nn.Module):
     """Zeroes the padded positions of its input with the model's padding mask, then a per-channel
     scale and an MLP (the scale is the mixer's own parameter, so the mixer keeps a style of its own)."""

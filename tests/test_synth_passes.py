@@ -215,7 +215,7 @@ def test_constraint_fixpoint_keeps_a_foreign_read_whole_in_one_round():
 
 
 def test_post_passes_run_in_the_documented_order():
-    assert [p.__name__ for p in POST_PASSES] == ["shard_counts", "kv_replication", "torch_attention",
+    assert [p.__name__ for p in POST_PASSES] == ["adapters", "shard_counts", "kv_replication", "torch_attention",
                                                   "sequence_parallel", "shared_inputs", "partial_sums", "whole_fronts",
                                                   "mixed_column_inputs", "width_statistics", "sliced_entries",
                                                   "dtensor_region_modules", "region_parallel_blocks", "divisibility", "owned_outputs", "untraced_linears",

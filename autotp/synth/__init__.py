@@ -8,7 +8,7 @@ and then passed through a literal list of passes::
     analysis = constraint_fixpoint(...)        # analyse (shard propagation) -> assign_roles ->
                                                # new constraints (foreign reads, tie conflicts,
                                                # fused outputs cut with global sizes), until none
-    for step in POST_PASSES:                   # shard_counts, kv_replication, torch_attention,
+    for step in POST_PASSES:                   # adapters, shard_counts, kv_replication, torch_attention,
         analysis = step(analysis)              # sequence_parallel, shared_inputs, partial_sums,
                                                # whole_fronts, mixed_column_inputs,
                                                # width_statistics, sliced_entries,

@@ -32,6 +32,7 @@ from autotp.synth.entries import with_entries
 from autotp.synth.fronts import partial_fronts
 from autotp.synth.graph import build_graph
 from autotp.synth.groups_first import fewer_groups_than_tp
+from autotp.synth.adapters import whole_adapters
 from autotp.synth.kvheads import replicate_kv
 from autotp.synth.localize import localize
 from autotp.synth.mixes import mixed_inputs
@@ -230,6 +231,14 @@ def _indivisible_parts(flow: Flow, tp_size: int | None) -> dict[str, str]:
 
 
 # --- post-passes: each Analysis -> Analysis -------------------------------------------------------
+
+
+def adapters(a: Analysis) -> Analysis:
+    """Low-rank adapters (LoRA) beside a Linear kept whole stay whole with it (:mod:`autotp.synth.adapters`)."""
+    found = whole_adapters(a.graph, a.roles)
+    if found:
+        log.info("adapters: %d adapter Linears kept whole with their base", len(found))
+    return replace(a, roles={**a.roles, **found})
 
 
 def shard_counts(a: Analysis) -> Analysis:
@@ -470,7 +479,7 @@ def untraced_siblings(a: Analysis) -> Analysis:
 
 # The passes after the fixpoint, in order.
 POST_PASSES: tuple[Callable[[Analysis], Analysis], ...] = (
-    shard_counts, kv_replication, torch_attention, sequence_parallel, shared_inputs, partial_sums, whole_fronts,
+    adapters, shard_counts, kv_replication, torch_attention, sequence_parallel, shared_inputs, partial_sums, whole_fronts,
     mixed_column_inputs, width_statistics, sliced_entries, dtensor_region_modules, region_parallel_blocks,
     divisibility,
     owned_outputs,
