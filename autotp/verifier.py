@@ -483,6 +483,12 @@ def _compare_params(sharded: nn.Module, ref_params: dict, backward: bool, rank_v
         if grad is None:
             grad_diffs[name] = float("inf")
             continue
+        if isinstance(grad, DTensor) and not isinstance(param, DTensor):
+            # A plain parameter whose gradient came back a DTensor (it met DTensors in the forward
+            # as an implicitly replicated scalar): no optimizer can step it; a failure, not a crash.
+            log.warning("%s: a plain parameter whose gradient is a DTensor (%s)", name, grad.placements)
+            grad_diffs[name] = float("inf")
+            continue
         if _local(grad).shape != _local(param).shape:
             full_grads.append(name)
         if isinstance(grad, DTensor) and grad.placements != param.placements:

@@ -47,14 +47,14 @@ class LoopMoE(nn.Module):
         for i, expert in enumerate(self.experts):
             token, slot = torch.where(chosen == i)
             y = weights[token, slot, None] * expert(x[token])
-            if self.accumulate in ("index_add", "tuple"):
+            if self.accumulate in ("index_add", "tuple", "tuple_unused"):
                 out.index_add_(0, token, y)
             elif self.accumulate == "setitem":
                 out[token] += y
             else:  # "input": an identity path adds the block's own input to the sum
                 out.index_add_(0, token, y + x[token])
         out = out.view(b, t, d)
-        return (out, weights) if self.accumulate == "tuple" else out
+        return (out, weights) if self.accumulate.startswith("tuple") else out
 
 
 class Block(nn.Module):
@@ -66,6 +66,8 @@ class Block(nn.Module):
     def forward(self, x):
         x = x + self.attn(self.n1(x))
         out = self.moe(self.n2(x))
+        if self.moe.accumulate == "tuple_unused":  # ``hidden, router_logits = self.mlp(...)``, the logits unread
+            return x + out[0]
         return x + (out[0] + 0.0 * out[1].sum() if isinstance(out, tuple) else out)
 
 
@@ -127,3 +129,13 @@ def test_a_block_adding_more_than_partial_sums_reduces_each_expert(accumulate):
     plan, report = _run(LoopMoELM(accumulate), 2, False)
     assert "layers.*.moe" not in plan and not getattr(plan["layers.*.moe.experts.0.w2"], "local", False), plan
     assert report.collectives["all_reduce"] > 5, report
+
+
+@pytest.mark.parametrize("sequence_parallel", [False, True], ids=["plain", "sp"])
+def test_a_block_returning_its_sum_and_unread_routing_weights_reduces_once(sequence_parallel):
+    """``hidden, router_logits = self.mlp(x)`` with the logits unread: the block still reduces its
+    sum once. Would catch the style refusing the tuple when applied ("PartialSumBlock expects one
+    plain tensor ... got tuple"), which refused every plan for such a model."""
+    plan, report = _run(LoopMoELM("tuple_unused"), 2, sequence_parallel)
+    assert isinstance(plan["layers.*.moe"], styles.PartialSumBlock), plan
+    assert report.comm_volume_backward <= report.comm_volume, report

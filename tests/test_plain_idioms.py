@@ -4,7 +4,9 @@ Each toy is a two-layer decoder (embedding, pre-norm attention and MLP, head) in
 of hand-written model code varies: grouped-query attention by ``repeat_interleave`` or by
 ``expand`` + ``reshape``, a head-major fused qkv cut by ``unbind`` / ``split`` on the last-but-one
 dim, an interleaved gate/up taken by strided slices, a fused gate/up cut by slices counted from
-the end, hidden features transposed out of groups before the down projection, raw
+the end, a fused value / gate cut inside its own module that hands the still-sharded product to a
+Linear outside it (x-transformers' ``GEGLU`` in a ``Sequential``), hidden features transposed out
+of groups before the down projection, raw
 ``nn.Parameter`` weights used as Linears
 (``x @ W.T``, ``x @ W``, ``F.linear``, ``einsum``, ``torch.bmm`` by stacked 3-D weights), LoRA-style
 adapters beside a base Linear (``nn.Linear`` or raw), and a merge-back ``reshape`` to a fixed width
@@ -190,6 +192,32 @@ class GatedMLP(nn.Module):
 
     def forward(self, x):
         return self.down(F.silu(self.gate(x)) * self.up(x))
+
+
+class GEGLU(nn.Module):
+    """A fused value / gate projection cut inside its own module, which returns the product, still
+    sharded, to a Linear outside it: ``chunk(2)``, or ``split`` by a width attribute."""
+
+    def __init__(self, split_by_attribute: bool = False):
+        super().__init__()
+        self.split_by_attribute, self.inner = split_by_attribute, FFN
+        self.proj = nn.Linear(DIM, 2 * FFN)
+
+    def forward(self, x):
+        h = self.proj(x)
+        x, gate = h.split(self.inner, dim=-1) if self.split_by_attribute else h.chunk(2, dim=-1)
+        return x * F.gelu(gate)
+
+
+class NestedGEGLU(nn.Module):
+    """x-transformers' feed-forward: ``Sequential(GEGLU, Dropout, Linear)``."""
+
+    def __init__(self, split_by_attribute: bool = False):
+        super().__init__()
+        self.net = nn.Sequential(GEGLU(split_by_attribute), nn.Dropout(0.0), nn.Linear(FFN, DIM))
+
+    def forward(self, x):
+        return self.net(x)
 
 
 class StridedGateUp(nn.Module):
@@ -397,6 +425,8 @@ IDIOMS = {
     "head_major_qkv_split": dict(attention=HeadMajorQKVSplit),
     "fixed_width_merge": dict(attention=FixedWidthMerge),
     "strided_gate_up": dict(mlp=StridedGateUp),
+    "nested_geglu_chunk": dict(mlp=NestedGEGLU),
+    "nested_geglu_split_attribute": dict(mlp=lambda: NestedGEGLU(split_by_attribute=True)),
     "negative_slice_gate_up": dict(mlp=NegativeSliceGateUp),
     "transposed_groups_mlp": dict(mlp=TransposedGroupsMLP),
     "merged_rows_attention": dict(attention=MergedRowsAttention),

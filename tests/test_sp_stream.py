@@ -236,45 +236,6 @@ def test_block_scaling_by_a_whole_router_is_gathered_under_sequence_parallel(tp)
     verify_toy(model, plan, tp)
 
 
-class DenseMixture(nn.Module):
-    """Every expert (a sharded MLP) on every token, their outputs stacked and weighted by top-k
-    gates from a whole router: ``einsum`` (``combine="einsum"``) or a broadcast product summed."""
-
-    def __init__(self, combine: str, experts: int = 4, top_k: int = 2):
-        super().__init__()
-        self.combine, self.top_k = combine, top_k
-        self.router = nn.Linear(DIM, experts, bias=False)
-        self.experts = nn.ModuleList(MLP() for _ in range(experts))
-
-    def forward(self, x):
-        logits = self.router(x)
-        top, index = torch.topk(logits, self.top_k, dim=-1)
-        gates = torch.full_like(logits, float("-inf")).scatter(-1, index, top).softmax(-1)
-        outs = torch.stack([expert(x) for expert in self.experts], dim=-2)
-        if self.combine == "einsum":
-            return torch.einsum("bte,bted->btd", gates, outs)
-        return (gates.unsqueeze(-1) * outs).sum(-2)
-
-
-class DenseMixtureLayer(RoutedLayer):
-    def __init__(self, combine: str):
-        super().__init__()
-        self.moe = DenseMixture(combine)
-
-
-@pytest.mark.parametrize("combine", ["einsum", "mul_sum"])
-def test_dense_mixture_weighted_by_a_whole_router_is_gathered_under_sequence_parallel(combine):
-    """Would catch the gates (from ``topk`` / ``scatter`` / ``softmax`` of a whole router's logits,
-    a plain tensor) meeting the experts' reduce-scattered outputs (the sharded run raised "got
-    mixed torch.Tensor and DTensor" in ``bmm`` / ``mul``): the block is gathered at entry, its
-    experts stay sharded."""
-    model = Stack(lambda: DenseMixtureLayer(combine))
-    plan = synthesize(model, example_inputs=(example_tokens(),), tp_size=2, sequence_parallel=True)
-    assert isinstance(plan.get("layers.*.moe"), styles.GatherSequenceInput), plan.get("layers.*.moe")
-    assert "layers.*.moe.experts.0.c_fc" in plan, sorted(plan)
-    verify_toy(model, plan, 2)
-
-
 class MaskedMixer(nn.Module):
     """Zeroes the padded positions of its input with the model's padding mask, then a per-channel
     scale and an MLP (the scale is the mixer's own parameter, so the mixer keeps a style of its own)."""
@@ -735,3 +696,52 @@ def test_attention_over_the_stream_with_a_learned_query_runs_whole(tp):
     plan = synthesize(model, example_inputs=(example_tokens(),), tp_size=tp, sequence_parallel=True)
     assert plan["layers.*.mix"].reshard_output == "all", plan["layers.*.mix"]
     verify_toy(model, plan, tp)
+
+
+class PickedScaleBlock(GPTBlock):
+    """modded-nanogpt's block: the stream mixed with the embeddings by two learned scalars picked
+    from one parameter of the block's own, ``lambdas[0] * x + lambdas[1] * x0``."""
+
+    def __init__(self):
+        super().__init__()
+        self.lambdas = nn.Parameter(torch.tensor([1.0, 0.5]))
+
+    def forward(self, x, x0):
+        x = self.lambdas[0] * x + self.lambdas[1] * x0
+        return super().forward(x)
+
+
+class PickedScaleModel(Stack):
+    def __init__(self):
+        super().__init__(PickedScaleBlock)
+
+    def forward(self, ids):
+        x = x0 = self.embed(ids)
+        for layer in self.layers:
+            x = layer(x, x0)
+        return self.head(self.norm(x))
+
+
+@pytest.mark.parametrize("sequence_parallel", [False, True], ids=["plain", "sp"])
+def test_scalars_picked_from_a_block_parameter_meet_the_stream_as_dtensors(sequence_parallel):
+    """Would catch the block's parameter left plain under SP: ``lambdas[0]`` (a 0-dim pick) met the
+    sequence-sharded stream as an implicitly replicated scalar and its gradient came back a DTensor
+    on a plain parameter (the verifier crashed on it: "'Parameter' object has no attribute
+    'placements'"; it now reports that gradient as a failure)."""
+    model = PickedScaleModel()
+    plan = synthesize(model, example_inputs=(example_tokens(),), tp_size=2, sequence_parallel=sequence_parallel)
+    if sequence_parallel:
+        assert isinstance(plan.get("layers.*"), styles.ReplicatedParams), plan.get("layers.*")
+    verify_toy(model, plan, 2)
+
+
+def test_a_plain_parameter_with_a_dtensor_gradient_is_a_failure_not_a_crash():
+    """The SP plan without the block's ``ReplicatedParams``: ``lambdas`` stays a plain parameter and
+    gets a DTensor gradient, which no optimizer can step; the verifier names it."""
+    from autotp.verifier import verify
+
+    model = PickedScaleModel()
+    plan = synthesize(model, example_inputs=(example_tokens(),), tp_size=2, sequence_parallel=True)
+    plan = {key: style for key, style in plan.items() if key != "layers.*"}
+    report = verify(model, plan, tp_size=2, inputs=(example_tokens(),))
+    assert not report.ok and report.worst_grad[0].endswith("lambdas") and report.worst_grad[1] == float("inf"), report

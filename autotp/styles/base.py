@@ -153,6 +153,29 @@ def all_reduce_backward(x: torch.Tensor, device_mesh: DeviceMesh) -> torch.Tenso
     return DTensor.from_local(x, device_mesh, [Replicate()], run_check=False).to_local(grad_placements=[Partial()])
 
 
+class _ShareGrad(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, size):
+        ctx.size = size
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad / ctx.size, None
+
+
+def share_backward(x: torch.Tensor, device_mesh: DeviceMesh) -> torch.Tensor:
+    """Identity forward; in backward, the gradient divided by the number of ranks.
+
+    For a value every rank computes whole inside a module whose input gradient is all-reduced at
+    entry (a router's logits handed out beside a partial sum): the gradient arriving there is the
+    same on every rank, so each rank passes back its share and the all-reduce restores it once.
+    """
+    if isinstance(x, DTensor) or not isinstance(x, torch.Tensor) or not x.is_floating_point():
+        return x
+    return _ShareGrad.apply(x, device_mesh.size())
+
+
 def reduce_feature_grads(value, spans: tuple[tuple[int, int], ...], device_mesh: DeviceMesh):
     """``value`` unchanged, with the gradient of each ``(start, stop)`` span of its last dim all-reduced
     (spans that touch are reduced together: one collective)."""

@@ -21,6 +21,7 @@ from torch.utils.weak import WeakTensorKeyDictionary
 from autotp.errors import PlanError
 from autotp.styles.embedding import VocabParallelEmbedding  # noqa: F401 (doctest)
 from autotp.styles.base import (LocalParamsStyle, ReduceBeforeLiveDropout, WrapperStyle, all_reduce_backward,
+                                share_backward,
                                 all_reduce_forward, mode_during_forward, reduce_feature_grads, to_local)
 
 class SequenceParallelAllGather(SequenceParallel):
@@ -391,15 +392,25 @@ class PartialSumBlock(ParallelStyle):
             shared.clear()
             return tuple(take(a) for a in args), {k: take(v) for k, v in kwargs.items()}
 
-        def leave(mod, args, out):
-            shared.clear()
-            if not isinstance(out, torch.Tensor) or isinstance(out, DTensor):
-                raise PlanError(f"{type(mod).__name__}: PartialSumBlock expects one plain tensor, its per-rank "
-                                f"partial sum, as the output, and got {type(out).__name__}")
+        def reduce(out):
             partial_sum = DTensor.from_local(out, device_mesh, [Partial()], run_check=False)
             if self.sequence_parallel:
                 return partial_sum.redistribute(placements=[Shard(1)])
             return partial_sum.redistribute(placements=[Replicate()]).to_local()
+
+        def leave(mod, args, out):
+            shared.clear()
+            if isinstance(out, torch.Tensor) and not isinstance(out, DTensor):
+                return reduce(out)
+            # ``(hidden, router_logits)``: the partial sum first; the rest every rank computed whole
+            # (from the whole input), each rank handing back a share of their gradient.
+            first = out[0] if isinstance(out, (tuple, list)) and out else None
+            if not isinstance(first, torch.Tensor) or isinstance(first, DTensor) or any(
+                    isinstance(v, DTensor) for v in out[1:]):
+                raise PlanError(f"{type(mod).__name__}: PartialSumBlock expects its per-rank partial sum as the "
+                                f"output (a plain tensor, or the first of a tuple), and got {type(out).__name__}")
+            items = [reduce(first), *(share_backward(v, device_mesh) for v in out[1:])]
+            return type(out)(*items) if hasattr(out, "_fields") else type(out)(items)  # a namedtuple too
 
         module.register_forward_pre_hook(enter, with_kwargs=True)
         module.register_forward_hook(leave)

@@ -335,6 +335,27 @@ class _CutRecorder(TorchDispatchMode):
         self.cuts.setdefault(index, set()).update(ranges)
 
 
+def outputs_match(local, reference, tp: int) -> bool:
+    """Whether a module's output shapes at per-rank widths (``local``) pass for its global ones:
+    equal, or for a main output still sharded (a module that cuts a fused output and returns the
+    product of the parts, ``a * gelu(b)``, to a row outside it) one extent divided by ``tp``. The
+    caller then holds every shape, that one included, to the propagated layout (``shapes_are_local``).
+
+    >>> outputs_match((2, 11, 64), (2, 11, 64), 2), outputs_match((2, 11, 32), (2, 11, 64), 2)
+    (True, True)
+    >>> outputs_match((2, 11, 64), (2, 11, 128), 4), outputs_match(((2, 11, 32), (2, 11)), ((2, 11, 64), (2, 11)), 2)
+    (False, False)
+    """
+    if local == reference:
+        return True
+    if not (isinstance(local, tuple) and isinstance(reference, tuple)) or len(local) != len(reference):
+        return False
+    if not all(isinstance(v, int) for v in local + reference):
+        return False
+    differ = [(a, b) for a, b in zip(local, reference) if a != b]
+    return len(differ) == 1 and differ[0][0] * tp == differ[0][1]
+
+
 def run_local(module: nn.Module, inputs: tuple[tuple, dict], roles: dict[str, Role], fused: list[str],
               names: tuple[str, ...], tp: int, assign: dict[str, int] | None = None):
     """Run a meta copy of ``module`` with per-rank widths and ``names`` divided by ``tp``.

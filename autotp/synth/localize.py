@@ -37,7 +37,7 @@ from autotp.synth.copies import local_point
 from autotp.synth.entries import keys_of_shape, resolve_entries, with_entries
 from autotp.synth.graph import Ref, common_module
 from autotp.synth.ops import FIXED_SIZE_CUTS
-from autotp.synth.local_run import capture_inputs, run_local, shapes_are_local, trace_local
+from autotp.synth.local_run import capture_inputs, outputs_match, run_local, shapes_are_local, trace_local
 from autotp.synth.ops import VIEW_LIKE
 from autotp.synth.params import value_refs
 from autotp.synth.ops import SINKS
@@ -239,7 +239,7 @@ def find_names(module: nn.Module, inputs, roles: dict[str, Role], fused: dict[st
     for count in range(min(MAX_NAMES, len(candidates)) + 1):
         for names in itertools.combinations(candidates, count):
             result = run_local(module, inputs, roles, names_of, names, tp)
-            if result is None or result[0] != reference[0] or result[1] != expected:
+            if result is None or not outputs_match(result[0], reference[0], tp) or result[1] != expected:
                 continue
             # Right cuts, right outputs; now every intermediate shape must be the per-rank one
             # (a head size halved instead of the head count would pass the checks above).

@@ -215,46 +215,29 @@ def dispatch_blocks(g: nx.DiGraph, roles: dict[str, Role]) -> set[str]:
     return found
 
 
-# Ops that weight one tensor by another: an elementwise scale, or a contraction that sums the
-# experts' outputs weighted by routing scores (``einsum("bte,bted->btd", gates, outs)``).
-_SCALINGS = frozenset({"mul", "div", "einsum", "bmm", "matmul"})
-
-
-def _children_behind(g: nx.DiGraph, name: str, block: str) -> list[str]:
-    """The children of ``block`` whose outputs reach ``name`` through the block's own code only
-    (a cast, a reshape, ``topk`` / ``scatter`` / ``softmax`` of routing weights), nearest first;
-    the walk stops at each child it meets."""
-    found, seen, todo = [], set(), [name]
-    while todo:
-        node = todo.pop(0)
-        if node in seen:
-            continue
-        seen.add(node)
-        stack = g.nodes[node]["stack"]
-        inner = [m for m in stack if m.startswith(block + ".")]
-        if inner:
-            if inner[0] not in found:
-                found.append(inner[0])
-            continue
-        if g.nodes[node]["kind"] == "call" and block in stack:
-            todo.extend(_tensor_inputs(g, node))
-    return found
-
-
 def routed_blocks(g: nx.DiGraph, roles: dict[str, Role]) -> set[str]:
-    """Modules whose own code scales their input, or a copy of it, or what their children made of
-    it, by the output of a child kept whole that runs a Linear (routing weights from a router:
-    ``x.repeat(k, 1) * scores``; a dense mixture ``einsum("bte,bted->btd", gates, stack(experts))``,
-    the gates through ``topk`` / ``scatter`` / ``softmax``) and that hold column Linears elsewhere
-    (a shared expert, the experts): under sequence parallel the scaled tensor would be a
-    sequence-sharded DTensor meeting the router's plain output, so the block is gathered whole at
-    entry, like a block of grouped experts."""
+    """Modules whose own code scales their input, or a copy of it, by the output of a child kept
+    whole that runs a Linear (routing weights from a router: ``x.repeat(k, 1) * scores``) and
+    that hold column Linears elsewhere (a shared expert): under sequence parallel the scaled
+    tensor would be a sequence-sharded DTensor meeting the router's plain output, so the block is
+    gathered whole at entry, like a block of grouped experts."""
     found = set()
     for name, data in g.nodes(data=True):
         block = data["module"]
-        if data["kind"] != "call" or data["op"] not in _SCALINGS or not block or block in found:
+        if data["kind"] != "call" or data["op"] not in ("mul", "div") or not block or block in found:
             continue
-        children = [child for ref in refs(data["args"], data["kwargs"]) for child in _children_behind(g, ref.name, block)]
+        children = []
+        for ref in refs(data["args"], data["kwargs"]):
+            source = ref.name
+            # Back through the block's own single-tensor ops (a transpose, a reshape, a cast).
+            while not any(m.startswith(block + ".") for m in g.nodes[source]["stack"]):
+                inputs = _tensor_inputs(g, source) if g.nodes[source]["kind"] == "call" else []
+                if len(inputs) != 1 or block not in g.nodes[inputs[0]]["stack"]:
+                    break
+                source = inputs[0]
+            inner = [m for m in g.nodes[source]["stack"] if m.startswith(block + ".")]
+            if inner:
+                children.append(inner[0])
         # The other operand must carry the block's input (the stream), not a constant scale.
         others = [r.name for r in refs(data["args"], data["kwargs"]) if g.nodes[r.name]["shape"]]
         carried = [o for o in others if any(block not in g.nodes[a]["stack"] and g.nodes[a]["kind"] in ("call", "input")
@@ -664,13 +647,16 @@ def _root_product(g: nx.DiGraph, readers) -> bool:
 
 
 def _readers_past_casts(g: nx.DiGraph, name: str) -> set[str]:
-    """The readers of ``name``, and of its casts and copies (``z.to(dtype).expand_as(stream)``)."""
+    """The readers of ``name``, and of the values made from it alone: casts and copies
+    (``z.to(dtype).expand_as(stream)``), an element picked (``self.lambdas[0] * x``), a function of it."""
     found, todo = set(), [name]
     while todo:
-        for succ in g.successors(todo.pop()):
+        current = todo.pop()
+        for succ in g.successors(current):
             if succ not in found:
                 found.add(succ)
-                if g.nodes[succ]["kind"] == "call" and g.nodes[succ]["op"] in PASSTHROUGH:
+                if g.nodes[succ]["kind"] == "call" and (g.nodes[succ]["op"] in PASSTHROUGH
+                                                        or _tensor_inputs(g, succ) == [current]):
                     todo.append(succ)
     return found
 

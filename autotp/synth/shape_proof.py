@@ -20,7 +20,7 @@ from torch import nn
 
 from autotp.synth.analysis import Flow, Shard, module_of
 from autotp.synth.ops import FIXED_SIZE_CUTS
-from autotp.synth.local_run import capture_inputs, run_local, shapes_are_local, trace_local
+from autotp.synth.local_run import capture_inputs, outputs_match, run_local, shapes_are_local, trace_local
 from autotp.synth.localize import MAX_NAMES, Localization, candidate_names, cutting_module, inner_roles
 from autotp.synth.localize import width_view_of, with_width_view
 from autotp.synth.ops import NEW_LIKE, VIEW_LIKE
@@ -184,7 +184,10 @@ def shape_proof(module: nn.Module, inputs, roles: dict[str, Role], tp: int, name
             traces["unjudged"] = True
         return None
     local = run_local(module, inputs, roles, [], names, tp)
-    if local is not None and local[0] == reference[0]:
+    if local is not None and outputs_match(local[0], reference[0], tp):
+        # An output still sharded (the module cuts a fused output and returns the product of the
+        # parts, ``a * gelu(b)``, to a row outside it) is one dim divided: every shape, that one
+        # included, is then held to the propagated layout below.
         traced = _global_trace(module, inputs, roles, {} if traces is None else traces)
         if traced is None:
             return None  # cannot be re-traced alone: the run at per-rank widths is all we know
@@ -215,7 +218,7 @@ def runs_into_other_shapes(module: nn.Module, inputs, roles: dict[str, Role], tp
     A run that fails is loud at apply time and not reported here."""
     reference = run_local(module, inputs, roles, [], (), 1)
     local = run_local(module, inputs, roles, [], names, tp) if reference is not None else None
-    if local is None or local[0] != reference[0]:
+    if local is None or not outputs_match(local[0], reference[0], tp):
         return False
     traced, per_rank = _global_trace(module, inputs, roles, {}), trace_local(module, inputs, roles, names, tp)
     return traced is not None and per_rank is not None and not shapes_are_local(traced, per_rank, roles, tp)
@@ -231,7 +234,7 @@ def head_names(module: nn.Module, inputs, roles: dict[str, Role], candidates: li
     for count in range(first, min(MAX_NAMES, len(candidates)) + 1):
         for names in itertools.combinations(candidates, count):
             result = run_local(module, inputs, roles, [], known + names, tp)
-            if result is None or _main(result[0]) != main:
+            if result is None or not outputs_match(_main(result[0]), main, tp):
                 continue
             traced = traced or _global_trace(module, inputs, roles, {} if traces is None else traces)
             local = trace_local(module, inputs, roles, known + names, tp)
