@@ -37,6 +37,7 @@ _OPTIONAL = {
 # Where one option name means another thing in another style: its sample there.
 _PER_CLASS = {"HeadParams": {"packed": {"w1": (3, 3)}}, "LinearParams": {"packed": {"w1": (3, 3)}},
               "ShardCounts": {"base": styles.GatherSequenceInput(reshard_output=True)},
+              "KVHeadCounts": {"base": styles.HeadParams(shard_dims={"temperature": 0})},
               "GroupCopies": {"rows": {"weight": (0, 10, ((8, 10, 1),))}, "values": {"n_groups": 2}},
               # scale_rows counts whole terms once in place of ``once``: the two do not go together; a
               # module of one side (``side``) takes neither with partial-gradient inputs (test_split_experts
