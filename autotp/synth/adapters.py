@@ -18,21 +18,11 @@ from autotp.synth.analysis import is_linear, module_of
 from autotp.synth.ops import PASSTHROUGH
 from autotp.synth.ref import refs
 from autotp.synth.roles import Role, kind_of
+from autotp.synth.sequence import _behind_pointwise  # back through casts, copies and dropout
 
 _SCALINGS = frozenset({"mul", "div", "mul_", "div_"})
 _ADDS = frozenset({"add", "add_"})
 _HOPS = 8
-
-
-def _source(g: nx.DiGraph, name: str) -> str:
-    """``name`` behind casts, copies and dropout."""
-    for _ in range(_HOPS):
-        data = g.nodes[name]
-        inputs = refs(data["args"], data["kwargs"])
-        if data["kind"] != "call" or data["op"] not in PASSTHROUGH or not inputs:
-            return name
-        name = inputs[0].name
-    return name
 
 
 def _constant(g: nx.DiGraph, name: str) -> bool:
@@ -64,13 +54,14 @@ def whole_adapters(g: nx.DiGraph, roles: dict[str, Role]) -> dict[str, Role]:
         if kind_of(roles, module_of(g, row)) != "row":
             continue
         other = _added_to(g, row)
-        base = _source(g, other) if other is not None else None
+        base = _behind_pointwise(g, other, PASSTHROUGH) if other is not None else None
         if base is None or not is_linear(g, base) or kind_of(roles, module_of(g, base), "replicate") != "replicate":
             continue
-        column = _source(g, refs(g.nodes[row]["args"])[0].name)
+        column = _behind_pointwise(g, refs(g.nodes[row]["args"])[0].name, PASSTHROUGH)
         if not is_linear(g, column) or kind_of(roles, module_of(g, column)) != "column":
             continue
-        if _source(g, refs(g.nodes[column]["args"])[0].name) != _source(g, refs(g.nodes[base]["args"])[0].name):
+        if _behind_pointwise(g, refs(g.nodes[column]["args"])[0].name, PASSTHROUGH) != _behind_pointwise(
+                g, refs(g.nodes[base]["args"])[0].name, PASSTHROUGH):
             continue
         kept = module_of(g, base)
         for linear in (column, row):
