@@ -88,6 +88,27 @@ def test_full_state_dict_keeps_one_copy_of_replicated_kv_heads_and_both_tied_nam
     plain.load_state_dict(rank0, strict=True)
 
 
+@pytest.mark.parametrize("gather", [False, True], ids=["copies", "gathered"])
+def test_full_state_dict_of_one_state_group_mixer_is_the_unsharded_model(gather):
+    """A Mamba2-style mixer with one B / C group at tp 2: its in_proj rows and depthwise conv
+    channels are copies per rank (``gather_copies=False``) or sharded packed and gathered each
+    forward. Catches an export of the copies' expanded rows or of the packed shard order."""
+    from synth_toy import example_tokens
+    from test_grouped_parts import GroupedScanMixer, _model
+
+    model = _model(lambda: GroupedScanMixer(groups=1, norm_group=64))
+    plan = autotp.synthesize(model, example_inputs=(example_tokens(),), tp_size=2, gather_copies=gather)
+    assert plan["layers.*.mixer"].gather == gather
+    expected = {k: v.clone() for k, v in model.state_dict().items()}
+    with simulated_mesh(2) as mesh:
+        apply_plan(model, mesh, plan)
+        full = full_state_dict(model)
+    for rank_values in _rank_values(full, 2):
+        assert rank_values.keys() == expected.keys()
+        for name, value in rank_values.items():
+            assert value.shape == expected[name].shape and torch.equal(value, expected[name]), name
+
+
 # ---- one process, no process group ------------------------------------------------------------
 
 

@@ -3,6 +3,7 @@ weights stored (in, out), and a row whose partial output is reduced together wit
 
 from __future__ import annotations
 
+import copy
 import weakref
 from functools import partial
 
@@ -438,8 +439,12 @@ class GroupCopies(ParallelStyle):
             shard their rows like the other parts, and each forward all-gather the parts' outputs
             (or their weight rows, when the batch holds more tokens than the input width) for rank
             r to cut its group, the backward reduce-scattering as many bytes, instead of holding
-            copies whose gradients are summed. Where tp does not cut a grouped part evenly, the
-            copies are held. Default: False (no forward collective: the serving choice).
+            copies whose gradients are summed. For parameters that a :class:`~autotp.styles.HeadParams`
+            base shards packed on dim 0 (a depthwise conv's weight and bias over a mixer's ``[x | B | C]``
+            channels): shard their grouped rows like the other parts, and each forward all-gather
+            those rows for rank r to cut its group, the backward reduce-scattering their gradient.
+            Where tp does not cut a grouped part evenly, the copies are held. Default: False (no
+            forward collective: the serving choice).
 
     Example::
         >>> plan = {"layers.*.mixer.in_proj": GroupCopies(base=PackedColwiseParallel(sizes=(64, 64, 8, 8, 8)),
@@ -467,6 +472,14 @@ class GroupCopies(ParallelStyle):
             return None
         return found
 
+    def _gathered_params(self, tp: int) -> dict[str, tuple[tuple[int, ...], dict[int, int]]] | None:
+        """:func:`gathered_param_sizes` where ``gather`` applies at ``tp`` (every part of every
+        parameter cut evenly); None where the rows are copied."""
+        found = gathered_param_sizes(self) if self.gather else None
+        if found is None or any(size % tp for sizes, _ in found.values() for size in sizes):
+            return None
+        return found
+
     def expanded_sizes(self, tp: int) -> dict[str, int]:
         """The size of each copied parameter's dim 0 once expanded at ``tp`` (its per-rank share
         is that over tp): each grouped part of ``G`` groups becomes ``tp`` groups.
@@ -476,7 +489,7 @@ class GroupCopies(ParallelStyle):
         """
         from autotp.synth.groups import expanded_width
 
-        if self._gathered(tp) is not None:  # the rows are sharded, not copied
+        if self._gathered(tp) is not None or self._gathered_params(tp) is not None:  # sharded, not copied
             return {}
         return {path: width + sum(expanded_width(part, tp) - (part[1] - part[0]) for part in parts)
                 for path, (_, width, parts) in self.rows.items()}
@@ -485,16 +498,23 @@ class GroupCopies(ParallelStyle):
         from autotp.synth.groups import Copies, copy_index, expand_module
 
         tp = device_mesh.size()
-        if self.gather and gathered_sizes(self) is None:
+        if self.gather and gathered_sizes(self) is None and gathered_param_sizes(self) is None:
             from autotp.errors import PlanError
 
             raise PlanError(f"{type(module).__name__}: GroupCopies(gather=True) takes a column style "
                             "(ColwiseParallel or PackedColwiseParallel, local output sharded on its last dim) "
-                            "over a Linear's whole-group parts, each one part of the packed output; got "
+                            "over a Linear's whole-group parts, each one part of the packed output, or "
+                            "HeadParams sharding the named parameters packed on dim 0; got "
                             f"base={self.base!r}, rows={self.rows}: use gather=False (copies with summed gradients)")
         found = self._gathered(tp)
         if found is not None:
             return _gather_groups(module, device_mesh, *found, self.base)
+        found_params = {path: sizes for path, sizes in (self._gathered_params(tp) or {}).items()
+                        if _is_parameter(module, path)}
+        if found_params:
+            return _gather_param_groups(module, device_mesh, found_params, self.base,
+                                        Copies({k: v for k, v in self.rows.items() if k not in found_params},
+                                               dict(self.values)))
         expand_module(module, Copies(dict(self.rows), dict(self.values)), tp)
         if self.base is not None:
             module = self.base._apply(module, device_mesh)
@@ -549,12 +569,53 @@ def gathered_sizes(style: GroupCopies) -> tuple[tuple[int, ...], dict[int, int]]
     if len(specs) != 1:
         return None
     dim, width, parts = specs.pop()
-    if dim != 0 or any(len(part) > 3 or (part[1] - part[0]) % part[2] for part in parts):
-        return None
-    tp_free = {part[0]: part for part in parts}  # expanded widths are tp * group width, tp unknown here
     expanded = getattr(base, "sizes", None)
     if expanded is None:  # plain columns: the whole output is one grouped part
-        return ((width,), {0: parts[0][2]}) if len(parts) == 1 and parts[0][:2] == (0, width) else None
+        whole = dim == 0 and len(parts) == 1 and len(parts[0]) == 3 and parts[0][:2] == (0, width)
+        return ((width,), {0: parts[0][2]}) if whole and width % parts[0][2] == 0 else None
+    return _unexpanded_sizes(tuple(expanded), dim, width, parts)
+
+
+def gathered_param_sizes(style: GroupCopies) -> dict[str, tuple[tuple[int, ...], dict[int, int]]] | None:
+    """``{parameter path: (sizes, {part index: groups})}`` of a :class:`GroupCopies` around a
+    :class:`~autotp.styles.HeadParams` that shards every copied parameter on dim 0, packed like a
+    Linear's parts (a depthwise conv's weight and bias over ``[x | B | C]``): each parameter's
+    unexpanded part widths, and which of them hold whole groups. None when the copies are not of
+    that form (a row-copied tensor not sharded packed on dim 0, parts with pieces, a copied part
+    that is not one packed part). Tensors copied along another dim (buffers: only a parameter's
+    dim 0 can be copied) are left out, and so is any buffer among the paths when the style is
+    applied: they stay copies, expanded to the layout the gathered rows give.
+
+    >>> from autotp.styles import HeadParams
+    >>> gathered_param_sizes(GroupCopies(base=HeadParams(shard_dims={"conv.weight": 0}, packed={"conv.weight": (64, 32, 32)}),
+    ...                                  rows={"conv.weight": (0, 80, ((64, 72, 1), (72, 80, 1)))}))
+    {'conv.weight': ((64, 8, 8), {1: 1, 2: 1})}
+    """
+    from autotp.styles.params import HeadParams
+
+    base = style.base
+    if not isinstance(base, HeadParams) or not style.rows:
+        return None
+    found = {}
+    for path, (dim, width, parts) in style.rows.items():
+        if dim != 0:
+            continue
+        expanded = base.packed.get(path)
+        sizes = _unexpanded_sizes(expanded, dim, width, parts) if base.shard_dims.get(path) == 0 and expanded else None
+        if sizes is None:
+            return None
+        found[path] = sizes
+    return found or None
+
+
+def _unexpanded_sizes(expanded: tuple[int, ...], dim: int, width: int, parts) -> tuple[tuple[int, ...], dict[int, int]] | None:
+    """The widths of packed parts before the expansion (``expanded``: after it, each grouped part
+    ``tp / G`` times wider, tp unknown here) and ``{part index: groups}`` of the grouped ones; None
+    unless every grouped part (rows ``[start, end)`` of dim 0 of a tensor of ``width`` rows, whole
+    groups) is exactly one packed part."""
+    if dim != 0 or any(len(part) > 3 or (part[1] - part[0]) % part[2] for part in parts):
+        return None
+    tp_free = {part[0]: part for part in parts}
     sizes, grouped, at = [], {}, 0
     for size in expanded:
         part = tp_free.pop(at, None)
@@ -586,21 +647,68 @@ def _gather_groups(module: nn.Module, device_mesh: DeviceMesh, sizes: tuple[int,
     return module
 
 
+def _is_parameter(module: nn.Module, path: str) -> bool:
+    owner_path, _, leaf = path.rpartition(".")
+    return module.get_submodule(owner_path)._parameters.get(leaf) is not None
+
+
+def _gather_param_groups(module: nn.Module, device_mesh: DeviceMesh,
+                         found: dict[str, tuple[tuple[int, ...], dict[int, int]]], base, copies) -> nn.Module:
+    """``GroupCopies(gather=True)`` over a :class:`~autotp.styles.HeadParams`: the module's attributes
+    set to their expanded values and its other copied tensors (``copies``: buffers) expanded, the
+    ``found`` parameters sharded packed at their unexpanded widths (``1/tp`` of each grouped part's
+    rows per rank), and in each forward, after the base hands them over as local tensors, each
+    grouped part's rows all-gathered and rank r's group cut from them. The module's code sees the
+    copies' layout; the backward reduce-scatters the gathered rows' gradient (each rank's heads'
+    share) onto the shards, so no copies' gradients are summed."""
+    from autotp.synth.groups import expand_module
+
+    expand_module(module, copies, device_mesh.size())
+    unexpanded = copy.copy(base)
+    unexpanded.packed = {**base.packed, **{path: sizes for path, (sizes, _) in found.items()}}
+    module = unexpanded._apply(module, device_mesh)
+    owned = [(module.get_submodule(path.rpartition(".")[0]), path.rpartition(".")[2], *found[path])
+             for path in sorted(found)]
+
+    def pre_hook(mod, args, kwargs):  # registered after the base's, which swaps in local tensors
+        for owner, leaf, sizes, grouped in owned:
+            local = owner._parameters[leaf]
+            if isinstance(local, DTensor):
+                from autotp.errors import PlanError
+
+                raise PlanError(f"{type(mod).__name__}: GroupCopies(gather=True) expected {leaf!r} as a local "
+                                f"tensor during the forward (its base, {base!r}, did not hand it over)")
+            owner._parameters[leaf] = _groups_whole(local, sizes, grouped, 0, device_mesh)
+
+    module.register_forward_pre_hook(pre_hook, with_kwargs=True)
+    return module
+
+
+def _groups_whole(local: torch.Tensor, sizes: tuple[int, ...], grouped: dict[int, int], dim: int,
+                  mesh: DeviceMesh) -> torch.Tensor:
+    """Rank r's tensor of the copies' layout from its packed shards along ``dim`` (``1/tp`` of each
+    part of ``sizes``): the grouped parts gathered in one collective, group ``r * G // tp`` of each
+    cut from it, the other parts left as they are."""
+    tp = mesh.size()
+    chunks = list(local.split([size // tp for size in sizes], dim=dim))
+    order = sorted(grouped)
+    for index, part in zip(order, _gather_blocks([chunks[index] for index in order], dim, mesh)):
+        chunks[index] = _own_group(part, grouped[index], dim, mesh)
+    return torch.cat(chunks, dim=dim)
+
+
 def _cut_groups(module, args, output: torch.Tensor, *, sizes, grouped, mesh: DeviceMesh) -> torch.Tensor:
     """Rank r's output of the copies' layout from its shards: each grouped part's group ``r * G // tp``
     whole. It gathers whichever is smaller: the parts' outputs (``tokens x W`` features) or their
     weight rows (``W x in_features``), recomputing the parts from the gathered rows. Either way the
     forward all-gathers and the backward reduce-scatters as many bytes."""
     tp = mesh.size()
-    chunks = list(output.split([size // tp for size in sizes], dim=-1))
-    order = sorted(grouped)
     x = args[0] if args else None  # a Linear called with keywords only: its outputs are gathered
     tokens = output.numel() // output.shape[-1]
     if x is None or tokens <= module.weight.shape[-1]:
-        parts = _gather_blocks([chunks[index] for index in order], output.ndim - 1, mesh)
-        for index, part in zip(order, parts):
-            chunks[index] = _own_group(part, grouped[index], output.ndim - 1, mesh)
-        return torch.cat(chunks, dim=-1)
+        return _groups_whole(output, sizes, grouped, output.ndim - 1, mesh)
+    chunks = list(output.split([size // tp for size in sizes], dim=-1))
+    order = sorted(grouped)
     # Rows of each part in this rank's (packed) weight block, then the grouped parts' rows gathered.
     starts = [sum(sizes[:index]) // tp for index in range(len(sizes))]
     local_x = x.to_local(grad_placements=[Partial()]) if isinstance(x, DTensor) else x

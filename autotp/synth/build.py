@@ -16,7 +16,7 @@ from torch.distributed.tensor.parallel.style import ParallelStyle
 
 from autotp import styles
 from autotp.plan import describe_style
-from autotp.styles.linear import gathered_sizes
+from autotp.styles.linear import gathered_param_sizes, gathered_sizes
 from autotp.styles.raw_linear import LinearParams
 from autotp.synth.roles import Role
 from autotp.synth.copies import row_copies
@@ -88,14 +88,15 @@ def _packed_column(role: Role) -> ParallelStyle:
 
 
 def _gathered(style: ParallelStyle | None) -> ParallelStyle | None:
-    """``style`` with a Linear's copied parts gathered (:class:`~autotp.styles.GroupCopies` or
-    :class:`~autotp.styles.ReplicatedKVColwise` with ``gather=True``) where its form allows; otherwise
-    as it is."""
+    """``style`` with copied parts gathered (:class:`~autotp.styles.GroupCopies` or
+    :class:`~autotp.styles.ReplicatedKVColwise` with ``gather=True``: a Linear's, or the rows of
+    parameters packed like it, a depthwise conv's) where its form allows; otherwise as it is."""
     if isinstance(style, styles.ReplicatedKVColwise) and not style.gather:
         gathered = copy.copy(style)
         gathered.gather = True
         return gathered
-    if not isinstance(style, styles.GroupCopies) or style.gather or gathered_sizes(style) is None:
+    if (not isinstance(style, styles.GroupCopies) or style.gather
+            or (gathered_sizes(style) is None and gathered_param_sizes(style) is None)):
         return style
     return styles.GroupCopies(base=style.base, rows=style.rows, values=style.values, gather=True)
 
