@@ -153,27 +153,28 @@ def all_reduce_backward(x: torch.Tensor, device_mesh: DeviceMesh) -> torch.Tenso
     return DTensor.from_local(x, device_mesh, [Replicate()], run_check=False).to_local(grad_placements=[Partial()])
 
 
-class _ShareGrad(torch.autograd.Function):
+class _ScaleGrad(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, size):
-        ctx.size = size
-        return x.view_as(x)
+    def forward(ctx, x, scale):
+        ctx.scale = scale
+        return x.clone()  # not a view: callers may write routing weights in place (small tensors)
 
     @staticmethod
     def backward(ctx, grad):
-        return grad / ctx.size, None
+        return grad * ctx.scale, None
 
 
-def share_backward(x: torch.Tensor, device_mesh: DeviceMesh) -> torch.Tensor:
-    """Identity forward; in backward, the gradient divided by the number of ranks.
+def scale_grad(value, scale: float):
+    """Identity forward; the gradient times ``scale`` (a plain floating tensor; anything else as it is).
 
-    For a value every rank computes whole inside a module whose input gradient is all-reduced at
-    entry (a router's logits handed out beside a partial sum): the gradient arriving there is the
-    same on every rank, so each rank passes back its share and the all-reduce restores it once.
+    With ``scale = 1 / tp``: for a value every rank computes whole inside a module whose input
+    gradient is all-reduced at entry (a router's logits handed out beside a partial sum), the
+    gradient arriving there is the same on every rank, so each rank passes back its share and the
+    all-reduce restores it once.
     """
-    if isinstance(x, DTensor) or not isinstance(x, torch.Tensor) or not x.is_floating_point():
-        return x
-    return _ShareGrad.apply(x, device_mesh.size())
+    if isinstance(value, torch.Tensor) and not isinstance(value, DTensor) and value.is_floating_point():
+        return _ScaleGrad.apply(value, scale)
+    return value
 
 
 def reduce_feature_grads(value, spans: tuple[tuple[int, int], ...], device_mesh: DeviceMesh):

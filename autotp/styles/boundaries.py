@@ -21,8 +21,7 @@ from torch.utils.weak import WeakTensorKeyDictionary
 from autotp.errors import PlanError
 from autotp.styles.embedding import VocabParallelEmbedding  # noqa: F401 (doctest)
 from autotp.styles.base import (LocalParamsStyle, ReduceBeforeLiveDropout, WrapperStyle, all_reduce_backward,
-                                share_backward,
-                                all_reduce_forward, mode_during_forward, reduce_feature_grads, to_local)
+                                all_reduce_forward, scale_grad, mode_during_forward, reduce_feature_grads, to_local)
 
 class SequenceParallelAllGather(SequenceParallel):
     """A sequence-parallel norm whose output is all-gathered once, for column-parallel consumers.
@@ -409,7 +408,7 @@ class PartialSumBlock(ParallelStyle):
                     isinstance(v, DTensor) for v in out[1:]):
                 raise PlanError(f"{type(mod).__name__}: PartialSumBlock expects its per-rank partial sum as the "
                                 f"output (a plain tensor, or the first of a tuple), and got {type(out).__name__}")
-            items = [reduce(first), *(share_backward(v, device_mesh) for v in out[1:])]
+            items = [reduce(first), *(scale_grad(v, 1.0 / device_mesh.size()) for v in out[1:])]
             return type(out)(*items) if hasattr(out, "_fields") else type(out)(items)  # a namedtuple too
 
         module.register_forward_pre_hook(enter, with_kwargs=True)

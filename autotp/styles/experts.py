@@ -11,7 +11,8 @@ from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distrib
 
 from autotp.errors import PlanError
 from autotp.styles.boundaries import GatherSequenceInput
-from autotp.styles.base import LocalParamsStyle, all_reduce_backward, all_reduce_forward, packed_row_order, permute_rows
+from autotp.styles.base import (LocalParamsStyle, all_reduce_backward, all_reduce_forward, packed_row_order, permute_rows,
+                                scale_grad)
 
 class ExpertsParallel(LocalParamsStyle):
     """Shard every expert of a grouped-experts module on its FFN dimension (transformers 5 MoE).
@@ -305,8 +306,8 @@ class PartialGradRouter(LocalParamsStyle):
     def _prepare_output(self, output, device_mesh):
         scale = 1.0 / device_mesh.size()
         if isinstance(output, (tuple, list)):
-            return type(output)(_scale_grad(o, scale) for o in output)
-        return _scale_grad(output, scale)
+            return type(output)(scale_grad(o, scale) for o in output)
+        return scale_grad(output, scale)
 
 
 def _partial_grad_input(value, *, scale, device_mesh=None):
@@ -318,25 +319,7 @@ def _partial_grad_input(value, *, scale, device_mesh=None):
         return value.to_local(grad_placements=[Partial()])
     if scale is None:
         return all_reduce_backward(value, device_mesh)
-    return _scale_grad(value, scale)
-
-
-class _ScaleGrad(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, scale):
-        ctx.scale = scale
-        return x.clone()  # not a view: callers may write routing weights in place (small tensors)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return grad * ctx.scale, None
-
-
-def _scale_grad(value, scale: float):
-    """Identity forward; the gradient times ``scale``."""
-    if isinstance(value, torch.Tensor) and not isinstance(value, DTensor) and value.is_floating_point():
-        return _ScaleGrad.apply(value, scale)
-    return value
+    return scale_grad(value, scale)
 
 
 class PartialExpertsParallel(ExpertsParallel):
