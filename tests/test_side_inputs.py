@@ -7,6 +7,10 @@ is linear in the incoming gradient, so the columns' partial sums may run back th
 block then reduces its stream input in each layer and the root value once, after every layer has
 added its share (:class:`~autotp.styles.ReducedInputGrads`).
 
+Where the first layer normalises the embeddings themselves before its own columns, and the block
+reads a copy of them, the first layer's norm takes them at its entry the same way: its partial
+gradient and the block's meet in one all-reduce, and the backward moves the forward's bytes.
+
 The toy is plain PyTorch, named after nothing. Every check verifies the logits and every gradient
 against the unsharded model (1e-5).
 """
@@ -79,6 +83,26 @@ class SideInputModel(nn.Module):
         return self.head(self.norm(x))
 
 
+class CopiedSideModel(nn.Module):
+    """An MLP layer first (its norm reads the embeddings), then ``layers`` mixer layers that read the
+    embeddings again as the side value: a ``clone()`` of them, or the tensor itself."""
+
+    def __init__(self, layers: int, copy: bool = True):
+        super().__init__()
+        self.copy = copy
+        self.embed = nn.Embedding(VOCAB, DIM)
+        self.blocks = nn.ModuleList([MLPLayer(), *(Layer() for _ in range(layers))])
+        self.norm = nn.RMSNorm(DIM)
+        self.head = nn.Linear(DIM, VOCAB, bias=False)
+
+    def forward(self, ids):
+        x = self.embed(ids)
+        side = torch.clone(x) if self.copy else x
+        for block in self.blocks:
+            x = block(x, side)
+        return self.head(self.norm(x))
+
+
 def _tokens():
     return torch.randint(0, VOCAB, (2, SEQ), generator=torch.Generator().manual_seed(0))
 
@@ -108,7 +132,7 @@ def test_side_input_reduced_once_for_every_layer(tp, monkeypatch):
     report = _report(model, plan, tp)
     assert max(report.param_fraction) < 1.2 / tp, report.param_fraction
     assert report.collectives_backward == {"all_reduce": 2 * layers + 2}, report.collectives_backward
-    monkeypatch.setattr(fronts, "_input_fronts", lambda *args, **kwargs: {})  # the layout before
+    monkeypatch.setattr(fronts, "_input_fronts", lambda *args, **kwargs: ({}, {}))  # the layout before
     before = _report(model, _plan(model, tp), tp)
     assert before.collectives_backward == {"all_reduce": 2 * layers + 1}, before.collectives_backward
     # in stream widths: 3 per layer + 1 before, 2 per layer + 2 now
@@ -125,6 +149,75 @@ def test_one_layer_keeps_the_norm_reduction():
     assert not any(isinstance(style, styles.ReducedInputGrads) for style in plan.values()), plan
     assert any(isinstance(style, styles.ReplicatedOutput) for key, style in plan.items() if key.endswith("mixer.norm"))
     _report(model, plan, 2)
+
+
+@pytest.mark.parametrize("tp, layers, copy", [(2, 1, True), (4, 3, True), (2, 3, False)],
+                         ids=["tp2-one-clone", "tp4-three-clone", "tp2-three-same"])
+def test_side_copy_of_the_first_layers_input_costs_nothing(tp, layers, copy, monkeypatch):
+    """The side value is (a clone of) the embeddings, which the first layer's norm reads before its
+    up projection. That norm takes the embeddings at entry (its weight's gradient left Partial()),
+    so its partial gradient and the blocks' share of the side value's are summed and all-reduced
+    once: the backward moves exactly the forward's bytes. Before, the side value cost one more
+    reduction of a stream width per step (the norm's output with one mixer layer, its own wrapper
+    with three). Would catch the fold not taken, the norm's parameter gradient left unreduced or
+    reduced twice, or a side share reduced twice (gradients differ)."""
+    model = CopiedSideModel(layers, copy=copy)
+    plan = _plan(model, tp)
+    first = plan["blocks.0.ln"]
+    assert isinstance(first, styles.ReducedInputGrads) and first.partial_params, first
+    report = _report(model, plan, tp)
+    assert max(report.param_fraction) < 1.2 / tp, report.param_fraction
+    assert report.comm_volume_backward == report.comm_volume, (report.comm_volume, report.comm_volume_backward)
+    assert report.collectives_backward == report.collectives == {"all_reduce": 2 * layers + 2}, report
+    monkeypatch.setattr(fronts, "_folds", lambda *args, **kwargs: {})  # the layout before
+    before = _report(model, _plan(model, tp), tp)
+    assert before.comm_volume == report.comm_volume
+    # one stream width per token more: (2 * layers + 2) widths forward, one more backward
+    assert before.comm_volume_backward * (2 * layers + 2) == report.comm_volume_backward * (2 * layers + 3)
+
+
+def test_side_copy_fold_survives_checkpointing():
+    """Recomputed layers take their inputs as leaves: each reduces its own share then (no fold), and
+    every gradient still matches the unsharded model's."""
+    model = CopiedSideModel(2)
+    plan = _plan(model, 2)
+    apply_activation_checkpointing(list(model.blocks))
+    _report(model, plan, 2)
+
+
+def test_reduced_once_shares_a_wrapper_with_clones(monkeypatch):
+    """A clone of a value takes the value's wrapper (autograd adds both partial gradients before the
+    one all-reduce); a value written in place since gets a new one (its values changed), and so
+    does a leaf. Would catch clones reduced apart (no fold) or a stale wrapper handed out."""
+    from autotp.styles import boundaries
+
+    monkeypatch.setattr(boundaries, "all_reduce_backward", lambda value, mesh: value.view_as(value))
+    mesh = object()
+    base = torch.randn(4, requires_grad=True) * 2
+    wrapped = boundaries.reduced_once(base, mesh)
+    assert boundaries.reduced_once(torch.clone(base), mesh) is wrapped
+    assert boundaries.reduced_once(base.clone().clone(), mesh) is wrapped
+    assert boundaries.reduced_once(base, object()) is not wrapped  # another mesh
+    other = torch.randn(4, requires_grad=True) * 2
+    assert boundaries.reduced_once(other, mesh) is not boundaries.reduced_once(other * 1, mesh)
+    again = boundaries.reduced_once(other, mesh)
+    again.add_(1)  # the wrapper shares the value's storage: its values changed
+    assert boundaries.reduced_once(other, mesh) is not again
+    leaf = torch.randn(4, requires_grad=True)
+    assert boundaries.reduced_once(leaf, mesh) is not boundaries.reduced_once(leaf, mesh)
+
+
+def test_reduced_input_grads_refuses_a_module_returning_its_input(monkeypatch):
+    """A module that hands its input back as its output would pass the caller's whole gradient into
+    the wrapper that all-reduces partial sums: tp times the gradient. It is refused, by name."""
+    from autotp.errors import PlanError
+    from autotp.styles import boundaries
+
+    monkeypatch.setattr(boundaries, "all_reduce_backward", lambda value, mesh: value.view_as(value))
+    module = styles.ReducedInputGrads()._apply(nn.Identity(), device_mesh=object())
+    with pytest.raises(PlanError, match="Identity returns one of its inputs"):
+        module(torch.randn(3, requires_grad=True) * 2)
+    assert module(torch.randn(3)).shape == (3,)  # no gradient: nothing taken
 
 
 def test_checkpointed_layers_keep_the_gradients():

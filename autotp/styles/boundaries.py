@@ -7,6 +7,7 @@ layout between sharded regions (shared DTensors, gathers, whole modules, output 
 
 from __future__ import annotations
 
+import weakref
 from functools import partial
 
 import torch
@@ -16,10 +17,11 @@ from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distrib
 from torch.distributed.tensor.parallel import SequenceParallel
 from torch.distributed.tensor.parallel.style import ParallelStyle
 from torch.distributed.tensor.placement_types import Placement
-from torch.utils.weak import WeakTensorKeyDictionary
+from torch.utils._pytree import tree_leaves
 
 from autotp.errors import PlanError
 from autotp.styles.embedding import VocabParallelEmbedding  # noqa: F401 (doctest)
+from autotp.styles.norms import ReplicatedWithGradAllReduce
 from autotp.styles.base import (LocalParamsStyle, ReduceBeforeLiveDropout, WrapperStyle, all_reduce_backward,
                                 all_reduce_forward, scale_grad, mode_during_forward, reduce_feature_grads, to_local)
 
@@ -290,13 +292,20 @@ class ReducedInputGrads(ParallelStyle):
     the concatenation may run theirs on the columns' partial sums (their weights'
     gradients left ``Partial()``, :class:`~autotp.styles.ReplicatedWithGradAllReduce`), and each
     input is reduced where it enters. An input that several calls share (the same tensor handed to
-    every layer) is wrapped once per autograd graph: autograd adds every call's partial gradient
-    before that one all-reduce, so the embeddings' half costs one reduction per step, not one per
-    layer. A value without a gradient, or one seen outside autograd (``no_grad``, the first pass of
-    reentrant checkpointing), is left as it is.
+    every layer, or a ``clone()`` of it) is wrapped once per autograd graph: autograd adds every
+    call's partial gradient before that one all-reduce, so the embeddings' half costs one reduction
+    per step, not one per layer, and none at all where the first layer's own branch takes the
+    embeddings the same way (a norm with this style and ``partial_params``). A value without a
+    gradient, or one seen outside autograd (``no_grad``, the first pass of reentrant
+    checkpointing), is left as it is.
 
     Only for a module every read of whose floating inputs ends in column Linears that hand their
     input gradients back unreduced (:class:`SharedReplicatedInput` with ``partial_grad``).
+
+    Keyword Args:
+        partial_params (bool): the module's own parameters run in that replicated computation too
+            (a norm at the head of the branch): kept replicated, their gradients left ``Partial()``
+            as :class:`~autotp.styles.ReplicatedWithGradAllReduce` leaves them. Default: False.
 
     Example::
         >>> from autotp.styles import ReplicatedWithGradAllReduce
@@ -306,42 +315,80 @@ class ReducedInputGrads(ParallelStyle):
         ...             columns=("q_proj", "k_proj", "v_proj"), partial_grad=True)}
     """
 
+    def __init__(self, *, partial_params: bool = False):
+        super().__init__()
+        self.partial_params = partial_params
+
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         if getattr(module, "_autotp_reduced_inputs", False):
             return module  # one module object under two plan keys (a block shared by several layers)
         module._autotp_reduced_inputs = True
+        if self.partial_params:
+            module = ReplicatedWithGradAllReduce()._apply(module, device_mesh)
+
+        taken: list[torch.Tensor] = []
 
         def take(value):
             if (not isinstance(value, torch.Tensor) or isinstance(value, DTensor) or not value.is_floating_point()
                     or not value.requires_grad or not torch.is_grad_enabled()):
                 return value
-            return reduced_once(value, device_mesh)
+            taken.append(reduced_once(value, device_mesh))
+            return taken[-1]
 
         def pre_hook(mod, args, kwargs):
+            taken.clear()
             return tuple(take(a) for a in args), {k: take(v) for k, v in kwargs.items()}
 
+        def returned_input(mod, args, kwargs, output):
+            # The wrapper's gradient is reduced as a partial sum: the caller's own (whole) gradient
+            # must not reach it, as it would through an input handed back as the output.
+            if any(leaf is wrapped for leaf in tree_leaves(output) for wrapped in taken):
+                raise PlanError(f"{type(mod).__name__} returns one of its inputs as it took it, so ReducedInputGrads "
+                                "would all-reduce the caller's gradient of it too; keep this module's inputs whole "
+                                "(no ReducedInputGrads on it) or put the style on a module that computes its output")
+            taken.clear()
+
         module.register_forward_pre_hook(pre_hook, with_kwargs=True)
+        module.register_forward_hook(returned_input, with_kwargs=True)
         return module
 
     def __repr__(self) -> str:
-        return f"{self.__class__.__name__}()"
+        flag = "partial_params=True" if self.partial_params else ""
+        return f"{self.__class__.__name__}({flag})"
 
 
-# Each non-leaf tensor a ReducedInputGrads module took, with its mesh and the tensor handed on. Weak
-# keys: an entry lives as long as the tensor, and a non-leaf tensor belongs to one autograd graph.
-_REDUCED = WeakTensorKeyDictionary()
+# The wrapper each value a ReducedInputGrads module took was handed on as, keyed by the autograd
+# output the value copies: ``(id(node), output index)`` after stepping back through ``clone()``s, so a
+# value and its clones share one wrapper. An entry lives as long as the value that made it (which
+# keeps the node alive, so its id is not reused meanwhile).
+_REDUCED: dict[tuple[int, int], tuple[DeviceMesh, torch.Tensor, int]] = {}
+
+
+def _copied_output(value: torch.Tensor) -> tuple[torch.autograd.graph.Node, int]:
+    """The autograd output whose value ``value`` holds: its own, or, for a ``clone()``, the cloned
+    value's (a clone is the identity in forward and in backward)."""
+    node, index = value.grad_fn, value.output_nr
+    while node is not None and node.name() == "CloneBackward0":
+        node, index = node.next_functions[0]
+    return node, index
 
 
 def reduced_once(value: torch.Tensor, device_mesh: DeviceMesh) -> torch.Tensor:
     """``value`` with its gradient all-reduced, the same wrapper for every call that takes this
-    tensor (so their partial gradients are summed first). A leaf (a checkpoint's recomputed input, a
-    user's tensor kept across steps) gets a wrapper of its own per call."""
-    if value.grad_fn is None:
+    tensor or a clone of it (so their partial gradients are summed first). A leaf (a checkpoint's
+    recomputed input, a user's tensor kept across steps) gets a wrapper of its own per call, and so
+    does a value whose wrapper was written in place since (its values may differ now)."""
+    node, index = _copied_output(value)
+    if node is None:
         return all_reduce_backward(value, device_mesh)
-    hit = _REDUCED.get(value)
-    if hit is None or hit[0] is not device_mesh:
-        hit = _REDUCED[value] = (device_mesh, all_reduce_backward(value, device_mesh))
-    return hit[1]
+    key = (id(node), index)
+    hit = _REDUCED.get(key)
+    if hit is not None and hit[0] is device_mesh and hit[1]._version == hit[2]:
+        return hit[1]
+    wrapped = all_reduce_backward(value, device_mesh)
+    _REDUCED[key] = (device_mesh, wrapped, wrapped._version)
+    weakref.finalize(value, _REDUCED.pop, key, None)
+    return wrapped
 
 
 class PartialSumBlock(ParallelStyle):

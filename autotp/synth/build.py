@@ -183,7 +183,7 @@ _STYLES: dict[str, Callable[[Role, bool], ParallelStyle | None]] = {
         counts=role.names, packed=dict(role.param_packed), seq_output=role.seq_output),
     "partial_sum_block": lambda role, lp: styles.PartialSumBlock(columns=role.names, sequence_parallel=role.seq_output),
     "partial_grad_module": lambda role, lp: styles.ReplicatedWithGradAllReduce(),
-    "reduced_inputs": lambda role, lp: styles.ReducedInputGrads(),
+    "reduced_inputs": lambda role, lp: styles.ReducedInputGrads(partial_params=role.partial_params),
     "multihead_attention": lambda role, lp: styles.MultiheadAttentionParallel(sequence_parallel=role.seq_output),
     "entry_shard": lambda role, lp: None,  # the ShardedInputs wrapper alone (see style_for)
     "width_stats": lambda role, lp: None,  # the ShardedStatistics wrapper alone (see style_for)

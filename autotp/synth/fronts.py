@@ -55,7 +55,7 @@ import networkx as nx
 
 from autotp.synth.analysis import Flow, is_linear, module_of
 from autotp.synth.graph import common_module, made_from_params, param_modules
-from autotp.synth.ops import FIRST_VALUE_ONLY, SINKS
+from autotp.synth.ops import FIRST_VALUE_ONLY, PASSTHROUGH, SINKS
 from autotp.synth.params import value_refs
 from autotp.synth.roles import Role, kind_of
 from autotp.synth.shared import column_reader, plain_producer, shared_columns, shared_entry, sharing_scope
@@ -131,8 +131,9 @@ def _walk(g: nx.DiGraph, flow: Flow, roles: dict, starts: tuple[str, ...],
             data = g.nodes[reader]
             if data["op"] in SINKS or reader in front.nodes:
                 continue
-            if node in starts and within is not None and within not in data["stack"]:
-                continue
+            if (within is not None and within not in data["stack"]
+                    and (node in starts or _alias_of(g, node, starts))):
+                continue  # read outside ``within``, as it was before (a cast returning its input: the input)
             if _column(g, roles, reader):
                 if data["args"][0].name != node:
                     return None  # read as a weight, not as the input
@@ -148,23 +149,38 @@ def _walk(g: nx.DiGraph, flow: Flow, roles: dict, starts: tuple[str, ...],
     return front, meets
 
 
+def _alias_of(g: nx.DiGraph, node: str, starts: tuple[str, ...]) -> bool:
+    """Whether ``node`` is only a cast of a start (``x.to(float32)`` on a float32 ``x`` returns ``x``
+    itself, so code outside the module reading the start shows in the graph as reading the cast)."""
+    while g.nodes[node]["op"] in PASSTHROUGH:
+        found = value_refs(g.nodes[node])
+        if not found:
+            return False
+        node = found[0].name
+        if node in starts:
+            return True
+    return False
+
+
 def front(g: nx.DiGraph, flow: Flow, roles: dict, start: str, gather: str | None = None, *,
-          inputs_of: str | None = None) -> Front | None:
+          inputs_of: str | None = None, within: str | None = None) -> Front | None:
     """The front that ``start`` feeds, if its backward can run on partial gradients (see the module
     docstring); None otherwise. ``gather``: the module kept whole that gathers ``start`` at entry.
     ``inputs_of``: the front is that module's (see :func:`_input_fronts`), from every input of it
-    with a gradient; ``start`` is then ignored."""
+    with a gradient; ``start`` is then ignored. ``within``: only that module's reads of ``start``
+    (a module taking it at entry, :func:`_folds`); the front may go on past the module."""
     starts = (start,) if inputs_of is None else tuple(sorted(
         (n for n in module_inputs(g, inputs_of) if made_from_params(g, n)), key=lambda n: g.nodes[n]["order"]))
     if not starts:
         return None
-    walked = _walk(g, flow, roles, starts, gather or inputs_of)
+    walked = _walk(g, flow, roles, starts, within or gather or inputs_of)
     if walked is None:
         return None
     found, meets = walked
     if inputs_of is not None and any(inputs_of not in g.nodes[n]["stack"] for n in found.nodes - set(starts)):
         return None  # the front leaves the module: readers outside it would get partial gradients
-    outside = set(g.nodes[start]["stack"]) if inputs_of is None else None
+    outside = (set(g.nodes[start]["stack"]) | set(_ancestors(within or "")) if inputs_of is None
+               else None)
     for name in found.nodes - set(starts):
         for operand in _operands(g.nodes[name]):
             if operand in found.nodes:
@@ -210,14 +226,18 @@ def _modules_ok(g: nx.DiGraph, roles: dict, found: Front, gather: str | None = N
     return True
 
 
-def cheaper(g: nx.DiGraph, found: Front, *, sequence_parallel: bool, shares: dict[str, int] | None = None) -> bool:
+def cheaper(g: nx.DiGraph, found: Front, *, sequence_parallel: bool, shares: dict[str, int] | None = None,
+            folded=(), or_equal: bool = False) -> bool:
     """Whether one reduction of the branch input moves fewer bytes than today's reductions of the
     front's column inputs and rope spans (each an all-reduce: twice its input). The branch input
     is all-reduced under plain TP (twice its size) and reduce-scattered under SP (once). A start
-    in ``shares`` is reduced once for that many layers: its cost per layer is divided by it."""
+    in ``shares`` is reduced once for that many layers: its cost per layer is divided by it; one
+    in ``folded`` is reduced with another module's input, at no cost of its own. With
+    ``or_equal``: whether it moves no more."""
     today = 2 * (sum(found.reads.values()) + sum(found.spans.values()))
-    once = sum(_numel(g, s) / (shares or {}).get(s, 1) for s in found.starts) * (1 if sequence_parallel else 2)
-    return once < today
+    once = sum(_numel(g, s) / (shares or {}).get(s, 1) for s in found.starts
+               if s not in folded) * (1 if sequence_parallel else 2)
+    return once <= today if or_equal else once < today
 
 
 def partial_fronts(g: nx.DiGraph, flow: Flow, roles: dict[str, Role], *,
@@ -245,7 +265,7 @@ def partial_fronts(g: nx.DiGraph, flow: Flow, roles: dict[str, Role], *,
         and is dropped.
     """
     found: dict[str, Role] = {}
-    inputs = {} if sequence_parallel else _input_fronts(g, flow, roles, groups)
+    inputs, inputs_why = ({}, {}) if sequence_parallel else _input_fronts(g, flow, roles, groups)
     for entry, start in [(module, None) for module in inputs] + _entries(g, roles, sequence_parallel=sequence_parallel):
         if entry in found:
             continue  # inside a front found already
@@ -269,8 +289,8 @@ def partial_fronts(g: nx.DiGraph, flow: Flow, roles: dict[str, Role], *,
                   f"before column Linears ({', '.join(columns)}): their partial input gradients are reduced once here, "
                   f"fewer bytes than one all-reduce per column input and rope span")
         if start is None:
-            found[entry] = Role("reduced_inputs", f"{reason}; an input made once at the root is reduced once for every "
-                                "layer that reads it", (entry,))
+            found[entry] = Role("reduced_inputs", f"{reason}; {inputs_why[entry]}", (entry,),
+                                partial_params=entry in branch.owners)
         elif gather:
             found[entry] = _gathering_entry(g, roles, entry, branch, reason)
         else:
@@ -299,17 +319,22 @@ def partial_fronts(g: nx.DiGraph, flow: Flow, roles: dict[str, Role], *,
     return found
 
 
-def _input_fronts(g: nx.DiGraph, flow: Flow, roles: dict[str, Role], groups=None) -> dict[str, Front]:
+def _input_fronts(g: nx.DiGraph, flow: Flow, roles: dict[str, Role],
+                  groups=None) -> tuple[dict[str, Front], dict[str, str]]:
     """Plain TP: modules kept whole whose inputs feed a front (a norm's ``shared_input`` inside them,
     reached through replicated ops), where reducing each input once at entry moves fewer bytes than
-    reducing the norm's output. Only pays where an input is made once at the model's root and read by
-    a layer that stands for several: every layer then adds its partial gradient to one reduction.
+    reducing the norm's output; with why, per module. Only pays where an input is made once at the
+    model's root and read by a layer that stands for several (every layer then adds its partial
+    gradient to one reduction), or where it is a copy of a value that another module takes at its
+    entry with a front of its own (:func:`_folds`: both reductions are one).
 
     Zamba's shared transformer normalises ``concat(stream, embeddings)``: the norm's output is twice
     the stream's width; at entry the stream costs its width and the embeddings their width once per
-    step, whatever the number of layers running the block. The innermost such module of each norm.
+    step, whatever the number of layers running the block, and nothing where the first layer's norm
+    reads the embeddings the block reads a clone of. The innermost such module of each norm.
     """
     found: dict[str, Front] = {}
+    why: dict[str, str] = {}
     for norm, role in roles.items():
         if role is None or role.kind != "shared_input" or role.partial_grad:
             continue
@@ -320,9 +345,53 @@ def _input_fronts(g: nx.DiGraph, flow: Flow, roles: dict[str, Role], groups=None
             if branch is None or not branch.columns:
                 continue
             shares = _shares(g, groups, module, branch.starts)
-            if shares and cheaper(g, branch, sequence_parallel=False, shares=shares):
+            folds = _folds(g, flow, roles, branch, module, found)
+            if (shares or folds) and cheaper(g, branch, sequence_parallel=False, shares=shares, folded=folds):
                 found[module] = branch  # without a shared input, a norm's own front costs no more
+                why[module] = "an input made once at the root is reduced once for every layer that reads it"
+                for start, (reader, fold) in folds.items():
+                    found[reader], why[reader] = fold, (
+                        f"it takes {start}'s source at entry, as {module} takes a copy of it: one all-reduce serves "
+                        "both, the copy's share at no cost of its own")
             break
+    return found, why
+
+
+# Ops whose output is a copy of their one operand, the identity in forward and backward.
+_COPIES = frozenset({"clone"})
+
+
+def _folds(g: nx.DiGraph, flow: Flow, roles: dict[str, Role], branch: Front, module: str,
+           taken: dict[str, Front]) -> dict[str, tuple[str, Front]]:
+    """For each start of ``module``'s input front that is (a copy of) a value another module takes at
+    its entry with a front of its own: that module, the innermost, and its front.
+
+    Zamba's first layer normalises the embeddings before its mixer's in-projection; its shared
+    block reads a clone of them. Reduced at the norm's entry instead of its output (the same width,
+    so no dearer), the first layer's partial gradient and the block's meet in one all-reduce
+    (:func:`~autotp.styles.boundaries.reduced_once` steps back through clones): the block's
+    embeddings half costs nothing of its own. The module must have no role but a norm's
+    ``shared_input`` and take nothing of the stream through ``module``."""
+    found = {}
+    for start in branch.starts:
+        source = start
+        while g.nodes[source]["op"] in _COPIES and len(_operands(g.nodes[source])) == 1:
+            source = _operands(g.nodes[source])[0]
+        inside = set(g.nodes[source]["stack"])
+        for reader in sorted(g.successors(source), key=lambda n: g.nodes[n]["order"]):
+            stack = [m for m in g.nodes[reader]["stack"] if m not in inside]
+            if not stack or module in stack or any(m.startswith(module + ".") for m in stack):
+                continue
+            for candidate in reversed(stack):
+                role = roles.get(candidate)
+                if candidate in taken or (role is not None and (role.kind != "shared_input" or role.partial_grad)):
+                    break
+                own = front(g, flow, roles, source, within=candidate)
+                if own is not None and own.columns and cheaper(g, own, sequence_parallel=False, or_equal=True):
+                    found[start] = (candidate, own)
+                    break
+            if start in found:
+                break
     return found
 
 

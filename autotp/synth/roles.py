@@ -149,6 +149,9 @@ class Role:
             (:class:`~autotp.styles.PartialGradInput`); of ``experts`` (columns) and a ``router``,
             their plain inputs' gradients are handed back as this rank's share, reduced once by a
             ``shared_input`` norm (:mod:`autotp.synth.partial_inputs`).
+        partial_params: of a ``reduced_inputs`` module, its own parameters run in the replicated
+            computation between its inputs and the column Linears (a norm heading a branch): their
+            gradients are left ``Partial()`` (:mod:`autotp.synth.fronts`).
         scatter_heads: of a ``row``, its output holds one value per head of its input's shard and
             stays sharded on them (reduce-scattered onto its last dim), for the heads it meets again
             (:func:`~autotp.synth.analysis.per_head_row`).
@@ -207,6 +210,7 @@ class Role:
     experts_side: str = ""
     all_outputs: bool = False
     partial_grad: bool = False
+    partial_params: bool = False
     entry_inputs: tuple = ()
     kv_counts: tuple = ()
     width_view: tuple = ()
