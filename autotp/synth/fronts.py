@@ -30,7 +30,11 @@ normalises the concatenation of the stream and a value made once at the model's 
 shared transformer) reduces each input at its entry (:class:`~autotp.styles.ReducedInputGrads`)
 rather than the norm's output, twice the stream's width. Only where the root value is read by a
 layer that stands for several: every layer adds its partial gradient into that value's one
-reduction per step, the stream is reduced at its own width.
+reduction per step, the stream is reduced at its own width. Or where the root value is a copy of
+a value that another module takes at its entry with a front of its own (:func:`_folds`: Zamba's
+first layer normalises the embeddings themselves before its mixer's columns, and the shared block
+reads a ``clone()`` of them): that module reduces at its input, not its norm's output (the same
+width), and one all-reduce takes both partial gradients, so the block's copy costs nothing.
 
 Sound only where (:func:`front`): every path from the branch input ends in a column Linear, or in a
 broadcast span of a Linear of the front whose gradient the analysis would have all-reduced
