@@ -122,3 +122,22 @@ def test_per_token_bytes_come_from_a_second_run_at_twice_the_batch(results):
     assert per_token["forward"] * tokens == llama["comm_volume"] and per_token["backward"] == per_token["forward"]
     zamba = results["zamba"]["synth"]["comm_per_token"]
     assert zamba["backward"] == zamba["forward"] > 0 and zamba["backward_fixed"] == 0, zamba
+
+
+def test_backward_above_section_lists_the_excess_or_says_there_is_none():
+    """The report's table of near-bound cases whose backward moves more bytes than their forward:
+    such a case is listed with its ratios; with none, a sentence says so instead of an empty table.
+    Would catch an equal case listed, or the empty table left headless."""
+    from coverage_report import _backward_above_section
+
+    def case(name, backward):
+        return {"model_type": name, "tp": 2, "sp": False, "class": "decoder-text", "megatron_fraction": 0.5,
+                "synth": {"status": "verified", "param_fraction": 0.5, "comm_volume": 100,
+                          "comm_volume_backward": backward,
+                          "comm_per_token": {"forward": 2.0, "backward": backward / 50, "forward_fixed": 0,
+                                             "backward_fixed": 0}}}
+
+    listed = "\n".join(_backward_above_section([case("even", 100), case("above", 120)]))
+    assert "| above | tp2 plain | 1.20 | 1.20 | 0 |" in listed and "| even |" not in listed, listed
+    none = _backward_above_section([case("even", 100)])
+    assert none[-1].startswith("None: in every near-bound case") and not none[-1].startswith("|"), none
