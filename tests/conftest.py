@@ -9,3 +9,66 @@ from autotp.models import build_model
 def meta_llama():
     """Llama-3.1-8B on the meta device: real shapes, no storage. Do not shard it in place."""
     return build_model("llama")
+
+
+# ------------------------------------------------------------------------------------ test tiers
+#
+# The default run is the regression net: one case of every behaviour. The slow tier
+# (`python -m pytest -n 2 -m slow`) holds what repeats a default case or exercises code outside the
+# library; it still has to pass before a change to synthesis is submitted.
+
+# Whole files in the slow tier, with the default-tier tests that cover the same library code.
+SLOW_FILES = {
+    "test_coverage.py": "benchmark code (coverage.run_case); synthesis per model: test_synth_matrix, test_synth_plans",
+    "test_bench_plans.py": "benchmark code (bench_plans); plans and collectives: test_backward_comm, test_handwritten",
+    "test_fuzz.py": "hypothesis fuzz of synthesis; the idioms it draws: test_synth_passes, test_plain_idioms",
+    "test_peers.py": "torchtitan's models; the same idioms as toys: test_synth_matrix (TitanLlama), test_loop_experts",
+    "test_peers_olmo.py": "olmo-core's models; the same idioms as toys: test_synth_matrix, test_plain_idioms",
+    "test_peers_litgpt.py": "litgpt's models (installed by hand); toys: test_synth_matrix (NanoGPT)",
+}
+
+# The real-gloo tests the default tier keeps: the simulator against real processes, one training
+# step, one checkpoint round trip. Every other `multiprocess` test is in the slow tier.
+DEFAULT_MULTIPROCESS = (
+    "tests/test_multiprocess.py::test_sp_plan_verifies_on_two_gloo_processes",
+    "tests/test_training.py::test_dp1_tp2_step_matches_single_process",
+    "tests/test_checkpoint.py::test_reload_at_the_same_layout_gives_equal_logits_optimizer_and_next_step",
+)
+
+TP_PARAMS = ("tp", "tp_size")
+
+
+def _tp_of(item) -> tuple[str, int] | None:
+    params = getattr(getattr(item, "callspec", None), "params", {})
+    for name in TP_PARAMS:
+        if isinstance(params.get(name), int):
+            return name, params[name]
+    return None
+
+
+def _sibling_key(item, name: str, tp: int) -> tuple:
+    params = dict(item.callspec.params)
+    params[name] = tp
+    return item.nodeid.partition("[")[0], tuple(sorted((k, repr(v)) for k, v in params.items()))
+
+
+def _is_slow(item, at_two: set) -> bool:
+    if item.path.name in SLOW_FILES:
+        return True
+    if item.get_closest_marker("multiprocess") and item.nodeid.partition("[")[0] not in DEFAULT_MULTIPROCESS:
+        return True
+    # A case repeated at a larger tp, when the same test also runs at tp 2 with every other
+    # parameter equal. A test that only runs at tp 4 or 8 (fewer kv groups than ranks) stays.
+    found = _tp_of(item)
+    return bool(found and found[1] > 2 and _sibling_key(item, found[0], 2) in at_two)
+
+
+def pytest_collection_modifyitems(config, items):
+    at_two = set()
+    for item in items:
+        found = _tp_of(item)
+        if found and found[1] == 2:
+            at_two.add(_sibling_key(item, found[0], 2))
+    for item in items:
+        if _is_slow(item, at_two):
+            item.add_marker(pytest.mark.slow)

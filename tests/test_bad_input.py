@@ -1,4 +1,4 @@
-"""Every bad input ends in an AutoTPError subclass with a message that names the fix (README table)."""
+"""Every bad input ends in an AutoTPError subclass with a message that names the fix (the table in docs/bad-input.md)."""
 
 import pytest
 import torch

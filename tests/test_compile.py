@@ -5,7 +5,7 @@ does it in place; the test shards a model with a handwritten plan (Llama) and a 
 another family (Qwen3: per-head q/k norms), plain and sequence parallel, and compares the logits and
 every gradient of a ``labels=`` step with the same sharded model run eagerly, and with the unsharded
 model. The test backend is ``aot_eager`` (Dynamo capture and AOT autograd, the parts that meet
-DTensor and the TP hooks); inductor was measured by hand (see the README section on compile).
+DTensor and the TP hooks); inductor was measured by hand (see docs/training.md, "torch.compile").
 """
 
 from __future__ import annotations
