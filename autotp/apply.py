@@ -3,16 +3,25 @@
 Everything that can be checked before sharding is checked first: the mesh is 1-D, every plan key
 matches a module, no two keys disagree on a module, and every size the plan splits is divisible by
 the tp size. Tied parameters stay tied after sharding.
+
+autotp's plans keep the logits vocabulary-sharded (loss parallel). Code that indexes them
+(serving, evaluation, ``generate``) gets them whole on every rank from :func:`gathered_logits`; a
+sharded model's ``generate`` always runs inside it, and ``loss_parallel=False`` makes it permanent.
 """
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator, Mapping
 
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import parallelize_module
+from torch.utils.hooks import RemovableHandle
 
 from autotp.errors import MeshError, PlanError, working_tp_sizes
+from autotp.hf_plans import as_styles
 from autotp.loss import install_vocab_parallel_loss
 from autotp.plan import Plan, resolve, sharded_param_dims
 from autotp.styles import ReplicatedKVColwise
@@ -128,12 +137,21 @@ def _retie(model: nn.Module, groups: list[list[tuple[str, str]]]) -> None:
             setattr(model.get_submodule(fqn), pname, keep)
 
 
-def apply_plan(model: nn.Module, tp_mesh: DeviceMesh, plan: Plan) -> nn.Module:
+def apply_plan(model: nn.Module, tp_mesh: DeviceMesh, plan: Plan, *, loss_parallel: bool = True) -> nn.Module:
     """Validate ``plan`` against ``model`` and ``tp_mesh``, shard ``model`` in place, and return it.
 
     A transformers causal LM also gets :func:`autotp.loss.install_vocab_parallel_loss`, so that
-    ``model(input_ids=..., labels=...).loss`` works on the vocabulary-sharded logits.
+    ``model(input_ids=..., labels=...).loss`` works on the vocabulary-sharded logits, and a
+    ``generate`` that gathers the logits it samples from (:func:`gathered_logits`).
+
+    Keyword Args:
+        loss_parallel: leave the logits as the plan makes them (a vocabulary-sharded DTensor for
+            autotp's plans). False: every forward returns them whole on every rank, as a plain tensor.
+
+    ``plan`` may hold transformers' style strings (``"colwise"``): they are translated first
+    (:func:`autotp.hf_plans.as_styles`).
     """
+    plan = as_styles(model, plan)
     validate_tp_mesh(model, tp_mesh, plan)
     groups = _tied_groups(model)
     check_tied_styles(model, plan, groups)
@@ -142,7 +160,72 @@ def apply_plan(model: nn.Module, tp_mesh: DeviceMesh, plan: Plan) -> nn.Module:
     _keep_layouts(model)  # FSDP2 drops parameter attributes; autotp.checkpoint reads these
     # Plans leave the logits vocab-sharded; let transformers' own labels= loss read them so.
     install_vocab_parallel_loss(model)
+    if not loss_parallel:
+        gather_logits(model)
+    elif callable(getattr(type(model), "generate", None)):
+        model.generate = _GatheringGenerate(model)
     return model
+
+
+def _gather_logits_hook(module: nn.Module, args, output):
+    """Forward hook: the output's ``logits`` (a transformers ``ModelOutput``) or the output itself
+    (a model that returns its logits), all-gathered into a plain tensor if it is a DTensor.
+    ``full_tensor`` is differentiable, so training on the gathered logits still works."""
+    if isinstance(output, Mapping):
+        if isinstance(output.get("logits"), DTensor):
+            output["logits"] = output["logits"].full_tensor()
+        return output
+    return output.full_tensor() if isinstance(output, DTensor) else output
+
+
+def gather_logits(model: nn.Module) -> RemovableHandle:
+    """Make every forward of ``model`` return its logits whole on every rank, as a plain tensor.
+
+    What ``loss_parallel=False`` installs; ``handle.remove()`` returns to sharded logits. Register
+    it after ``fully_shard`` on an FSDP2 model, so that FSDP2's own output hook sees the head's
+    DTensor, not the gathered view (it warns that an in-place op on a view skips its backward).
+    """
+    return model.register_forward_hook(_gather_logits_hook)
+
+
+@contextlib.contextmanager
+def gathered_logits(model: nn.Module) -> Iterator[nn.Module]:
+    """Within the block, ``model``'s forward returns its logits whole on every rank (a plain tensor).
+
+    For code that indexes or samples from the logits of a loss-parallel model (each rank holds
+    ``vocab / tp`` columns of a ``Shard(-1)`` DTensor): evaluation, serving, ``generate``. The
+    vocabulary is all-gathered once per forward, so every rank holds ``[batch, seq, vocab]``; the
+    ``labels=`` loss inside the forward is still computed on the sharded logits.
+
+    Example::
+
+        with gathered_logits(model):  # model sharded by autotp.parallelize
+            next_ids = model(input_ids=ids).logits[:, -1].argmax(-1)
+    """
+    handle = gather_logits(model)
+    try:
+        yield model
+    finally:
+        handle.remove()
+
+
+class _GatheringGenerate:
+    """The model's own ``generate``, run inside :func:`gathered_logits`.
+
+    transformers' decoding mixes the logits with plain tensors (``next_tokens *
+    unfinished_sequences``), which a DTensor refuses. ``generate`` asks the forward for the last
+    position's logits only (``logits_to_keep=1``), so gathering them costs ``[batch, 1, vocab]``
+    per step. Every rank then samples from the same logits: with the same seed on every rank they
+    pick the same tokens. Stored on the instance as an object holding the model, not a closure, so
+    ``copy.deepcopy`` and pickling give the copy a ``generate`` of its own.
+    """
+
+    def __init__(self, model: nn.Module) -> None:
+        self.model = model
+
+    def __call__(self, *args, **kwargs):
+        with gathered_logits(self.model):
+            return type(self.model).generate(self.model, *args, **kwargs)
 
 
 def _keep_layouts(model: nn.Module) -> None:
@@ -186,8 +269,12 @@ def parallelize(
     sequence_parallel: bool = False,
     tp_shard_plan=None,
     verify_synthesized: bool = True,
+    loss_parallel: bool = True,
 ) -> nn.Module:
     """Shard ``model`` over ``tp_mesh`` with the plan :func:`autotp.get_plan` chooses.
+
+    ``model.generate()`` (KV cache, greedy or sampled) works after either ``loss_parallel``
+    setting and gives the unsharded model's tokens; sampling needs the same seed on every rank.
 
     Args:
         model: the model, on the device the mesh uses (or meta, to be materialised after).
@@ -196,6 +283,15 @@ def parallelize(
         tp_shard_plan: a plan dict, a registered plan name, or a dotted import path to one.
         verify_synthesized: when the plan is synthesized, check it numerically first
             (:func:`autotp.self_check.self_check`, on the model or a tiny copy; seconds, once).
+        loss_parallel: True (the default, for training): the logits are what the plan makes.
+            With autotp's handwritten and synthesized plans that is a ``Shard(-1)`` DTensor, each
+            rank holding ``vocab / tp`` columns, which ``labels=`` and
+            :func:`autotp.training.next_token_loss` read without gathering (transformers' plans
+            gather the head's output, and a plan may leave a tied head replicated). False (serving,
+            evaluation): the logits come back whole on every rank as a plain tensor (one
+            all-gather per forward; ``[batch, seq, vocab]`` per rank). The model's ``train()`` /
+            ``eval()`` mode does not change it; :func:`gathered_logits` switches one block of code
+            to whole logits.
 
     Returns:
         The same model, sharded in place.
@@ -213,4 +309,4 @@ def parallelize(
         from autotp.self_check import self_check
 
         self_check(model, choice.plan, tp_size=tp_mesh.size(), sequence_parallel=sequence_parallel)
-    return apply_plan(model, tp_mesh, choice.plan)
+    return apply_plan(model, tp_mesh, choice.plan, loss_parallel=loss_parallel)

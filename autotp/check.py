@@ -8,6 +8,12 @@ says what the plan must do: a row-parallel Linear to close it, a packed style wh
 cut into parts, an exact style for a norm that reduces over it or whose gradient becomes partial.
 Each :class:`Finding` names the module, the problem and the fix.
 
+Where tp exceeds the kv heads, a k/v projection under :class:`~autotp.styles.ReplicatedKVColwise`
+is read as the synthesizer reads it: its shard may view off one head, and each rank holds the kv
+head its query heads read (its ``kv_heads`` must be the heads its output reaches attention with).
+Grouped parts copied per rank (:class:`~autotp.styles.GroupCopies`) are read on the expanded model
+their base styles shard, once the expansion is proven to compute what the model computes.
+
 Only the traced representatives of repeated layers are checked (``layers.0`` of each distinct
 layer type); per-layer overrides in a plan for other layers are checked for keys and sizes only.
 Sequence-parallel layouts are not checked here; :func:`autotp.verify` covers them numerically.
@@ -15,8 +21,10 @@ Sequence-parallel layouts are not checked here; :func:`autotp.verify` covers the
 
 from __future__ import annotations
 
+import logging
 from collections import defaultdict
 from dataclasses import dataclass
+from functools import partial
 
 from torch import nn
 from torch.distributed.tensor import Replicate, Shard
@@ -27,7 +35,10 @@ from autotp import styles
 from autotp.styles.raw_linear import LinearParams
 from autotp.styles.params import HeadParams
 from autotp.errors import AutoTPError
+from autotp.hf_plans import as_styles
 from autotp.plan import Plan, base_style, describe_style, key_matches
+
+log = logging.getLogger(__name__)
 
 # What each role the graph demands needs from the plan: (acceptable style classes, fix).
 _REQUIRED = {
@@ -171,6 +182,138 @@ def _held_whole(style: ParallelStyle | None) -> tuple[tuple[int, int], ...]:
     return tuple(sorted((part[0], part[1]) for part in parts))
 
 
+def _expanded_copies(resolved: dict) -> dict[str, styles.GroupCopies]:
+    """The :class:`~autotp.styles.GroupCopies` of a plan (by module FQN) that the graph of the
+    unexpanded model cannot place: copies of several groups, of a module's parameters, or with
+    attribute values, and every copy under a module that has one. Their plan is read on the
+    expanded model (where the copies are groups like the others), as the synthesizer analyses it
+    (:mod:`autotp.synth.groups`); copies of one group of a Linear alone are read as parts held whole
+    (:func:`_held_whole`)."""
+    copies = {fqn: style for fqn, (_, style) in resolved.items() if isinstance(style, styles.GroupCopies)}
+    unplaced = {fqn for fqn, style in copies.items() if style.values or not _held_whole(style)}
+    return {fqn: style for fqn, style in copies.items()
+            if any(fqn == top or fqn.startswith(top + ".") for top in unplaced)}
+
+
+def _expanded_model(model: nn.Module, resolved: dict, expanded: dict, tp_size: int) -> tuple[nn.Module, dict]:
+    """A copy of ``model`` with each of ``expanded``'s copies made (rows copied, attributes set:
+    :func:`autotp.synth.groups.expand_module`), and ``resolved`` with each such style replaced by its
+    base, the style the expanded module gets."""
+    from autotp.copying import deep_copy
+    from autotp.synth.groups import Copies, expand_module
+
+    out = deep_copy(model)
+    for fqn, style in expanded.items():
+        expand_module(out.get_submodule(fqn), Copies(dict(style.rows), dict(style.values)), tp_size)
+    return out, {fqn: (key, style.base if fqn in expanded else style) for fqn, (key, style) in resolved.items()
+                 if fqn not in expanded or style.base is not None}
+
+
+def _unproven_copies(model: nn.Module, expanded: dict, keys: dict[str, str], tp_size: int,
+                     example_inputs) -> list[Finding]:
+    """A finding for each plan key (``keys``: by module FQN) of ``expanded`` copies whose expansion
+    changes what the model computes: the smallest module holding them (the copies' module, else its
+    parent, and so on up to a layer) must give the unexpanded module's output on the inputs it gets
+    in a forward, as the synthesizer proves its own copies (:func:`autotp.synth.groups.plan_copies`).
+    A plan key's first module stands for the others (one proof per repeated layer)."""
+    from autotp.synth.groups import Copies
+
+    tops = [fqn for fqn in expanded if not any(fqn.startswith(o + ".") for o in expanded)]
+    firsts = {}  # one module per plan key: repeated layers are checked by their first
+    for fqn in tops:
+        firsts.setdefault(keys[fqn], fqn)
+    chains = {fqn: [a for a in _ancestors(fqn) if a] for fqn in firsts.values()}
+    inputs = _module_inputs(model, example_inputs, {a for chain in chains.values() for a in chain})
+    findings = []
+    for top, chain in chains.items():
+        for holder in chain:
+            if holder not in inputs:
+                continue
+            target, args = inputs[holder]
+            inner = {fqn[len(holder) + 1:] if fqn != holder else "": Copies(dict(s.rows), dict(s.values))
+                     for fqn, s in expanded.items() if fqn == holder or fqn.startswith(holder + ".")}
+            if _same_output(target, inner, tp_size, args):
+                log.info("check: GroupCopies under %s proven at %s; the plan is read on the expanded model",
+                         top, holder)
+                break
+        else:
+            findings.append(Finding(top, "its GroupCopies change what it computes: no module holding the copies "
+                                    "gives the unexpanded output once they are made, so the ranks hold other groups "
+                                    "than their heads read", "correct the copied rows and attribute values (as "
+                                    "synthesize(tp_size=...) writes them) or keep the module whole", "group_copies"))
+    return findings
+
+
+def _ancestors(fqn: str) -> list[str]:
+    """``fqn`` and the modules above it, innermost first (the root, ``""``, last)."""
+    parts = fqn.split(".")
+    return [".".join(parts[:i]) for i in range(len(parts), -1, -1)]
+
+
+def _module_inputs(model: nn.Module, example_inputs, fqns: set[str]) -> dict:
+    """``fqn -> (module, (args, kwargs))`` for each module of ``fqns`` that runs in a forward of
+    ``model``: the real module and its inputs, or, on meta, a copy with random weights and random
+    inputs of the shapes it gets (:func:`autotp.synth.local_run.capture_inputs`)."""
+    import torch
+
+    from autotp.synth.groups import _materialized, _random_like
+    from autotp.synth.local_run import capture_inputs
+    from autotp.synth.trace import LayerGroups, example_args, on_meta
+
+    if on_meta(model):
+        captured = capture_inputs(model, example_inputs, fqns, LayerGroups())
+        made = {fqn: (_materialized(model.get_submodule(fqn)), _random_like(captured[fqn])) for fqn in captured}
+        return {fqn: pair for fqn, pair in made.items() if pair[0] is not None}
+    found, handles = {}, []
+
+    def keep(module, args, kwargs, fqn):
+        found.setdefault(fqn, (module, (args, kwargs)))  # returns None: the inputs go on unchanged
+
+    for fqn in fqns:
+        handles.append(model.get_submodule(fqn).register_forward_pre_hook(partial(keep, fqn=fqn), with_kwargs=True))
+    args, kwargs = example_args(model, example_inputs)
+    try:
+        with torch.no_grad():
+            model(*args, **kwargs)
+    except Exception:  # noqa: BLE001 - a model that does not run proves nothing: the modules reached count
+        pass
+    finally:
+        for handle in handles:
+            handle.remove()
+    return found
+
+
+def _same_output(module: nn.Module, copies: dict, tp_size: int, inputs) -> bool:
+    """Whether ``module`` gives the same output (every tensor in it) with ``copies`` (relative
+    path -> :class:`~autotp.synth.groups.Copies`) expanded in a copy of it as without."""
+    import torch
+    from torch.utils import _pytree as pytree
+
+    from autotp.copying import deep_copy
+    from autotp.synth.groups import expand_module
+
+    def run(mod):
+        with torch.no_grad():
+            out = mod(*inputs[0], **inputs[1])
+        return [t for t in pytree.tree_leaves(out) if isinstance(t, torch.Tensor)]
+
+    training = module.training
+    module.eval()  # dropout would make the two runs differ
+    try:
+        reference = run(module)
+        trial = deep_copy(module)
+        for path, spec in copies.items():
+            expand_module(trial.get_submodule(path), spec, tp_size)
+        output = run(trial)
+    except Exception:  # noqa: BLE001 - a shape the copies leave inconsistent: not proven here
+        return False
+    finally:
+        module.train(training)
+    return len(output) == len(reference) and all(
+        a.shape == b.shape and (not a.is_floating_point() or torch.allclose(a, b, atol=1e-5, rtol=1e-4))
+        for a, b in zip(output, reference))
+
+
 def _graph_findings(model: nn.Module, resolved: dict, example_inputs, tp_size: int = 2,
                     analysis=None) -> list[Finding]:
     from autotp.synth.analysis import (bad_packs, endless_shards, is_linear, mixed_parts, part_sizes, propagate_packed,
@@ -197,12 +340,14 @@ def _graph_findings(model: nn.Module, resolved: dict, example_inputs, tp_size: i
     packed = {n for n in active if getattr(style_of.get(linears[n]), "sizes", None)}
     copied = {n: frozenset(held[linears[n]]) for n in active if linears[n] in held}
     scattered = frozenset(n for n in active if _scatters_heads(style_of.get(linears[n])))
-    flow = propagate_packed(g, active, packed, copied=copied, head_scatters=scattered)
+    kv = frozenset(n for n in active if isinstance(style_of.get(linears[n]), styles.ReplicatedKVColwise))
+    flow = propagate_packed(g, active, packed, unit_heads=kv, copied=copied, head_scatters=scattered)
     findings = []
 
     def where(node):
         return f"{g.nodes[node]['op']} in {g.nodes[node]['module'] or 'the root'}"
 
+    findings += _kv_findings(g, flow, kv, {n: style_of[linears[n]] for n in kv}, tp_size)
     for root, (reason, node) in flow.broken.items():
         findings.append(Finding(linears[root], f"its column-sharded output meets {where(node)}: {reason}",
                                 "replicate this Linear, gather its output, or shard what follows it exactly",
@@ -282,6 +427,35 @@ def _graph_findings(model: nn.Module, resolved: dict, example_inputs, tp_size: i
     roles = _plan_roles(style_of, set(linears.values()))
     views = {fqn: view for fqn, (_, style) in resolved.items() if (view := _width_view(style)) is not None}
     findings += _reshape_findings(model, g, flow, roles, style_of, (groups, example_inputs), tp_size, views)
+    return findings
+
+
+def _kv_findings(g, flow, roots: frozenset, style_of: dict, tp_size: int) -> list[Finding]:
+    """k/v projections a :class:`~autotp.styles.ReplicatedKVColwise` repeats over the ranks whose
+    heads do not reach attention as that style says: it must be the k or v of an attention with more
+    query heads than its kv heads (:func:`~autotp.synth.analysis.wider_attention`), and its
+    ``kv_heads`` / ``head_dim`` must be the heads its output is viewed into there (the shard's
+    extent), as the synthesizer reads them (:mod:`autotp.synth.kvheads`); else each rank copies
+    rows that are not the head its query heads read."""
+    from autotp.synth.analysis import wider_attention
+
+    findings = []
+    for root in sorted(roots, key=lambda n: g.nodes[n]["order"]):
+        style, module = style_of[root], g.nodes[root]["module"]
+        if root in flow.broken:
+            continue  # its shard breaks: that finding says more
+        width, heads = g.nodes[root]["shape"][-1], flow.extent.get(root, 0)
+        declared = f"ReplicatedKVColwise(kv_heads={style.kv_heads}, head_dim={style.head_dim})"
+        if wider_attention(flow, root) is None:
+            findings.append(Finding(module, f"{declared}, but its output is not the keys or values of an attention "
+                                    "with more query heads than its heads, so no rank's query heads read the head "
+                                    "it is given", "use ColwiseParallel() (or keep it whole)", "kv_not_grouped"))
+        elif (style.kv_heads, style.head_dim) != (heads, width // max(heads, 1)) or tp_size % style.kv_heads:
+            fix = (f"use ReplicatedKVColwise(kv_heads={heads}, head_dim={width // heads})" if heads and
+                   tp_size % heads == 0 else f"use tp a multiple of its {heads} kv heads")
+            findings.append(Finding(module, f"{declared}, but its {width} output features reach attention as "
+                                    f"{heads} head(s) of {width // max(heads, 1)} features (tp={tp_size})",
+                                    fix, "kv_heads"))
     return findings
 
 
@@ -421,7 +595,7 @@ def check_plan(model: nn.Module, plan: Plan, *, tp_size: int, example_inputs=Non
 
     Args:
         model: the model (meta device is fine).
-        plan: the plan to check.
+        plan: the plan to check (styles, or transformers' style strings: see :func:`autotp.hf_plans.as_styles`).
         tp_size: the tensor-parallel size the plan is meant for.
         example_inputs: inputs to trace a non-transformers model with (as for ``synthesize``).
         analysis: the synthesizer's :class:`~autotp.synth.Analysis` of this model, when one was made
@@ -430,6 +604,7 @@ def check_plan(model: nn.Module, plan: Plan, *, tp_size: int, example_inputs=Non
     Returns:
         The findings, empty when the plan is consistent with the graph.
     """
+    plan = as_styles(model, plan)
     resolved, findings = _resolve_findings(model, plan)
     if any(f.kind == "conflicting_keys" for f in findings):
         return findings
@@ -437,5 +612,14 @@ def check_plan(model: nn.Module, plan: Plan, *, tp_size: int, example_inputs=Non
     findings += _size_findings(model, {k: v for k, v in plan.items() if k not in unmatched}, tp_size)
     if any(f.kind == "indivisible" for f in findings):
         return findings  # heads cut in pieces: every graph finding would repeat this one
+    expanded = _expanded_copies(resolved)
+    if expanded:
+        unproven = _unproven_copies(model, expanded, {fqn: key for fqn, (key, _) in resolved.items()}, tp_size,
+                                    example_inputs)
+        if unproven:
+            return findings + unproven
+        model, resolved = _expanded_model(model, resolved, expanded, tp_size)
+    if analysis is not None and bool(analysis.copies) != bool(expanded):
+        analysis = None  # its graph is of the other model (expanded or not): trace this one
     findings += _graph_findings(model, resolved, example_inputs, tp_size, analysis)
     return findings

@@ -23,16 +23,17 @@ import json
 import os
 import re
 import sys
+import traceback
 from collections.abc import Sequence
 
-from autotp.cli_text import format_table, plan_rows, quiet_transformers, summarized_warnings
+from autotp.cli_text import format_table, plan_rows, quiet_torch_tracebacks, quiet_transformers, summarized_warnings
 
 __all__ = ["main", "plan_rows", "format_table", "choose_plan", "build", "replicated_linears"]
 
 SOURCES = ("auto", "handwritten", "hf", "synth")
 DTYPES = ("float32", "bfloat16", "float16")
-# Exit codes: 1 = verification found a difference, the checker found a problem in the plan, or
-# --emit hf met styles transformers has no string for; 2 = an error (bad input, argparse's too).
+# Exit codes: 1 = verification found a difference, or the checker found a problem in the plan;
+# 2 = an error (bad input, a tp size no plan source can serve; argparse's too).
 EXIT_MISMATCH, EXIT_ERROR = 1, 2
 # A write to a closed pipe (``autotp plan ... | head``): what a shell reports for SIGPIPE.
 EXIT_BROKEN_PIPE = 128 + 13
@@ -44,12 +45,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Run the command line ``argv`` (default: ``sys.argv[1:]``); return the exit status.
 
     Errors print as one line (``autotp: error: ...``) and exit 2; ``--traceback`` shows the full
-    traceback instead. Warnings torch and transformers raise while the command runs are summarized
-    at the end, one line per kind.
+    traceback instead (still exit 2), and the tracebacks torch logs on its way, which are dropped
+    otherwise. Warnings torch and transformers raise while the command runs are summarized at the
+    end, one line per kind.
     """
     args = _parser().parse_args(argv)
     try:
-        with summarized_warnings(), quiet_transformers():
+        with summarized_warnings(), quiet_transformers(), quiet_torch_tracebacks(not args.traceback):
             status = args.run(args)
         sys.stdout.flush()  # a closed pipe raises here, inside the handler, not at exit
         return status
@@ -62,15 +64,19 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 130
     except Exception as error:
         if args.traceback:
-            raise
-        print(f"autotp: error: {_one_line_error(error)}", file=sys.stderr)
+            traceback.print_exc()
+        else:
+            print(f"autotp: error: {_one_line_error(error)}", file=sys.stderr)
         return EXIT_ERROR
 
 
 def _one_line_error(error: Exception) -> str:
-    """An :class:`AutoTPError`'s message, or ``Type: first line`` of anything else with the hint."""
-    from autotp.errors import AutoTPError, one_line
+    """An :class:`AutoTPError`'s message (a :class:`NoPlanError`'s short form), or ``Type: first
+    line`` of anything else with the hint."""
+    from autotp.errors import AutoTPError, NoPlanError, one_line
 
+    if isinstance(error, NoPlanError) and error.found:  # its message lists every source's reasons
+        return f"{error.module}: {error.found}; {error.fix}"
     if isinstance(error, AutoTPError):
         return " ".join(str(error).split())
     return f"{one_line(error)} (unexpected; rerun with --traceback for the full traceback)"
@@ -90,7 +96,7 @@ def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="autotp", description="Tensor-parallel plans for PyTorch causal language models."
     )
-    parser.add_argument("--version", action="version", version=f"%(prog)s {_version()}")
+    parser.add_argument("--version", action=_VersionAction)
     parser.add_argument("--traceback", action="store_true", help="show the full traceback of an error")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
@@ -108,7 +114,7 @@ def _parser() -> argparse.ArgumentParser:
         "--emit", choices=("python", "hf"), default=None,
         help="print the plan as code: 'python' an importable module with a function "
              "f(model, sequence_parallel=...), 'hf' transformers' tp_plan strings as JSON "
-             "(exit 1 naming the styles that have none)",
+             "(keys whose style has none are left out, named in a warning)",
     )
     plan.set_defaults(run=_run_plan)
 
@@ -141,6 +147,19 @@ def _command(commands, name: str, help_text: str) -> argparse.ArgumentParser:
     sub.add_argument("--traceback", action="store_true", default=argparse.SUPPRESS,
                      help="show the full traceback of an error")
     return sub
+
+
+class _VersionAction(argparse.Action):
+    """``--version``, with the version read only when asked (the package metadata lookup costs
+    every other run a few hundredths of a second of start-up)."""
+
+    def __init__(self, option_strings, dest=argparse.SUPPRESS, default=argparse.SUPPRESS, help=None):
+        super().__init__(option_strings, dest=dest, default=default, nargs=0,
+                         help=help or "show the version and exit")
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        print(f"{parser.prog} {_version()}")
+        parser.exit()
 
 
 def _version() -> str:
@@ -271,7 +290,9 @@ def _run_plan(args: argparse.Namespace) -> int:
     model = build(args.model, dtype=getattr(torch, args.dtype))
     try:
         choice = _args_choice(args, model, args.tp)
-    except (MeshError, NoPlanError) as error:  # shown anyway, with the reasons, unless --check/--emit
+    except NoPlanError:  # no source gives a plan that runs at this tp: nothing to show
+        raise
+    except MeshError as error:  # the user's own --plan, sizes tp does not divide: shown with a warning
         if args.check or args.emit:
             raise
         print(f"autotp: warning: {' '.join(str(error).split())}", file=sys.stderr)
@@ -446,9 +467,10 @@ def _emit(args: argparse.Namespace, model, choice) -> int:
     tp_plan, missing = emit_hf(model, choice.plan)
     print(json.dumps(tp_plan, indent=2))
     if missing:
-        print(f"autotp: error: {len(missing)} plan key(s) have a style with no transformers tp_plan string "
-              f"(left out above): " + "; ".join(f"{k}: {v}" for k, v in missing.items()), file=sys.stderr)
-        return EXIT_MISMATCH
+        left_out = ", ".join(f"{key} ({style.split('(', 1)[0]})" for key, style in missing.items())
+        print(f"autotp: warning: --emit hf left out {len(missing)} plan key(s) whose style has no transformers "
+              f"tp_plan string: {left_out}. The strings above are not the whole plan: check them before use "
+              "(`autotp check MODEL --plan FILE.py:NAME` reads a dict of them).", file=sys.stderr)
     return 0
 
 
@@ -458,16 +480,12 @@ def _emit(args: argparse.Namespace, model, choice) -> int:
 def _run_check(args: argparse.Namespace) -> int:
     """Check the plan statically on the real-size model (meta device: shapes only)."""
     from autotp.check import check_plan
-    from autotp.errors import NoPlanError
 
     model = build(args.model)
     if args.plan is None and args.source == "auto":
-        # Selection checks each source and falls through: the plan it returns has no finding.
-        try:
-            choice, findings = select(model, sequence_parallel=args.sp, tp_size=args.tp), []
-        except NoPlanError as error:
-            print(f"autotp: {' '.join(str(error).split())}", file=sys.stderr)
-            return EXIT_MISMATCH
+        # Selection checks each source and falls through: the plan it returns has no finding. When
+        # every source is rejected, NoPlanError is one error line (--source NAME shows one's findings).
+        choice, findings = select(model, sequence_parallel=args.sp, tp_size=args.tp), []
     else:  # the plan named is the one under test: checked here, not by selection
         choice = select(model, source=args.source, sequence_parallel=args.sp, plan_file=args.plan,
                         tp_size=args.tp, check=False)
@@ -551,11 +569,14 @@ def _check_real_config(args: argparse.Namespace, tp: int) -> str:
 
 
 def _build_tiny(args: argparse.Namespace, tp: int):
-    """The tiny model of ``args.model`` for ``tp``; a failure says it is the tiny model that failed."""
+    """The tiny model of ``args.model`` for ``tp``; a failure says it is the tiny model that failed.
+
+    A config with fewer kv heads than ``tp`` keeps them (Gemma-3-1B's one kv head at tp 2), so the
+    plan verified is the one the real model runs (kv heads replicated or gathered)."""
     from autotp.errors import AutoTPError, one_line
 
     try:
-        return build(args.model, tiny=True, tp=tp, device="cpu", seed=args.seed)
+        return build(args.model, tiny=True, tp=tp, device="cpu", seed=args.seed, keep_kv_heads=True)
     except AutoTPError:
         raise
     except Exception as error:

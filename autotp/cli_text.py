@@ -10,7 +10,7 @@ import re
 import sys
 import warnings
 
-# --- quiet runs: warnings summarized, transformers' token-id complaints dropped -------------------
+# --- quiet runs: warnings summarized, transformers' token-id complaints and torch's tracebacks dropped
 
 
 @contextlib.contextmanager
@@ -84,6 +84,39 @@ def quiet_transformers():
     finally:
         for handler in handlers:
             handler.removeFilter(token_filter)
+
+
+class _TracebackFilter:
+    """Drop log records that carry a traceback (``log.exception``): torch logs the whole traceback
+    of a failed meta kernel (``failed while attempting to run meta for aten.mm``) before raising the
+    error that the command reports in one line."""
+
+    def filter(self, record) -> bool:
+        return record.exc_info is None
+
+
+@contextlib.contextmanager
+def quiet_torch_tracebacks(enabled: bool = True):
+    """Filter :class:`_TracebackFilter`'s records from torch's log handlers while inside (imports
+    torch, which installs them: call it only where the command needs torch anyway)."""
+    import logging
+
+    if not enabled:
+        yield
+        return
+    import torch  # noqa: F401  (installs torch's log handlers)
+
+    loggers = [logging.getLogger(name) for name in list(logging.Logger.manager.loggerDict)
+               if name == "torch" or name.startswith("torch.")]
+    handlers = {id(h): h for logger in loggers for h in logger.handlers}.values()
+    traceback_filter = _TracebackFilter()
+    for handler in handlers:
+        handler.addFilter(traceback_filter)
+    try:
+        yield
+    finally:
+        for handler in handlers:
+            handler.removeFilter(traceback_filter)
 
 
 # --- plan tables ---------------------------------------------------------------------------------

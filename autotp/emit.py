@@ -40,6 +40,10 @@ _READERS = {
     "input_kwarg_layouts": lambda s: s.input_kwarg_layouts if getattr(s, "with_kwargs", True) else None,
     "desired_input_kwarg_layouts": lambda s: s.desired_input_kwarg_layouts if getattr(s, "with_kwargs", True) else None,
 }
+# transformers' strings for an nn.Embedding (its EmbeddingParallel). Its Linear strings ("rowwise",
+# "colwise", ...) read in_features / out_features, which an Embedding lacks: from_pretrained(tp_plan=)
+# fails with "Embedding has no `in_features`: rowwise shards linear layers."
+_EMBEDDING_STRINGS = ("embedding_rowwise", "embedding_colwise")
 # PrepareModuleInputOutput keeps its options on two inner styles: option -> (inner, inner option).
 _INNER = {
     "input_layouts": ("prepare_module_input", "input_layouts"),
@@ -348,7 +352,8 @@ def emit_hf(model: nn.Module, plan: Plan) -> tuple[dict[str, str], dict[str, str
     """``plan`` as transformers ``tp_plan`` strings, and the keys whose style has none.
 
     A style gets the string that autotp's own translation (``autotp.hf_plans.STYLE_FACTORIES``)
-    turns back into an equal style on the same module, so the round trip is exact.
+    turns back into an equal style on the same module, so the round trip is exact; an
+    ``nn.Embedding`` gets only an ``embedding_*`` string, the one kind transformers applies to it.
 
     Returns:
         ``(tp_plan, missing)``: ``{key: "colwise", ...}`` and ``{key: style repr}`` for styles no
@@ -365,6 +370,8 @@ def emit_hf(model: nn.Module, plan: Plan) -> tuple[dict[str, str], dict[str, str
         want = describe_style(style)
         found = None
         for string, factory in STYLE_FACTORIES.items():
+            if (string in _EMBEDDING_STRINGS) != isinstance(module, nn.Embedding):
+                continue
             try:
                 candidate = factory(module, config)
             except Exception:  # a factory that does not apply to this module (needs a config field)

@@ -99,10 +99,16 @@ class NoPlanError(PlanError, MeshError):
     Also a :class:`MeshError`: most often the tp size is one the model cannot be split by (every
     source's plan cuts some heads), and callers that catch ``MeshError`` for that keep working.
 
+    The message lists every source's reason; the parts (``module``, ``found``, ``fix``) say it in one
+    short line, with one list of tp sizes to try (what the ``autotp`` command prints).
+
     Attributes:
         skipped: ``(source, reason)`` for each source tried, in the order tried.
+        tp_sizes: tp sizes that clear the sources' first obstacles (``()``: none is about tp).
     """
 
-    def __init__(self, message: str, *, skipped: list[tuple[str, str]] | tuple = ()):
-        super().__init__(message)
+    def __init__(self, message: str, *, skipped: list[tuple[str, str]] | tuple = (),
+                 tp_sizes: tuple[int, ...] = (), **parts):
+        super().__init__(message, **parts)
         self.skipped = list(skipped)
+        self.tp_sizes = tuple(tp_sizes)

@@ -45,6 +45,8 @@ def _mla_kv_a_proj(module: nn.Module, config) -> ParallelStyle:
 # style string -> factory(module, text config) -> ParallelStyle, or None for "leave replicated".
 STYLE_FACTORIES: dict[str, Callable[[nn.Module], ParallelStyle | None]] = {
     "colwise": lambda m, c: ColwiseParallel(),
+    # "rowwise" on an Embedding is read as vocab-parallel; transformers 5.23 itself accepts only
+    # "embedding_rowwise" there, which is what ``autotp plan --emit hf`` writes.
     "rowwise": lambda m, c: (
         styles.VocabParallelEmbedding(input_layouts=Replicate()) if isinstance(m, nn.Embedding) else RowwiseParallel()
     ),
@@ -122,6 +124,51 @@ def translate(model: nn.Module, hf_plan: dict[str, str], *, dropped: list[str] |
         if style is not None:
             plan[key] = style
     return plan
+
+
+def as_styles(model: nn.Module, plan) -> Plan:
+    """``plan`` with each transformers style string (``"colwise"``) replaced by its ``ParallelStyle``.
+
+    Every entry point that takes a plan (:func:`autotp.get_plan`, :func:`autotp.check_plan`,
+    :func:`autotp.verify`, ``--plan FILE.py:NAME``) passes it through here, so a plan written for
+    ``from_pretrained(tp_plan=...)`` works wherever a plan of styles does. A plan of styles is returned
+    as it is (the same object); a plan may mix both. A string key that matches nothing in ``model`` is
+    kept, translated as for a Linear, so that it is reported as any unmatched key is.
+
+    Raises:
+        PlanError: the plan is not a dict, or a value is neither a ``ParallelStyle`` nor a string
+            transformers uses.
+
+    >>> from torch import nn
+    >>> model = nn.Sequential(nn.Linear(4, 8), nn.Linear(8, 4))
+    >>> {k: type(v).__name__ for k, v in as_styles(model, {"0": "colwise", "1": "rowwise"}).items()}
+    {'0': 'ColwiseParallel', '1': 'RowwiseParallel'}
+    """
+    if not isinstance(plan, dict):
+        raise PlanError(f"a plan is a dict of plan keys to styles, got a {type(plan).__name__}.")
+    for key, style in plan.items():
+        if isinstance(style, str) and style not in STYLE_FACTORIES:
+            raise PlanError(f"plan key {key!r}: {style!r} is not a transformers style string; use one of "
+                            f"{', '.join(STYLE_FACTORIES)}, or a ParallelStyle.")
+        if not isinstance(style, (str, ParallelStyle)):
+            raise PlanError(
+                f"plan key {key!r}: {type(style).__name__} {style!r:.60} is neither a ParallelStyle nor a "
+                f"transformers style string such as 'colwise'."
+            )
+    strings = {key: style for key, style in plan.items() if isinstance(style, str)}
+    if not strings:
+        return plan
+    dropped: list[str] = []
+    translated = translate(model, strings, dropped=dropped)
+    for key in dropped:  # built with no module: a module-specific string would fail on None
+        try:
+            style = STYLE_FACTORIES[strings[key]](None, None)
+        except Exception:
+            style = None
+        if style is not None:
+            translated[key] = style
+    return {key: translated[key] if key in strings else style for key, style in plan.items()
+            if key not in strings or key in translated}
 
 
 def _matches_parameter(model: nn.Module, key: str) -> bool:

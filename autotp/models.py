@@ -199,10 +199,24 @@ def load_config(name_or_path: str | Path) -> PretrainedConfig:
     if name in CONFIG_MAPPING_NAMES:
         # A copy: the config keeps the lists it is given.
         return AutoConfig.for_model(name, **copy.deepcopy(DEFAULT_CONFIG_FIXES.get(name, {})))
+    if _looks_like_path(name):  # a mistyped path: "unknown model, closest names: ..." would mislead
+        raise AutoTPError(
+            f"no such file: {str(path)!r} (a path to a config.json, or to a folder holding one, was "
+            "expected; autotp reads no Hub repository)."
+        )
     raise AutoTPError(
         f"unknown model {name!r}: not a built-in name, a transformers model type, or a config.json "
         f"path. Built-in names: {', '.join(builtin_names())}."
     )
+
+
+def _looks_like_path(name: str) -> bool:
+    """Whether ``name`` can only be a path: no model type has a path separator or ends in ``.json``.
+
+    >>> _looks_like_path("llama"), _looks_like_path("./llama"), _looks_like_path("ckpt/config.json")
+    (False, True, True)
+    """
+    return "/" in name or "\\" in name or name.endswith(".json") or name.startswith((".", "~"))
 
 
 def _config_from_file(path: Path) -> PretrainedConfig:
@@ -262,7 +276,7 @@ _LAYER_INDEX_LISTS = ("mlp_only_layers", "hybrid_layer_ids")
 _NOT_PER_LAYER = ("architectures", *_LAYER_INDEX_LISTS)
 
 
-def shrink_config(config: PretrainedConfig, *, tp: int = 8) -> PretrainedConfig:
+def shrink_config(config: PretrainedConfig, *, tp: int = 8, keep_kv_heads: bool = False) -> PretrainedConfig:
     """A tiny config of the same architecture, shardable at tensor-parallel size ``tp``.
 
     Kept: the family (so the same module tree and code paths), the query/kv head ratio, every
@@ -271,9 +285,16 @@ def shrink_config(config: PretrainedConfig, *, tp: int = 8) -> PretrainedConfig:
     text model, ``vision_config`` to a one-layer encoder). ``tp`` key-value heads make every
     head count divisible by ``tp``.
 
+    ``keep_kv_heads``: where the config has fewer kv heads than ``tp``, keep that many (the query
+    heads in ratio), so the tiny model repeats each kv head over ``tp / kv`` ranks as the real one
+    must: what is verified is what will run. Default False: ``tp`` kv heads.
+
     >>> small = shrink_config(load_config("llama"), tp=2)
     >>> small.num_attention_heads // small.num_key_value_heads, small.num_key_value_heads
     (4, 2)
+    >>> small = shrink_config(load_config("gemma3"), tp=4, keep_kv_heads=True)  # 4 query heads, 1 kv head
+    >>> small.num_attention_heads, small.num_key_value_heads
+    (4, 1)
     """
     if tp < 1:
         raise AutoTPError(f"tp must be a positive integer, got {tp}.")
@@ -281,13 +302,14 @@ def shrink_config(config: PretrainedConfig, *, tp: int = 8) -> PretrainedConfig:
     options.pop("model_type", None)
     options.pop("transformers_version", None)
     if "text_config" in options and options["text_config"] is not None:
-        options["text_config"] = _shrink_text(options["text_config"], tp, config.text_config.attribute_map)
+        options["text_config"] = _shrink_text(options["text_config"], tp, config.text_config.attribute_map,
+                                              keep_kv_heads)
         if options.get("vision_config") is not None:
             options["vision_config"] = {**options["vision_config"], **TINY_VISION}
         if "mm_tokens_per_image" in options:
             options["mm_tokens_per_image"] = 4  # a 2x2 grid of 14-pixel patches
     else:
-        options = _shrink_text(options, tp, config.attribute_map)
+        options = _shrink_text(options, tp, config.attribute_map, keep_kv_heads)
     try:
         return AutoConfig.for_model(config.model_type, **options)
     except Exception as error:  # a family that checks hidden % heads at a head count 64 is no multiple of
@@ -306,7 +328,7 @@ def _widen_to_heads(options: dict, attribute_map: dict[str, str]) -> None:
     options[hidden] = options[heads] * -(-options[hidden] // options[heads])
 
 
-def _shrink_text(options: dict, tp: int, attribute_map: dict[str, str]) -> dict:
+def _shrink_text(options: dict, tp: int, attribute_map: dict[str, str], keep_kv_heads: bool = False) -> dict:
     """Shrink the text-model part of a config given as a dict (see :func:`shrink_config`).
 
     ``attribute_map`` is the config class's alias table (GPT-2 stores ``hidden_size`` as
@@ -317,7 +339,7 @@ def _shrink_text(options: dict, tp: int, attribute_map: dict[str, str]) -> dict:
     original = dict(options)
     options["vocab_size"] = TINY_VOCAB
     renamed = _layer_count_as_standard(options)
-    _shrink_heads(options, tp)
+    _shrink_heads(options, tp, keep_kv_heads)
     _keep_tied_widths(original, options)
     for name in _HEAD_DIM_TIED:
         if options.get(name) is not None:
@@ -335,15 +357,25 @@ def _shrink_text(options: dict, tp: int, attribute_map: dict[str, str]) -> dict:
     options.update({k: v for k, v in _TINY_EXTRAS.items() if options.get(k)})
     _shrink_rotary_and_ssm(options, original)
     _keep_width_sums(original, options)
-    _shrink_layers(options, tp, original)
+    _shrink_layers(options, tp, original, keep_kv_heads)
     for name, moved in renamed.items():  # the family's own names for the layer count
         options[name] = options.pop("num_hidden_layers") if moved else options["num_hidden_layers"]
     _clamp_token_ids(options)
     return {attribute_map.get(k, k): v for k, v in options.items()}
 
 
-def _shrink_heads(options: dict, tp: int) -> None:
-    """``tp`` kv heads (query heads in the checkpoint's ratio), and hidden_size to match.
+def _tiny_kv_heads(kv, tp: int, keep_kv_heads: bool) -> int:
+    """The tiny model's kv heads: ``tp``, or with ``keep_kv_heads`` the real count where it is below tp.
+
+    >>> _tiny_kv_heads(8, 4, True), _tiny_kv_heads(1, 4, True), _tiny_kv_heads(1, 4, False)
+    (4, 1, 4)
+    """
+    return kv if keep_kv_heads and isinstance(kv, int) and 0 < kv < tp else tp
+
+
+def _shrink_heads(options: dict, tp: int, keep_kv_heads: bool = False) -> None:
+    """``tp`` kv heads (query heads in the checkpoint's ratio), and hidden_size to match; with
+    ``keep_kv_heads``, the checkpoint's kv heads where they are fewer than ``tp``.
 
     Families that check hidden % heads (with a head_dim of their own) get a multiple, unless that is
     large (MQA with 64 query heads per kv head keeps hidden 64). Where the checkpoint has
@@ -362,19 +394,21 @@ def _shrink_heads(options: dict, tp: int) -> None:
             options["hidden_size"] = TINY_HIDDEN
         return
     ratio = max(1, heads // (options.get("num_key_value_heads") or heads))
-    options["num_attention_heads"] = tp * ratio
+    kv = _tiny_kv_heads(options.get("num_key_value_heads"), tp, keep_kv_heads)
+    tiny_heads = kv * ratio
+    options["num_attention_heads"] = tiny_heads
     if "num_key_value_heads" in options:
-        options["num_key_value_heads"] = tp
+        options["num_key_value_heads"] = kv
     if "head_dim" in options:
-        multiple = tp * ratio * TINY_HEAD_DIM
+        multiple = tiny_heads * TINY_HEAD_DIM
         exact = bool(options["head_dim"]) and options["head_dim"] * heads == options.get("hidden_size")
-        hidden = TINY_HIDDEN if TINY_HIDDEN % (tp * ratio) == 0 or multiple > 4 * TINY_HIDDEN else multiple
+        hidden = TINY_HIDDEN if TINY_HIDDEN % tiny_heads == 0 or multiple > 4 * TINY_HIDDEN else multiple
         if exact and multiple <= 2 * TINY_HIDDEN:
             hidden = multiple
         options.update(head_dim=TINY_HEAD_DIM, hidden_size=hidden)
     else:  # the family derives head_dim = hidden / heads: an even head_dim in [8, 32]
-        head_dim = max(8, min(2 * TINY_HEAD_DIM, 2 * (2 * TINY_HIDDEN // (tp * ratio) // 2)))
-        options["hidden_size"] = tp * ratio * head_dim
+        head_dim = max(8, min(2 * TINY_HEAD_DIM, 2 * (2 * TINY_HIDDEN // tiny_heads // 2)))
+        options["hidden_size"] = tiny_heads * head_dim
 
 
 def _shrink_rotary_and_ssm(options: dict, original: dict) -> None:
@@ -456,7 +490,7 @@ def _keep_width_sums(original: dict, options: dict, *, base: dict | None = None)
             options[total] = sum(shrunk[k] for k in parts)
 
 
-def _shrink_layers(options: dict, tp: int, original: dict) -> None:
+def _shrink_layers(options: dict, tp: int, original: dict, keep_kv_heads: bool = False) -> None:
     """Keep ``TINY_LAYERS`` layers (more if needed to keep one of each ``layer_types`` entry).
 
     Per-layer lists are cut to the kept layers; per-layer override dicts keyed by layer index
@@ -482,7 +516,7 @@ def _shrink_layers(options: dict, tp: int, original: dict) -> None:
             options[name] = [value[i] for i in keep]
         elif isinstance(value, dict) and value and all(str(k).isdigit() for k in value):
             options[name] = {
-                keep.index(int(k)): _shrink_override(v, tp, (original, options))
+                keep.index(int(k)): _shrink_override(v, tp, (original, options), keep_kv_heads)
                 for k, v in value.items() if int(k) in keep
             }
     for name in _LAYER_INDEX_LISTS:
@@ -513,7 +547,7 @@ def _layers_needed(options: dict, n: int) -> int:
     return min(n, needed)
 
 
-def _shrink_override(override, tp: int, bases: tuple[dict, dict]):
+def _shrink_override(override, tp: int, bases: tuple[dict, dict], keep_kv_heads: bool = False):
     """A per-layer override's head widths, tiny (a wider head_dim stays wider than the default).
 
     ``bases`` are the model's config before and after shrinking, for widths the override inherits.
@@ -524,9 +558,10 @@ def _shrink_override(override, tp: int, bases: tuple[dict, dict]):
     if "head_dim" in shrunk:
         shrunk["head_dim"] = 2 * TINY_HEAD_DIM
     if shrunk.get("num_key_value_heads"):
+        kv = _tiny_kv_heads(shrunk["num_key_value_heads"], tp, keep_kv_heads)
         if shrunk.get("num_attention_heads"):  # keep the layer's query/kv ratio, as for the model
-            shrunk["num_attention_heads"] = tp * max(1, shrunk["num_attention_heads"] // shrunk["num_key_value_heads"])
-        shrunk["num_key_value_heads"] = tp
+            shrunk["num_attention_heads"] = kv * max(1, shrunk["num_attention_heads"] // shrunk["num_key_value_heads"])
+        shrunk["num_key_value_heads"] = kv
     shrunk.update({k: v for k, v in _TINY_EXTRAS.items() if shrunk.get(k)})
     _keep_width_sums({**bases[0], **override}, shrunk, base=bases[1])
     return shrunk
@@ -548,6 +583,7 @@ def build_model(
     *,
     tiny: bool = False,
     tp: int = 8,
+    keep_kv_heads: bool = False,
     device: str | torch.device = "meta",
     seed: int = 0,
     dtype: torch.dtype = torch.float32,
@@ -559,6 +595,8 @@ def build_model(
         name_or_path: a built-in name, a model type, a config.json path, or a config.
         tiny: shrink the config first (:func:`shrink_config`), shardable at ``tp``.
         tp: the tensor-parallel size the tiny model must shard at.
+        keep_kv_heads: keep the real config's kv heads where they are fewer than ``tp`` (see
+            :func:`shrink_config`): the tiny model then repeats kv heads over ranks as the real one does.
         device: ``"meta"`` (shapes only, milliseconds at any size) or ``"cpu"``.
         seed: seeds the random initialisation, so two builds are equal.
         dtype: parameter dtype.
@@ -567,7 +605,7 @@ def build_model(
     """
     config = name_or_path if isinstance(name_or_path, PretrainedConfig) else load_config(name_or_path)
     if tiny:
-        config = shrink_config(config, tp=tp)
+        config = shrink_config(config, tp=tp, keep_kv_heads=keep_kv_heads)
     device = torch.device(device)
     if device.type == "meta":
         # No initialisation on meta: there is nothing to fill, and HF's init walk costs ~0.5 s.

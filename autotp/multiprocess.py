@@ -20,6 +20,7 @@ from torch.distributed.device_mesh import init_device_mesh
 
 from autotp.apply import apply_plan
 from autotp.errors import VerificationError
+from autotp.hf_plans import as_styles
 from autotp.plan import Plan
 from autotp.verifier import (
     DEFAULT_TOLERANCE,
@@ -76,6 +77,7 @@ def verify_multiprocess(
         VerificationError: a worker died without reporting, or ``timeout`` seconds passed.
     """
     check_materialised(model)
+    plan = as_styles(model, plan)
     model = clean_copy(model)  # pickles without a trace's fake tensors; each worker shards its own
     inputs = default_inputs(model, procs) if inputs is None else inputs
     ref_logits, ref_params = reference_run(model, inputs, backward)

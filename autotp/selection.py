@@ -14,12 +14,14 @@ from __future__ import annotations
 
 import importlib
 import logging
+import re
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
 from torch import nn
 
 from autotp.errors import AutoTPError, NoPlanError, PlanError
+from autotp.hf_plans import as_styles
 from autotp.plan import Plan
 
 SOURCES = ("custom", "handwritten", "hf", "synthesized")
@@ -68,7 +70,8 @@ def import_object(path: str):
 def load_plan_file(spec: str, model: nn.Module, *, sequence_parallel: bool = False) -> Plan:
     """The plan ``NAME`` defined in a Python file, from ``"path/to/plans.py:NAME"``.
 
-    ``NAME`` may be a plan dict or a function ``f(model, sequence_parallel=...)`` returning one.
+    ``NAME`` may be a plan dict (of styles, or of transformers' style strings) or a function
+    ``f(model, sequence_parallel=...)`` returning one.
 
     Raises:
         PlanError: the file, the name, or the plan is missing or malformed.
@@ -80,7 +83,7 @@ def load_plan_file(spec: str, model: nn.Module, *, sequence_parallel: bool = Fal
     if not sep or not path.endswith(".py"):
         raise PlanError(f"--plan {spec!r}: expected FILE.py:NAME, e.g. my_plans.py:PLAN.")
     if not Path(path).is_file():
-        raise PlanError(f"--plan {spec!r}: no file {path!r}.")
+        raise PlanError(f"--plan {spec!r}: no such file: {path!r}.")
     module_spec = importlib.util.spec_from_file_location(Path(path).stem, path)
     module = importlib.util.module_from_spec(module_spec)
     try:
@@ -105,12 +108,15 @@ def load_plan_file(spec: str, model: nn.Module, *, sequence_parallel: bool = Fal
         plan = target
     if not isinstance(plan, dict):
         raise PlanError(f"--plan {spec!r}: {name!r} is a {type(plan).__name__}, not a plan dict.")
-    return plan
+    try:
+        return as_styles(model, plan)
+    except PlanError as error:
+        raise PlanError(f"--plan {spec!r}: {error}") from None
 
 
 def _custom_plan(model: nn.Module, tp_shard_plan, sequence_parallel: bool) -> tuple[Plan, str]:
     if isinstance(tp_shard_plan, dict):
-        return tp_shard_plan, "dict"
+        return as_styles(model, tp_shard_plan), "dict"
     if not isinstance(tp_shard_plan, str):
         raise PlanError(
             f"tp_shard_plan must be a dict, a registered name or an import path, got {type(tp_shard_plan).__name__}."
@@ -120,7 +126,7 @@ def _custom_plan(model: nn.Module, tp_shard_plan, sequence_parallel: bool) -> tu
         target = target(model, sequence_parallel=sequence_parallel)
     if not isinstance(target, dict):
         raise PlanError(f"tp_shard_plan {tp_shard_plan!r} gave a {type(target).__name__}, not a plan dict.")
-    return target, tp_shard_plan
+    return as_styles(model, target), tp_shard_plan
 
 
 def rejection(model: nn.Module, plan: Plan, *, tp_size: int | None, analysis=None) -> str | None:
@@ -135,7 +141,10 @@ def rejection(model: nn.Module, plan: Plan, *, tp_size: int | None, analysis=Non
     """
     from autotp.check import check_plan
 
-    findings = check_plan(model, plan, tp_size=tp_size or 1, analysis=analysis)
+    return _rejection_text(check_plan(model, plan, tp_size=tp_size or 1, analysis=analysis))
+
+
+def _rejection_text(findings: list) -> str | None:
     if not findings:
         return None
     kinds = sorted({f.kind for f in findings})
@@ -156,13 +165,14 @@ def _cheap_rejection(model: nn.Module, plan: Plan, tp_size: int | None) -> None:
 
 
 def _candidates(model: nn.Module, sources: tuple[str, ...], sequence_parallel: bool, tp_size: int | None,
-                *, reraise: bool = False):
+                *, reraise: bool = False, errors: dict | None = None):
     """Yield a :class:`PlanChoice` per source (``plan`` None: the source has none, ``detail`` says
     why), built lazily; a synthesized choice carries its :class:`~autotp.synth.Analysis`.
 
     A source that has no plan for the model, or whose construction raises an :class:`AutoTPError`
     (a transformers style autotp cannot translate, a synthesized plan tp does not divide), yields
-    ``None`` with the reason; with ``reraise`` that error propagates instead.
+    ``None`` with the reason (and the error goes in ``errors[source]`` when given); with ``reraise``
+    that error propagates instead.
     """
     import handwritten_plans
     from autotp import hf_plans
@@ -191,6 +201,8 @@ def _candidates(model: nn.Module, sources: tuple[str, ...], sequence_parallel: b
         except AutoTPError as error:
             if reraise:
                 raise
+            if errors is not None:
+                errors[source] = error
             yield PlanChoice(None, source, str(error))
 
 
@@ -208,8 +220,9 @@ def get_plan(
     Args:
         model: the model (any device, meta included).
         sequence_parallel: ask for the sequence-parallel variant.
-        tp_shard_plan: an explicit plan: a dict, a registered name, or a dotted import path to a
-            dict or to a function ``f(model, sequence_parallel=...)``. It is used as given: only
+        tp_shard_plan: an explicit plan: a dict (of styles, or of transformers' style strings,
+            translated by :func:`autotp.hf_plans.as_styles`), a registered name, or a dotted import
+            path to a dict or to a function ``f(model, sequence_parallel=...)``. It is used as given: only
             its tied weights and (with ``tp_size``) its sizes are checked, without a trace.
         source: ``"auto"`` (the order above, falling through rejected sources), or one of
             ``"handwritten"``, ``"hf"``, ``"synthesized"`` to insist on one source.
@@ -235,23 +248,89 @@ def get_plan(
         raise PlanError(f"unknown plan source {source!r}; use one of auto, handwritten, hf, synthesized.")
     if source != "auto":
         return _insisted(model, source, sequence_parallel, tp_size, check=bool(check))
+    from autotp.check import check_plan
+
     check = True if check is None else check
     skipped: list[tuple[str, str]] = []
-    for choice in _candidates(model, SOURCES[1:], sequence_parallel, tp_size):
+    obstacles: list = []  # the first Finding or AutoTPError of each rejected source, in order
+    errors: dict[str, AutoTPError] = {}
+    for choice in _candidates(model, SOURCES[1:], sequence_parallel, tp_size, errors=errors):
         reason = choice.detail if choice.plan is None else None
         if choice.plan is not None and check:
-            reason = rejection(model, choice.plan, tp_size=tp_size, analysis=choice.analysis)
+            findings = check_plan(model, choice.plan, tp_size=tp_size or 1, analysis=choice.analysis)
+            reason = _rejection_text(findings)
+            obstacles += findings[:1]
         if reason is None:
             return replace(choice, skipped=skipped)
+        obstacles += [errors[choice.source]] if choice.source in errors else []
         log.info("plan source %s skipped for %s: %s", choice.source, type(model).__name__, reason)
         skipped.append((choice.source, reason))
+    raise _no_plan(model, tp_size, skipped, obstacles)
+
+
+# Characters "module: found; fix" of a NoPlanError may take: one terminal line with a prefix.
+_SHORT_LINE = 180
+# The tp sizes a fix suggests, as autotp.errors.working_tp_sizes writes them: "use tp in (1, 2, 4)".
+_TP_SIZES = re.compile(r"use tp in \(([\d, ]+)\)")
+# Config attributes that every plan source splits over tp: query heads and the widths of the MLP and
+# the vocabulary (each must divide by tp), and kv heads (divide by tp, or be repeated over it: the
+# synthesizer replicates kv heads when tp is a multiple of their count).
+_SPLIT = ("num_attention_heads", "n_head", "num_heads", "intermediate_size", "moe_intermediate_size", "vocab_size")
+_KV_HEADS = ("num_key_value_heads",)
+
+
+def _no_plan(model: nn.Module, tp_size: int | None, skipped: list, obstacles: list) -> NoPlanError:
+    """The :class:`NoPlanError` for every source rejected: its message lists each reason; its parts
+    (``module``, ``found``, ``fix``) make one short line with one list of tp sizes to try."""
     at = f" at tp={tp_size}" if tp_size else ""
-    raise NoPlanError(
-        f"{type(model).__name__}: no plan source gives a plan the checker accepts{at}: "
-        + "; ".join(f"{name}: {reason.rstrip('.')}" for name, reason in skipped)
-        + ". Try another tp size, or pass your own plan (tp_shard_plan= / --plan FILE.py:NAME).",
-        skipped=skipped,
-    )
+    message = (f"{type(model).__name__}: no plan source gives a plan the checker accepts{at}: "
+               + "; ".join(f"{name}: {reason.rstrip('.')}" for name, reason in skipped)
+               + ". Try another tp size, or pass your own plan (tp_shard_plan= / --plan FILE.py:NAME).")
+    fixes = [getattr(o, "fix", None) or "" for o in obstacles]
+    sized = [o for o, fix in zip(obstacles, fixes) if _TP_SIZES.search(fix)]
+    first = (sized or obstacles or [None])[0]
+    cause = _short_cause(model, first) if first is not None else (skipped[0][1] if skipped else "")
+    sizes = suggested_tp_sizes(model, fixes)
+    listed = f"({', '.join(map(str, sizes))})"
+    fix = f"use tp in {listed} or your own plan" if sizes else "pass your own plan"
+    found = f"no plan source passes the checker{at}: "
+    room = _SHORT_LINE - len(f"{type(model).__name__}: {found}; {fix}")
+    cause = cause if len(cause) <= room else cause[:max(room - 3, 0)] + "..."
+    return NoPlanError(message, skipped=skipped, tp_sizes=sizes, module=type(model).__name__,
+                       found=found + cause, fix=fix)
+
+
+def _short_cause(model: nn.Module, obstacle) -> str:
+    """``obstacle``'s problem (a Finding's, or an AutoTPError's ``found``) without its parenthesized
+    detail, after the module it is about when that is not the model itself."""
+    problem = getattr(obstacle, "problem", None) or getattr(obstacle, "found", None) or str(obstacle)
+    module = getattr(obstacle, "module", None)
+    problem = problem.split(" (", 1)[0].split("; ", 1)[0]
+    return problem if module in (None, type(model).__name__) else f"{module}: {problem}"
+
+
+def suggested_tp_sizes(model: nn.Module, fixes: list[str]) -> tuple[int, ...]:
+    """The tp sizes that some fix in ``fixes`` names ("use tp in (...)"), less those the model's
+    config cannot be split over (each source names the sizes that clear its first obstacle only);
+    ``()`` if no fix names any.
+
+    >>> from types import SimpleNamespace
+    >>> model = SimpleNamespace(config=SimpleNamespace(num_attention_heads=12, num_key_value_heads=4))
+    >>> suggested_tp_sizes(model, ["use tp in (1, 29)", "use tp in (1, 2, 3, 4, 6, 12)"])
+    (1, 2, 4, 12)
+    """
+    lists = [match.group(1) for fix in fixes for match in _TP_SIZES.finditer(fix)]
+    named = {int(t) for listed in lists for t in listed.split(",") if t.strip()}
+    config = getattr(model, "config", None)
+    configs = [c for c in (config, getattr(config, "text_config", None), getattr(config, "language_config", None))
+               if c is not None]
+    split, kv = _counts(configs, _SPLIT), _counts(configs, _KV_HEADS)
+    fits = lambda t: all(n % t == 0 for n in split) and all(n % t == 0 or t % n == 0 for n in kv)  # noqa: E731
+    return tuple(sorted(t for t in named if fits(t)))
+
+
+def _counts(configs: list, names: tuple[str, ...]) -> list[int]:
+    return [n for c in configs for a in names if isinstance(n := getattr(c, a, None), int) and n > 0]
 
 
 def _insisted(model: nn.Module, source: str, sequence_parallel: bool, tp_size: int | None, *,

@@ -10,18 +10,18 @@
 The check compares logits and every gradient with the unsharded model on simulated ranks
 (:func:`autotp.verify`). Under a real process group (``parallelize`` inside torchrun) it runs in a
 child interpreter (``isolated=True``), which leaves the caller's process group untouched.
-Measured cost (README, "Self-check"): 2-5 s on a tiny model in process, ~15-20 s isolated.
+Measured cost (docs/guarantees.md, "Self-check"): 2-5 s on a tiny model in process, ~15-20 s isolated.
 """
 
 from __future__ import annotations
 
-import copy
 import logging
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
+from autotp.copying import deep_copy
 from autotp.plan import Plan
 from autotp.verifier import DEFAULT_TOLERANCE, VerifyReport, require_ok, verify
 
@@ -57,7 +57,7 @@ def self_check(model: nn.Module, plan: Plan, *, tp_size: int, sequence_parallel:
     isolated = dist.is_available() and dist.is_initialized()  # keep a real process group untouched
     what = f"{type(model).__name__}'s synthesized plan"
     if _verifiable_itself(model):
-        subject = model if _is_fp32_cpu(model) else copy.deepcopy(model).float().cpu()
+        subject = model if _is_fp32_cpu(model) else deep_copy(model).float().cpu()
         inputs = None if _has_vocab(model) else example_inputs
         if inputs is None and not _has_vocab(model):
             log.warning("%s: could not self-check the synthesized plan: no config.vocab_size to draw token ids "

@@ -28,7 +28,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 from torch.utils.checkpoint import checkpoint
 
-from autotp.apply import apply_plan, validate_tp_mesh
+from autotp.apply import apply_plan, gather_logits, validate_tp_mesh
 from autotp.dtensor_utils import get_logprobs_from_vocab_parallel_logits
 from autotp.errors import AutoTPError, MeshError
 from autotp.selection import get_plan
@@ -97,7 +97,8 @@ def get_lm_ac_layers(model: nn.Module) -> list[nn.Module]:
         stack = (isinstance(module, nn.ModuleList) and len(module)) or is_layer_stack(module)
         if stack and (size := _param_count(module)) > best_size:
             best, best_size = module, size
-    return [block for _, block in stack_entries(best)] if best is not None else []
+    # An empty slot (``None``) is no block: nothing to checkpoint or shard.
+    return [block for _, block in stack_entries(best) if block is not None] if best is not None else []
 
 
 def _checkpointed_forward(forward, *args, **kwargs):
@@ -134,13 +135,14 @@ def apply_fsdp2_sharding_recursively(
 
     for child in module.children():
         if isinstance(child, nn.ModuleList) or is_layer_stack(child):
-            for index, (_, block) in enumerate(stack_entries(child)):
+            blocks = [block for _, block in stack_entries(child) if block is not None]  # skip empty slots
+            for index, block in enumerate(blocks):
                 fully_shard(
                     block,
                     mesh=mesh,
                     mp_policy=mp_policy or MixedPrecisionPolicy(),
                     offload_policy=offload_policy or OffloadPolicy(),
-                    reshard_after_forward=index < len(child) - 1,
+                    reshard_after_forward=index < len(blocks) - 1,
                 )
         else:
             apply_fsdp2_sharding_recursively(child, mesh, mp_policy, offload_policy)
@@ -191,6 +193,7 @@ def fsdp2_strategy_parallelize(
     dp_shard_cp_mesh_name: str = "dp_shard_cp",
     tp_mesh_name: str = "tp",
     verify_synthesized: bool = True,
+    loss_parallel: bool = True,
 ) -> nn.Module:
     """Shard ``model`` in place for training: TP inside each data-parallel replica, FSDP2 across them.
 
@@ -206,6 +209,9 @@ def fsdp2_strategy_parallelize(
             :func:`autotp.get_plan`; by default the handwritten, transformers' or synthesized plan.
         verify_synthesized: check a synthesized plan numerically before sharding (see
             :func:`autotp.parallelize`).
+        loss_parallel: keep the logits a vocabulary-sharded DTensor (the default: no rank holds
+            ``[batch, seq, vocab]``); False returns them whole on every rank, as
+            :func:`autotp.parallelize` describes. ``generate`` works either way.
 
     Returns:
         The same model: parameters are DTensors on the (dp..., tp) mesh, tied weights still tied.
@@ -244,6 +250,8 @@ def fsdp2_strategy_parallelize(
             offload_policy=offload_policy or OffloadPolicy(),
             reshard_after_forward=False,
         )
+    if tp_mesh is not None and not loss_parallel:
+        gather_logits(model)  # after fully_shard: FSDP2's output hook must see the head's DTensor
     return model
 
 

@@ -12,7 +12,6 @@ slices, collectives, float64 re-run) is done the same way for every plan: they s
 
 from __future__ import annotations
 
-import copy
 import logging
 from collections import Counter
 from dataclasses import dataclass, field
@@ -25,7 +24,9 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from autotp import _simulate
 from autotp.apply import apply_plan
+from autotp.copying import deep_copy
 from autotp.errors import AutoTPError, VerificationError, one_line
+from autotp.hf_plans import as_styles
 from autotp.plan import Plan
 
 log = logging.getLogger(__name__)
@@ -278,7 +279,7 @@ def clean_copy(model: nn.Module) -> nn.Module:
         log.warning("%s: dropping fake tensors a trace left in module state (%s) from the verified copies",
                     type(model).__name__, ", ".join(sorted(leftovers)))
     try:
-        return copy.deepcopy(model, memo={id(value): None for value in leftovers.values()})
+        return deep_copy(model, memo={id(value): None for value in leftovers.values()})
     except RuntimeError as error:  # a non-leaf tensor held as module state (legacy weight_norm)
         if "deepcopy" not in str(error):
             raise
@@ -314,7 +315,7 @@ def verify(
 
     Args:
         model: a materialised model (fp32 recommended); it is not modified.
-        plan: the plan to check.
+        plan: the plan to check (styles, or transformers' style strings: see :func:`autotp.hf_plans.as_styles`).
         tp_size: number of simulated ranks (2, 4, 8...).
         inputs: keyword (dict) or positional (tuple) arguments for one forward; by default token ids
             drawn from ``model.config.vocab_size``.
@@ -333,6 +334,7 @@ def verify(
             or plan cannot be sent to the child.
     """
     check_materialised(model)
+    plan = as_styles(model, plan)
     if inputs is None:
         inputs = default_inputs(model, tp_size)
     if isolated:

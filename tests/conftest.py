@@ -37,9 +37,21 @@ DEFAULT_MULTIPROCESS = (
 
 TP_PARAMS = ("tp", "tp_size")
 
+# Files whose every tp=2 case stays in the default tier: the synthesis matrix (exact parameter
+# fractions and collective counts per family and mode), the handwritten plans of the families
+# NeMo's optimized plans cover, the silently-wrong toys.
+FULL_MATRIX_FILES = ("test_synth_matrix.py", "test_handwritten.py", "test_silent_wrong.py")
+# Files that keep every value of every parameter once (base-choice coverage): each family and mode
+# of the checker and of the other handwritten plans runs, not each combination of them.
+EACH_VALUE_FILES = ("test_check.py", "test_handwritten_more.py")
+
+
+def _params(item) -> dict:
+    return getattr(getattr(item, "callspec", None), "params", {})
+
 
 def _tp_of(item) -> tuple[str, int] | None:
-    params = getattr(getattr(item, "callspec", None), "params", {})
+    params = _params(item)
     for name in TP_PARAMS:
         if isinstance(params.get(name), int):
             return name, params[name]
@@ -52,7 +64,7 @@ def _sibling_key(item, name: str, tp: int) -> tuple:
     return item.nodeid.partition("[")[0], tuple(sorted((k, repr(v)) for k, v in params.items()))
 
 
-def _is_slow(item, at_two: set) -> bool:
+def _is_slow(item, at_two: set, base: dict) -> bool:
     if item.path.name in SLOW_FILES:
         return True
     if item.get_closest_marker("multiprocess") and item.nodeid.partition("[")[0] not in DEFAULT_MULTIPROCESS:
@@ -60,15 +72,26 @@ def _is_slow(item, at_two: set) -> bool:
     # A case repeated at a larger tp, when the same test also runs at tp 2 with every other
     # parameter equal. A test that only runs at tp 4 or 8 (fewer kv groups than ranks) stays.
     found = _tp_of(item)
-    return bool(found and found[1] > 2 and _sibling_key(item, found[0], 2) in at_two)
+    if found and found[1] > 2 and _sibling_key(item, found[0], 2) in at_two:
+        return True
+    # A test with several parameters (an idiom toy in variants x modes, a family sweep x sources x
+    # modes) keeps its first case, each parameter at its first value; in EACH_VALUE_FILES also every
+    # case that differs from the first in one parameter. The rest is in the slow tier.
+    params, first = _params(item), base.get(item.nodeid.partition("[")[0])
+    if item.path.name in FULL_MATRIX_FILES or first is None or len(params) < 2:
+        return False
+    differ = [name for name in params if name not in TP_PARAMS and repr(params[name]) != repr(first.get(name))]
+    return len(differ) > (1 if item.path.name in EACH_VALUE_FILES else 0)
 
 
 def pytest_collection_modifyitems(config, items):
-    at_two = set()
+    at_two, base = set(), {}
     for item in items:
         found = _tp_of(item)
         if found and found[1] == 2:
             at_two.add(_sibling_key(item, found[0], 2))
+        if _params(item):
+            base.setdefault(item.nodeid.partition("[")[0], _params(item))
     for item in items:
-        if _is_slow(item, at_two):
+        if _is_slow(item, at_two, base):
             item.add_marker(pytest.mark.slow)

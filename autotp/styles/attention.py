@@ -4,6 +4,7 @@ when tp exceeds them."""
 from __future__ import annotations
 
 import copy
+from collections.abc import Mapping, MutableMapping
 from functools import partial
 
 import torch
@@ -83,27 +84,69 @@ class ShardCounts(ParallelStyle):
         tp = device_mesh.size()
         copied: set[str] = set()
         for name in self.names:
-            *path, attr = name.split(".")
-            owner = module
-            for i, part in enumerate(path):
-                child_path = ".".join(path[: i + 1])
-                # A child module is this module's own (its count is set on it); a plain object such
-                # as a config may be shared with other modules, and is copied first.
-                if child_path not in copied and not isinstance(getattr(owner, part), nn.Module):
-                    setattr(owner, part, copy.copy(getattr(owner, part)))
-                    copied.add(child_path)
-                owner = getattr(owner, part)
-            value = getattr(owner, attr)
+            owner, attr = count_holder(module, name, copied)
+            value = _read(owner, attr)
             if value % tp:
                 from autotp.errors import MeshError
 
                 raise MeshError(f"{type(module).__name__}.{name}={value} cannot be split over tp={tp}")
-            setattr(owner, attr, value // tp)
+            _write(owner, attr, value // tp)
+        sync_einops_lengths(module)
         return self.base._apply(module, device_mesh) if self.base is not None else module
 
     def __repr__(self) -> str:
         base = f", base={self.base!r}" if self.base is not None else ""
         return f"{self.__class__.__name__}(names={self.names}{base})"
+
+
+def count_holder(module: nn.Module, name: str, copied: set[str] | None = None) -> tuple[object, str]:
+    """The object holding the count named by dotted path ``name`` below ``module``, and its key.
+
+    A path steps through attributes, and through the keys of a mapping: an einops layer keeps its
+    lengths in a dict (``Rearrange("b t (h d) -> b h t d", h=8)`` holds ``axes_lengths["h"]``,
+    named ``"axes_lengths.h"``). With ``copied`` (a set of the paths already copied), a plain
+    object or mapping on the way (a config, possibly shared with other modules) is replaced by a
+    shallow copy first, so that the change stays with this module; a child module is its own.
+
+    >>> holder, key = count_holder(nn.Sequential(nn.Identity()), "0.training")
+    >>> type(holder).__name__, key
+    ('Identity', 'training')
+    """
+    *path, attr = name.split(".")
+    owner = module
+    for i, part in enumerate(path):
+        child, child_path = _read(owner, part), ".".join(path[: i + 1])
+        if copied is not None and child_path not in copied and not isinstance(child, nn.Module):
+            child = copy.copy(child)
+            _write(owner, part, child)
+            copied.add(child_path)
+        owner = child
+    return owner, attr
+
+
+def _read(owner, key: str):
+    return owner[key] if isinstance(owner, Mapping) else getattr(owner, key)
+
+
+def _write(owner, key: str, value) -> None:
+    if isinstance(owner, MutableMapping):
+        owner[key] = value
+    else:
+        setattr(owner, key, value)
+
+
+def sync_einops_lengths(module: nn.Module) -> None:
+    """Make the einops layers under ``module`` run with the lengths in their ``axes_lengths``.
+
+    An einops layer (``einops.layers.torch.Rearrange`` / ``Reduce``) copies ``axes_lengths`` into
+    the tuple ``_axes_lengths`` when built, and its forward reads only the tuple: a head count
+    divided in the dict must be copied there too.
+    """
+    for layer in module.modules():
+        lengths = getattr(layer, "axes_lengths", None)
+        if type(layer).__module__.startswith("einops.") and isinstance(lengths, Mapping) \
+                and isinstance(getattr(layer, "_axes_lengths", None), tuple):
+            layer._axes_lengths = tuple(lengths.items())
 
 
 class LocalWidthInputs(WrapperStyle):

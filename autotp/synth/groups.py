@@ -41,6 +41,7 @@ import networkx as nx
 import torch
 from torch import nn
 
+from autotp.copying import deep_copy
 from autotp.errors import AutoTPError
 from autotp.synth.analysis import Shard, is_linear, module_of, propagate
 from autotp.synth.graph import Ref, refs
@@ -384,7 +385,7 @@ def _materialized(module: nn.Module) -> nn.Module | None:
     """A float32 CPU copy of meta ``module`` with random parameters and floating buffers (integer
     buffers zero); None if it cannot be made."""
     try:
-        real = copy.deepcopy(module).to_empty(device="cpu").float()
+        real = deep_copy(module).to_empty(device="cpu").float()
     except Exception as error:  # noqa: BLE001 - cannot materialise: cannot prove
         log.debug("group copies: cannot materialise %s: %s", type(module).__name__, error)
         return None
@@ -420,7 +421,7 @@ def _random_like(call):
 
 def _same_output(target: nn.Module, local: dict[str, Copies], tp: int, inputs, reference) -> bool:
     try:
-        trial = copy.deepcopy(target)
+        trial = deep_copy(target)
         for path, spec in local.items():
             expand_module(trial.get_submodule(path), spec, tp)
         with torch.no_grad():
@@ -470,7 +471,7 @@ def expand_module(module: nn.Module, copies: Copies, tp: int) -> None:
 
 def expanded_model(model: nn.Module, copies: dict[str, Copies], groups: LayerGroups, tp: int) -> nn.Module:
     """A copy of ``model`` with every grouped part expanded to ``tp`` groups (by traced FQN)."""
-    out = copy.deepcopy(model)
+    out = deep_copy(model)
     for fqn, spec in copies.items():
         for original in groups.original(fqn):
             expand_module(out.get_submodule(original), spec, tp)

@@ -14,6 +14,7 @@ import contextlib
 import copy
 import functools
 import logging
+from collections.abc import MutableMapping
 
 import networkx as nx
 import torch
@@ -22,7 +23,8 @@ from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from autotp.styles.attention import width_view
+from autotp.copying import deep_copy
+from autotp.styles.attention import count_holder, sync_einops_lengths, width_view
 from autotp.synth.analysis import Shard, is_linear, module_of, propagate_packed, weight_of
 from autotp.synth.graph import build_graph
 from autotp.synth.head_loops import later_iterations
@@ -192,7 +194,7 @@ def _module_copy(module: nn.Module, real: bool = False) -> nn.Module:
     # restored only when analysis ends) is not copied: a deep copy of one corrupts memory when freed.
     memo.update({id(value): None for m in module.modules() for value in vars(m).values()
                  if isinstance(value, FakeTensor)})
-    return copy.deepcopy(module, memo)
+    return deep_copy(module, memo)
 
 
 def _shrink(module: nn.Module, role: Role, tp: int) -> None:
@@ -294,12 +296,14 @@ def _in_out(role: Role) -> bool:
 
 
 def _divide(module: nn.Module, names: tuple[str, ...], tp: int) -> None:
+    """``names`` of ``module`` (a copy) divided by ``tp``, as :class:`~autotp.styles.ShardCounts` does."""
     for name in names:
-        *path, attr = name.split(".")
-        owner = module
-        for part in path:
-            owner = getattr(owner, part)
-        setattr(owner, attr, getattr(owner, attr) // tp)
+        owner, attr = count_holder(module, name)
+        if isinstance(owner, MutableMapping):
+            owner[attr] //= tp
+        else:
+            setattr(owner, attr, getattr(owner, attr) // tp)
+    sync_einops_lengths(module)
 
 
 class _CutRecorder(TorchDispatchMode):

@@ -171,7 +171,8 @@ def head_splits(g: nx.DiGraph, flow: Flow, root: str, start: str, depth: int = 4
 
 def candidate_names(module: nn.Module, values: set[int]) -> list[str]:
     """Integer attributes in ``values`` of ``module``, of the plain objects it holds and of its child
-    modules, one level down.
+    modules, one level down; and integers a child module keeps in a dict attribute (an einops
+    layer's ``axes_lengths``), named through the key (``"split.axes_lengths.h"``).
 
     A child's count is what its own forward reads (``nn.Conv1d.groups`` of a depthwise convolution
     over the sharded channels, a gate module's head count); a Linear child's sizes are not read
@@ -189,7 +190,16 @@ def candidate_names(module: nn.Module, values: set[int]) -> list[str]:
             continue
         names += [f"{name}.{sub}" for sub, inner in vars(child).items()
                   if not sub.startswith("_") and is_count(inner) and inner in values]
+        names += [f"{name}.{sub}.{key}" for sub, inner in vars(child).items()
+                  if not sub.startswith("_") and isinstance(inner, dict)
+                  for key, count in inner.items() if _count_key(key) and is_count(count) and count in values]
     return sorted(names, key=lambda n: (n.count("."), n))
+
+
+def _count_key(key) -> bool:
+    """Whether a dict key can be a step of a count's dotted path (einops' ``axes_lengths`` keys:
+    ``"h"`` of ``Rearrange("b t (h d) -> b h t d", h=8)``)."""
+    return isinstance(key, str) and key.isidentifier()
 
 
 def is_count(value) -> bool:

@@ -448,8 +448,10 @@ def untraced_siblings(a: Analysis) -> Analysis:
             if not isinstance(container, nn.ModuleList) or not parts[i].isdigit():
                 continue
             signature = block_signature(container[int(parts[i])])
+            # An empty slot (``None``) has nothing to plan; block_signature tells it from any module.
             siblings = [f"{parent}.{j}" for j, other in enumerate(container)
-                        if f"{parent}.{j}" not in ran and block_signature(other) == signature]
+                        if f"{parent}.{j}" not in ran and other is not None
+                        and block_signature(other) == signature]
             if siblings:
                 copies[entry] = siblings
     if not copies:

@@ -74,12 +74,27 @@ class LayerGroups:
         return [fqn]
 
 
-def block_signature(module: nn.Module) -> tuple:
-    """What makes two blocks interchangeable for planning: class and every parameter/buffer shape."""
+def block_signature(module: nn.Module | None) -> tuple:
+    """What makes two blocks interchangeable for planning: class, every parameter/buffer shape, and
+    where the block's optional slots are empty.
+
+    A container may hold ``None`` for a slot a layer leaves out (a per-layer norm that is off, an
+    absent residual combiner). ``named_modules`` skips such slots, so they are listed apart: two
+    layers are interchangeable only if their empty slots are at the same places. An empty entry
+    itself is interchangeable with another empty entry only.
+
+    >>> block_signature(None)
+    ('NoneType',)
+    >>> a = nn.ModuleList([None, nn.Linear(2, 2)])
+    >>> block_signature(a) == block_signature(nn.ModuleList([nn.Linear(2, 2), None]))
+    False
+    """
+    if module is None:
+        return ("NoneType",)
     params = tuple((n, tuple(p.shape)) for n, p in module.named_parameters())
     buffers = tuple((n, tuple(b.shape)) for n, b in module.named_buffers())
     modules = tuple((n, type(m).__name__) for n, m in module.named_modules())
-    return (type(module).__name__, params, buffers, modules)
+    return (type(module).__name__, params, buffers, modules, tuple(empty_slots(module)))
 
 
 # Containers that can hold a stack of layers. A ModuleList is a stack whenever it has two entries
@@ -92,8 +107,11 @@ def block_signature(module: nn.Module) -> tuple:
 _STACK_TYPES = (nn.ModuleList, nn.ModuleDict, nn.Sequential)
 
 
-def stack_entries(stack: nn.Module) -> list[tuple[int | str, nn.Module]]:
-    """``(name, entry)`` of a layer stack: dict keys for a ModuleDict, positions otherwise."""
+def stack_entries(stack: nn.Module) -> list[tuple[int | str, nn.Module | None]]:
+    """``(name, entry)`` of a layer stack: dict keys for a ModuleDict, positions otherwise.
+
+    An empty slot is listed too, as ``None``: positions must stay those the forward indexes by.
+    """
     if isinstance(stack, nn.ModuleDict):
         return list(stack.items())
     return list(enumerate(stack))
@@ -113,7 +131,9 @@ def is_layer_stack(module: nn.Module) -> bool:
     if isinstance(module, nn.ModuleList):
         return True
     entries = dict(stack_entries(module))
-    is_block = {key: next(entry.children(), None) is not None for key, entry in entries.items()}
+    # An empty slot (``None``) is no block: it holds nothing to run.
+    is_block = {key: entry is not None and next(entry.children(), None) is not None
+                for key, entry in entries.items()}
     if any(len(group) > 1 and is_block[group[0]] for group in group_entries(module)):
         return True
     return all(str(key).isdigit() for key in entries) and all(is_block.values())
@@ -141,6 +161,36 @@ def group_entries(entries: nn.Module) -> list[list[int | str]]:
     return list(groups.values())
 
 
+def lockstep_groups(stacks: dict[str, nn.Module]) -> dict[str, list[list[int | str]]]:
+    """:func:`group_entries` for each stack, with stacks of one length grouped together: entry ``i``
+    of one goes with entry ``i`` of the others.
+
+    A forward often reads two stacks in step (``zip(self.blocks, self.input_norms)``, or
+    ``self.input_norms[i]`` for block ``i``). Collapsed each on its own, they would keep different
+    entries, and the trace would pair the kept block with the wrong norm: an optional norm list
+    ``[None, norm, norm]`` beside three alike blocks kept ``[None, norm]`` for one block, so the
+    norms were never traced and never planned. Grouped in step, both keep the same positions.
+
+    >>> blocks = nn.ModuleList([nn.Linear(2, 2) for _ in range(3)])
+    >>> norms = nn.ModuleList([None, nn.LayerNorm(2), nn.LayerNorm(2)])
+    >>> lockstep_groups({"blocks": blocks, "norms": norms})
+    {'blocks': [[0], [1, 2]], 'norms': [[0], [1, 2]]}
+    """
+    by_length: dict[int, list[str]] = {}
+    for name, stack in stacks.items():
+        by_length.setdefault(len(stack), []).append(name)
+    out: dict[str, list[list[int | str]]] = {}
+    for length, names in by_length.items():
+        entries = {name: stack_entries(stacks[name]) for name in names}
+        positions: dict[tuple, list[int]] = {}
+        for i in range(length):
+            key = tuple(block_signature(entries[name][i][1]) for name in names)
+            positions.setdefault(key, []).append(i)
+        for name in names:
+            out[name] = [[entries[name][i][0] for i in group] for group in positions.values()]
+    return out
+
+
 def _kept(stack: nn.Module, keep: list[int | str]) -> nn.Module:
     """A shallow copy of ``stack`` (same class, so a custom ``forward`` still runs) holding only the
     entries named in ``keep``: under their keys for a ModuleDict, renumbered from 0 otherwise."""
@@ -166,7 +216,8 @@ def _per_layer_config_lists(model: nn.Module, length: int) -> list[tuple[object,
 
 @contextlib.contextmanager
 def collapsed(model: nn.Module, like: LayerGroups | None = None):
-    """Temporarily keep one entry per structural group in every layer stack (:func:`repeated_lists`).
+    """Temporarily keep one entry per structural group in every layer stack (:func:`repeated_lists`;
+    stacks of one length are grouped in step, :func:`lockstep_groups`).
 
     Args:
         like: collapse exactly as this :class:`LayerGroups` says (the one :func:`trace` returned,
@@ -176,9 +227,11 @@ def collapsed(model: nn.Module, like: LayerGroups | None = None):
         :class:`LayerGroups` for the FQNs of the collapsed model.
     """
     layer_groups, restore = LayerGroups(), []
+    stacks = repeated_lists(model)
+    grouped = lockstep_groups(stacks) if like is None else like.groups
     try:
-        for name, entries in repeated_lists(model).items():
-            groups = group_entries(entries) if like is None else like.groups.get(name)
+        for name, entries in stacks.items():
+            groups = grouped.get(name)
             if groups is None:
                 continue
             if len(groups) == len(entries):  # nothing to drop; still a stack of layers (a dense, a MoE)
@@ -495,13 +548,28 @@ def on_meta(model: nn.Module) -> bool:
     return any(t.is_meta for t in itertools.chain(model.parameters(), model.buffers()))
 
 
+def empty_slots(model: nn.Module) -> list[str]:
+    """FQNs of the empty slots (``None`` entries) of ``model``'s containers and module attributes.
+
+    >>> empty_slots(nn.Sequential(nn.ModuleList([nn.Linear(2, 2), None])))
+    ['0.1']
+    """
+    return [f"{name}.{slot}" if name else slot for name, module in model.named_modules()
+            for slot, child in module._modules.items() if child is None]
+
+
 def _trace_error(model: nn.Module, error: BaseException) -> TraceError:
     from autotp.synth.validate import failing_module
 
     where = failing_module(model, error)
     inside = f" inside {where}" if where else ""
     hint = ""
-    if data_dependent(error) and on_meta(model):
+    slots = empty_slots(model)
+    if isinstance(error, TypeError) and "'NoneType'" in str(error) and slots:
+        shown = ", ".join(slots[:6]) + (f" and {len(slots) - 6} more" if len(slots) > 6 else "")
+        hint = (f"The model holds empty slots (None) at {shown}: skip them in the forward "
+                "(`if norm is not None`), or put nn.Identity() there; or ")
+    elif data_dependent(error) and on_meta(model):
         hint = ("The forward branches on a tensor's value, which a meta-device model cannot decide: "
                 "synthesize on a materialised model of the same config (e.g. built tiny on cpu), or ")
     return TraceError(
