@@ -42,8 +42,12 @@ TP_PARAMS = ("tp", "tp_size")
 # NeMo's optimized plans cover, the silently-wrong toys.
 FULL_MATRIX_FILES = ("test_synth_matrix.py", "test_handwritten.py", "test_silent_wrong.py")
 # Files that keep every value of every parameter once (base-choice coverage): each family and mode
-# of the checker and of the other handwritten plans runs, not each combination of them.
-EACH_VALUE_FILES = ("test_check.py", "test_handwritten_more.py")
+# of the other handwritten plans runs, not each combination of them.
+EACH_VALUE_FILES = ("test_handwritten_more.py",)
+# The parameters that choose plain TP or sequence parallel. Outside the files above a test's base
+# case runs sequence parallel: an SP plan holds the plain plan's columns and rows and adds the
+# sequence boundaries, so the case covers more of the code; the plain case is in the slow tier.
+MODE_PARAMS = ("sequence_parallel", "sp")
 
 
 def _params(item) -> dict:
@@ -75,23 +79,41 @@ def _is_slow(item, at_two: set, base: dict) -> bool:
     if found and found[1] > 2 and _sibling_key(item, found[0], 2) in at_two:
         return True
     # A test with several parameters (an idiom toy in variants x modes, a family sweep x sources x
-    # modes) keeps its first case, each parameter at its first value; in EACH_VALUE_FILES also every
-    # case that differs from the first in one parameter. The rest is in the slow tier.
+    # modes) keeps its base case: each parameter at its first value, the mode sequence parallel. In
+    # EACH_VALUE_FILES also every case that differs from the base in one parameter.
     params, first = _params(item), base.get(item.nodeid.partition("[")[0])
-    if item.path.name in FULL_MATRIX_FILES or first is None or len(params) < 2:
+    if item.path.name in FULL_MATRIX_FILES or first is None:
         return False
     differ = [name for name in params if name not in TP_PARAMS and repr(params[name]) != repr(first.get(name))]
+    if len(params) < 2 and not (set(params) & set(MODE_PARAMS)):
+        return False  # one parameter that is not the mode: distinct inputs (families, modules), each kept
     return len(differ) > (1 if item.path.name in EACH_VALUE_FILES else 0)
 
 
+def _base_cases(items) -> dict:
+    """Each parametrized test's base parameters: its first case, with the mode sequence parallel
+    where the test runs both modes (outside EACH_VALUE_FILES, which keep every value anyway)."""
+    base: dict = {}
+    for item in items:
+        params = _params(item)
+        if not params:
+            continue
+        name = item.nodeid.partition("[")[0]
+        if name not in base:
+            base[name] = params
+        elif any(base[name].get(m) is False and params.get(m) is True for m in MODE_PARAMS) and all(
+            repr(params[k]) == repr(base[name][k]) for k in params if k not in MODE_PARAMS
+        ):
+            base[name] = params  # the first case, in sequence parallel
+    return base
+
+
 def pytest_collection_modifyitems(config, items):
-    at_two, base = set(), {}
+    at_two, base = set(), _base_cases(items)
     for item in items:
         found = _tp_of(item)
         if found and found[1] == 2:
             at_two.add(_sibling_key(item, found[0], 2))
-        if _params(item):
-            base.setdefault(item.nodeid.partition("[")[0], _params(item))
     for item in items:
         if _is_slow(item, at_two, base):
             item.add_marker(pytest.mark.slow)
