@@ -42,8 +42,8 @@ TP_PARAMS = ("tp", "tp_size")
 # NeMo's optimized plans cover, the silently-wrong toys.
 FULL_MATRIX_FILES = ("test_synth_matrix.py", "test_handwritten.py", "test_silent_wrong.py")
 # Files that keep every value of every parameter once (base-choice coverage): each family and mode
-# of the other handwritten plans runs, not each combination of them.
-EACH_VALUE_FILES = ("test_handwritten_more.py",)
+# of the other handwritten plans, each kv-head layout (gathered, copies) runs, not each combination.
+EACH_VALUE_FILES = ("test_handwritten_more.py", "test_kv_replication.py")
 # The parameters that choose plain TP or sequence parallel. Outside the files above a test's base
 # case runs sequence parallel: an SP plan holds the plain plan's columns and rows and adds the
 # sequence boundaries, so the case covers more of the code; the plain case is in the slow tier.
