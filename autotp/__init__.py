@@ -13,7 +13,8 @@ The API:
 
 Each name is imported from its module on first use (PEP 562), so ``import autotp`` (and the
 ``autotp`` command's ``--help``) does not load torch; ``autotp.synthesize`` *is*
-:func:`autotp.synth.synthesize`, so ``help()`` and ``inspect.signature`` show its keywords.
+:func:`autotp.facade.synthesize` (as is ``autotp.synth.synthesize``), so ``help()`` and
+``inspect.signature`` show its keywords.
 """
 
 from __future__ import annotations
@@ -29,9 +30,9 @@ _EXPORTS = {
     "explain": "autotp.synth",
     "fsdp2_strategy_parallelize": "autotp.training",
     "get_plan": "autotp.selection",
-    "parallelize": "autotp.apply",
+    "parallelize": "autotp.facade",
     "PlanChoice": "autotp.selection",
-    "synthesize": "autotp.synth",
+    "synthesize": "autotp.facade",
     "validate_tp_mesh": "autotp.apply",
     "verify": "autotp.verifier",
     "verify_multiprocess": "autotp.multiprocess",
@@ -55,12 +56,13 @@ __all__ = [
 ]
 
 if TYPE_CHECKING:  # for type checkers and IDEs: the same names, imported eagerly
-    from autotp.apply import parallelize, validate_tp_mesh
+    from autotp.apply import validate_tp_mesh
     from autotp.check import Finding, check_plan
     from autotp.errors import AutoTPError
+    from autotp.facade import parallelize, synthesize
     from autotp.multiprocess import verify_multiprocess
     from autotp.selection import PlanChoice, get_plan
-    from autotp.synth import explain, synthesize
+    from autotp.synth import explain
     from autotp.training import fsdp2_strategy_parallelize
     from autotp.verifier import VerifyReport, verify
 

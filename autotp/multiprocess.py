@@ -27,6 +27,7 @@ from autotp.verifier import (
     VerifyReport,
     check_materialised,
     clean_copy,
+    crash_name,
     comm_fields,
     default_inputs,
     reference_run,
@@ -121,8 +122,6 @@ def _collect(results, workers, timeout: float) -> list:
         except queue.Empty:
             dead = [w for w in workers if w.exitcode not in (None, 0)]
             if dead:
-                from autotp.isolated import crash_name
-
                 how = crash_name(dead[0].exitcode)
                 raise VerificationError(
                     f"a verification worker died ({how}) before reporting; run the same check with "

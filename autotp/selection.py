@@ -191,8 +191,9 @@ def _candidates(model: nn.Module, sources: tuple[str, ...], sequence_parallel: b
                 yield PlanChoice(plan, source, "base_model_tp_plan + _tp_plan" if plan is not None
                                  else f"{type(model).__name__} ships no transformers tp plan")
             else:
-                from autotp.synth import analyse_model, build_plan
-                from autotp.synth.api import check_value_branches
+                from autotp.self_check import check_value_branches
+                from autotp.synth.api import analyse_model
+                from autotp.synth.build import build_plan
 
                 analysis = analyse_model(model, sequence_parallel=sequence_parallel, tp_size=tp_size)
                 plan = build_plan(analysis.roles, analysis.groups, copies=analysis.copies)

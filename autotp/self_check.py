@@ -16,14 +16,21 @@ Measured cost (docs/guarantees.md, "Self-check"): 2-5 s on a tiny model in proce
 from __future__ import annotations
 
 import logging
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.tensor.parallel.style import ParallelStyle
 
 from autotp.copying import deep_copy
+from autotp.errors import TraceError
 from autotp.plan import Plan
+from autotp.synth.api import plan_with_analysis
 from autotp.verifier import DEFAULT_TOLERANCE, VerifyReport, require_ok, verify
+
+if TYPE_CHECKING:
+    from autotp.synth.pipeline import Analysis
 
 log = logging.getLogger(__name__)
 
@@ -97,10 +104,9 @@ def _check_on_tiny_copy(model: nn.Module, plan: Plan, *, tp_size: int, sequence_
         report, refused = None, error
     reason = str(refused) if refused is not None else (report.error if report.crash is None else None)
     if reason is not None:
-        from autotp.synth.api import synthesize
-
-        tiny_plan = synthesize(tiny, sequence_parallel=sequence_parallel, loss_parallel=loss_parallel,
-                               tp_size=tp_size)
+        tiny_plan, tiny_analysis = plan_with_analysis(tiny, sequence_parallel=sequence_parallel,
+                                                      loss_parallel=loss_parallel, tp_size=tp_size)
+        check_value_branches(tiny, tiny_analysis, tiny_plan, loss_parallel=loss_parallel)
         if _same_plan(tiny_plan, plan):
             if refused is not None:
                 raise refused
@@ -147,3 +153,30 @@ def _verifiable_itself(model: nn.Module) -> bool:
 
 def _is_fp32_cpu(model: nn.Module) -> bool:
     return all(p.dtype == torch.float32 and p.device.type == "cpu" for p in model.parameters())
+
+
+def check_value_branches(model: nn.Module, analysis: Analysis, plan: dict[str, ParallelStyle], *,
+                         loss_parallel: bool = True) -> None:
+    """Verify ``plan`` numerically when its trace followed value-dependent branches through a
+    module with parameters (:func:`~autotp.synth.trace.export_model`), whatever ``verify`` says.
+
+    Such a trace holds the branches its example inputs took (the experts their tokens picked), not
+    the others. The self-check runs the plan on inputs of its own, against the unsharded model.
+
+    Raises:
+        VerificationError: the plan differs from the unsharded model.
+        TraceError: the plan could not be checked (no inputs to check it on); it is not handed out.
+    """
+    where = analysis.graph.graph.get("value_branches")
+    if not where:
+        return
+    log.info("%s branches on tensor values: checking the plan traced on these inputs' branches", where)
+    report = self_check(model, plan, tp_size=analysis.tp_size or 2, sequence_parallel=analysis.sequence_parallel,
+                        loss_parallel=loss_parallel, example_inputs=analysis.example_inputs)
+    if report is None:
+        raise TraceError(
+            f"{type(model).__name__}: {where} branches on tensor values, so its trace follows only the "
+            "branches the example inputs took, and the plan made from it could not be checked on other "
+            "inputs. Pass example_inputs (or use a model with a transformers config) so that "
+            f"synthesize(verify=True) can check it, or write the plan by hand and leave {where} replicated."
+        )

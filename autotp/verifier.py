@@ -13,8 +13,15 @@ slices, collectives, float64 re-run) is done the same way for every plan: they s
 from __future__ import annotations
 
 import logging
+import os
+import pickle
+import signal
+import subprocess
+import sys
+import tempfile
 from collections import Counter
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -27,6 +34,7 @@ from autotp.apply import apply_plan
 from autotp.copying import deep_copy
 from autotp.errors import AutoTPError, VerificationError, one_line
 from autotp.hf_plans import as_styles
+from autotp.logits import model_logits
 from autotp.plan import Plan
 
 log = logging.getLogger(__name__)
@@ -206,24 +214,6 @@ def call_model(model: nn.Module, inputs) -> torch.Tensor:
     return model_logits(out, model)
 
 
-def model_logits(output, model: nn.Module | None = None) -> torch.Tensor:
-    """The logits in a model's output: the tensor itself, its ``logits`` (an attribute, as in
-    transformers' outputs, or a key of a plain dict), or the first element of a tuple or list."""
-    if isinstance(output, dict) and "logits" in output:
-        output = output["logits"]
-    elif hasattr(output, "logits"):
-        output = output.logits
-    elif isinstance(output, (tuple, list)) and output:
-        output = output[0]
-    if not isinstance(output, torch.Tensor):
-        name = type(model).__name__ if model is not None else "the model"
-        raise VerificationError(
-            f"{name}: its forward returned {type(output).__name__} where the logits were expected; return "
-            "the logits as a tensor, as the first element of a tuple, or under the key or attribute 'logits'."
-        )
-    return output
-
-
 def _loss(logits: torch.Tensor) -> torch.Tensor:
     """A cross-entropy on fixed labels: every logit gets a distinct gradient."""
     flat = logits.float().reshape(-1, logits.shape[-1])
@@ -321,7 +311,7 @@ def verify(
             drawn from ``model.config.vocab_size``.
         backward: also compare parameter gradients after a cross-entropy backward.
         tolerance: max abs difference counted as equal.
-        isolated: run the check in a fresh child interpreter (:mod:`autotp.isolated`): a crash of
+        isolated: run the check in a fresh child interpreter (:func:`verify_isolated`): a crash of
             the simulated runtime (a corrupted heap, a segfault) becomes a failed report whose
             ``crash`` names the signal, instead of killing this process. Costs a few seconds of start.
         timeout: seconds an isolated check may run before it is killed and reported as timed out.
@@ -338,8 +328,6 @@ def verify(
     if inputs is None:
         inputs = default_inputs(model, tp_size)
     if isolated:
-        from autotp.isolated import verify_isolated
-
         return verify_isolated(model, plan, timeout=timeout, tp_size=tp_size, inputs=inputs, backward=backward,
                                tolerance=tolerance)
     report = _verify_once(model, plan, tp_size, inputs, backward, tolerance)
@@ -509,3 +497,117 @@ def _compare_params(sharded: nn.Module, ref_params: dict, backward: bool, rank_v
 
 def _tp_size(param) -> int:
     return param.device_mesh.size() if isinstance(param, DTensor) else 1
+
+
+# The isolated run: :func:`verify_isolated` starts ``python -m autotp.isolated``, the child's side.
+
+# Lines of the child's stderr kept in the report of a crash: the runtime's last words.
+_STDERR_TAIL = 3
+
+
+def crash_name(returncode: int) -> str:
+    """``"SIGABRT"`` for a child killed by a signal (a negative return code), else ``"exit code N"``.
+
+    >>> crash_name(-6), crash_name(3)
+    ('SIGABRT', 'exit code 3')
+    """
+    if returncode < 0:
+        try:
+            return signal.Signals(-returncode).name
+        except ValueError:
+            return f"signal {-returncode}"
+    return f"exit code {returncode}"
+
+
+def model_payload(model: nn.Module) -> tuple:
+    """What the child needs to have ``model``: ``("model", model)`` when it pickles, else
+    ``("config", config, dtype)`` to rebuild it from its transformers config (fresh weights:
+    the check then compares the rebuilt model with its own unsharded copy).
+
+    Raises:
+        VerificationError: the model neither pickles nor has a transformers config.
+    """
+    try:
+        model = clean_copy(model)  # without a trace's leftover fake tensors, which do not pickle
+        pickle.dumps(model)
+        return ("model", model)
+    except Exception as error:  # local classes, lambdas in hooks, open handles
+        config = getattr(model, "config", None)
+        if config is None or not hasattr(config, "model_type"):
+            raise VerificationError(
+                f"{type(model).__name__}: an isolated verification sends the model to a child process by "
+                f"pickle, which failed ({type(error).__name__}: {error}); define the class at module level "
+                "(importable by the child), or call verify(..., isolated=False)."
+            ) from error
+        log.info("%s does not pickle (%s); the isolated check rebuilds it from its config",
+                 type(model).__name__, type(error).__name__)
+        dtype = next((p.dtype for p in model.parameters()), None)
+        return ("config", config, dtype)
+
+
+def verify_isolated(model: nn.Module, plan, *, timeout: float = 600.0, **options):
+    """:func:`autotp.verify` in a fresh child interpreter; a crash or a hang is a failed report.
+
+    Args:
+        model: the model (pickled to the child; see :func:`model_payload`).
+        plan: the plan; it must pickle (styles defined at module level do).
+        timeout: seconds before the child is killed and the run reported as timed out.
+        **options: the keyword arguments of :func:`autotp.verify` (``tp_size``, ``inputs``, ...).
+
+    Returns:
+        The child's :class:`~autotp.verifier.VerifyReport`, or a failed one whose ``crash`` names
+        the signal (``"SIGABRT"``), the exit code or the timeout, and whose ``error`` quotes the
+        child's last stderr lines.
+
+    Raises:
+        VerificationError: the model or the plan cannot be sent to the child.
+    """
+    try:
+        payload = pickle.dumps({"model": model_payload(model), "plan": plan, "options": options})
+    except VerificationError:
+        raise
+    except Exception as error:
+        raise VerificationError(
+            f"an isolated verification sends the plan to a child process by pickle, which failed "
+            f"({type(error).__name__}: {error}); use styles defined at module level, or isolated=False."
+        ) from error
+    with tempfile.TemporaryDirectory(prefix="autotp-verify-") as tmp:
+        source, result, errors = Path(tmp, "in.pkl"), Path(tmp, "out.pkl"), Path(tmp, "stderr.txt")
+        source.write_bytes(payload)
+        crash = _run_child(source, result, errors, timeout)
+        if crash is None and result.is_file():
+            kind, value = pickle.loads(result.read_bytes())
+            if kind == "raised":  # as verify would have raised in this process
+                raise value
+            return value
+        tail = _tail(errors)
+    crash = crash or "exit without a report"
+    tp_size = options.get("tp_size", 2)
+    tolerance = options.get("tolerance", DEFAULT_TOLERANCE)
+    message = f"the verification worker died ({crash})" + (f": {tail}" if tail else "")
+    return VerifyReport(tp_size=tp_size, tolerance=tolerance, logits_max_abs_diff=[float("inf")],
+                        error=message, crash=crash)
+
+
+def _run_child(source: Path, result: Path, errors: Path, timeout: float) -> str | None:
+    """Run the child on ``source``; None when it exited cleanly, else how it died."""
+    env = dict(os.environ)
+    # The child must import what the parent imported (test modules, a user's model classes).
+    env["PYTHONPATH"] = os.pathsep.join(p for p in [*sys.path, env.get("PYTHONPATH", "")] if p)
+    command = [sys.executable, "-m", "autotp.isolated", str(source), str(result)]
+    with open(errors, "wb") as stderr:
+        try:
+            done = subprocess.run(command, stdin=subprocess.DEVNULL, stdout=stderr, stderr=stderr,
+                                  env=env, timeout=timeout, check=False)
+        except subprocess.TimeoutExpired:  # run() has killed the child
+            return f"timeout after {timeout:g} s"
+    return None if done.returncode == 0 else crash_name(done.returncode)
+
+
+def _tail(path: Path) -> str:
+    """The last few non-empty lines of the child's output, joined with ' | '."""
+    try:
+        lines = [line.strip() for line in path.read_text(errors="replace").splitlines() if line.strip()]
+    except OSError:
+        return ""
+    return " | ".join(lines[-_STDERR_TAIL:])[-600:]

@@ -14,7 +14,11 @@ from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distrib
 from torch.distributed.tensor.parallel import ColwiseParallel
 from torch.distributed.tensor.parallel.style import ParallelStyle
 
+from autotp._simulate import mesh_coordinate
+from autotp.errors import MeshError, PlanError
+from autotp.plan import sharded_param_dims
 from autotp.styles.base import WrapperStyle, to_local
+from autotp.styles.group_copies import _cut_groups
 
 class RotaryEmbedParallel(ParallelStyle):
     """Make a rotary-embedding module return plain, full-sequence tensors under sequence parallel.
@@ -76,8 +80,6 @@ class ShardCounts(ParallelStyle):
         self.base = base
 
     def sharded_param_dims(self, module: nn.Module) -> dict[str, int]:
-        from autotp.plan import sharded_param_dims
-
         return sharded_param_dims(module, self.base) if self.base is not None else {}
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
@@ -87,8 +89,6 @@ class ShardCounts(ParallelStyle):
             owner, attr = count_holder(module, name, copied)
             value = _read(owner, attr)
             if value % tp:
-                from autotp.errors import MeshError
-
                 raise MeshError(f"{type(module).__name__}.{name}={value} cannot be split over tp={tp}")
             _write(owner, attr, value // tp)
         sync_einops_lengths(module)
@@ -176,8 +176,6 @@ class LocalWidthInputs(WrapperStyle):
         super().__init__()
         self.inputs, self.readers, self.style = tuple(inputs), tuple(readers), style
         if not self.inputs or not self.readers:
-            from autotp.errors import PlanError
-
             raise PlanError(f"LocalWidthInputs: needs at least one input and one reader, got inputs={inputs!r}, "
                             f"readers={readers!r}")
 
@@ -209,8 +207,6 @@ def width_view(module: nn.Module, inputs: tuple, readers: tuple[str, ...], tp: i
                 continue
             width = value.shape[-1]
             if width % tp:
-                from autotp.errors import PlanError
-
                 raise PlanError(f"{type(mod).__name__}: argument {key!r} has width {width}, which tp={tp} does not "
                                 "divide; its code reads the per-rank width from it")
             base = to_local(value)
@@ -297,8 +293,6 @@ class ReplicatedKVColwise(ColwiseParallel):
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         module = super()._apply(module, device_mesh)
         if self._gathers(device_mesh):
-            from autotp.styles.linear import _cut_groups
-
             width = self.kv_heads * self.head_dim
             module.register_forward_hook(partial(_cut_groups, sizes=(width,), grouped={0: self.kv_heads},
                                                  mesh=device_mesh))
@@ -307,8 +301,6 @@ class ReplicatedKVColwise(ColwiseParallel):
     def _partition_linear_fn(self, name, module, device_mesh):
         tp = device_mesh.size()
         if tp % self.kv_heads:
-            from autotp.errors import MeshError
-
             raise MeshError(
                 f"{type(module).__name__}: tp={tp} is not a multiple of kv_heads={self.kv_heads}; "
                 "each kv head must be shared by the same number of ranks."
@@ -351,8 +343,6 @@ def _sum_kv_shards(grad: DTensor, kv_heads: int, head_dim: int) -> DTensor:
     a ``(kv_heads * head_dim, ...)`` buffer, one all-reduce sums each head's copies, and each rank
     keeps its head's slot. Ring bytes ``2 (tp - 1) / tp * kv_heads`` head-widths, where all-gathering
     the expanded gradient costs ``tp - 1`` (never less, as ``tp >= 2 kv_heads``)."""
-    from autotp._simulate import mesh_coordinate
-
     mesh, local = grad.device_mesh, grad.to_local()
     head = (mesh_coordinate(mesh) // (mesh.size() // kv_heads)).reshape(1).to(local.device)
     slots = local.new_zeros(kv_heads, *local.shape).index_copy(0, head, local.unsqueeze(0))
@@ -391,8 +381,6 @@ class KVHeadCounts(ParallelStyle):
         self.base = base
 
     def sharded_param_dims(self, module: nn.Module) -> dict[str, int]:
-        from autotp.plan import sharded_param_dims
-
         return sharded_param_dims(module, self.base) if self.base is not None else {}
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:

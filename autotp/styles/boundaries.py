@@ -628,8 +628,6 @@ class ReplicatedStream(ParallelStyle):
             elif isinstance(self.stream, str) and self.stream in kwargs:
                 kwargs = {**kwargs, self.stream: wrap(kwargs[self.stream])}
             else:
-                from autotp.errors import PlanError
-
                 raise PlanError(
                     f"{type(mod).__name__}: ReplicatedStream(stream={self.stream!r}) found no such input "
                     f"(positional: {len(args)}, keywords: {sorted(kwargs)}); name the residual-stream input "

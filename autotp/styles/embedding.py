@@ -10,6 +10,10 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.parallel import RowwiseParallel
 
+from autotp._simulate import mesh_coordinate
+
+from autotp.errors import PlanError
+
 
 class VocabParallelEmbedding(RowwiseParallel):
     """Shard an embedding table over the vocabulary; each rank looks up only the rows it holds.
@@ -61,8 +65,6 @@ class VocabParallelEmbedding(RowwiseParallel):
 
 def _require_plain_lookup(module: nn.Embedding) -> None:
     """Raise if ``module`` asks for a lookup gradient the shard cannot give."""
-    from autotp.errors import PlanError
-
     if getattr(module, "scale_grad_by_freq", False) or getattr(module, "sparse", False):
         raise PlanError(
             f"{type(module).__name__}: VocabParallelEmbedding found scale_grad_by_freq="
@@ -73,8 +75,6 @@ def _require_plain_lookup(module: nn.Embedding) -> None:
 
 def _shard_offset(weight: DTensor, device_mesh: DeviceMesh) -> torch.Tensor:
     """First vocabulary row this rank holds: ``rank * ceil(V / tp)``, torch's ``Shard(0)`` split."""
-    from autotp._simulate import mesh_coordinate
-
     rows, ranks = weight.shape[0], device_mesh.size()
     return -(-rows // ranks) * mesh_coordinate(device_mesh)
 
@@ -118,8 +118,6 @@ class _ShardLookup(torch.overrides.TorchFunctionMode):
     def leave(self, mod, args, output):
         """Post-hook: parameters restored; the output cut to ``output_layouts``, a DTensor unless
         ``use_local_output``."""
-        from autotp.errors import PlanError
-
         self.__exit__(None, None, None)
         mod._parameters.update(self.saved)
         self.saved.clear()

@@ -9,6 +9,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
 
+from autotp._simulate import mesh_coordinate
 from autotp.errors import PlanError
 from autotp.styles.boundaries import GatherSequenceInput
 from autotp.styles.base import (LocalParamsStyle, all_reduce_backward, all_reduce_forward, packed_row_order, permute_rows,
@@ -125,7 +126,6 @@ class ExpertsParallel(LocalParamsStyle):
             def added_once(mod, args, kwargs):
                 # Runs after the base pre-hook swapped in local values: rank 0 keeps them, the others
                 # add zeros (and get a zero gradient; the Partial() sum is rank 0's).
-                from autotp._simulate import mesh_coordinate
 
                 for name in once:
                     value = mod._parameters[name]
@@ -187,8 +187,6 @@ class ExpertsParallel(LocalParamsStyle):
             return args, kwargs
         if self.partial_grad_inputs:
             if not any(isinstance(v, DTensor) for v in (*args, *kwargs.values())):
-                from autotp.errors import PlanError
-
                 raise PlanError(
                     "ExpertsParallel(partial_grad_inputs=True) got no DTensor input: the MoE block's input "
                     "must arrive as the Replicate() DTensor its norm returns (ReplicatedOutput, or "

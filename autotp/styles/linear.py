@@ -15,8 +15,13 @@ from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 from torch.distributed.tensor.parallel.style import ParallelStyle
 from torch.overrides import TorchFunctionMode
 
+from autotp._simulate import mesh_coordinate
+from autotp.errors import PlanError
+from autotp.plan import sharded_param_dims
 from autotp.styles.base import (DROPOUTS, ReduceBeforeLiveDropout, WrapperStyle, is_partial, mode_during_forward,
                                 packed_row_order, permute_rows, reduce_feature_grads)
+from autotp.styles.group_copies import Copies, _cut_groups, _groups_whole, copy_index, expand_module, expanded_width
+from autotp.styles.params import HeadParams
 
 
 class _PackedInput:
@@ -392,8 +397,6 @@ def _sum_copy_shards(grad: DTensor, index: torch.Tensor, rows: int) -> DTensor:
     into a buffer with one slot per copied original row (and one slot for the rest), one
     all-reduce sums the copies, and each rank takes its copies' sums back. Only the copied rows
     travel (a few groups' rows), not the whole weight."""
-    from autotp._simulate import mesh_coordinate
-
     mesh, local = grad.device_mesh, grad.to_local()
     copied = (torch.bincount(index, minlength=rows) > 1).nonzero().flatten()
     slot = torch.full((rows,), len(copied), dtype=torch.long)
@@ -460,8 +463,6 @@ class GroupCopies(ParallelStyle):
         self.gather = bool(gather)
 
     def sharded_param_dims(self, module: nn.Module) -> dict[str, int]:
-        from autotp.plan import sharded_param_dims
-
         return sharded_param_dims(module, self.base) if self.base is not None else {}
 
     def _gathered(self, tp: int) -> tuple[tuple[int, ...], dict[int, int]] | None:
@@ -487,20 +488,14 @@ class GroupCopies(ParallelStyle):
         >>> GroupCopies(base=None, rows={"weight": (0, 20, ((16, 20, 1),))}).expanded_sizes(4)
         {'weight': 32}
         """
-        from autotp.synth.groups import expanded_width
-
         if self._gathered(tp) is not None or self._gathered_params(tp) is not None:  # sharded, not copied
             return {}
         return {path: width + sum(expanded_width(part, tp) - (part[1] - part[0]) for part in parts)
                 for path, (_, width, parts) in self.rows.items()}
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
-        from autotp.synth.groups import Copies, copy_index, expand_module
-
         tp = device_mesh.size()
         if self.gather and gathered_sizes(self) is None and gathered_param_sizes(self) is None:
-            from autotp.errors import PlanError
-
             raise PlanError(f"{type(module).__name__}: GroupCopies(gather=True) takes a column style "
                             "(ColwiseParallel or PackedColwiseParallel, local output sharded on its last dim) "
                             "over a Linear's whole-group parts, each one part of the packed output, or "
@@ -524,16 +519,12 @@ class GroupCopies(ParallelStyle):
             if param is None:
                 continue  # a buffer: no gradient
             if dim != 0:
-                from autotp.errors import PlanError
-
                 raise PlanError(f"{type(module).__name__}.{path}: GroupCopies sums the copies of a parameter's "
                                 f"rows (dim 0), not of its dim {dim}; keep this module whole")
             index = copy_index(width, parts, tp)
             inner = getattr(param, "_autotp_to_layout", None)
             if inner is not None:  # the base's own row order, applied to the expanded rows
                 if inner.func is not permute_rows or inner.keywords.get("dim") != 0:
-                    from autotp.errors import PlanError
-
                     raise PlanError(f"{type(module).__name__}.{path}: its style stores rows as {inner!r}, which "
                                     "GroupCopies cannot compose with its copies; keep this module whole")
                 index = inner(index)
@@ -591,8 +582,6 @@ def gathered_param_sizes(style: GroupCopies) -> dict[str, tuple[tuple[int, ...],
     ...                                  rows={"conv.weight": (0, 80, ((64, 72, 1), (72, 80, 1)))}))
     {'conv.weight': ((64, 8, 8), {1: 1, 2: 1})}
     """
-    from autotp.styles.params import HeadParams
-
     base = style.base
     if not isinstance(base, HeadParams) or not style.rows:
         return None
@@ -661,8 +650,6 @@ def _gather_param_groups(module: nn.Module, device_mesh: DeviceMesh,
     grouped part's rows all-gathered and rank r's group cut from them. The module's code sees the
     copies' layout; the backward reduce-scatters the gathered rows' gradient (each rank's heads'
     share) onto the shards, so no copies' gradients are summed."""
-    from autotp.synth.groups import expand_module
-
     expand_module(module, copies, device_mesh.size())
     unexpanded = copy.copy(base)
     unexpanded.packed = {**base.packed, **{path: sizes for path, (sizes, _) in found.items()}}
@@ -674,73 +661,9 @@ def _gather_param_groups(module: nn.Module, device_mesh: DeviceMesh,
         for owner, leaf, sizes, grouped in owned:
             local = owner._parameters[leaf]
             if isinstance(local, DTensor):
-                from autotp.errors import PlanError
-
                 raise PlanError(f"{type(mod).__name__}: GroupCopies(gather=True) expected {leaf!r} as a local "
                                 f"tensor during the forward (its base, {base!r}, did not hand it over)")
             owner._parameters[leaf] = _groups_whole(local, sizes, grouped, 0, device_mesh)
 
     module.register_forward_pre_hook(pre_hook, with_kwargs=True)
     return module
-
-
-def _groups_whole(local: torch.Tensor, sizes: tuple[int, ...], grouped: dict[int, int], dim: int,
-                  mesh: DeviceMesh) -> torch.Tensor:
-    """Rank r's tensor of the copies' layout from its packed shards along ``dim`` (``1/tp`` of each
-    part of ``sizes``): the grouped parts gathered in one collective, group ``r * G // tp`` of each
-    cut from it, the other parts left as they are."""
-    tp = mesh.size()
-    chunks = list(local.split([size // tp for size in sizes], dim=dim))
-    order = sorted(grouped)
-    for index, part in zip(order, _gather_blocks([chunks[index] for index in order], dim, mesh)):
-        chunks[index] = _own_group(part, grouped[index], dim, mesh)
-    return torch.cat(chunks, dim=dim)
-
-
-def _cut_groups(module, args, output: torch.Tensor, *, sizes, grouped, mesh: DeviceMesh) -> torch.Tensor:
-    """Rank r's output of the copies' layout from its shards: each grouped part's group ``r * G // tp``
-    whole. It gathers whichever is smaller: the parts' outputs (``tokens x W`` features) or their
-    weight rows (``W x in_features``), recomputing the parts from the gathered rows. Either way the
-    forward all-gathers and the backward reduce-scatters as many bytes."""
-    tp = mesh.size()
-    x = args[0] if args else None  # a Linear called with keywords only: its outputs are gathered
-    tokens = output.numel() // output.shape[-1]
-    if x is None or tokens <= module.weight.shape[-1]:
-        return _groups_whole(output, sizes, grouped, output.ndim - 1, mesh)
-    chunks = list(output.split([size // tp for size in sizes], dim=-1))
-    order = sorted(grouped)
-    # Rows of each part in this rank's (packed) weight block, then the grouped parts' rows gathered.
-    starts = [sum(sizes[:index]) // tp for index in range(len(sizes))]
-    local_x = x.to_local(grad_placements=[Partial()]) if isinstance(x, DTensor) else x
-    weights = {}
-    for name in ("weight", "bias"):
-        param = getattr(module, name, None)
-        if param is None:
-            continue
-        local = param.to_local() if isinstance(param, DTensor) else param
-        rows = [local.narrow(0, starts[index], sizes[index] // tp) for index in order]
-        weights[name] = [_own_group(whole, grouped[index], 0, mesh)
-                         for index, whole in zip(order, _gather_blocks(rows, 0, mesh))]
-    for k, index in enumerate(order):
-        bias = weights["bias"][k] if "bias" in weights else None
-        chunks[index] = torch.nn.functional.linear(local_x, weights["weight"][k], bias)
-    return torch.cat(chunks, dim=-1)
-
-
-def _gather_blocks(blocks: list[torch.Tensor], dim: int, mesh: DeviceMesh) -> list[torch.Tensor]:
-    """Each rank's ``blocks`` (its shards of parts along ``dim``) all-gathered in one collective, as
-    the whole parts; the gradient taken as a partial sum, so the backward reduce-scatters it."""
-    tp = mesh.size()
-    local = torch.cat(blocks, dim=dim)
-    gathered = DTensor.from_local(local, mesh, [Shard(dim)], run_check=False).redistribute(
-        placements=[Replicate()]).to_local(grad_placements=[Partial()])
-    by_rank = gathered.unflatten(dim, (tp, -1))
-    return [part.flatten(dim, dim + 1) for part in by_rank.split([b.shape[dim] for b in blocks], dim=dim + 1)]
-
-
-def _own_group(whole: torch.Tensor, groups: int, dim: int, mesh: DeviceMesh) -> torch.Tensor:
-    """Group ``r * groups // tp`` of ``whole``'s ``groups`` equal groups along ``dim``, on rank r."""
-    from autotp._simulate import mesh_coordinate
-
-    mine = (mesh_coordinate(mesh) * groups // mesh.size()).reshape(1).to(whole.device)
-    return whole.unflatten(dim, (groups, -1)).index_select(dim, mine).flatten(dim, dim + 1)

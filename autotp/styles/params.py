@@ -25,6 +25,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
 from torch.utils._pytree import tree_map
 
+from autotp.errors import PlanError
 from autotp.styles.attention import ShardCounts
 from autotp.styles.base import LocalParamsStyle, all_reduce_backward, packed_row_order, permute_rows, to_local
 
@@ -128,8 +129,6 @@ class HeadParams(LocalParamsStyle):
         owned = {n for n, _ in module.named_parameters()} | self._slice_buffers(module, device_mesh)
         for name in (*self.shard_dims, *self.reduce):
             if name not in owned or ("." not in name and name not in module._parameters | module._buffers):
-                from autotp.errors import PlanError
-
                 raise PlanError(f"{type(module).__name__}: HeadParams names parameter {name!r}, which the "
                                 f"module does not own (it has {sorted(module._parameters)}); fix the names")
         own = [(module, name, name) for name in module._parameters if module._parameters[name] is not None]

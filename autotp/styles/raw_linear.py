@@ -28,6 +28,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_map
 
+from autotp.errors import PlanError
 from autotp.styles.base import all_reduce_backward, all_reduce_forward, to_local
 from autotp.styles.params import HeadParams
 
@@ -78,7 +79,6 @@ class _Products(TorchFunctionMode):
                 args, bias = args[:2], args[2]
             out = all_reduce_forward(func(*args, **kwargs), self.mesh)
             return out if bias is None else out + bias
-        from autotp.errors import PlanError
 
         raise PlanError(f"{getattr(func, '__name__', func)} multiplies a column weight by a row weight of the "
                         "same LinearParams module; shard at most one of them")
@@ -138,8 +138,6 @@ class LinearParams(HeadParams):
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         missing = {n for n in set(self.shard_dims) | set(self.columns) | set(self.rows) if _owner(module, n) is None}
         if missing:
-            from autotp.errors import PlanError
-
             raise PlanError(f"{type(module).__name__}: LinearParams names {sorted(missing)}, which the module does "
                             f"not own (it has {sorted(module._parameters)}); fix the names")
         super()._apply(module, device_mesh)  # its pre-hook, run first, swaps in the local tensors

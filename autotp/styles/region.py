@@ -13,6 +13,8 @@ from torch.distributed.tensor.parallel.style import ParallelStyle
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_leaves, tree_map
 
+from autotp.errors import PlanError
+from autotp.plan import sharded_param_dims
 from autotp.styles.base import WrapperStyle, identity_dropout, is_partial
 
 
@@ -65,7 +67,6 @@ class DTensorRegion(WrapperStyle):
 
     def sharded_param_dims(self, module: nn.Module) -> dict[str, int]:
         # Dotted names are descendants' parameters, which this style places (memory, divisibility).
-        from autotp.plan import sharded_param_dims
 
         inner = sharded_param_dims(module, self.style) if self.style is not None else {}
         return {**inner, **self.params}
@@ -74,8 +75,6 @@ class DTensorRegion(WrapperStyle):
         module = self._apply_wrapped(module, device_mesh)
         unknown = set(self.params) - {name for name, _ in module.named_parameters()}
         if unknown:
-            from autotp.errors import PlanError
-
             raise PlanError(f"{type(module).__name__}: DTensorRegion names parameters it does not have: "
                             f"{sorted(unknown)}; name them relative to the module the plan key selects.")
         for name, param in list(module.named_parameters()):

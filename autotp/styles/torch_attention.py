@@ -19,6 +19,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.parallel.style import ParallelStyle
 
+from autotp.errors import MeshError, PlanError, working_tp_sizes
 from autotp.styles.base import all_reduce_backward, all_reduce_forward, packed_row_order, permute_rows
 
 
@@ -59,8 +60,6 @@ class MultiheadAttentionParallel(ParallelStyle):
         self.sequence_parallel = sequence_parallel
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
-        from autotp.errors import MeshError, PlanError, working_tp_sizes
-
         if type(module) is not nn.MultiheadAttention:
             raise PlanError(module=type(module).__name__, found="MultiheadAttentionParallel applied to it",
                             required="an nn.MultiheadAttention (its forward is replaced by a per-rank one)",

@@ -23,7 +23,23 @@ and then passed through a literal list of passes::
 
 from __future__ import annotations
 
-from autotp.synth.api import Analysis, ExplainRecord, analyse_model, explain, synthesize
+import importlib
+
+from autotp.synth.api import Analysis, ExplainRecord, analyse_model, explain
 from autotp.synth.build import build_plan
 
 __all__ = ["Analysis", "ExplainRecord", "analyse_model", "build_plan", "explain", "synthesize"]
+
+# ``synthesize`` checks its plan numerically (``verify=True``, and always after a trace through
+# value-dependent branches), which the verifier above synth does: it is :func:`autotp.synthesize`
+# from the facade, imported on first use (PEP 562) so that no synth module imports upward.
+_EXPORTS = {"synthesize": "autotp.facade"}
+
+
+def __getattr__(name: str):
+    """Import a name of :data:`_EXPORTS` from its module on first access, and keep it here."""
+    if name not in _EXPORTS:
+        raise AttributeError(f"module 'autotp.synth' has no attribute {name!r}")
+    value = getattr(importlib.import_module(_EXPORTS[name]), name)
+    globals()[name] = value
+    return value

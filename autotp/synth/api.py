@@ -46,89 +46,22 @@ def analyse_model(model: nn.Module, *, example_inputs=None, sequence_parallel: b
         return group_copies(analysis, run)
 
 
-def synthesize(model: nn.Module, *, example_inputs=None, sequence_parallel: bool = False,
-               loss_parallel: bool = True, tp_size: int | None = None,
-               verify: bool = False, gather_copies: bool = True) -> dict[str, ParallelStyle]:
-    """Write a tensor-parallel plan for ``model`` from its traced graph.
-
-    Keyword Args:
-        example_inputs: a tuple of positional inputs, or a dict of keyword inputs; made from the
-            config (``input_ids`` of shape (2, 11)) for transformers models when omitted.
-        sequence_parallel: keep the residual stream sharded on the sequence between blocks.
-        loss_parallel: leave the head's logits vocab-sharded (``Shard(-1)`` DTensor).
-        tp_size: if given, check that every sharded extent divides evenly; k/v projections with
-            fewer heads than ``tp_size`` (a multiple of them) get one kv head per rank.
-        verify: check the plan numerically before returning it (:func:`autotp.self_check.self_check`:
-            logits and every gradient at ``tp_size`` (2 if None) on simulated ranks, on the model
-            itself or on a tiny copy built from its config). Off by default: it costs 2-5 s on a
-            tiny model, several times the synthesis; ``autotp.parallelize`` turns it on.
-        gather_copies: parts with fewer groups than ranks (the one kv head of a fused multi-query
-            qkv, B and C of a state-space mixer with ``n_groups < tp``) come from a Linear whose
-            rows are sharded like its other parts; each forward all-gathers the part and each rank
-            cuts its group, and the backward reduce-scatters the part's gradient: the same bytes each
-            way. False: every rank holds a whole copy of its group's rows and the copies' weight
-            gradients are all-reduced in the backward (no forward communication: the serving choice).
-
-    Returns:
-        ``{fnmatch key: ParallelStyle}`` for ``parallelize_module``, keys relative to ``model``.
-
-    Raises:
-        VerificationError: (``verify=True``) the plan differs from the unsharded model; the
-            message names the first differing parameter and the difference against the tolerance.
-
-    Example::
-        >>> plan = synthesize(model)  # doctest: +SKIP
-        >>> plan["model.layers.*.self_attn.o_proj"]  # doctest: +SKIP
-        RowwiseParallel(...)
-    """
+def plan_with_analysis(model: nn.Module, *, example_inputs=None, sequence_parallel: bool = False,
+                       loss_parallel: bool = True, tp_size: int | None = None,
+                       gather_copies: bool = True) -> tuple[dict[str, ParallelStyle], Analysis]:
+    """The plan :func:`autotp.synthesize` writes (same arguments), before any numerical check, and
+    the :class:`Analysis` it was built from (the check of value-dependent branches reads it)."""
     analysis = analyse_model(model, example_inputs=example_inputs, sequence_parallel=sequence_parallel,
                              tp_size=tp_size)
     plan = build_plan(analysis.roles, analysis.groups, loss_parallel=loss_parallel, copies=analysis.copies,
                       gather_copies=gather_copies)
-    if verify:
-        from autotp.self_check import self_check
-
-        self_check(model, plan, tp_size=tp_size or 2, sequence_parallel=sequence_parallel,
-                   loss_parallel=loss_parallel, example_inputs=example_inputs)
-    else:
-        check_value_branches(model, analysis, plan, loss_parallel=loss_parallel)
-    return plan
-
-
-def check_value_branches(model: nn.Module, analysis: Analysis, plan: dict[str, ParallelStyle], *,
-                         loss_parallel: bool = True) -> None:
-    """Verify ``plan`` numerically when its trace followed value-dependent branches through a
-    module with parameters (:func:`~autotp.synth.trace.export_model`), whatever ``verify`` says.
-
-    Such a trace holds the branches its example inputs took (the experts their tokens picked), not
-    the others. The self-check runs the plan on inputs of its own, against the unsharded model.
-
-    Raises:
-        VerificationError: the plan differs from the unsharded model.
-        TraceError: the plan could not be checked (no inputs to check it on); it is not handed out.
-    """
-    where = analysis.graph.graph.get("value_branches")
-    if not where:
-        return
-    from autotp.errors import TraceError
-    from autotp.self_check import self_check
-
-    log.info("%s branches on tensor values: checking the plan traced on these inputs' branches", where)
-    report = self_check(model, plan, tp_size=analysis.tp_size or 2, sequence_parallel=analysis.sequence_parallel,
-                        loss_parallel=loss_parallel, example_inputs=analysis.example_inputs)
-    if report is None:
-        raise TraceError(
-            f"{type(model).__name__}: {where} branches on tensor values, so its trace follows only the "
-            "branches the example inputs took, and the plan made from it could not be checked on other "
-            "inputs. Pass example_inputs (or use a model with a transformers config) so that "
-            f"synthesize(verify=True) can check it, or write the plan by hand and leave {where} replicated."
-        )
+    return plan, analysis
 
 
 def explain(model: nn.Module | None = None, *, example_inputs=None, sequence_parallel: bool = False,
             loss_parallel: bool = True, tp_size: int | None = None,
             analysis: Analysis | None = None) -> list[ExplainRecord]:
-    """Why the plan :func:`synthesize` writes (same arguments) looks as it does.
+    """Why the plan :func:`~autotp.synthesize` writes (same arguments) looks as it does.
 
     One record per plan key, in the plan's order, with that key's style; then one per module left
     whole (folded to ``layers.*``; where only some layers leave it whole the reason says in how many).

@@ -32,7 +32,6 @@ analysis are one decision: each step's refusal must leave the original analysis 
 
 from __future__ import annotations
 
-import copy
 import itertools
 import logging
 from dataclasses import dataclass, field, replace
@@ -43,6 +42,8 @@ from torch import nn
 
 from autotp.copying import deep_copy
 from autotp.errors import AutoTPError
+from autotp.logits import model_logits
+from autotp.styles.group_copies import Copies, copy_index, expand_module, expanded_width
 from autotp.synth.analysis import Shard, is_linear, module_of, propagate
 from autotp.synth.graph import Ref, refs
 from autotp.synth.local_run import capture_inputs
@@ -50,7 +51,6 @@ from autotp.synth.localize import candidate_names, cutting_module
 from autotp.synth.ops import ELEMENTWISE, PASSTHROUGH, VIEW_LIKE
 from autotp.synth.params import reading_module
 from autotp.synth.trace import LayerGroups, example_args
-from autotp.verifier import model_logits
 
 log = logging.getLogger(__name__)
 
@@ -79,60 +79,6 @@ class GroupedPart:
     def spec(self) -> tuple:
         """The part as :func:`copy_index` takes it."""
         return (self.start, self.end, self.groups, *((self.pieces,) if self.pieces else ()))
-
-
-@dataclass
-class Copies:
-    """What to expand in one module: rows of its parameters and buffers, and attribute values.
-
-    ``rows``: dotted path -> ``(dim, width, ((start, end, groups), ...))``, the grouped parts along
-    ``dim`` (of size ``width``) of that parameter or buffer (:func:`copy_index`); a parameter's is dim 0. ``values``: attribute path -> its value in
-    the expanded model.
-    """
-
-    rows: dict[str, tuple[int, int, tuple[tuple[int, int, int], ...]]] = field(default_factory=dict)
-    values: dict[str, int] = field(default_factory=dict)
-
-
-def copy_index(width: int, parts, tp: int) -> torch.Tensor:
-    """Rows of the expanded tensor, as rows of the original: each grouped part ``(start, end, G)``
-    becomes ``tp`` groups, group j a copy of original group ``j * G // tp``. A part ``(start, end,
-    G, pieces)`` (:class:`GroupedPart`) gives group j, of the ``tp / G`` sharing that group the
-    ``j % (tp / G)``-th, its share of each divided piece and the other pieces whole.
-
-    >>> copy_index(5, ((2, 4, 1),), 2).tolist()
-    [0, 1, 2, 3, 2, 3, 4]
-    >>> copy_index(4, ((0, 4, 2),), 4).tolist()
-    [0, 1, 0, 1, 2, 3, 2, 3]
-    >>> copy_index(5, ((0, 5, 1, ((3, 0), (2, 1))),), 2).tolist()  # [k | q], q in shares of 1 row
-    [0, 1, 2, 3, 0, 1, 2, 4]
-    """
-    order, at = [], 0
-    for start, end, groups, *pieces in sorted(parts):
-        order.extend(range(at, start))
-        size = (end - start) // groups
-        share = tp // groups
-        for j in range(tp):
-            first = start + (j * groups // tp) * size
-            for piece, divided in (pieces[0] if pieces else ((size, 0),)):
-                begin, rows = (first + j % share * piece // share, piece // share) if divided else (first, piece)
-                order.extend(range(begin, begin + rows))
-                first += piece
-        at = end
-    order.extend(range(at, width))
-    return torch.tensor(order, dtype=torch.long)
-
-
-def expanded_width(part, tp: int) -> int:
-    """The width a grouped part (as :func:`copy_index` takes it) has once expanded at ``tp``.
-
-    >>> expanded_width((2, 4, 1), 4), expanded_width((0, 5, 1, ((3, 0), (2, 1))), 2)
-    (8, 8)
-    """
-    start, end, groups, *pieces = part
-    share = tp // groups
-    size = (end - start) // groups
-    return tp * sum(piece // share if divided else piece for piece, divided in (pieces[0] if pieces else ((size, 0),)))
 
 
 def _group_dim(g: nx.DiGraph, view: str) -> tuple[int, int] | None:
@@ -442,33 +388,6 @@ def _get(module: nn.Module, path: str):
     return module
 
 
-def expand_module(module: nn.Module, copies: Copies, tp: int) -> None:
-    """Expand ``module``'s grouped rows to ``tp`` copies and set its attributes to their expanded
-    values, in place (see :class:`Copies`)."""
-    for path, value in copies.values.items():
-        *owner_path, attr = path.split(".")
-        owner = module
-        for part in owner_path:
-            child = getattr(owner, part)
-            if not isinstance(child, nn.Module):  # a plain object (a config) may be shared: copy it
-                child = copy.copy(child)
-                setattr(owner, part, child)
-            owner = child
-        setattr(owner, attr, value)
-    for path, (dim, width, parts) in copies.rows.items():
-        owner_path, _, leaf = path.rpartition(".")
-        owner = module.get_submodule(owner_path)
-        index = copy_index(width, parts, tp)
-        if leaf in owner._parameters:
-            param = owner._parameters[leaf]
-            if param is None:  # a Linear without a bias
-                continue
-            owner.register_parameter(leaf, nn.Parameter(param.detach().index_select(dim, index),
-                                                        requires_grad=param.requires_grad))
-        else:
-            owner._buffers[leaf] = owner._buffers[leaf].index_select(dim, index)
-
-
 def expanded_model(model: nn.Module, copies: dict[str, Copies], groups: LayerGroups, tp: int) -> nn.Module:
     """A copy of ``model`` with every grouped part expanded to ``tp`` groups (by traced FQN)."""
     out = deep_copy(model)
@@ -511,4 +430,3 @@ def group_copies(analysis, run) -> object:
     if any(b.roles.get(m) is None or b.roles[m].kind not in ("column", "packed_column") for m in roots):
         return a
     return replace(b, model=a.model, copies=copies)
-

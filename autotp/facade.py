@@ -1,0 +1,110 @@
+"""The public entry points that combine the layers: :func:`parallelize` (choose a plan, check it if
+synthesized, shard) and :func:`synthesize` (write a plan, check it numerically when asked or when
+its trace followed value-dependent branches).
+
+They sit above selection, the synthesizer and the verifier so that none of those needs to import
+another upward; ``autotp.parallelize`` and ``autotp.synthesize`` (and ``autotp.synth.synthesize``)
+are these functions.
+"""
+
+from __future__ import annotations
+
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor.parallel.style import ParallelStyle
+
+from autotp.apply import apply_plan, validate_tp_mesh
+from autotp.selection import get_plan
+from autotp.self_check import check_value_branches, self_check
+from autotp.synth.api import plan_with_analysis
+
+
+def parallelize(
+    model: nn.Module,
+    tp_mesh: DeviceMesh,
+    *,
+    sequence_parallel: bool = False,
+    tp_shard_plan=None,
+    verify_synthesized: bool = True,
+    loss_parallel: bool = True,
+) -> nn.Module:
+    """Shard ``model`` over ``tp_mesh`` with the plan :func:`autotp.get_plan` chooses.
+
+    ``model.generate()`` (KV cache, greedy or sampled) works after either ``loss_parallel``
+    setting and gives the unsharded model's tokens; sampling needs the same seed on every rank.
+
+    Args:
+        model: the model, on the device the mesh uses (or meta, to be materialised after).
+        tp_mesh: a 1-D device mesh (the ``tp`` sub-mesh of a larger one).
+        sequence_parallel: use the sequence-parallel variant of the plan.
+        tp_shard_plan: a plan dict, a registered plan name, or a dotted import path to one.
+        verify_synthesized: when the plan is synthesized, check it numerically first
+            (:func:`autotp.self_check.self_check`, on the model or a tiny copy; seconds, once).
+        loss_parallel: True (the default, for training): the logits are what the plan makes.
+            With autotp's handwritten and synthesized plans that is a ``Shard(-1)`` DTensor, each
+            rank holding ``vocab / tp`` columns, which ``labels=`` and
+            :func:`autotp.training.next_token_loss` read without gathering (transformers' plans
+            gather the head's output, and a plan may leave a tied head replicated). False (serving,
+            evaluation): the logits come back whole on every rank as a plain tensor (one
+            all-gather per forward; ``[batch, seq, vocab]`` per rank). The model's ``train()`` /
+            ``eval()`` mode does not change it; :func:`gathered_logits` switches one block of code
+            to whole logits.
+
+    Returns:
+        The same model, sharded in place.
+
+    Raises:
+        VerificationError: the synthesized plan failed its self-check (nothing is sharded).
+    """
+    if tp_mesh.ndim != 1:
+        validate_tp_mesh(model, tp_mesh)
+    choice = get_plan(model, sequence_parallel=sequence_parallel, tp_shard_plan=tp_shard_plan,
+                      tp_size=tp_mesh.size())
+    if verify_synthesized and choice.source == "synthesized":
+        self_check(model, choice.plan, tp_size=tp_mesh.size(), sequence_parallel=sequence_parallel)
+    return apply_plan(model, tp_mesh, choice.plan, loss_parallel=loss_parallel)
+
+
+def synthesize(model: nn.Module, *, example_inputs=None, sequence_parallel: bool = False,
+               loss_parallel: bool = True, tp_size: int | None = None,
+               verify: bool = False, gather_copies: bool = True) -> dict[str, ParallelStyle]:
+    """Write a tensor-parallel plan for ``model`` from its traced graph.
+
+    Keyword Args:
+        example_inputs: a tuple of positional inputs, or a dict of keyword inputs; made from the
+            config (``input_ids`` of shape (2, 11)) for transformers models when omitted.
+        sequence_parallel: keep the residual stream sharded on the sequence between blocks.
+        loss_parallel: leave the head's logits vocab-sharded (``Shard(-1)`` DTensor).
+        tp_size: if given, check that every sharded extent divides evenly; k/v projections with
+            fewer heads than ``tp_size`` (a multiple of them) get one kv head per rank.
+        verify: check the plan numerically before returning it (:func:`autotp.self_check.self_check`:
+            logits and every gradient at ``tp_size`` (2 if None) on simulated ranks, on the model
+            itself or on a tiny copy built from its config). Off by default: it costs 2-5 s on a
+            tiny model, several times the synthesis; ``autotp.parallelize`` turns it on.
+        gather_copies: parts with fewer groups than ranks (the one kv head of a fused multi-query
+            qkv, B and C of a state-space mixer with ``n_groups < tp``) come from a Linear whose
+            rows are sharded like its other parts; each forward all-gathers the part and each rank
+            cuts its group, and the backward reduce-scatters the part's gradient: the same bytes each
+            way. False: every rank holds a whole copy of its group's rows and the copies' weight
+            gradients are all-reduced in the backward (no forward communication: the serving choice).
+
+    Returns:
+        ``{fnmatch key: ParallelStyle}`` for ``parallelize_module``, keys relative to ``model``.
+
+    Raises:
+        VerificationError: (``verify=True``) the plan differs from the unsharded model; the
+            message names the first differing parameter and the difference against the tolerance.
+
+    Example::
+        >>> plan = synthesize(model)  # doctest: +SKIP
+        >>> plan["model.layers.*.self_attn.o_proj"]  # doctest: +SKIP
+        RowwiseParallel(...)
+    """
+    plan, analysis = plan_with_analysis(model, example_inputs=example_inputs, sequence_parallel=sequence_parallel,
+                                        loss_parallel=loss_parallel, tp_size=tp_size, gather_copies=gather_copies)
+    if verify:
+        self_check(model, plan, tp_size=tp_size or 2, sequence_parallel=sequence_parallel,
+                   loss_parallel=loss_parallel, example_inputs=example_inputs)
+    else:
+        check_value_branches(model, analysis, plan, loss_parallel=loss_parallel)
+    return plan
