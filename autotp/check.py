@@ -462,7 +462,7 @@ def _kv_findings(g, flow, roots: frozenset, style_of: dict, tp_size: int) -> lis
 def _param_findings(g, flow, style_of: dict, taken: dict) -> list[Finding]:
     """Parameters of a module that meet a sharded activation without a style that shards them with
     the heads or reduces their gradient (:func:`autotp.synth.params.param_roles`)."""
-    from autotp.synth.params import param_roles
+    from autotp.synth.param_roles import param_roles
     from autotp.synth.roles import Role
 
     findings = []

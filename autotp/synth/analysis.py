@@ -21,57 +21,22 @@ from dataclasses import dataclass, field
 import networkx as nx
 
 from autotp.synth.graph import Ref, param_modules, refs
-from autotp.synth.experts import bias_breaks, expert_bias, partial_sum_breaks, selected_weight
+from autotp.synth.experts import bias_breaks, expert_bias, partial_sum_breaks
 from autotp.synth.entries import stray_entry_reads
 from autotp.synth.head_loops import head_loop_breaks, head_step, reads_head
 from autotp.synth.statistics import block_statistic, statistic_breaks, statistic_in_block
-from autotp.synth.params import reading_module, stray_param_reads, stray_tree_reads
-from autotp.synth.ops import FIRST_VALUE_ONLY, GRADLESS_ARGS, GROUPED_MATMULS, NO_VALUES, SCALINGS, SELECTING_PRODUCTS, STACKED_MATMULS, WRITE_VIEWS, WRITES
-from autotp.synth.ops import (ATTENTION, ELEMENTWISE, MATMULS, PASSTHROUGH, SINKS, VIEW_LIKE, Break, Given, Out, Parts,
+from autotp.synth.params import stray_param_reads, stray_tree_reads
+from autotp.synth.ops import SCALINGS, WRITE_VIEWS, WRITES
+from autotp.synth.ops import (ATTENTION, ELEMENTWISE, MATMULS, SINKS, VIEW_LIKE, Break, Given, Out, Parts,
                               Split, apply_rule)
+# The graph queries and the shard value live below the analysis (and the idioms it calls); the names
+# stay importable from here.
+from autotp.synth.queries import (Weight, _grad_inputs, _only_params_behind, _only_reader,  # noqa: F401
+                                  _selects_expert, _value_inputs, is_linear, linear_weight, module_of,
+                                  param_source, part_sizes, raw_like, raw_weight, upstream_linears, weight_of)
+from autotp.synth.shard import Shard
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class Shard:
-    """A sharded value: its dim, the candidate Linears it comes from, and the path it took.
-
-    ``span``: the features ``[start, end)`` of its origins' output that the sharded dim holds,
-    in order, when it is such a range (the whole output, or a part cut from it): a part may be cut
-    again (a packed projection whose part is itself packed), and its cuts are then placed in the
-    origin's output.
-
-    ``pieces``: for a ``cat`` of shards along their sharded dim, ``(shard, width)`` per joined
-    tensor in order. Each rank then holds its share of every piece, one after another, so only ops
-    that keep the dim's features in place (elementwise, a depthwise convolution with its weight
-    packed alike) or cut it back at the pieces may follow.
-
-    ``fold``: ``(sizes, k)`` when ``dim`` is several dims of these global sizes merged by a view,
-    the sharded one at position ``k`` not the outermost (``(b, t, heads, hd) -> (b * t * heads,
-    hd)``, a per-head norm over rows): each rank holds rows of every ``(b, t)``, not one block.
-    Only ops that keep the rows in place, or a view that splits them back, may follow.
-
-    ``head_span``: ``(start, end, unit)`` when ``dim`` holds the features ``[start, end)`` of its
-    origins' output viewed into heads of ``unit`` features each (``(b, t, h * hd) -> (b, t, h, hd)``,
-    then transposes and per-head ops): index ``i`` of ``dim`` is features ``start + i * unit`` on.
-    A cut of the heads into equal parts (``chunk``) is then a cut of the output into parts, as a cut
-    of the features is (``span`` is None there: its width is not the dim's size).
-    """
-
-    dim: int
-    origins: frozenset
-    intact: bool = False
-    prev: str | None = None
-    span: tuple[int, int] | None = None
-    pieces: tuple[tuple[Shard, int], ...] | None = None
-    fold: tuple[tuple[int, ...], int] | None = None
-    head_span: tuple[int, int, int] | None = None
-
-    @property
-    def features(self) -> tuple[int, int] | None:
-        """The features of the origins' output this shard holds: its span, or its heads' span."""
-        return self.span or (self.head_span[:2] if self.head_span else None)
 
 
 @dataclass
@@ -352,7 +317,7 @@ class Flow:
         sharded, and each hands out no other value with a gradient (its style reduces its first
         output's). Recorded in ``broadcasts``."""
         from autotp.synth.params import carries_grad, module_output_sources
-        from autotp.synth.sequence import module_outputs
+        from autotp.synth.queries import module_outputs
 
         found = module_output_sources(self.g, other)
         if found is None:
@@ -587,51 +552,6 @@ class Flow:
         return owner in self.width_norms and owner in self.g.nodes[name]["stack"]
 
 
-
-
-def _only_params_behind(g: nx.DiGraph, name: str) -> bool:
-    """Whether ``name`` is computed from parameters, buffers and constants alone (no Linear, no
-    model input behind it): their gradients are their modules' to reduce (``param_roles``)."""
-    seen, todo = {name}, [name]
-    while todo:
-        for pred in _value_inputs(g, todo.pop()):
-            data = g.nodes[pred]
-            if pred in seen or data["op"] in SINKS:
-                continue
-            if data["kind"] == "input" or (data["kind"] == "call" and is_linear(g, pred)):
-                return False
-            seen.add(pred)
-            todo.append(pred)
-    return True
-
-
-
-
-def _value_inputs(g: nx.DiGraph, name: str) -> list[str]:
-    """The nodes whose values ``name`` is computed from (not those lending a dtype or shape)."""
-    data = g.nodes[name]
-    if data["kind"] != "call":
-        return list(g.predecessors(name))
-    if data["op"] in NO_VALUES:
-        return []
-    inputs = refs(data["args"], data["kwargs"])
-    if data["op"] in FIRST_VALUE_ONLY:
-        inputs = inputs[:1]
-    return [r.name for r in inputs]
-
-
-def _grad_inputs(g: nx.DiGraph, name: str) -> list[str]:
-    """:func:`_value_inputs` less the arguments through which no gradient flows (a mask, an index:
-    :data:`~autotp.synth.ops.GRADLESS_ARGS`)."""
-    data = g.nodes[name]
-    inputs = _value_inputs(g, name)
-    if data["kind"] != "call" or data["op"] not in GRADLESS_ARGS:
-        return inputs
-    at, key = GRADLESS_ARGS[data["op"]]
-    arg = data["args"][at] if len(data["args"]) > at else data["kwargs"].get(key)
-    return [n for n in inputs if not (isinstance(arg, Ref) and n == arg.name)]
-
-
 def _rows_beside(flow: Flow, columns: frozenset, rows) -> bool:
     """Whether the outputs of ``columns`` reach a Linear besides ``rows`` before any Linear (a second
     up-projection of a low-rank latent), wherever it comes in program order."""
@@ -658,26 +578,6 @@ def _row_sources(g: nx.DiGraph, flow: Flow, name: str) -> list[str]:
             return []
         name = inputs[0].name
     return [name]
-
-
-def upstream_linears(g: nx.DiGraph, name: str) -> tuple[set[str], set[str]] | None:
-    """``(the Linear nodes nearest above name, the nodes between)``: the walk back stops at each
-    Linear. None if a parameter enters on the way other than as a Linear's weight (its gradient
-    would have to be reduced too). Buffers and inputs may enter (rope's cos and sin)."""
-    seen, todo, linears = {name}, [name], set()
-    while todo:
-        for pred in _grad_inputs(g, todo.pop()):
-            if pred in seen or pred in linears or g.nodes[pred]["op"] in SINKS:
-                continue
-            kind = g.nodes[pred]["kind"]
-            if kind == "param":
-                return None
-            if kind == "call" and is_linear(g, pred):
-                linears.add(pred)
-            elif kind == "call":
-                seen.add(pred)
-                todo.append(pred)
-    return linears, seen
 
 
 def _rows_within(g: nx.DiGraph, flow: Flow, other: str, name: str) -> list[str]:
@@ -710,56 +610,6 @@ def _weight_numel(g: nx.DiGraph, linears) -> int:
     return sum(math.prod(g.nodes[w]["shape"]) for w in map(lambda n: linear_weight(g, n), linears) if w)
 
 
-def param_source(g: nx.DiGraph, name: str) -> str | None:
-    """The parameter placeholder that ``name`` is a cast/pointwise function of, if any."""
-    while True:
-        data = g.nodes[name]
-        if data["kind"] == "param":
-            return name
-        inputs = [r.name for r in refs(data["args"], data["kwargs"])]
-        if data["kind"] != "call" or len(inputs) != 1 or data["op"] not in PASSTHROUGH | ELEMENTWISE:
-            return None
-        name = inputs[0]
-
-
-
-
-@dataclass(frozen=True)
-class Weight:
-    """The parameter a Linear-like node multiplies by, and which of its dims are out / in features."""
-
-    node: str
-    out_dim: int
-    in_dim: int
-
-
-def weight_of(g: nx.DiGraph, name: str) -> Weight | None:
-    """The parameter of a ``linear`` (2-D) or grouped matmul (3-D) node, or None."""
-    data = g.nodes[name]
-    args = data["args"]
-    if len(args) < 2 or not isinstance(args[1], Ref):
-        return None
-    if data["op"] in SELECTING_PRODUCTS:  # one expert's weight ``P[e]`` in a per-expert loop
-        found = selected_weight(g, args[1].name)
-        if found is not None:  # P[e] is (in, out) for a matmul, (out, in) for F.linear
-            swapped = found[1] ^ (data["op"] == "linear")
-            return Weight(found[0], 1, 2) if swapped else Weight(found[0], 2, 1)
-    if data["op"] == "linear":
-        source = param_source(g, args[1].name)
-        if not source or len(g.nodes[source]["shape"] or ()) != 2:
-            return None
-        return Weight(source, 1, 0) if data.get("weight_in_out") else Weight(source, 0, 1)
-    if data["op"] in GROUPED_MATMULS | STACKED_MATMULS:
-        node, swapped = args[1].name, False
-        while g.nodes[node]["kind"] == "call" and g.nodes[node]["op"] in ("transpose", "t", *PASSTHROUGH):
-            if g.nodes[node]["op"] != "transpose" or sorted(x % 3 for x in g.nodes[node]["args"][1:3]) == [1, 2]:
-                swapped ^= g.nodes[node]["op"] == "transpose"
-            node = g.nodes[node]["args"][0].name
-        if g.nodes[node]["kind"] == "param" and len(g.nodes[node]["shape"]) == 3:
-            return Weight(node, 1, 2) if swapped else Weight(node, 2, 1)
-    return None
-
-
 def _projects_down(g: nx.DiGraph, name: str) -> bool:
     """Whether Linear ``name`` has fewer output features than input features and is no vocabulary
     head (its outputs are not as many as a token table's rows): a classifier's labels, a value
@@ -772,66 +622,6 @@ def _projects_down(g: nx.DiGraph, name: str) -> bool:
              if d["kind"] == "call" and d["op"] == "embedding" and isinstance(d["args"][0], Ref)
              and g.nodes[d["args"][0].name]["shape"]}
     return shape[weight.out_dim] < shape[weight.in_dim] and shape[weight.out_dim] not in vocab
-
-
-def raw_weight(g: nx.DiGraph, name: str) -> bool:
-    """Whether Linear-like node ``name`` multiplies by a raw parameter of the module whose code runs
-    it (``x @ self.wq.T``, ``F.linear(x, self.wk)``, an einsum, a ``bmm`` by a stacked 3-D weight):
-    no ``nn.Linear``'s weight, so
-    the module gets :class:`~autotp.styles.raw_linear.LinearParams` rather than a Linear style."""
-    return raw_like(g, name) and _only_reader(g, linear_weight(g, name), name)
-
-
-def raw_like(g: nx.DiGraph, name: str) -> bool:
-    """:func:`raw_weight` but for the weight being read by this product alone."""
-    weight = linear_weight(g, name)
-    stacked = g.nodes[name]["op"] in STACKED_MATMULS
-    if weight is not None and len(g.nodes[weight]["shape"]) == 3 and _selects_expert(g, name):
-        return False  # ``x @ P[e]`` in a per-expert loop: grouped experts (``expert_roles``)
-    if weight is None or len(g.nodes[weight]["shape"]) != (3 if stacked else 2):
-        return False
-    leaf = g.nodes[weight]["param"].rpartition(".")[2]
-    return reading_module(g, weight)[0] == g.nodes[name]["module"] \
-        and (leaf != "weight" or stacked or bool(g.nodes[name].get("raw_weight")))
-
-
-def _selects_expert(g: nx.DiGraph, name: str) -> bool:
-    """Whether Linear-like node ``name`` multiplies by one expert's weight ``P[e]``."""
-    args = g.nodes[name]["args"]
-    return g.nodes[name]["op"] in SELECTING_PRODUCTS and isinstance(args[1], Ref) and selected_weight(g, args[1].name) is not None
-
-
-def _only_reader(g: nx.DiGraph, weight: str, name: str) -> bool:
-    """Whether node ``name`` is the one reader of ``weight`` (through casts and transposes): a raw
-    parameter read elsewhere too (a second product, a norm of it) would be read there as a shard."""
-    while True:
-        readers = [s for s in g.successors(weight) if g.nodes[s]["op"] not in SINKS]
-        if readers == [name]:
-            return True
-        if len(readers) != 1 or g.nodes[readers[0]]["op"] not in PASSTHROUGH | {"t", "numpy_T", "transpose"}:
-            return False
-        weight = readers[0]
-
-
-def linear_weight(g: nx.DiGraph, name: str) -> str | None:
-    """The parameter placeholder a Linear-like node multiplies by, or None."""
-    weight = weight_of(g, name)
-    return weight.node if weight else None
-
-
-def module_of(g: nx.DiGraph, name: str) -> str:
-    """Module a Linear/Embedding node belongs to: the module that ran it (export names a tied
-    parameter after one of its users only), or for a grouped matmul the owner of its 3-D weight."""
-    data = g.nodes[name]
-    weight = linear_weight(g, name) if is_linear(g, name) else None
-    if weight is not None and (len(g.nodes[weight]["shape"]) == 3 or not data["module"]):
-        return g.nodes[weight]["param"].rpartition(".")[0]
-    return data["module"]
-
-
-def is_linear(g: nx.DiGraph, name: str) -> bool:
-    """A ``linear`` or grouped-matmul node whose weight is a parameter."""
-    return g.nodes[name]["op"] in GROUPED_MATMULS | STACKED_MATMULS | {"linear"} and weight_of(g, name) is not None
 
 
 def weight_uses(g: nx.DiGraph):
@@ -855,16 +645,6 @@ def _sharded_inputs(flow: Flow, data) -> dict[str, int]:
         if isinstance(value, Shard):
             found[ref.name] = value.dim
     return found
-
-
-def part_sizes(ranges, width: int) -> tuple[int, ...]:
-    """The finest parts that the cuts ``ranges`` of a ``width``-feature output make.
-
-    >>> part_sizes([(0, 8), (8, 20), (8, 12), (12, 16), (16, 20)], 20)
-    (8, 4, 4, 4)
-    """
-    points = sorted({0, width} | {p for r in ranges for p in r})
-    return tuple(b - a for a, b in zip(points, points[1:]))
 
 
 def _kept_span(flow: Flow, name: str, dims: dict, dim: int):
@@ -1114,9 +894,6 @@ def _reduction_in_norm(flow: Flow, data, origins, owners: set[str], callers: set
         flow.width_norms.setdefault(module, data)
         return True
     return False
-
-
-
 
 
 def _written(flow: Flow, name: str, data) -> None:

@@ -12,7 +12,8 @@ from autotp.synth.analysis import (Flow, Shard, is_linear, linear_weight, module
                                    raw_weight, weight_of, weight_uses)
 from autotp.synth.graph import Ref, param_modules, refs
 from autotp.synth.ops import ALIASING, SINKS
-from autotp.synth.params import broadcast_roles, param_roles, reading_module
+from autotp.synth.param_roles import broadcast_roles, param_roles
+from autotp.synth.params import reading_module
 from autotp.synth.roles import WEIGHT_DIMS, Role, kind_of
 
 

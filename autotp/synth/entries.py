@@ -13,20 +13,18 @@ stay whole, as before).
 
 Sound only if every read of ``E`` inside ``M`` meets the heads on the same dim
 (:func:`stray_entry_reads`), and if the argument of ``M``'s call that carries ``E`` is known: it is
-found once, on the inputs ``M`` gets in a fake forward (:func:`resolve_entries`), by its shape,
+found once, on the inputs ``M`` gets in a fake forward (:func:`~autotp.synth.shape_proof.resolve_entries`), by its shape,
 which must be that of no other argument. Anything else keeps the heads' Linears whole.
 """
 
 from __future__ import annotations
 
 import networkx as nx
-from torch import nn
 
 from autotp.synth.graph import Ref, made_from_params
 from autotp.synth.ops import SINKS
 from autotp.synth.params import SINGLE_INPUT, source_dim, value_refs
 from autotp.synth.roles import Role
-from autotp.synth.trace import LayerGroups
 
 
 def entry_source(g: nx.DiGraph, name: str, dim: int, deciding: str, *,
@@ -93,37 +91,6 @@ def stray_entry_reads(flow) -> dict[str, str]:
         for origin in flow.entry_origins.get(key, ()):
             bad.setdefault(origin, reason)
     return bad
-
-
-def resolve_entries(model: nn.Module, example_inputs, g: nx.DiGraph, flow,
-                    groups: LayerGroups | None) -> tuple[dict[str, tuple], dict[str, str]]:
-    """Which argument of each module's call carries each value it takes sliced (:func:`entry_source`).
-
-    Returns:
-        ``({module: ((position or keyword, dim), ...)}, {candidate: reason})``: the candidates whose
-        value cannot be placed among the arguments (several of the same shape, inside a tuple, a
-        module the fake forward never reached) are to be kept whole.
-    """
-    from autotp.synth.local_run import capture_inputs
-
-    if not flow.entry_shards:
-        return {}, {}
-    modules = {module for _, module in flow.entry_shards if module}
-    captured = capture_inputs(model, example_inputs, modules, groups)
-    entries: dict[str, list] = {}
-    unplaced: dict[str, str] = {}
-    for (source, module), dim in sorted(flow.entry_shards.items()):
-        shape = tuple(g.nodes[source]["shape"])
-        keys = keys_of_shape(captured.get(module), shape) if module else []
-        if len(keys) == 1:
-            entries.setdefault(module, []).append((keys[0], *dim) if isinstance(dim, tuple) else (keys[0], dim))
-            continue
-        why = (f"{module or 'the root'} takes a value of shape {shape} that meets its heads, but "
-               + (f"{len(keys)} of its arguments have that shape" if keys else "no argument of its call is it")
-               + ": it cannot be sliced at entry; kept whole")
-        for origin in flow.entry_origins.get((source, module), ()):
-            unplaced.setdefault(origin, why)
-    return {m: tuple(sorted(set(v), key=str)) for m, v in entries.items()}, unplaced
 
 
 def keys_of_shape(call, shape: tuple) -> list:

@@ -28,11 +28,9 @@ from __future__ import annotations
 import networkx as nx
 
 from autotp.synth.graph import Ref, refs
-from autotp.synth.ops import EXPERT_PRODUCTS, INDEX_ADDS, SUMS, ZEROS
+from autotp.synth.ops import INDEX_ADDS, SUMS, ZEROS
 from autotp.synth.ops import PASSTHROUGH, SINKS, VIEW_LIKE
-
-# Ops a selected weight may go through between ``W[e]`` and the product (``W[e].T``).
-_WEIGHT_VIEWS = PASSTHROUGH | {"transpose", "t", "numpy_T"}
+from autotp.synth.queries import _readers, selected_weight  # noqa: F401 (selected_weight: re-exported)
 
 
 # Ops that gather or view rows of a partial sum, or scale it: linear in their first argument when
@@ -41,55 +39,6 @@ _LINEAR_IN_FIRST = PASSTHROUGH | VIEW_LIKE | frozenset({
     "index", "index_select", "select", "slice", "unsqueeze", "squeeze", "transpose", "permute", "sum",
     "mul", "mul_", "div", "div_", "expand",
 })
-
-
-
-
-
-def selected_weight(g: nx.DiGraph, name: str) -> tuple[str, bool] | None:
-    """``(3-D parameter, transposed)`` when node ``name`` is one expert's weight ``P[e]`` (``select``
-    of dim 0 by a constant), possibly transposed, and ``P`` is read only so, by products; else None.
-
-    Read only so, because the parameter is sharded for its products: a reader of the whole (a norm
-    of it) would get a shard.
-    """
-    swapped = False
-    while g.nodes[name]["kind"] == "call" and g.nodes[name]["op"] in _WEIGHT_VIEWS:
-        data = g.nodes[name]
-        if data["op"] == "transpose" and sorted(x % 2 for x in data["args"][1:3]) != [0, 1]:
-            return None
-        swapped ^= data["op"] in ("transpose", "t", "numpy_T")
-        name = data["args"][0].name
-    data = g.nodes[name]
-    if data["kind"] != "call" or data["op"] != "select" or data["args"][1:2] != (0,) \
-            or not isinstance(data["args"][2], int):
-        return None
-    param = data["args"][0]
-    if not isinstance(param, Ref) or g.nodes[param.name]["kind"] != "param" or len(g.nodes[param.name]["shape"]) != 3:
-        return None
-    return (param.name, swapped) if _read_by_products(g, param.name) else None
-
-
-def _read_by_products(g: nx.DiGraph, param: str) -> bool:
-    """Whether every reader of ``param`` is ``param[e]`` that only products read as their weight."""
-    for select in _readers(g, param):
-        data = g.nodes[select]
-        if data["op"] != "select" or data["args"][1:2] != (0,):
-            return False
-        todo = [select]
-        while todo:
-            node = todo.pop()
-            for user in _readers(g, node):
-                data = g.nodes[user]
-                if data["op"] in _WEIGHT_VIEWS:
-                    todo.append(user)
-                elif data["op"] not in EXPERT_PRODUCTS or data["args"][1:2] != (Ref(node),):
-                    return False
-    return True
-
-
-def _readers(g: nx.DiGraph, name: str) -> list[str]:
-    return [s for s in g.successors(name) if g.nodes[s]["op"] not in SINKS]
 
 
 def expert_bias(g: nx.DiGraph, name: str, dim: int) -> tuple[str, int] | None:
@@ -279,7 +228,7 @@ def partial_sum_breaks(g: nx.DiGraph, rows: dict[str, frozenset], module_of) -> 
     """Candidates whose shard a 3-D experts row contracts and whose partial sum is then read, in
     the experts module, by an op not linear in it (a norm, ``out + f(out)`` inside the loop, a bias
     other than a per-expert one): it would be computed on a per-rank share. Candidate -> reason."""
-    from autotp.synth.analysis import raw_weight
+    from autotp.synth.queries import raw_weight
 
     by_module: dict[str, list[str]] = {}
     for row in rows:
@@ -302,7 +251,7 @@ def bias_breaks(flow) -> dict[str, str]:
     """Columns whose per-expert bias cannot be sharded with them: the columns a bias meets are cut
     into different numbers of parts (one packing for one parameter), or the bias is also added to
     the rows' partial sums (sharded and added once at the same time). Candidate -> reason."""
-    from autotp.synth.analysis import module_of, part_sizes
+    from autotp.synth.queries import module_of, part_sizes
 
     g, bad = flow.g, {}
     for param, columns in flow.expert_bias_columns.items():
@@ -331,6 +280,6 @@ def once_params(g: nx.DiGraph, rows: list[str], module: str) -> set[str]:
 
 
 def _weight_node(g: nx.DiGraph, name: str) -> str | None:
-    from autotp.synth.analysis import linear_weight
+    from autotp.synth.queries import linear_weight
 
     return linear_weight(g, name)

@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import itertools
 import logging
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 
 import networkx as nx
 import torch
@@ -46,6 +46,7 @@ from autotp.logits import model_logits
 from autotp.styles.group_copies import Copies, copy_index, expand_module, expanded_width
 from autotp.synth.analysis import Shard, is_linear, module_of, propagate
 from autotp.synth.graph import Ref, refs
+from autotp.synth.groups_first import GroupedPart, groups_first_parts
 from autotp.synth.local_run import capture_inputs
 from autotp.synth.localize import candidate_names, cutting_module
 from autotp.synth.ops import ELEMENTWISE, PASSTHROUGH, VIEW_LIKE
@@ -57,28 +58,6 @@ log = logging.getLogger(__name__)
 # How many attributes one expansion may set together (falcon-h1: n_groups, conv_dim and
 # groups_time_state_size).
 MAX_ATTRIBUTES = 4
-
-
-@dataclass(frozen=True)
-class GroupedPart:
-    """Features ``[start, end)`` of Linear node ``root``'s output, split into ``groups`` groups.
-
-    ``pieces``: ``((width, divided), ...)`` tiling one group, when the ``tp / groups`` ranks sharing
-    a group each hold a share of its ``divided`` pieces (its query heads) and the others whole (its
-    k and v, :mod:`autotp.synth.groups_first`); empty: the whole group is held by each of them.
-    ``cuts``: nodes that view and cut the output, where the flow records none.
-    """
-
-    root: str
-    start: int
-    end: int
-    groups: int
-    pieces: tuple[tuple[int, int], ...] = ()
-    cuts: tuple[str, ...] = field(default=(), compare=False)
-
-    def spec(self) -> tuple:
-        """The part as :func:`copy_index` takes it."""
-        return (self.start, self.end, self.groups, *((self.pieces,) if self.pieces else ()))
 
 
 def _group_dim(g: nx.DiGraph, view: str) -> tuple[int, int] | None:
@@ -408,8 +387,6 @@ def group_copies(analysis, run) -> object:
     a, tp = analysis, analysis.tp_size
     if not tp or tp < 2:
         return a
-    from autotp.synth.groups_first import groups_first_parts
-
     found = grouped_parts(a.graph, tp) + groups_first_parts(a.graph, tp, _all_candidates(a.graph))
     parts = [p for p in found if a.roles.get(module_of(a.graph, p.root)) is None
              or a.roles[module_of(a.graph, p.root)].kind == "replicate"]

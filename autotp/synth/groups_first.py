@@ -20,18 +20,43 @@ the others by an ``expand`` (held whole).
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass, field
 
 import networkx as nx
 
 from autotp.synth.analysis import Flow, Shard
 from autotp.synth.graph import Ref
-from autotp.synth.groups import GroupedPart
 from autotp.synth.ops import PASSTHROUGH, SINKS, VIEW_LIKE
 
 # Ops that cut a dim into pieces, returning them as a tuple: -> the position of the sizes argument.
 _PIECE_CUTS = {"split_with_sizes": 1, "split": 1}
 # Ops that broadcast a size-1 dim to the heads it serves (k / v of one group to its query heads).
 _BROADCASTS = frozenset({"expand", "repeat_interleave"})
+
+# GroupedPart is defined here, below autotp.synth.groups (which finds the plain parts and imports
+# it from here, with the groups-first ones).
+
+
+@dataclass(frozen=True)
+class GroupedPart:
+    """Features ``[start, end)`` of Linear node ``root``'s output, split into ``groups`` groups.
+
+    ``pieces``: ``((width, divided), ...)`` tiling one group, when the ``tp / groups`` ranks sharing
+    a group each hold a share of its ``divided`` pieces (its query heads) and the others whole (its
+    k and v, :mod:`autotp.synth.groups_first`); empty: the whole group is held by each of them.
+    ``cuts``: nodes that view and cut the output, where the flow records none.
+    """
+
+    root: str
+    start: int
+    end: int
+    groups: int
+    pieces: tuple[tuple[int, int], ...] = ()
+    cuts: tuple[str, ...] = field(default=(), compare=False)
+
+    def spec(self) -> tuple:
+        """The part as :func:`~autotp.styles.group_copies.copy_index` takes it."""
+        return (self.start, self.end, self.groups, *((self.pieces,) if self.pieces else ()))
 
 
 def groups_first_view(in_shape: tuple, out_shape: tuple) -> tuple[int, int, int] | None:

@@ -99,7 +99,7 @@ def head_step(flow, name: str, data, dims: dict[str, int]) -> None:
 
 
 def _refusal(flow, name: str, data, dims: dict[str, int], values) -> str | None:
-    from autotp.synth.analysis import is_linear
+    from autotp.synth.queries import is_linear
 
     if dims:
         return "combines one head's values, selected from the sharded dim, with a sharded tensor"
@@ -118,7 +118,7 @@ def _operands(flow, name: str, data, value: HeadValue) -> str | None:
     from parameters selected by the head's index (then sharded with the heads,
     :func:`_selected_operand`), or from parameters and constants alone (replicated, their gradient
     all-reduced)."""
-    from autotp.synth.analysis import _only_params_behind
+    from autotp.synth.queries import _only_params_behind
 
     for ref in value_refs(data):
         if ref.name in flow.per_head or flow.g.nodes[ref.name]["op"] in SINKS:
@@ -137,7 +137,7 @@ def _selected_operand(flow, other: str, value: HeadValue) -> bool:
     ``p`` is sharded on ``d`` with the heads (:meth:`~autotp.synth.analysis.Flow.shard_param`); the
     nodes from the selects to ``other`` are that head's (``flow.head_operands``), so the iteration
     comparison sees them and they may be read nowhere else (:func:`head_loop_breaks`)."""
-    from autotp.synth.analysis import is_linear
+    from autotp.synth.queries import is_linear
 
     g, nodes, selects, todo = flow.g, set(), [], [other]
     while todo:
@@ -183,7 +183,7 @@ def _selected_source(g: nx.DiGraph, node: str, value: HeadValue) -> tuple[str, i
 
 
 def _shard(dim: int, origins: frozenset):
-    from autotp.synth.analysis import Shard
+    from autotp.synth.shard import Shard
 
     return Shard(dim, origins)
 
@@ -192,7 +192,7 @@ def _join(flow, name: str, data) -> bool:
     """Whether ``cat`` / ``stack`` ``name`` joins the values of heads ``0 .. H - 1`` in order, all
     of one shape, along a dim: its output is then sharded on that dim, each rank its block of the
     heads. Recorded in ``flow.head_loops``."""
-    from autotp.synth.analysis import Shard
+    from autotp.synth.shard import Shard
 
     g = flow.g
     tensors = data["args"][0] if data["args"] else None

@@ -34,15 +34,14 @@ from torch import nn
 
 from autotp.synth.analysis import Flow, Shard, is_linear, module_of
 from autotp.synth.copies import local_point
-from autotp.synth.entries import keys_of_shape, resolve_entries, with_entries
+from autotp.synth.entries import keys_of_shape
 from autotp.synth.graph import Ref, common_module
 from autotp.synth.ops import FIXED_SIZE_CUTS
-from autotp.synth.local_run import capture_inputs, outputs_match, run_local, shapes_are_local, trace_local
+from autotp.synth.local_run import outputs_match, run_local, shapes_are_local, trace_local
 from autotp.synth.ops import VIEW_LIKE
 from autotp.synth.params import value_refs
 from autotp.synth.ops import SINKS
 from autotp.synth.roles import Role, kind_of
-from autotp.synth.trace import LayerGroups, collapsed
 
 log = logging.getLogger(__name__)
 
@@ -261,61 +260,3 @@ def find_names(module: nn.Module, inputs, roles: dict[str, Role], fused: dict[st
             if local is not None and shapes_are_local(traced, local, roles, tp):
                 return names
     return None
-
-def localize(model: nn.Module, example_inputs, g: nx.DiGraph, flow: Flow, roles: dict[str, Role],
-             tp: int, groups: LayerGroups | None = None) -> Localization:
-    """For every fused Linear cut with fixed sizes: the attributes to divide, or why it cannot be.
-
-    Args:
-        model: the model that was traced (its traced FQNs are those of ``roles``).
-        example_inputs: as given to ``synthesize``.
-        g, flow, roles: the converged analysis.
-        tp: the tp size to check the cuts at (any size that divides the parts behaves alike).
-        groups: the layer groups of the trace: modules are run on the model collapsed the same way.
-    Returns:
-        A :class:`Localization`.
-    """
-    result = Localization()
-    # Values made outside a module that meet its heads: placed among its call's arguments, and
-    # sliced there in the per-rank runs below as the plan will slice them.
-    result.entries, unplaced = resolve_entries(model, example_inputs, g, flow, groups)
-    result.unlocal.update(unplaced)
-    roles = with_entries(roles, result.entries)
-    by_module: dict[str, list[str]] = {}
-    for root, nodes in fixed_size_roots(g, flow).items():
-        by_module.setdefault(cutting_module(g, root, nodes), []).append(root)
-    captured = capture_inputs(model, example_inputs, {m for m in by_module if m}, groups) if by_module else {}
-    for fqn, roots in by_module.items():
-        prefix = fqn + "." if fqn else ""
-        inner = inner_roles(roles, fqn)
-        fused = {module_of(g, r)[len(prefix):]: roles[module_of(g, r)].sizes for r in roots}
-        values = set().union(*(part_numbers(g, flow, r) for r in roots))
-        with collapsed(model, groups):
-            module = model.get_submodule(fqn)
-            candidates = candidate_names(module, values)
-            names = None
-            if fqn in captured:
-                names = find_names(module, captured[fqn], inner, fused, candidates, tp)
-                view = width_view_of(g, roles, fqn, captured[fqn]) if names is None else None
-                if view is not None:
-                    names = find_names(module, captured[fqn], with_width_view(inner, view), fused, candidates, tp)
-                    if names is not None:
-                        result.widths[fqn] = view
-        if names is None:
-            tried = ", ".join(candidates) or "none found"
-            for root in roots:
-                # A part split into fewer heads or groups than ranks (Mamba2's B/C with one group)
-                # has no per-rank cut: say so rather than blame the attributes.
-                narrow = flow.extent.get(root, 0) % tp and f"; its shard reaches a dim of only " \
-                    f"{flow.extent[root]} (heads or groups), which tp={tp} does not divide"
-                result.unlocal[root] = (
-                    f"its output is cut with fixed sizes {sorted(set(flow.splits[root]))} in "
-                    f"{fqn or 'the root'}, and no integer attributes there (tried: {tried}) divided by tp "
-                    f"make the cuts per-rank (sizes from x.size() or constants?){narrow or ''}; kept whole")
-        elif names:
-            result.counts[fqn] = names
-        log.info("localize %s: %s", fqn, names)
-    from autotp.synth.shape_proof import localize_shapes
-
-    localize_shapes(model, example_inputs, g, flow, roles, tp, result, groups)
-    return result

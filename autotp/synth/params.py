@@ -29,14 +29,13 @@ walks that find what an operand is computed from.
 from __future__ import annotations
 
 import math
-from dataclasses import replace
 
 import networkx as nx
 
-from autotp.synth.graph import Ref, common_module, made_from_params, refs
+from autotp.synth.graph import Ref, made_from_params, refs
 from autotp.synth.ops import CONSTANT_FACTORIES, SPLITS
 from autotp.synth.ops import ELEMENTWISE, PASSTHROUGH, SINKS, VIEW_LIKE
-from autotp.synth.roles import Role
+from autotp.synth.queries import reading_module  # noqa: F401 (re-exported)
 
 # One-tensor ops through which a parameter's dims can be followed back from a consumer.
 SINGLE_INPUT = PASSTHROUGH | VIEW_LIKE | ELEMENTWISE | {"unsqueeze", "squeeze", "expand", "transpose", "permute", "t", "slice",
@@ -282,94 +281,6 @@ def chain_dims(g: nx.DiGraph, param_shards: dict[str, int]) -> dict[str, int]:
     return found
 
 
-def reading_module(g: nx.DiGraph, param: str) -> tuple[str, str]:
-    """``(module, name relative to it)`` of the module whose forward reads placeholder ``param``.
-
-    Usually its owner. A child's parameter read in its parent's own code (``F.conv1d(x,
-    self.conv1d.weight)``, the child's forward never called) belongs to the innermost module
-    around every read: a style's forward hooks must run there to hand it over as a local tensor.
-    """
-    fqn = g.nodes[param]["param"]
-    owner, _, name = fqn.rpartition(".")
-    stacks = [g.nodes[s]["stack"] for s in g.successors(param) if g.nodes[s]["op"] not in SINKS]
-    if not stacks or all(owner in stack for stack in stacks) or not owner:
-        return owner, name
-    module = common_module(stacks)
-    return module, fqn[len(module) + 1:] if module else fqn
-
-
-def _meets_shard(g: nx.DiGraph, flow, param: str, module: str) -> bool:
-    """Whether ``param`` flows, inside ``module``, into an op that combines it with a sharded value
-    (its gradient is then partial). A Linear's output starts its own shard, whose input gradient
-    its column style reduces: the walk does not go through Linears."""
-    from autotp.synth.analysis import is_linear
-
-    seen, todo = {param}, [param]
-    while todo:
-        for succ in g.successors(todo.pop()):
-            if succ in seen or module not in g.nodes[succ]["stack"] or is_linear(g, succ):
-                continue
-            if flow.sharded(succ) or succ in flow.per_head:  # one head's value in a per-head loop too
-                return True
-            seen.add(succ)
-            todo.append(succ)
-    return False
-
-
-def param_roles(g: nx.DiGraph, flow, roles: dict[str, Role]) -> dict[str, Role]:
-    """``head_params`` roles for modules whose own parameters meet a sharded activation.
-
-    A module that already has a role keeps it, unless one of its parameters must be sharded with
-    the heads (a norm style would keep it whole, and the per-rank run would then fail or mix heads).
-    A Linear's own weight and bias are its Linear role's business and never counted here.
-
-    Args:
-        g: the analysis graph.
-        flow: the converged propagation (its ``param_shards``: parameter placeholder -> dim).
-        roles: the roles assigned so far, by module.
-    Returns:
-        New roles by module FQN.
-    """
-    linear_params = {r.name for n, d in g.nodes(data=True) if d["op"] in ("linear", "embedding")
-                     for r in refs(d["args"])}
-    from autotp.synth.analysis import packed_params
-
-    sharded: dict[str, dict[str, int]] = {}
-    reduced: dict[str, list[str]] = {}
-    packed, packings = packed_params(flow), {}
-    for name, data in sorted(g.nodes(data=True), key=lambda item: item[1]["order"]):
-        if data["kind"] not in ("param", "buffer") or name in linear_params:
-            continue
-        if data["kind"] == "buffer" and name not in flow.param_shards:
-            continue  # a buffer has no gradient: only one sharded with the heads concerns us
-        if name in flow.param_shards:  # read once: by the module whose code reads it
-            module, pname = reading_module(g, name)
-            sharded.setdefault(module, {})[pname] = flow.param_shards[name]
-            if name in packed:
-                packings.setdefault(module, {})[pname] = packed[name]
-            continue
-        module, _, pname = data["param"].rpartition(".")
-        if _meets_shard(g, flow, name, module):
-            reduced.setdefault(module, []).append(pname)
-    out = {}
-    for module in sorted(set(sharded) | set(reduced)):
-        current = roles.get(module)
-        if current is not None and module not in sharded and current.kind != "replicate":
-            continue  # a norm style (or a Linear's) already covers it
-        if current is not None and current.kind == "width_norm":
-            continue  # its style shards the weight with the width and all-reduces the statistic
-        dims = tuple(sorted(sharded.get(module, {}).items()))
-        grads = tuple(reduced.get(module, ()))
-        parts = [f"{', '.join(n for n, _ in dims)} sharded with the heads" if dims else "",
-                 f"{', '.join(grads)} replicated, gradient all-reduced" if grads else ""]
-        out[module] = Role("head_params", "its own parameters meet a sharded activation: "
-                           + "; ".join(p for p in parts if p), (module,), param_dims=dims, grad_reduced=grads,
-                           param_packed=tuple(sorted(packings.get(module, {}).items())))
-    return out
-
-
-
-
 def broadcast_source(g: nx.DiGraph, name: str) -> tuple[str, tuple[int, int], str] | None:
     """``(Linear node, (start, stop), first node of the span)``: the output features of the one
     Linear that replicated tensor ``name`` (broadcast along the sharded dim where it meets the
@@ -398,7 +309,7 @@ def broadcast_source(g: nx.DiGraph, name: str) -> tuple[str, tuple[int, int], st
     >>> broadcast_source(g, "e") is None
     True
     """
-    from autotp.synth.analysis import upstream_linears
+    from autotp.synth.queries import upstream_linears
 
     found = upstream_linears(g, name)
     if found is None:
@@ -491,7 +402,7 @@ def carries_grad(g: nx.DiGraph, name: str, memo: dict) -> bool:
     """Whether a gradient reaches the parameters through node ``name``: it is a parameter, or an op
     that reads the values of one where a gradient flows (a fresh ``new_zeros(x, ...)`` does not, nor
     the index of a ``scatter``). ``memo`` caches the answers of one graph."""
-    from autotp.synth.analysis import _grad_inputs
+    from autotp.synth.queries import _grad_inputs
 
     def inputs(node):
         data = g.nodes[node]
@@ -512,39 +423,3 @@ def carries_grad(g: nx.DiGraph, name: str, memo: dict) -> bool:
         data = g.nodes[node]
         memo[node] = data["kind"] == "param" or any(memo.get(i, False) for i in inputs(node))
     return memo[name]
-
-
-def broadcast_roles(g: nx.DiGraph, flow, roles: dict[str, Role]) -> dict[str, Role]:
-    """``broadcast_source`` roles: a Linear kept whole whose output span is broadcast across the heads.
-
-    Args:
-        flow: the converged propagation (its ``broadcasts``: Linear node -> spans).
-        roles: the roles assigned so far; the Linear's module must have none but ``replicate``.
-    Raises:
-        PlanError: the module has another role (the span's gradient would not be reduced).
-    """
-    from autotp.errors import PlanError
-    from autotp.synth.analysis import module_of
-
-    out = {}
-    for linear, spans in sorted(flow.broadcasts.items()):
-        module = flow.broadcast_modules.get(linear) or module_of(g, linear)
-        current = roles.get(module)
-        spans = tuple(sorted(spans))
-        if current is not None and current.kind == "row" and not current.partial_output:
-            # A row's output is whole after its all-reduce; the broadcast spans' gradient is reduced
-            # on the way back, like a whole Linear's.
-            features = ", ".join(f"{a}:{b}" for a, b in spans)
-            out[module] = replace(current, grad_spans=spans, reason=f"{current.reason}; its output features "
-                                  f"[{features}] are broadcast along the sharded dim, so their gradient is "
-                                  "all-reduced after it")
-            continue
-        if current is not None and current.kind != "replicate":
-            raise PlanError(f"{module}: its output features {sorted(spans)} are broadcast across sharded "
-                                 f"heads, but it is also {current.kind} ({current.reason}); the broadcast "
-                                 "part's gradient would not be reduced. Keep it out of the plan or report this.")
-        features = ", ".join(f"{a}:{b}" for a, b in spans)
-        out[module] = Role("broadcast_source", f"kept whole; its output features [{features}] are broadcast along "
-                           "the sharded dim (the same for every head), so their gradient is all-reduced after it",
-                           (module,), grad_spans=spans)
-    return out

@@ -10,7 +10,7 @@
 
 The fixpoint's constraints are facts that keep Linears whole and that only a converged analysis
 can reveal: weights read outside their module, a tied weight its users would shard two ways, a
-fused output cut with global sizes (:func:`~autotp.synth.localize.localize`). Each round analyses
+fused output cut with global sizes (:func:`~autotp.synth.shape_proof.localize`). Each round analyses
 again with every constraint found so far; the loop ends when a round adds none.
 """
 
@@ -34,7 +34,7 @@ from autotp.synth.graph import build_graph
 from autotp.synth.groups_first import fewer_groups_than_tp
 from autotp.synth.adapters import whole_adapters
 from autotp.synth.kvheads import replicate_kv
-from autotp.synth.localize import localize
+from autotp.synth.shape_proof import localize
 from autotp.synth.mixes import mixed_inputs
 from autotp.synth.params import readers
 from autotp.synth.roles import Role

@@ -18,6 +18,7 @@ from autotp.synth.analysis import Flow, Shard, is_linear, module_of, param_sourc
 from autotp.synth.assign import reads_model_input
 from autotp.synth.graph import common_module, param_modules, refs
 from autotp.synth.params import reading_module
+from autotp.synth.queries import module_outputs
 from autotp.synth.ops import DISPATCH, LINEAR_CARRY, MASKING, PRODUCTS, SUMS, WEIGHT_PRODUCTS
 from autotp.synth.ops import ATTENTION, CONVOLUTIONS, ELEMENTWISE, MATMULS, PASSTHROUGH, RESHAPES, SINKS
 from autotp.synth.roles import Kind, Role, kind_of
@@ -117,33 +118,6 @@ def _downstream(g: nx.DiGraph, flow: Flow, starts: list[str]) -> set[str]:
     return region
 
 
-def _input_alias(g: nx.DiGraph, name: str, module: str) -> bool:
-    """Whether ``name`` is only a cast/copy of a value from outside ``module`` (``x.to(float32)``
-    on a float32 ``x`` returns ``x`` itself, so the caller may keep using it)."""
-    while g.nodes[name]["op"] in PASSTHROUGH:
-        inputs = [r.name for r in refs(g.nodes[name]["args"])]
-        if not inputs:
-            return False
-        name = inputs[0]
-        if module not in g.nodes[name]["stack"]:
-            return True
-    return False
-
-
-def module_outputs(g: nx.DiGraph, module: str) -> tuple[list[str], list[str]]:
-    """Nodes of ``module`` read from outside it, and those outside readers (casts that return
-    the module's own input are not its outputs)."""
-    outputs, readers = [], []
-    for name, data in g.nodes(data=True):
-        if module not in data["stack"] or _input_alias(g, name, module):
-            continue
-        outside = [s for s in g.successors(name) if module not in g.nodes[s]["stack"]]
-        if outside:
-            outputs.append(name)
-            readers.extend(outside)
-    return outputs, readers
-
-
 def module_inputs(g: nx.DiGraph, module: str) -> set[str]:
     """Tensors computed outside ``module`` that its nodes read (parameters and constants aside)."""
     found = set()
@@ -162,7 +136,6 @@ def is_raw_row(g: nx.DiGraph, name: str, role: Role) -> bool:
     from autotp.synth.analysis import linear_weight
 
     return reading_module(g, linear_weight(g, name))[1] in role.rows
-
 
 
 def expert_blocks(roles: dict[str, Role], groups=None) -> set[str]:
@@ -256,8 +229,6 @@ def routed_blocks(g: nx.DiGraph, roles: dict[str, Role]) -> set[str]:
     return found
 
 
-
-
 def masked_blocks(g: nx.DiGraph, flow: Flow, region: set[str]) -> set[str]:
     """Modules whose own code combines the sequence-sharded stream with a tensor computed from the
     model's inputs alone (a padding mask zeroing padded positions at a mixer's entry): a
@@ -338,8 +309,6 @@ def partial_blocks(g: nx.DiGraph, roles: dict[str, Role], blocks: set[str],
     return simple
 
 
-
-
 def _scaled_outside_experts(g: nx.DiGraph, roles: dict[str, Role], block: str) -> bool:
     """Whether the experts' output is multiplied, in ``block``'s code outside the experts module,
     by a value computed from the model's inputs or parameters (the routing weights, applied in the
@@ -392,8 +361,6 @@ def _whole_term_added(g: nx.DiGraph, roles: dict[str, Role], block: str, rows: s
 def _computed(g: nx.DiGraph, name: str) -> bool:
     """Whether node ``name`` depends on a model input or a parameter (it may carry a gradient)."""
     return any(g.nodes[n]["kind"] in ("input", "param") for n in nx.ancestors(g, name) | {name})
-
-
 
 
 def _tensor_inputs(g: nx.DiGraph, name: str) -> list[str]:
@@ -525,8 +492,6 @@ def replicated_blocks(g: nx.DiGraph, region: set[str], roles: dict[str, Role],
                                      (name, module), seq_output=bool(returns), all_outputs=len(returns) > 1)
                 break
     return found
-
-
 
 
 def sliced_outputs(g: nx.DiGraph, region: set[str], module: str) -> set[str]:

@@ -8,6 +8,9 @@ module, or of a plain object it holds such as its config; a fixed width in a mer
 ``reshape(b, t, self.d_model)`` included) are searched for, to be divided by tp
 (:class:`~autotp.styles.ShardCounts`); where none works, the projections are kept whole with the
 reason. The checker (:mod:`autotp.check`) runs the same proof on any plan.
+
+The pipeline's pass :func:`localize` (the fixed-size cuts of :mod:`autotp.synth.localize`, then
+this proof) is here too, above both.
 """
 
 from __future__ import annotations
@@ -19,10 +22,11 @@ import networkx as nx
 from torch import nn
 
 from autotp.synth.analysis import Flow, Shard, module_of
+from autotp.synth.entries import keys_of_shape, with_entries
 from autotp.synth.ops import FIXED_SIZE_CUTS
 from autotp.synth.local_run import capture_inputs, outputs_match, run_local, shapes_are_local, trace_local
-from autotp.synth.localize import MAX_NAMES, Localization, candidate_names, cutting_module, inner_roles
-from autotp.synth.localize import width_view_of, with_width_view
+from autotp.synth.localize import MAX_NAMES, Localization, candidate_names, cutting_module, find_names, fixed_size_roots
+from autotp.synth.localize import inner_roles, part_numbers, width_view_of, with_width_view
 from autotp.synth.ops import NEW_LIKE, VIEW_LIKE
 from autotp.synth.roles import Role, kind_of
 from autotp.synth.trace import LayerGroups, collapsed
@@ -241,3 +245,92 @@ def head_names(module: nn.Module, inputs, roles: dict[str, Role], candidates: li
             if traced is not None and local is not None and shapes_are_local(traced, local, roles, tp):
                 return names
     return None
+
+
+def localize(model: nn.Module, example_inputs, g: nx.DiGraph, flow: Flow, roles: dict[str, Role],
+             tp: int, groups: LayerGroups | None = None) -> Localization:
+    """For every fused Linear cut with fixed sizes: the attributes to divide, or why it cannot be.
+
+    Args:
+        model: the model that was traced (its traced FQNs are those of ``roles``).
+        example_inputs: as given to ``synthesize``.
+        g, flow, roles: the converged analysis.
+        tp: the tp size to check the cuts at (any size that divides the parts behaves alike).
+        groups: the layer groups of the trace: modules are run on the model collapsed the same way.
+    Returns:
+        A :class:`Localization`.
+    """
+    result = Localization()
+    # Values made outside a module that meet its heads: placed among its call's arguments, and
+    # sliced there in the per-rank runs below as the plan will slice them.
+    result.entries, unplaced = resolve_entries(model, example_inputs, g, flow, groups)
+    result.unlocal.update(unplaced)
+    roles = with_entries(roles, result.entries)
+    by_module: dict[str, list[str]] = {}
+    for root, nodes in fixed_size_roots(g, flow).items():
+        by_module.setdefault(cutting_module(g, root, nodes), []).append(root)
+    captured = capture_inputs(model, example_inputs, {m for m in by_module if m}, groups) if by_module else {}
+    for fqn, roots in by_module.items():
+        prefix = fqn + "." if fqn else ""
+        inner = inner_roles(roles, fqn)
+        fused = {module_of(g, r)[len(prefix):]: roles[module_of(g, r)].sizes for r in roots}
+        values = set().union(*(part_numbers(g, flow, r) for r in roots))
+        with collapsed(model, groups):
+            module = model.get_submodule(fqn)
+            candidates = candidate_names(module, values)
+            names = None
+            if fqn in captured:
+                names = find_names(module, captured[fqn], inner, fused, candidates, tp)
+                view = width_view_of(g, roles, fqn, captured[fqn]) if names is None else None
+                if view is not None:
+                    names = find_names(module, captured[fqn], with_width_view(inner, view), fused, candidates, tp)
+                    if names is not None:
+                        result.widths[fqn] = view
+        if names is None:
+            tried = ", ".join(candidates) or "none found"
+            for root in roots:
+                # A part split into fewer heads or groups than ranks (Mamba2's B/C with one group)
+                # has no per-rank cut: say so rather than blame the attributes.
+                narrow = flow.extent.get(root, 0) % tp and f"; its shard reaches a dim of only " \
+                    f"{flow.extent[root]} (heads or groups), which tp={tp} does not divide"
+                result.unlocal[root] = (
+                    f"its output is cut with fixed sizes {sorted(set(flow.splits[root]))} in "
+                    f"{fqn or 'the root'}, and no integer attributes there (tried: {tried}) divided by tp "
+                    f"make the cuts per-rank (sizes from x.size() or constants?){narrow or ''}; kept whole")
+        elif names:
+            result.counts[fqn] = names
+        log.info("localize %s: %s", fqn, names)
+    localize_shapes(model, example_inputs, g, flow, roles, tp, result, groups)
+    return result
+
+
+def resolve_entries(model: nn.Module, example_inputs, g: nx.DiGraph, flow,
+                    groups: LayerGroups | None) -> tuple[dict[str, tuple], dict[str, str]]:
+    """Which argument of each module's call carries each value it takes sliced
+    (:func:`~autotp.synth.entries.entry_source`).
+
+    Returns:
+        ``({module: ((position or keyword, dim), ...)}, {candidate: reason})``: the candidates whose
+        value cannot be placed among the arguments (several of the same shape, inside a tuple, a
+        module the fake forward never reached) are to be kept whole.
+    """
+    from autotp.synth.local_run import capture_inputs
+
+    if not flow.entry_shards:
+        return {}, {}
+    modules = {module for _, module in flow.entry_shards if module}
+    captured = capture_inputs(model, example_inputs, modules, groups)
+    entries: dict[str, list] = {}
+    unplaced: dict[str, str] = {}
+    for (source, module), dim in sorted(flow.entry_shards.items()):
+        shape = tuple(g.nodes[source]["shape"])
+        keys = keys_of_shape(captured.get(module), shape) if module else []
+        if len(keys) == 1:
+            entries.setdefault(module, []).append((keys[0], *dim) if isinstance(dim, tuple) else (keys[0], dim))
+            continue
+        why = (f"{module or 'the root'} takes a value of shape {shape} that meets its heads, but "
+               + (f"{len(keys)} of its arguments have that shape" if keys else "no argument of its call is it")
+               + ": it cannot be sliced at entry; kept whole")
+        for origin in flow.entry_origins.get((source, module), ()):
+            unplaced.setdefault(origin, why)
+    return {m: tuple(sorted(set(v), key=str)) for m, v in entries.items()}, unplaced
