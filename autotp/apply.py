@@ -22,6 +22,7 @@ from torch.utils.hooks import RemovableHandle
 
 from autotp.errors import MeshError, PlanError, working_tp_sizes
 from autotp.hf_plans import as_styles
+from autotp.kv import config_head_dim
 from autotp.loss import install_vocab_parallel_loss
 from autotp.plan import Plan, resolve, sharded_param_dims
 from autotp.styles import ReplicatedKVColwise
@@ -102,8 +103,6 @@ def _sharded_sizes(model: nn.Module, plan: Plan) -> dict[str, int]:
 def _shards_heads(model: nn.Module, config, counts: dict[str, int], sharded: dict[str, int]) -> bool:
     """Whether a sharded size is a whole number of heads of ``config`` (head sizes from the config
     and from the modules' own ``head_dim``)."""
-    from autotp.kv import config_head_dim
-
     head_dims = {config_head_dim(config)} | {
         m.head_dim for m in model.modules() if isinstance(getattr(m, "head_dim", None), int)}
     widths = {n * d for n in counts.values() for d in head_dims if d}

@@ -32,11 +32,27 @@ from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 from torch.distributed.tensor.parallel.style import ParallelStyle
 
 from autotp import styles
+from autotp.apply import check_divisible, check_tied_styles
+from autotp.copying import deep_copy
 from autotp.styles.raw_linear import LinearParams
+from autotp.styles.group_copies import Copies, expand_module
 from autotp.styles.params import HeadParams
 from autotp.errors import AutoTPError
 from autotp.hf_plans import as_styles
 from autotp.plan import Plan, base_style, describe_style, key_matches
+from autotp.synth.analysis import (bad_packs, endless_shards, is_linear, linear_weight, mixed_parts, part_sizes,
+                                   propagate_packed, raw_weight, unmet_scatters, weight_of, wider_attention)
+from autotp.synth.assign import expert_roles, norm_roles
+from autotp.synth.copies import expanded_sizes
+from autotp.synth.graph import build_graph
+from autotp.synth.groups import _materialized, _random_like
+from autotp.synth.local_run import capture_inputs
+from autotp.synth.localize import candidate_names, inner_roles, with_width_view
+from autotp.synth.param_roles import param_roles
+from autotp.synth.params import reading_module
+from autotp.synth.roles import Role
+from autotp.synth.shape_proof import head_names, runs_into_other_shapes, shape_proof, shaped_roots, shaped_sizes
+from autotp.synth.trace import LayerGroups, collapsed, example_args, on_meta, trace
 
 log = logging.getLogger(__name__)
 
@@ -92,8 +108,6 @@ def _resolve_findings(model: nn.Module, plan: Plan) -> tuple[dict[str, tuple[str
 
 
 def _size_findings(model: nn.Module, plan: Plan, tp_size: int) -> list[Finding]:
-    from autotp.apply import check_divisible, check_tied_styles
-
     findings = []
     for check, kind in ((lambda: check_divisible(model, tp_size, plan), "indivisible"),
                         (lambda: check_tied_styles(model, plan), "tied_weights")):
@@ -108,9 +122,6 @@ def _size_findings(model: nn.Module, plan: Plan, tp_size: int) -> list[Finding]:
 def _raw_kind(g, node: str, style: ParallelStyle | None) -> str | None:
     """``"column"`` / ``"row"`` when ``style`` (a :class:`LinearParams`) shards the raw weight of
     Linear-like node ``node`` so; None otherwise."""
-    from autotp.synth.analysis import linear_weight, raw_weight
-    from autotp.synth.params import reading_module
-
     if not isinstance(style, LinearParams) or not raw_weight(g, node):
         return None
     leaf = reading_module(g, linear_weight(g, node))[1]  # a child's weight read here is dotted
@@ -121,9 +132,6 @@ def _experts_kind(g, node: str, style: ParallelStyle | None) -> str | None:
     """``"column"`` / ``"row"`` when ``style`` (an :class:`~autotp.styles.ExpertsParallel`) shards
     the 3-D per-expert weight that node ``node`` multiplies by on its output / input features (the
     rank's share of every expert's FFN); None otherwise."""
-    from autotp.synth.analysis import weight_of
-    from autotp.synth.params import reading_module
-
     weight = weight_of(g, node)
     if not isinstance(style, styles.ExpertsParallel) or weight is None or len(g.nodes[weight.node]["shape"]) != 3:
         return None
@@ -135,9 +143,6 @@ def _experts_parts(g, node: str, style, sizes: tuple[int, ...]) -> Finding | Non
     """A finding when experts columns (node ``node``) whose output the graph cuts into the parts
     ``sizes`` are not packed alike by their :class:`~autotp.styles.ExpertsParallel` style (which
     packs equal parts only: the rank's share of each)."""
-    from autotp.synth.analysis import linear_weight
-    from autotp.synth.params import reading_module
-
     module, name = reading_module(g, linear_weight(g, node))
     given = style.packed.get(name, 1)
     if len(set(sizes)) == 1 and given == len(sizes):
@@ -199,9 +204,6 @@ def _expanded_model(model: nn.Module, resolved: dict, expanded: dict, tp_size: i
     """A copy of ``model`` with each of ``expanded``'s copies made (rows copied, attributes set:
     :func:`autotp.synth.groups.expand_module`), and ``resolved`` with each such style replaced by its
     base, the style the expanded module gets."""
-    from autotp.copying import deep_copy
-    from autotp.synth.groups import Copies, expand_module
-
     out = deep_copy(model)
     for fqn, style in expanded.items():
         expand_module(out.get_submodule(fqn), Copies(dict(style.rows), dict(style.values)), tp_size)
@@ -216,8 +218,6 @@ def _unproven_copies(model: nn.Module, expanded: dict, keys: dict[str, str], tp_
     parent, and so on up to a layer) must give the unexpanded module's output on the inputs it gets
     in a forward, as the synthesizer proves its own copies (:func:`autotp.synth.groups.plan_copies`).
     A plan key's first module stands for the others (one proof per repeated layer)."""
-    from autotp.synth.groups import Copies
-
     tops = [fqn for fqn in expanded if not any(fqn.startswith(o + ".") for o in expanded)]
     firsts = {}  # one module per plan key: repeated layers are checked by their first
     for fqn in tops:
@@ -256,10 +256,6 @@ def _module_inputs(model: nn.Module, example_inputs, fqns: set[str]) -> dict:
     inputs of the shapes it gets (:func:`autotp.synth.local_run.capture_inputs`)."""
     import torch
 
-    from autotp.synth.groups import _materialized, _random_like
-    from autotp.synth.local_run import capture_inputs
-    from autotp.synth.trace import LayerGroups, example_args, on_meta
-
     if on_meta(model):
         captured = capture_inputs(model, example_inputs, fqns, LayerGroups())
         made = {fqn: (_materialized(model.get_submodule(fqn)), _random_like(captured[fqn])) for fqn in captured}
@@ -289,9 +285,6 @@ def _same_output(module: nn.Module, copies: dict, tp_size: int, inputs) -> bool:
     import torch
     from torch.utils import _pytree as pytree
 
-    from autotp.copying import deep_copy
-    from autotp.synth.groups import expand_module
-
     def run(mod):
         with torch.no_grad():
             out = mod(*inputs[0], **inputs[1])
@@ -316,14 +309,6 @@ def _same_output(module: nn.Module, copies: dict, tp_size: int, inputs) -> bool:
 
 def _graph_findings(model: nn.Module, resolved: dict, example_inputs, tp_size: int = 2,
                     analysis=None) -> list[Finding]:
-    from autotp.synth.analysis import (bad_packs, endless_shards, is_linear, mixed_parts, part_sizes, propagate_packed,
-                                       unmet_scatters)
-    from autotp.synth.copies import expanded_sizes
-    from autotp.synth.assign import expert_roles, norm_roles
-    from autotp.synth.graph import build_graph
-    from autotp.synth.roles import Role
-    from autotp.synth.trace import trace
-
     if analysis is not None:
         g, groups = analysis.graph, analysis.groups
     else:
@@ -437,8 +422,6 @@ def _kv_findings(g, flow, roots: frozenset, style_of: dict, tp_size: int) -> lis
     ``kv_heads`` / ``head_dim`` must be the heads its output is viewed into there (the shard's
     extent), as the synthesizer reads them (:mod:`autotp.synth.kvheads`); else each rank copies
     rows that are not the head its query heads read."""
-    from autotp.synth.analysis import wider_attention
-
     findings = []
     for root in sorted(roots, key=lambda n: g.nodes[n]["order"]):
         style, module = style_of[root], g.nodes[root]["module"]
@@ -462,9 +445,6 @@ def _kv_findings(g, flow, roots: frozenset, style_of: dict, tp_size: int) -> lis
 def _param_findings(g, flow, style_of: dict, taken: dict) -> list[Finding]:
     """Parameters of a module that meet a sharded activation without a style that shards them with
     the heads or reduces their gradient (:func:`autotp.synth.params.param_roles`)."""
-    from autotp.synth.param_roles import param_roles
-    from autotp.synth.roles import Role
-
     findings = []
     roles = {m: r if r is not None else Role("column", "") for m, r in taken.items()}
     for module, role in param_roles(g, flow, roles).items():
@@ -495,8 +475,6 @@ def _param_findings(g, flow, style_of: dict, taken: dict) -> list[Finding]:
 
 def _plan_roles(style_of: dict, linear_modules: set[str]) -> dict:
     """The roles ``style_of`` gives the traced modules, as the per-rank shape proof reads them."""
-    from autotp.synth.roles import Role
-
     roles = {}
     for module, style in style_of.items():
         in_out = isinstance(style, (styles.ColwiseParallelInOut, styles.RowwiseParallelInOut))
@@ -553,12 +531,6 @@ def _reshape_findings(model: nn.Module, g, flow, roles: dict, style_of: dict, co
     with an inferred head size): the per-rank shape proof of :mod:`autotp.synth.localize`. ``views``:
     per module, the arguments it sees at per-rank width and their readers (its ``LocalWidthInputs``)."""
     views = views or {}
-    from autotp.synth.local_run import capture_inputs
-    from autotp.synth.localize import candidate_names, inner_roles, with_width_view
-    from autotp.synth.shape_proof import (head_names, runs_into_other_shapes, shape_proof, shaped_roots,
-                                          shaped_sizes)
-    from autotp.synth.trace import collapsed
-
     groups, example_inputs = context
     by_module = {m: r for m, r in shaped_roots(g, flow, roles).items()
                  if m and not isinstance(style_of.get(m), styles.KVHeadCounts)}

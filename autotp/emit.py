@@ -25,7 +25,9 @@ from torch.distributed.tensor import Partial, Replicate, Shard
 from torch.distributed.tensor.parallel.style import ParallelStyle
 from torch.distributed.tensor.placement_types import Placement
 
+from autotp import styles
 from autotp.errors import PlanError
+from autotp.hf_plans import STYLE_FACTORIES
 from autotp.plan import Plan, describe_plan, describe_style, matched_modules
 
 # Options that hold a size of the model rather than a layout: written as expressions of the model.
@@ -313,8 +315,6 @@ def _imports(names: set[str], uses_parts: bool) -> list[str]:
     """Import lines for the classes ``names``: placements, torch's styles, autotp's styles."""
     import torch.distributed.tensor.parallel as torch_styles
 
-    from autotp import styles
-
     placements = sorted(names & {"Shard", "Replicate", "Partial"})
     classes = names - set(placements)
     groups = {
@@ -360,8 +360,6 @@ def emit_hf(model: nn.Module, plan: Plan) -> tuple[dict[str, str], dict[str, str
         transformers string expresses (sequence-parallel norms that gather, packed parts of
         unequal sizes, kv replication, ...).
     """
-    from autotp.hf_plans import STYLE_FACTORIES
-
     config = _text_config(model)
     tp_plan, missing = {}, {}
     for key, style in plan.items():

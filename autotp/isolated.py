@@ -31,7 +31,7 @@ def _child(source: str, result: str) -> None:
     if kind == "model":
         model = rest[0]
     else:
-        from autotp.models import build_model  # local: transformers, only for a model sent as its config
+        from autotp.models import build_model  # local: imports transformers (a model sent as its config)
 
         config, dtype = rest
         model = build_model(config, device="cpu", **({"dtype": dtype} if dtype is not None else {}))

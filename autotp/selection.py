@@ -20,9 +20,16 @@ from dataclasses import dataclass, field, replace
 
 from torch import nn
 
+import handwritten_plans
+from autotp import hf_plans
+from autotp.apply import check_divisible, check_tied_styles
+from autotp.check import check_plan
 from autotp.errors import AutoTPError, NoPlanError, PlanError
 from autotp.hf_plans import as_styles
 from autotp.plan import Plan
+from autotp.self_check import check_value_branches
+from autotp.synth.api import analyse_model
+from autotp.synth.build import build_plan
 
 SOURCES = ("custom", "handwritten", "hf", "synthesized")
 
@@ -139,8 +146,6 @@ def rejection(model: nn.Module, plan: Plan, *, tp_size: int | None, analysis=Non
     Returns:
         ``"check: N finding(s): <first finding>"``, or ``None``.
     """
-    from autotp.check import check_plan
-
     return _rejection_text(check_plan(model, plan, tp_size=tp_size or 1, analysis=analysis))
 
 
@@ -157,8 +162,6 @@ def _cheap_rejection(model: nn.Module, plan: Plan, tp_size: int | None) -> None:
     Raises:
         PlanError, MeshError: as :func:`autotp.apply.apply_plan` would, before any sharding.
     """
-    from autotp.apply import check_divisible, check_tied_styles
-
     check_tied_styles(model, plan)
     if tp_size is not None:
         check_divisible(model, tp_size, plan)
@@ -174,9 +177,6 @@ def _candidates(model: nn.Module, sources: tuple[str, ...], sequence_parallel: b
     ``None`` with the reason (and the error goes in ``errors[source]`` when given); with ``reraise``
     that error propagates instead.
     """
-    import handwritten_plans
-    from autotp import hf_plans
-
     name = handwritten_plans.class_qualname(type(model))
     for source in sources:
         try:
@@ -191,10 +191,6 @@ def _candidates(model: nn.Module, sources: tuple[str, ...], sequence_parallel: b
                 yield PlanChoice(plan, source, "base_model_tp_plan + _tp_plan" if plan is not None
                                  else f"{type(model).__name__} ships no transformers tp plan")
             else:
-                from autotp.self_check import check_value_branches
-                from autotp.synth.api import analyse_model
-                from autotp.synth.build import build_plan
-
                 analysis = analyse_model(model, sequence_parallel=sequence_parallel, tp_size=tp_size)
                 plan = build_plan(analysis.roles, analysis.groups, copies=analysis.copies)
                 check_value_branches(model, analysis, plan)
@@ -249,7 +245,6 @@ def get_plan(
         raise PlanError(f"unknown plan source {source!r}; use one of auto, handwritten, hf, synthesized.")
     if source != "auto":
         return _insisted(model, source, sequence_parallel, tp_size, check=bool(check))
-    from autotp.check import check_plan
 
     check = True if check is None else check
     skipped: list[tuple[str, str]] = []

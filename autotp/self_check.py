@@ -87,7 +87,7 @@ def _check_on_tiny_copy(model: nn.Module, plan: Plan, *, tp_size: int, sequence_
                         loss_parallel: bool, tolerance: float, isolated: bool) -> VerifyReport | None:
     """Verify ``plan`` on a tiny copy of ``model``; if it does not fit the copy (different layer or
     head layout), verify the plan the synthesizer writes for the copy instead, and say so."""
-    from autotp.models import build_model
+    from autotp.models import build_model  # local: imports transformers
 
     what = f"{type(model).__name__}'s synthesized plan"
     config = _transformers_config(model)

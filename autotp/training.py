@@ -32,6 +32,8 @@ from autotp.apply import apply_plan, gather_logits, validate_tp_mesh
 from autotp.dtensor_utils import get_logprobs_from_vocab_parallel_logits
 from autotp.errors import AutoTPError, MeshError
 from autotp.selection import get_plan
+from autotp.self_check import self_check
+from autotp.synth.trace import is_layer_stack, stack_entries
 
 __all__ = [
     "apply_activation_checkpointing",
@@ -89,8 +91,6 @@ def get_lm_ac_layers(model: nn.Module) -> list[nn.Module]:
     Returns:
         The blocks, or ``[]`` when the model has no ``nn.ModuleList``.
     """
-    from autotp.synth.trace import is_layer_stack, stack_entries
-
     best, best_size = None, 0
     for _, module in model.named_modules():
         # A ModuleDict / Sequential counts only as a stack of repeated blocks (torchtitan's layers).
@@ -131,8 +131,6 @@ def apply_fsdp2_sharding_recursively(
     freed after. The last block of a list keeps its parameters after forward, because the
     backward needs them first. Lists inside a sharded block are left to that block.
     """
-    from autotp.synth.trace import is_layer_stack, stack_entries
-
     for child in module.children():
         if isinstance(child, nn.ModuleList) or is_layer_stack(child):
             blocks = [block for _, block in stack_entries(child) if block is not None]  # skip empty slots
@@ -226,8 +224,6 @@ def fsdp2_strategy_parallelize(
         choice = get_plan(model, sequence_parallel=sequence_parallel, tp_shard_plan=tp_shard_plan,
                           tp_size=tp_mesh.size())
         if verify_synthesized and choice.source == "synthesized":
-            from autotp.self_check import self_check
-
             self_check(model, choice.plan, tp_size=tp_mesh.size(), sequence_parallel=sequence_parallel)
         size, source, entries = tp_mesh.size(), choice.source, len(choice.plan)
         logger.info("tensor parallel over %d ranks with the %s plan (%d entries)", size, source, entries)

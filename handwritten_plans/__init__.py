@@ -16,6 +16,7 @@ from collections.abc import Callable
 from torch import nn
 from torch.distributed.tensor.parallel import ParallelStyle
 
+from autotp.kv import replicate_kv_heads
 from handwritten_plans import falcon_h1, gemma3, gemma4, llama, mistral3, phi, phi3, qwen, qwen3_5, qwen_classification
 
 PlanFunction = Callable[..., dict[str, ParallelStyle]]
@@ -71,7 +72,5 @@ def plan_for(
         return None
     plan = function(model, sequence_parallel=sequence_parallel)
     if replicate_kv_for_tp is not None:
-        from autotp.kv import replicate_kv_heads
-
         plan = replicate_kv_heads(model, plan, replicate_kv_for_tp, gather=gather_kv)
     return plan

@@ -29,13 +29,14 @@ PACKAGES = ("autotp", "handwritten_plans")
 
 @dataclass(frozen=True)
 class Edge:
-    """One import of project module ``target`` by ``source`` (line ``line``), ``local`` when it
-    sits inside a function."""
+    """One import of project module ``target`` by ``source`` (lines ``line`` to ``end_line``),
+    ``local`` when it sits inside a function."""
 
     source: str
     target: str
     line: int
     local: bool
+    end_line: int = 0
 
 
 def project_modules(root: Path = ROOT) -> dict[str, Path]:
@@ -112,8 +113,30 @@ def import_edges(root: Path = ROOT) -> list[Edge]:
                 while target and target not in modules:
                     target = target.rpartition(".")[0]
                 if target and target != name:
-                    edges.append(Edge(name, target, node.lineno, local))
+                    edges.append(Edge(name, target, node.lineno, local, node.end_lineno or node.lineno))
     return edges
+
+
+# Modules whose function-local imports need no reason each: the CLI imports inside its commands so
+# that ``autotp --help`` does not load torch (its module docstring says so).
+LAZY_MODULES = frozenset({"autotp.cli", "autotp.cli_text"})
+
+
+def unexplained_local_imports(edges: list[Edge], root: Path = ROOT) -> list[Edge]:
+    """Function-local imports of project modules, outside :data:`LAZY_MODULES`, whose statement
+    carries no ``# local: <why>`` comment (start-up time, an optional heavy dependency)."""
+    modules = project_modules(root)
+    texts = {}
+    found = []
+    for edge in edges:
+        if not edge.local or edge.source in LAZY_MODULES:
+            continue
+        if edge.source not in texts:
+            texts[edge.source] = modules[edge.source].read_text().splitlines()
+        statement = texts[edge.source][edge.line - 1:max(edge.line, edge.end_line)]
+        if not any("# local:" in line for line in statement):
+            found.append(edge)
+    return found
 
 
 def cycles(edges: list[Edge]) -> list[list[str]]:
@@ -173,8 +196,9 @@ def describe(edges: list[Edge], verbose: bool = False) -> str:
             for e in edges:
                 if e.source in members and e.target in members:
                     lines.append(f"  {e.source}:{e.line} -> {e.target}{' (local)' if e.local else ''}")
+        lines = list(dict.fromkeys(lines))  # one line per statement and target
         lines.append("function-local imports:")
-        lines += [f"  {e.source}:{e.line} -> {e.target}" for e in local]
+        lines += list(dict.fromkeys(f"  {e.source}:{e.line} -> {e.target}" for e in local))
     return "\n".join(lines)
 
 

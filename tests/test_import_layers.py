@@ -8,7 +8,7 @@ lower layer needs down instead of importing it inside a function.
 
 from __future__ import annotations
 
-from import_graph import cycles, import_edges, project_modules
+from import_graph import Edge, cycles, import_edges, project_modules, unexplained_local_imports
 
 
 def test_reads_both_packages_and_local_imports() -> None:
@@ -20,9 +20,7 @@ def test_reads_both_packages_and_local_imports() -> None:
     assert any(e.source.startswith("handwritten_plans") and e.target.startswith("autotp.styles") for e in edges)
 
 
-def test_cycle_finder_finds_a_two_file_cycle() -> None:
-    from import_graph import Edge
-
+def test_cycle_finder_finds_a_three_file_cycle() -> None:
     edges = [Edge("a", "b", 1, False), Edge("b", "c", 1, True), Edge("c", "a", 1, True), Edge("c", "d", 1, False)]
     assert cycles(edges) == [["a", "b", "c"]]
 
@@ -41,3 +39,12 @@ def test_no_import_cycles() -> None:
                 if e.source in members and e.target in members
             ]
         raise AssertionError("import cycles between files:\n" + "\n".join(lines))
+
+
+def test_function_local_imports_say_why() -> None:
+    """Outside the CLI, an autotp module imported inside a function says why on that statement
+    (``# local: imports transformers``); otherwise it belongs at module level, or, if that makes a
+    cycle, the needed code belongs in a lower layer."""
+    unexplained = unexplained_local_imports(import_edges())
+    assert not unexplained, "function-local imports without a '# local: <why>' comment:\n" + "\n".join(
+        sorted({f"  {e.source}:{e.line} -> {e.target}" for e in unexplained}))

@@ -22,18 +22,19 @@ import networkx as nx
 
 from autotp.synth.graph import Ref, param_modules, refs
 from autotp.synth.experts import bias_breaks, expert_bias, partial_sum_breaks
-from autotp.synth.entries import stray_entry_reads
-from autotp.synth.head_loops import head_loop_breaks, head_step, reads_head
+from autotp.synth.entries import entry_source, stray_entry_reads
+from autotp.synth.head_loops import head_loop_breaks, head_step, reads_head, select_head
 from autotp.synth.statistics import block_statistic, statistic_breaks, statistic_in_block
-from autotp.synth.params import stray_param_reads, stray_tree_reads
+from autotp.synth.params import (broadcast_source, carries_grad, factory_dim, module_output_sources, param_dim,
+                                 stray_param_reads, stray_tree_reads, tree_leaves)
 from autotp.synth.ops import SCALINGS, WRITE_VIEWS, WRITES
 from autotp.synth.ops import (ATTENTION, ELEMENTWISE, MATMULS, SINKS, VIEW_LIKE, Break, Given, Out, Parts,
                               Split, apply_rule)
 # The graph queries and the shard value live below the analysis (and the idioms it calls); the names
 # stay importable from here.
-from autotp.synth.queries import (Weight, _grad_inputs, _only_params_behind, _only_reader,  # noqa: F401
-                                  _selects_expert, _value_inputs, is_linear, linear_weight, module_of,
-                                  param_source, part_sizes, raw_like, raw_weight, upstream_linears, weight_of)
+from autotp.synth.queries import (Weight, _grad_inputs, _only_params_behind, _only_reader, _selects_expert,
+                                  _value_inputs, is_linear, linear_weight, module_of, module_outputs, param_source,
+                                  part_sizes, raw_like, raw_weight, upstream_linears, weight_of)
 from autotp.synth.shard import Shard
 
 log = logging.getLogger(__name__)
@@ -101,8 +102,6 @@ class Flow:
     def select_head(self, name: str, src: str, dim: int) -> bool:
         """Whether ``select(src, dim, i)`` of the sharded ``dim`` is read as one head's value in a
         per-head loop (:func:`~autotp.synth.head_loops.select_head`)."""
-        from autotp.synth.head_loops import select_head
-
         return select_head(self, name, src, dim)
 
     def sharded(self, name: str) -> bool:
@@ -116,8 +115,6 @@ class Flow:
         sharded on two dims cannot be. Each read is recorded in ``param_uses``: a parameter with
         a reader that does not meet the heads there is refused after the pass
         (:func:`stray_param_reads`), since that reader would get a shard where it wants the whole."""
-        from autotp.synth.params import param_dim
-
         found = param_dim(self.g, other, dim)
         if found is None or self.param_shards.get(found[0], found[1]) != found[1]:
             return False
@@ -137,8 +134,6 @@ class Flow:
         up with ``dim``. All or nothing: a leaf that cannot leaves every leaf as it was. The tree's
         nodes are recorded in ``tree_dims`` (the shape proof divides them); each may be read
         elsewhere only where it meets the heads too (:func:`~autotp.synth.params.stray_tree_reads`)."""
-        from autotp.synth.params import tree_leaves
-
         nodes: dict[str, int] = {}
         leaves = tree_leaves(self.g, other, dim, nodes)
         if not leaves or any(self.tree_dims.get(node, at) != at for node, at in nodes.items()):
@@ -165,8 +160,6 @@ class Flow:
         """Whether replicated operand ``other`` is a constant tensor made from sizes alone (a scan's
         zero initial state) whose ``dim`` meets the shard: it is made at the per-rank size on each
         rank, which the shape proof then requires. Recorded in ``factory_shards``."""
-        from autotp.synth.params import factory_dim
-
         found = factory_dim(self.g, other, dim)
         if found is None or self.factory_shards.get(found[0], (found[1],))[0] != found[1]:
             return False
@@ -186,8 +179,6 @@ class Flow:
         the value's dim of the same size row for row: it is sliced as ``(-1, heads, inner)`` on the
         heads, which keeps the rows of the same indices as the shard's, recorded as ``(dim, heads,
         inner)``."""
-        from autotp.synth.entries import entry_source
-
         folds = {shard.fold for shard in self.meeting}
         if not self.deciding or any(shard.pieces for shard in self.meeting) or len(folds) > 1:
             return False
@@ -259,8 +250,6 @@ class Flow:
         """Whether replicated operand ``other``, expanded along the sharded heads and computed from
         parameters, comes from one span of a Linear kept whole (or a row, whole after its
         reduction) whose gradient can be all-reduced there (:func:`~autotp.synth.params.broadcast_source`). Recorded in ``broadcasts``."""
-        from autotp.synth.params import broadcast_source
-
         found = broadcast_source(self.g, other)
         # A candidate root there would have sharded ``other``; one whose shard broke this round is
         # dropped before the round that converges. A row's output is whole after its reduction.
@@ -316,9 +305,6 @@ class Flow:
         reduced there (:func:`~autotp.synth.params.module_output_sources`): nothing in them is
         sharded, and each hands out no other value with a gradient (its style reduces its first
         output's). Recorded in ``broadcasts``."""
-        from autotp.synth.params import carries_grad, module_output_sources
-        from autotp.synth.queries import module_outputs
-
         found = module_output_sources(self.g, other)
         if found is None:
             return False

@@ -10,6 +10,7 @@ import networkx as nx
 
 from autotp.synth.analysis import (Flow, Shard, is_linear, linear_weight, module_of, param_source, part_sizes,
                                    raw_weight, weight_of, weight_uses)
+from autotp.synth.experts import once_params, whole_terms
 from autotp.synth.graph import Ref, param_modules, refs
 from autotp.synth.ops import ALIASING, SINKS
 from autotp.synth.param_roles import broadcast_roles, param_roles
@@ -205,8 +206,6 @@ def _whole_addends(g: nx.DiGraph, flow: Flow, module: str,
     partial sums by one rank; or, where other terms whole on every rank are added to them too
     (:func:`~autotp.synth.experts.whole_terms`), its row parameters scaled by tp (the biases are
     then whole terms as well). ``note`` says which, for the role's reason."""
-    from autotp.synth.experts import whole_terms
-
     once = _once_params(g, flow, module)
     whole = whole_terms(g, [r for r in flow.rows if module_of(g, r) == module], module)
     if not whole:
@@ -218,8 +217,6 @@ def _whole_addends(g: nx.DiGraph, flow: Flow, module: str,
 
 def _once_params(g: nx.DiGraph, flow: Flow, module: str) -> tuple[str, ...]:
     """Per-expert biases ``module`` adds to its rows' partial sums (:func:`~autotp.synth.experts.once_params`)."""
-    from autotp.synth.experts import once_params
-
     rows = [r for r in flow.rows if module_of(g, r) == module]
     return tuple(sorted(reading_module(g, p)[1] for p in once_params(g, rows, module)))
 

@@ -30,7 +30,7 @@ import networkx as nx
 from autotp.synth.graph import Ref, refs
 from autotp.synth.ops import INDEX_ADDS, SUMS, ZEROS
 from autotp.synth.ops import PASSTHROUGH, SINKS, VIEW_LIKE
-from autotp.synth.queries import _readers, selected_weight  # noqa: F401 (selected_weight: re-exported)
+from autotp.synth.queries import _readers, linear_weight, module_of, part_sizes, raw_weight, selected_weight
 
 
 # Ops that gather or view rows of a partial sum, or scale it: linear in their first argument when
@@ -228,8 +228,6 @@ def partial_sum_breaks(g: nx.DiGraph, rows: dict[str, frozenset], module_of) -> 
     """Candidates whose shard a 3-D experts row contracts and whose partial sum is then read, in
     the experts module, by an op not linear in it (a norm, ``out + f(out)`` inside the loop, a bias
     other than a per-expert one): it would be computed on a per-rank share. Candidate -> reason."""
-    from autotp.synth.queries import raw_weight
-
     by_module: dict[str, list[str]] = {}
     for row in rows:
         weight = _weight_node(g, row)
@@ -251,8 +249,6 @@ def bias_breaks(flow) -> dict[str, str]:
     """Columns whose per-expert bias cannot be sharded with them: the columns a bias meets are cut
     into different numbers of parts (one packing for one parameter), or the bias is also added to
     the rows' partial sums (sharded and added once at the same time). Candidate -> reason."""
-    from autotp.synth.queries import module_of, part_sizes
-
     g, bad = flow.g, {}
     for param, columns in flow.expert_bias_columns.items():
         counts = {len(part_sizes(flow.splits[c], g.nodes[c]["shape"][-1])) if c in flow.splits else 1 for c in columns}
@@ -280,6 +276,4 @@ def once_params(g: nx.DiGraph, rows: list[str], module: str) -> set[str]:
 
 
 def _weight_node(g: nx.DiGraph, name: str) -> str | None:
-    from autotp.synth.queries import linear_weight
-
     return linear_weight(g, name)

@@ -45,6 +45,8 @@ import networkx as nx
 from autotp.synth.graph import Ref, refs
 from autotp.synth.ops import CONSTANT_FACTORIES, JOINS, SELECTING_PRODUCTS, SINKS, WRITES
 from autotp.synth.params import value_refs
+from autotp.synth.queries import _only_params_behind, is_linear
+from autotp.synth.shard import Shard
 
 
 @dataclass(frozen=True)
@@ -99,8 +101,6 @@ def head_step(flow, name: str, data, dims: dict[str, int]) -> None:
 
 
 def _refusal(flow, name: str, data, dims: dict[str, int], values) -> str | None:
-    from autotp.synth.queries import is_linear
-
     if dims:
         return "combines one head's values, selected from the sharded dim, with a sharded tensor"
     if is_linear(flow.g, name) and not (data["op"] in SELECTING_PRODUCTS and isinstance(data["args"][1], Ref)
@@ -118,8 +118,6 @@ def _operands(flow, name: str, data, value: HeadValue) -> str | None:
     from parameters selected by the head's index (then sharded with the heads,
     :func:`_selected_operand`), or from parameters and constants alone (replicated, their gradient
     all-reduced)."""
-    from autotp.synth.queries import _only_params_behind
-
     for ref in value_refs(data):
         if ref.name in flow.per_head or flow.g.nodes[ref.name]["op"] in SINKS:
             continue
@@ -137,8 +135,6 @@ def _selected_operand(flow, other: str, value: HeadValue) -> bool:
     ``p`` is sharded on ``d`` with the heads (:meth:`~autotp.synth.analysis.Flow.shard_param`); the
     nodes from the selects to ``other`` are that head's (``flow.head_operands``), so the iteration
     comparison sees them and they may be read nowhere else (:func:`head_loop_breaks`)."""
-    from autotp.synth.queries import is_linear
-
     g, nodes, selects, todo = flow.g, set(), [], [other]
     while todo:
         node = todo.pop()
@@ -183,8 +179,6 @@ def _selected_source(g: nx.DiGraph, node: str, value: HeadValue) -> tuple[str, i
 
 
 def _shard(dim: int, origins: frozenset):
-    from autotp.synth.shard import Shard
-
     return Shard(dim, origins)
 
 
@@ -192,8 +186,6 @@ def _join(flow, name: str, data) -> bool:
     """Whether ``cat`` / ``stack`` ``name`` joins the values of heads ``0 .. H - 1`` in order, all
     of one shape, along a dim: its output is then sharded on that dim, each rank its block of the
     heads. Recorded in ``flow.head_loops``."""
-    from autotp.synth.shard import Shard
-
     g = flow.g
     tensors = data["args"][0] if data["args"] else None
     at = data["args"][1] if len(data["args"]) > 1 else data["kwargs"].get("dim", 0)

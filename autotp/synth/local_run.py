@@ -25,14 +25,15 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from autotp.copying import deep_copy
 from autotp.styles.attention import count_holder, sync_einops_lengths, width_view
-from autotp.synth.analysis import Shard, is_linear, module_of, propagate_packed, weight_of
+from autotp.synth.analysis import Shard, is_linear, linear_weight, module_of, propagate_packed, raw_weight, weight_of
+from autotp.synth.copies import local_point
 from autotp.synth.graph import build_graph
 from autotp.synth.head_loops import later_iterations
 from autotp.synth.ops import FIXED_SIZE_CUTS
 from autotp.synth.ops import ELEMENTWISE, PASSTHROUGH, REORDERS, VIEW_LIKE
 from autotp.synth.params import chain_dims, reading_module
 from autotp.synth.roles import WEIGHT_DIMS, Role, kind_of
-from autotp.synth.trace import LayerGroups, collapsed, data_dependent, example_args, on_meta
+from autotp.synth.trace import LayerGroups, _export, collapsed, data_dependent, example_args, on_meta
 
 log = logging.getLogger(__name__)
 
@@ -407,8 +408,6 @@ def _shapes(out):
 def trace_local(module: nn.Module, inputs, roles: dict[str, Role], names: tuple[str, ...], tp: int):
     """The analysis graph of a meta copy of ``module`` at per-rank widths (``tp`` 1: global); of a
     copy holding values, exported down the branches its values take, where the inputs hold values."""
-    from autotp.synth.trace import _export
-
     real = _real_inputs(inputs)
     local = _local_copy(module, roles, names, tp, real)
     args, kwargs = _snapshot(inputs)
@@ -495,8 +494,6 @@ def shapes_are_local(g: nx.DiGraph, local: nx.DiGraph, roles: dict[str, Role], t
 def _held_width(g: nx.DiGraph, flow, roles: dict[str, Role], state, tp: int) -> int | None:
     """The per-rank width of a shard over features that hold parts kept whole on every rank (the
     fused output before its cut, :mod:`autotp.synth.copies`); None for an ordinary shard."""
-    from autotp.synth.copies import local_point
-
     if not isinstance(state, Shard) or state.span is None or len(state.origins) != 1:
         return None
     role = roles.get(module_of(g, next(iter(state.origins))))
@@ -596,8 +593,6 @@ def _expert_column(g: nx.DiGraph, name: str, roles: dict[str, Role]) -> bool:
 
 def _raw_column(g: nx.DiGraph, name: str, roles: dict[str, Role]) -> bool:
     """Whether ``name`` multiplies by a raw parameter its module's ``linear_params`` role shards as a column."""
-    from autotp.synth.analysis import linear_weight, raw_weight
-
     role = roles.get(g.nodes[name]["module"])
     return role is not None and role.kind == "linear_params" and raw_weight(g, name) \
         and reading_module(g, linear_weight(g, name))[1] in role.columns

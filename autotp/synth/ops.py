@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 import networkx as nx
 
+from autotp.synth.dtensor_rules import dtensor_rule
 from autotp.synth.ref import Ref
 
 # Ops that return their input's values in the same layout (casts, copies, no-op dropout at trace).
@@ -1176,8 +1177,6 @@ RULES = {
 
 def _by_dtensor(g, name, dims, ctx, op):
     """An op outside the table: DTensor's own strategy for it (:mod:`autotp.synth.dtensor_rules`)."""
-    from autotp.synth.dtensor_rules import dtensor_rule
-
     found = dtensor_rule(g, name, dims, ctx)
     if found is None:
         return Break(f"{op} is not known to keep a sharded dim (neither autotp's rules nor DTensor's "

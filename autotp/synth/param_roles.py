@@ -9,6 +9,7 @@ from dataclasses import replace
 
 import networkx as nx
 
+from autotp.errors import PlanError
 from autotp.synth.analysis import packed_params
 from autotp.synth.graph import refs
 from autotp.synth.queries import is_linear, module_of, reading_module
@@ -90,7 +91,6 @@ def broadcast_roles(g: nx.DiGraph, flow, roles: dict[str, Role]) -> dict[str, Ro
     Raises:
         PlanError: the module has another role (the span's gradient would not be reduced).
     """
-    from autotp.errors import PlanError
     out = {}
     for linear, spans in sorted(flow.broadcasts.items()):
         module = flow.broadcast_modules.get(linear) or module_of(g, linear)

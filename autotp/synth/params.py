@@ -35,7 +35,7 @@ import networkx as nx
 from autotp.synth.graph import Ref, made_from_params, refs
 from autotp.synth.ops import CONSTANT_FACTORIES, SPLITS
 from autotp.synth.ops import ELEMENTWISE, PASSTHROUGH, SINKS, VIEW_LIKE
-from autotp.synth.queries import reading_module  # noqa: F401 (re-exported)
+from autotp.synth.queries import _grad_inputs, reading_module, upstream_linears
 
 # One-tensor ops through which a parameter's dims can be followed back from a consumer.
 SINGLE_INPUT = PASSTHROUGH | VIEW_LIKE | ELEMENTWISE | {"unsqueeze", "squeeze", "expand", "transpose", "permute", "t", "slice",
@@ -309,8 +309,6 @@ def broadcast_source(g: nx.DiGraph, name: str) -> tuple[str, tuple[int, int], st
     >>> broadcast_source(g, "e") is None
     True
     """
-    from autotp.synth.queries import upstream_linears
-
     found = upstream_linears(g, name)
     if found is None:
         return None  # a parameter's gradient on the way would be partial and not reduced
@@ -402,8 +400,6 @@ def carries_grad(g: nx.DiGraph, name: str, memo: dict) -> bool:
     """Whether a gradient reaches the parameters through node ``name``: it is a parameter, or an op
     that reads the values of one where a gradient flows (a fresh ``new_zeros(x, ...)`` does not, nor
     the index of a ``scatter``). ``memo`` caches the answers of one graph."""
-    from autotp.synth.queries import _grad_inputs
-
     def inputs(node):
         data = g.nodes[node]
         if data["kind"] != "call" or data["op"] in SINKS:

@@ -43,7 +43,9 @@ import networkx as nx
 import torch
 from torch import nn
 
+from autotp.styles.base import identity_dropout
 from autotp.synth.analysis import is_linear, linear_weight, module_of
+from autotp.synth.dtensor_rules import _overloads, _runs_as_traced
 from autotp.synth.graph import Ref, refs
 from autotp.synth.ops import ATTENTION, SINKS
 from autotp.synth.roles import Role
@@ -454,8 +456,6 @@ PARTIAL_LINEAR = frozenset({
 
 
 def _zero_dropout(op: str, args, kwargs) -> bool:
-    from autotp.styles.base import identity_dropout
-
     return identity_dropout(op, (*args[:2], True), kwargs)
 
 
@@ -513,8 +513,6 @@ def _place_linear(g, name, module, args, whole, chosen, mesh, reached):
 
 def _overload(g, name, args, kwargs):
     """The aten overload of node ``name`` that takes these arguments and returns the traced shape."""
-    from autotp.synth.dtensor_rules import _overloads, _runs_as_traced
-
     def meta(a):
         if isinstance(a, torch.Tensor):
             return torch.empty(a.shape, dtype=a.dtype, device="meta")

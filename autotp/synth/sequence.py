@@ -14,7 +14,7 @@ from dataclasses import replace
 
 import networkx as nx
 
-from autotp.synth.analysis import Flow, Shard, is_linear, module_of, param_source
+from autotp.synth.analysis import Flow, Shard, is_linear, linear_weight, module_of, param_source
 from autotp.synth.assign import reads_model_input
 from autotp.synth.graph import common_module, param_modules, refs
 from autotp.synth.params import reading_module
@@ -133,8 +133,6 @@ def module_inputs(g: nx.DiGraph, module: str) -> set[str]:
 
 def is_raw_row(g: nx.DiGraph, name: str, role: Role) -> bool:
     """Whether Linear node ``name`` multiplies by a raw parameter its module's role shards as a row."""
-    from autotp.synth.analysis import linear_weight
-
     return reading_module(g, linear_weight(g, name))[1] in role.rows
 
 

@@ -314,8 +314,6 @@ def resolve_entries(model: nn.Module, example_inputs, g: nx.DiGraph, flow,
         value cannot be placed among the arguments (several of the same shape, inside a tuple, a
         module the fake forward never reached) are to be kept whole.
     """
-    from autotp.synth.local_run import capture_inputs
-
     if not flow.entry_shards:
         return {}, {}
     modules = {module for _, module in flow.entry_shards if module}

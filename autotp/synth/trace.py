@@ -22,6 +22,7 @@ import torch
 from torch import nn
 
 from autotp.errors import TraceError, one_line
+from autotp.synth.validate import failing_module
 
 log = logging.getLogger(__name__)
 
@@ -466,8 +467,6 @@ VALUE_BRANCHES = "autotp_value_branches"
 
 def failing_module_name(model: nn.Module, error: BaseException) -> str:
     """FQN of the module running when ``error`` was raised, or the model's class if none is known."""
-    from autotp.synth.validate import failing_module
-
     return failing_module(model, error) or type(model).__name__
 
 
@@ -559,8 +558,6 @@ def empty_slots(model: nn.Module) -> list[str]:
 
 
 def _trace_error(model: nn.Module, error: BaseException) -> TraceError:
-    from autotp.synth.validate import failing_module
-
     where = failing_module(model, error)
     inside = f" inside {where}" if where else ""
     hint = ""
