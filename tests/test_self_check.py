@@ -9,8 +9,9 @@ import pytest
 import torch
 from torch.distributed.device_mesh import init_device_mesh
 
-import autotp.self_check
+import autotp.facade
 import autotp.synth.api
+import autotp.training
 from autotp import _simulate, synthesize
 from autotp.errors import VerificationError
 from autotp.models import build_model
@@ -78,9 +79,11 @@ def _record_calls(monkeypatch, plan):
     """Make get_plan hand out ``plan`` as synthesized, and record the self-check's calls."""
     calls = []
     chosen = lambda model, **kw: PlanChoice(plan, "synthesized")  # noqa: E731
-    monkeypatch.setattr("autotp.selection.get_plan", chosen)  # parallelize imports it when called
+    record = lambda model, plan, **kw: calls.append(kw)  # noqa: E731
+    monkeypatch.setattr("autotp.facade.get_plan", chosen)  # the facade (parallelize) imported it by name
     monkeypatch.setattr("autotp.training.get_plan", chosen)  # training imported it by name
-    monkeypatch.setattr(autotp.self_check, "self_check", lambda model, plan, **kw: calls.append(kw))
+    monkeypatch.setattr("autotp.facade.self_check", record)
+    monkeypatch.setattr("autotp.training.self_check", record)
     return calls
 
 

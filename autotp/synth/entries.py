@@ -13,7 +13,7 @@ stay whole, as before).
 
 Sound only if every read of ``E`` inside ``M`` meets the heads on the same dim
 (:func:`stray_entry_reads`), and if the argument of ``M``'s call that carries ``E`` is known: it is
-found once, on the inputs ``M`` gets in a fake forward (:func:`~autotp.synth.shape_proof.resolve_entries`), by its shape,
+found once, on the inputs ``M`` gets in a fake forward (:func:`~autotp.synth.localize.resolve_entries`), by its shape,
 which must be that of no other argument. Anything else keeps the heads' Linears whole.
 """
 

@@ -37,11 +37,12 @@ from autotp.synth.copies import local_point
 from autotp.synth.entries import keys_of_shape
 from autotp.synth.graph import Ref, common_module
 from autotp.synth.ops import FIXED_SIZE_CUTS
-from autotp.synth.local_run import outputs_match, run_local, shapes_are_local, trace_local
+from autotp.synth.local_run import capture_inputs, outputs_match, run_local, shapes_are_local, trace_local
 from autotp.synth.ops import VIEW_LIKE
 from autotp.synth.params import value_refs
 from autotp.synth.ops import SINKS
 from autotp.synth.roles import Role, kind_of
+from autotp.synth.trace import LayerGroups
 
 log = logging.getLogger(__name__)
 
@@ -260,3 +261,33 @@ def find_names(module: nn.Module, inputs, roles: dict[str, Role], fused: dict[st
             if local is not None and shapes_are_local(traced, local, roles, tp):
                 return names
     return None
+
+
+def resolve_entries(model: nn.Module, example_inputs, g: nx.DiGraph, flow,
+                    groups: LayerGroups | None) -> tuple[dict[str, tuple], dict[str, str]]:
+    """Which argument of each module's call carries each value it takes sliced
+    (:func:`~autotp.synth.entries.entry_source`).
+
+    Returns:
+        ``({module: ((position or keyword, dim), ...)}, {candidate: reason})``: the candidates whose
+        value cannot be placed among the arguments (several of the same shape, inside a tuple, a
+        module the fake forward never reached) are to be kept whole.
+    """
+    if not flow.entry_shards:
+        return {}, {}
+    modules = {module for _, module in flow.entry_shards if module}
+    captured = capture_inputs(model, example_inputs, modules, groups)
+    entries: dict[str, list] = {}
+    unplaced: dict[str, str] = {}
+    for (source, module), dim in sorted(flow.entry_shards.items()):
+        shape = tuple(g.nodes[source]["shape"])
+        keys = keys_of_shape(captured.get(module), shape) if module else []
+        if len(keys) == 1:
+            entries.setdefault(module, []).append((keys[0], *dim) if isinstance(dim, tuple) else (keys[0], dim))
+            continue
+        why = (f"{module or 'the root'} takes a value of shape {shape} that meets its heads, but "
+               + (f"{len(keys)} of its arguments have that shape" if keys else "no argument of its call is it")
+               + ": it cannot be sliced at entry; kept whole")
+        for origin in flow.entry_origins.get((source, module), ()):
+            unplaced.setdefault(origin, why)
+    return {m: tuple(sorted(set(v), key=str)) for m, v in entries.items()}, unplaced

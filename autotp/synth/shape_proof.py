@@ -22,11 +22,11 @@ import networkx as nx
 from torch import nn
 
 from autotp.synth.analysis import Flow, Shard, module_of
-from autotp.synth.entries import keys_of_shape, with_entries
+from autotp.synth.entries import with_entries
 from autotp.synth.ops import FIXED_SIZE_CUTS
 from autotp.synth.local_run import capture_inputs, outputs_match, run_local, shapes_are_local, trace_local
 from autotp.synth.localize import MAX_NAMES, Localization, candidate_names, cutting_module, find_names, fixed_size_roots
-from autotp.synth.localize import inner_roles, part_numbers, width_view_of, with_width_view
+from autotp.synth.localize import inner_roles, part_numbers, resolve_entries, width_view_of, with_width_view
 from autotp.synth.ops import NEW_LIKE, VIEW_LIKE
 from autotp.synth.roles import Role, kind_of
 from autotp.synth.trace import LayerGroups, collapsed
@@ -302,33 +302,3 @@ def localize(model: nn.Module, example_inputs, g: nx.DiGraph, flow: Flow, roles:
         log.info("localize %s: %s", fqn, names)
     localize_shapes(model, example_inputs, g, flow, roles, tp, result, groups)
     return result
-
-
-def resolve_entries(model: nn.Module, example_inputs, g: nx.DiGraph, flow,
-                    groups: LayerGroups | None) -> tuple[dict[str, tuple], dict[str, str]]:
-    """Which argument of each module's call carries each value it takes sliced
-    (:func:`~autotp.synth.entries.entry_source`).
-
-    Returns:
-        ``({module: ((position or keyword, dim), ...)}, {candidate: reason})``: the candidates whose
-        value cannot be placed among the arguments (several of the same shape, inside a tuple, a
-        module the fake forward never reached) are to be kept whole.
-    """
-    if not flow.entry_shards:
-        return {}, {}
-    modules = {module for _, module in flow.entry_shards if module}
-    captured = capture_inputs(model, example_inputs, modules, groups)
-    entries: dict[str, list] = {}
-    unplaced: dict[str, str] = {}
-    for (source, module), dim in sorted(flow.entry_shards.items()):
-        shape = tuple(g.nodes[source]["shape"])
-        keys = keys_of_shape(captured.get(module), shape) if module else []
-        if len(keys) == 1:
-            entries.setdefault(module, []).append((keys[0], *dim) if isinstance(dim, tuple) else (keys[0], dim))
-            continue
-        why = (f"{module or 'the root'} takes a value of shape {shape} that meets its heads, but "
-               + (f"{len(keys)} of its arguments have that shape" if keys else "no argument of its call is it")
-               + ": it cannot be sliced at entry; kept whole")
-        for origin in flow.entry_origins.get((source, module), ()):
-            unplaced.setdefault(origin, why)
-    return {m: tuple(sorted(set(v), key=str)) for m, v in entries.items()}, unplaced
