@@ -2,19 +2,26 @@
 
 Every import counts: module level and function-local, relative, ``from pkg import submodule`` and
 names ``autotp/__init__`` exports lazily; only ``if TYPE_CHECKING:`` imports are left out. A cycle
-means some layer reaches back up (docs: the layers in ``docs/architecture.md``); move what the
-lower layer needs down instead of importing it inside a function.
+means some layer reaches back up (the layers: ``docs/README.md``); move what the lower layer needs
+down instead of importing it inside a function.
 """
 
 from __future__ import annotations
 
+import pytest
+
 from import_graph import Edge, cycles, import_edges, project_modules, unexplained_local_imports
 
 
-def test_reads_both_packages_and_local_imports() -> None:
-    """Guards the test below: an edge reader that found nothing would pass it vacuously."""
+@pytest.fixture(scope="module")
+def edges() -> list[Edge]:
+    """The project's import edges, parsed once (about 2 s)."""
+    return import_edges()
+
+
+def test_reads_both_packages_and_local_imports(edges: list[Edge]) -> None:
+    """Guards the tests below: an edge reader that found nothing would pass them vacuously."""
     modules = project_modules()
-    edges = import_edges()
     assert {"autotp.apply", "autotp.synth.graph", "handwritten_plans"} <= set(modules)
     assert any(e.local for e in edges), "no function-local import found (the CLI keeps some)"
     assert any(e.source.startswith("handwritten_plans") and e.target.startswith("autotp.styles") for e in edges)
@@ -25,26 +32,25 @@ def test_cycle_finder_finds_a_three_file_cycle() -> None:
     assert cycles(edges) == [["a", "b", "c"]]
 
 
-def test_no_import_cycles() -> None:
-    edges = import_edges()
+def test_no_import_cycles(edges: list[Edge]) -> None:
     found = cycles(edges)
     if found:
         lines = []
         for component in found:
             members = set(component)
             lines.append(f"cycle of {len(component)} files:")
-            lines += [
+            lines += dict.fromkeys(  # one line per statement and target
                 f"  {e.source}:{e.line} -> {e.target}{' (function-local)' if e.local else ''}"
                 for e in edges
                 if e.source in members and e.target in members
-            ]
+            )
         raise AssertionError("import cycles between files:\n" + "\n".join(lines))
 
 
-def test_function_local_imports_say_why() -> None:
+def test_function_local_imports_say_why(edges: list[Edge]) -> None:
     """Outside the CLI, an autotp module imported inside a function says why on that statement
     (``# local: imports transformers``); otherwise it belongs at module level, or, if that makes a
     cycle, the needed code belongs in a lower layer."""
-    unexplained = unexplained_local_imports(import_edges())
+    unexplained = unexplained_local_imports(edges)
     assert not unexplained, "function-local imports without a '# local: <why>' comment:\n" + "\n".join(
         sorted({f"  {e.source}:{e.line} -> {e.target}" for e in unexplained}))

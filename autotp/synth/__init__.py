@@ -43,3 +43,7 @@ def __getattr__(name: str):
     value = getattr(importlib.import_module(_EXPORTS[name]), name)
     globals()[name] = value
     return value
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *_EXPORTS})
