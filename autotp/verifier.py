@@ -84,6 +84,8 @@ class VerifyReport:
     # dtype ({"bfloat16": 10}), and the same check with them made exact, which decides.
     low_precision_casts: dict[str, int] = field(default_factory=dict)
     exact_casts: VerifyReport | None = None
+    # Why the float64 re-run could not run (the unsharded model raised in float64), when it could not.
+    float64_skipped: str | None = None
 
     @property
     def worst_grad(self) -> tuple[str, float]:
@@ -162,8 +164,13 @@ class VerifyReport:
             lines.append(f"  above tolerance in float32; re-run in float64 (tolerance {self.float64.tolerance:g}): "
                          f"logits {max(self.float64.logits_max_abs_diff):.2e}, grads {f64_worst:.2e} ({f64_name}) "
                          f"-> {'rounding, the plan is exact' if self.float64.ok else 'the plan is wrong'}")
+        if self.float64_skipped is not None:
+            lines.append(f"  above tolerance in float32; no float64 re-run (the unsharded model raised "
+                         f"{self.float64_skipped}): the float32 run decides")
         if self.exact_casts is not None:
             lines.append(self._exact_casts_line())
+            if self.exact_casts.float64_skipped is not None:
+                lines.append(f"  (no float64 re-run of it: the unsharded model raised {self.exact_casts.float64_skipped})")
         return "\n".join(lines)
 
     def headline(self) -> str:
@@ -427,9 +434,15 @@ def _decide(model, plan, tp_size, inputs, backward, tolerance, exact_dtype) -> V
 
 def _recheck_in_float64(report, model, plan, tp_size, inputs, backward, exact_dtype) -> None:
     """Set ``report.float64`` when a float32 run is above tolerance but within RECHECK_FACTOR of it."""
-    if report.within(RECHECK_FACTOR) and _is_float32(model):
+    if not (report.within(RECHECK_FACTOR) and _is_float32(model)):
+        return
+    try:
         report.float64 = _verify_once(clean_copy(model).double(), plan, tp_size, _double(inputs), backward,
                                       FLOAT64_TOLERANCE, exact_dtype=exact_dtype)
+    except RuntimeError as error:  # the unsharded model cannot run in float64 (torch._grouped_mm has no kernel)
+        report.float64_skipped = one_line(error)
+        log.warning("%s: no float64 re-run, the unsharded model raised %s; the float32 run decides",
+                    type(model).__name__, report.float64_skipped)
 
 
 def _exact_dtype(model: nn.Module) -> torch.dtype | None:

@@ -162,10 +162,11 @@ def test_qwen3_moe_bf16_rounding_is_told_from_a_wrong_plan():
 def test_deepseek_v3_bf16_difference_is_rounding_below_the_tolerance():
     """DeepSeek-V3's one MoE layer casts too, but its difference as shipped is within the tolerance
     (logits 1.2e-5 on a scale of 4.5, the router's gradient 4.9e-7 where it peaks at 3e-4: 1.6e-3
-    relative). Held to 1e-7, the casts made exact and the float64 re-run (casts made float64) say
-    that difference is bf16 rounding too, not a plan error the tolerance hides."""
+    relative). Held to 5e-7, between that and what the same check gives with the casts made exact
+    (logits 1.2e-6, gradients 2e-8), the verdict says the difference is bf16 rounding too, not a
+    plan error the tolerance hides. (No float64 re-run: ``torch._grouped_mm`` has no float64 kernel.)"""
     model = build("deepseek-v3")
     plan = synthesize(model, example_inputs=(tokens(),), sequence_parallel=False, tp_size=2)
-    report = verified(model, plan, 2, tolerance=1e-7)
+    report = verified(model, plan, 2, tolerance=5e-7)
     assert report.verdict == "rounding", str(report)
     assert report.low_precision_casts == {"bfloat16": 6}, str(report)

@@ -158,3 +158,21 @@ def test_the_casts_mode_sees_each_sharded_op_once_under_the_simulator():
         expected = model(*ids)
     for value in _simulate.per_rank(logits.detach(), 2):
         assert (value - expected).abs().max() < 1e-5
+
+
+class NoDoubleMatmul(CastLM):
+    """CastLM whose bf16 matmuls have no float64 kernel, as ``torch._grouped_mm``."""
+
+    def forward(self, ids):
+        if self.embed.weight.dtype == torch.float64:
+            raise RuntimeError("Expected mat_a to be Float32, BFloat16 or Float16 matrix, got Double")
+        return super().forward(ids)
+
+
+def test_a_model_that_cannot_run_in_float64_is_decided_in_float32():
+    """Would catch verify raising when the float64 re-run's unsharded model cannot run in float64
+    (torchtitan's grouped experts): the float32 run with the casts exact decides, and says so."""
+    report = verify(NoDoubleMatmul(), mlp_plan(), tp_size=2, inputs=tokens(), tolerance=1e-8)
+    assert report.verdict == "mismatch", str(report)  # 1e-8 is below fp32 rounding: no float64 to settle it
+    assert report.exact_casts.float64_skipped.startswith("RuntimeError: Expected mat_a"), str(report)
+    assert "no float64 re-run of it" in str(report)
