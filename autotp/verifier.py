@@ -170,7 +170,8 @@ class VerifyReport:
         if self.exact_casts is not None:
             lines.append(self._exact_casts_line())
             if self.exact_casts.float64_skipped is not None:
-                lines.append(f"  (no float64 re-run of it: the unsharded model raised {self.exact_casts.float64_skipped})")
+                lines.append(f"  (no float64 re-run of it: the unsharded model raised "
+                             f"{self.exact_casts.float64_skipped})")
         return "\n".join(lines)
 
     def headline(self) -> str:

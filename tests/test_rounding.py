@@ -117,7 +117,8 @@ def test_bf16_matmuls_with_a_synthesized_sp_plan_are_rounding():
     assert report.verdict == "rounding", str(report)
 
 
-@pytest.mark.parametrize("wrong", ["contiguous-fused-split", "rowwise-without-reduction"])
+@pytest.mark.parametrize("wrong", [
+    "contiguous-fused-split", pytest.param("rowwise-without-reduction", marks=pytest.mark.slow)])
 def test_a_wrong_plan_is_a_mismatch_with_casts_exact(wrong):
     """Would catch casts made exact passing a wrong plan: a fused gate_up split contiguously (each
     rank's chunk(2) halves the gate alone or the up alone) or a down projection whose partial sums
