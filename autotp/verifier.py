@@ -5,13 +5,17 @@ rank: the logits; after a cross-entropy backward, every parameter gradient (each
 against the matching slice of the reference gradient); the fraction of parameters each rank holds;
 and the collectives one forward issues. A plan that drops an all-reduce, splits a fused projection
 contiguously, or leaves a partial gradient unreduced fails here, although it runs without error.
+A model that computes in bf16 / fp16 inside is judged with those casts made exact, so that the
+report says whether a difference is low-precision rounding or a wrong plan.
 
 Long because a report is only trusted when every part (reference run, sharded run, gradient
-slices, collectives, float64 re-run) is done the same way for every plan: they stay together.
+slices, collectives, float64 and exact-casts re-runs) is done the same way for every plan: they
+stay together.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import pickle
@@ -31,6 +35,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from autotp import _simulate
 from autotp.apply import apply_plan
+from autotp.casts import LowPrecisionCasts, casts_text
 from autotp.copying import deep_copy
 from autotp.errors import AutoTPError, VerificationError, one_line
 from autotp.hf_plans import as_styles
@@ -83,6 +88,12 @@ class VerifyReport:
     float64: VerifyReport | None = None
     # How an isolated verification's worker died ("SIGABRT", "exit code 1", "timeout after 600 s").
     crash: str | None = None
+    # When the run was above tolerance and the model casts to bf16 / fp16 inside: those casts per
+    # dtype ({"bfloat16": 10}), and the same check with them made exact, which decides.
+    low_precision_casts: dict[str, int] = field(default_factory=dict)
+    exact_casts: VerifyReport | None = None
+    # Why the float64 re-run could not run (the unsharded model raised in float64), when it could not.
+    float64_skipped: str | None = None
 
     @property
     def worst_grad(self) -> tuple[str, float]:
@@ -95,15 +106,30 @@ class VerifyReport:
         return allowed(self.tolerance, self.grad_scale.get(name, 0.0))
 
     @property
-    def ok(self) -> bool:
+    def verdict(self) -> str:
+        """``"exact"``: agrees within tolerance (or its float64 re-run does: fp32 rounding);
+        ``"rounding"``: differs, but only by the model's own low-precision casts (it agrees once they
+        are made exact, ``exact_casts``); ``"mismatch"``: differs or the sharded model raised."""
+        if self.error is not None:
+            return "mismatch"
+        if self.exact_casts is not None:
+            return "rounding" if self.exact_casts.ok else "mismatch"
         if self.float64 is not None:
-            return self.float64.ok
-        return self.within(1.0)
+            return "exact" if self.float64.ok else "mismatch"
+        return "exact" if self.within(1.0) else "mismatch"
+
+    @property
+    def ok(self) -> bool:
+        """The plan is right: the verdict is ``"exact"`` or ``"rounding"``."""
+        return self.verdict != "mismatch"
 
     def first_mismatch(self) -> tuple[str, float, float] | None:
         """``(name, difference, allowed)`` of the first parameter whose gradient differs (in the
         model's parameter order), else ``("logits", ...)`` if only the logits do; None when ok or
-        when the run raised (see ``error``). A float64 re-run, when there is one, decides."""
+        when the run raised (see ``error``). A re-run with casts made exact or in float64, when
+        there is one, decides."""
+        if self.exact_casts is not None:
+            return self.exact_casts.first_mismatch()
         if self.float64 is not None:
             return self.float64.first_mismatch()
         if self.error is not None:
@@ -131,8 +157,7 @@ class VerifyReport:
         comms = ", ".join(f"{k}={v}" for k, v in sorted(self.collectives.items())) or "none"
         fractions = ", ".join(f"{f:.3f}" for f in self.param_fraction)
         lines = [
-            f"tp={self.tp_size}  {'OK' if self.ok else 'MISMATCH'} "
-            f"(tolerance {self.tolerance:g} x max(1, |reference|))",
+            f"tp={self.tp_size}  {self.headline()} (tolerance {self.tolerance:g} x max(1, |reference|))",
             f"  logits max |diff| per rank: {', '.join(f'{d:.2e}' for d in self.logits_max_abs_diff)}",
             f"  grads  max |diff|: {worst:.2e} ({name}, reference peaks at {self.grad_scale.get(name, 0.0):.2g}; "
             f"{len(self.grad_max_abs_diff)} parameters)",
@@ -147,7 +172,38 @@ class VerifyReport:
             lines.append(f"  above tolerance in float32; re-run in float64 (tolerance {self.float64.tolerance:g}): "
                          f"logits {max(self.float64.logits_max_abs_diff):.2e}, grads {f64_worst:.2e} ({f64_name}) "
                          f"-> {'rounding, the plan is exact' if self.float64.ok else 'the plan is wrong'}")
+        if self.float64_skipped is not None:
+            lines.append(f"  above tolerance in float32; no float64 re-run (the unsharded model raised "
+                         f"{self.float64_skipped}): the float32 run decides")
+        if self.exact_casts is not None:
+            lines.append(self._exact_casts_line())
+            if self.exact_casts.float64_skipped is not None:
+                lines.append(f"  (no float64 re-run of it: the unsharded model raised "
+                             f"{self.exact_casts.float64_skipped})")
         return "\n".join(lines)
+
+    def headline(self) -> str:
+        """``"OK"``, ``"MISMATCH"``, or ``"OK (low-precision rounding: ...)"`` for a ``"rounding"`` verdict."""
+        if self.verdict != "rounding":
+            return "OK" if self.ok else "MISMATCH"
+        logits, grads = self.exact_casts.deciding_diffs()
+        return (f"OK (low-precision rounding: with its {casts_text(self.low_precision_casts)} made exact it agrees "
+                f"to {max(logits, grads):.1e})")
+
+    def deciding_diffs(self) -> tuple[float, float]:
+        """The logits' and the worst gradient's difference in the run that decided (float64 if re-run)."""
+        run = self.float64 if self.float64 is not None else self
+        return max(run.logits_max_abs_diff), run.worst_grad[1]
+
+    def _exact_casts_line(self) -> str:
+        exact = self.exact_casts
+        decided = exact.float64 if exact.float64 is not None else exact
+        where = "float64, " if exact.float64 is not None else ""
+        name, grads = decided.worst_grad
+        return (f"  above tolerance with {casts_text(self.low_precision_casts)} in the model; re-run with them made "
+                f"exact ({where}tolerance {decided.tolerance:g}): logits {max(decided.logits_max_abs_diff):.2e}, "
+                f"grads {grads:.2e} ({name}) -> "
+                f"{'low-precision rounding, the plan is exact' if exact.ok else 'the plan is wrong'}")
 
 
 # Functional-collective namespaces DTensor issues its communication through. ``wait_tensor`` only
@@ -317,7 +373,11 @@ def verify(
         timeout: seconds an isolated check may run before it is killed and reported as timed out.
 
     Returns:
-        A :class:`VerifyReport`.
+        A :class:`VerifyReport`. Its ``verdict``: ``"exact"`` when the sharded model agrees within
+        ``tolerance`` (a float32 run just above it is re-run in float64, where rounding vanishes);
+        ``"rounding"`` when it differs only by the model's own casts to bf16 / fp16 (the difference
+        goes when they are made exact, :mod:`autotp.casts`: ``report.exact_casts``), which counts as
+        ok and is said in the report's first line; ``"mismatch"`` otherwise.
 
     Raises:
         VerificationError: the model is on meta, no inputs can be made, or (isolated) the model
@@ -331,10 +391,53 @@ def verify(
         return verify_isolated(model, plan, timeout=timeout, tp_size=tp_size, inputs=inputs, backward=backward,
                                tolerance=tolerance)
     report = _verify_once(model, plan, tp_size, inputs, backward, tolerance)
-    if not report.ok and report.within(RECHECK_FACTOR) and _is_float32(model):
-        report.float64 = _verify_once(clean_copy(model).double(), plan, tp_size, _double(inputs), backward,
-                                      FLOAT64_TOLERANCE)
+    if report.ok or report.error is not None:
+        return report
+    exact_dtype = _exact_dtype(model)
+    casts = low_precision_casts(model, inputs, backward) if exact_dtype is not None else {}
+    if casts:
+        # Rounding of bf16 / fp16 partial results survives a float64 re-run: the casts decide.
+        report.low_precision_casts = casts
+        report.exact_casts = _decide(model, plan, tp_size, inputs, backward, tolerance, exact_dtype)
+    else:
+        _recheck_in_float64(report, model, plan, tp_size, inputs, backward, None)
     return report
+
+
+def low_precision_casts(model: nn.Module, inputs, backward: bool = True) -> dict[str, int]:
+    """The casts to bf16 / fp16 one forward (and backward) of an unsharded copy of ``model`` makes,
+    per dtype (``{"bfloat16": 10}``); empty when it computes at its own precision throughout."""
+    with LowPrecisionCasts() as watch:
+        reference_run(model, inputs, backward)
+    return dict(watch.counts)
+
+
+def _decide(model, plan, tp_size, inputs, backward, tolerance, exact_dtype) -> VerifyReport:
+    """The check with the model's low-precision casts made ``exact_dtype``; re-run in float64 (casts
+    made float64) when just above tolerance, as for a model without casts."""
+    report = _verify_once(model, plan, tp_size, inputs, backward, tolerance, exact_dtype=exact_dtype)
+    if not report.ok and report.error is None:
+        _recheck_in_float64(report, model, plan, tp_size, inputs, backward, torch.float64)
+    return report
+
+
+def _recheck_in_float64(report, model, plan, tp_size, inputs, backward, exact_dtype) -> None:
+    """Set ``report.float64`` when a float32 run is above tolerance but within RECHECK_FACTOR of it."""
+    if not (report.within(RECHECK_FACTOR) and _is_float32(model)):
+        return
+    try:
+        report.float64 = _verify_once(clean_copy(model).double(), plan, tp_size, _double(inputs), backward,
+                                      FLOAT64_TOLERANCE, exact_dtype=exact_dtype)
+    except RuntimeError as error:  # the unsharded model cannot run in float64 (torch._grouped_mm has no kernel)
+        report.float64_skipped = one_line(error)
+        log.warning("%s: no float64 re-run, the unsharded model raised %s; the float32 run decides",
+                    type(model).__name__, report.float64_skipped)
+
+
+def _exact_dtype(model: nn.Module) -> torch.dtype | None:
+    """The dtype a model's low-precision casts are made exact in: its own, when float32 or float64."""
+    dtypes = {p.dtype for p in model.parameters()}
+    return dtypes.pop() if len(dtypes) == 1 and dtypes <= {torch.float32, torch.float64} else None
 
 
 def require_ok(report: VerifyReport, *, what: str) -> VerifyReport:
@@ -348,6 +451,8 @@ def require_ok(report: VerifyReport, *, what: str) -> VerifyReport:
         VerificationError: with ``parameter`` / ``difference`` / ``allowed`` of the first mismatch,
             or ``crash`` when the verification worker died.
     """
+    if report.verdict == "rounding":
+        log.info("%s at tp=%d: %s", what, report.tp_size, report.headline())
     if report.ok:
         return report
     fix = ("pass a handwritten plan (tp_shard_plan=...), or opt out of the check "
@@ -360,9 +465,11 @@ def require_ok(report: VerifyReport, *, what: str) -> VerifyReport:
                                 f"{fix}.", report=report)
     name, diff, bound = report.first_mismatch()
     logits = max(report.logits_max_abs_diff)
+    exact = (f" with its {casts_text(report.low_precision_casts)} made exact" if report.exact_casts is not None
+             else "")
     raise VerificationError(
         f"{what} is numerically wrong at tp={report.tp_size}: {name} differs from the unsharded model by "
-        f"{diff:.2e} (allowed {bound:.1e}; logits differ by {logits:.2e}); {fix}.",
+        f"{diff:.2e}{exact} (allowed {bound:.1e}; logits differ by {logits:.2e}); {fix}.",
         parameter=name, difference=diff, allowed=bound, report=report)
 
 
@@ -380,15 +487,21 @@ def _double(inputs):
     return inputs
 
 
-def _verify_once(model, plan, tp_size, inputs, backward, tolerance) -> VerifyReport:
-    ref_logits, ref_params = reference_run(model, inputs, backward)
+def _verify_once(model, plan, tp_size, inputs, backward, tolerance, exact_dtype=None) -> VerifyReport:
+    """One check; with ``exact_dtype``, the model's casts to bf16 / fp16 give that dtype instead,
+    in the reference and in the sharded run alike."""
+    casts = (lambda: LowPrecisionCasts(exact_dtype)) if exact_dtype is not None else contextlib.nullcontext
+    with casts():
+        ref_logits, ref_params = reference_run(model, inputs, backward)
 
     with _simulate.simulated_mesh(tp_size) as mesh:
         sharded = clean_copy(model).eval()
         sharded.zero_grad(set_to_none=True)
         apply_plan(sharded, mesh, plan)
         try:
-            return _run_sharded(sharded, inputs, ref_logits, ref_params, tp_size, backward, tolerance)
+            # Entered inside the simulator's mode: it sees each op of the sharded model once.
+            with casts():
+                return _run_sharded(sharded, inputs, ref_logits, ref_params, tp_size, backward, tolerance)
         except AutoTPError:
             raise
         except Exception as error:  # a wrong plan usually surfaces as a shape or placement error

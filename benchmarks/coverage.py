@@ -201,6 +201,11 @@ def check_and_verify(model, plan, tp: int, *, isolated: int = 0) -> dict:
     if report.float64 is not None:  # fp32 differences above tolerance, decided in float64
         out["float64_recheck"] = {"ok": report.float64.ok, "logits_diff": max(report.float64.logits_max_abs_diff),
                                   "grad_diff": report.float64.worst_grad[1]}
+    if report.exact_casts is not None:  # the model casts to bf16 / fp16 inside: decided with them exact
+        logits, grads = report.exact_casts.deciding_diffs()
+        out["exact_casts_recheck"] = {"casts": dict(report.low_precision_casts), "ok": report.exact_casts.ok,
+                                      "logits_diff": logits, "grad_diff": grads}
+    out["verdict"] = report.verdict
     if report.ok:
         out["status"] = "verified"
         out.update(per_token_comm(model, plan, tp, report))
