@@ -1,8 +1,18 @@
-"""Fixtures shared by the test modules."""
+"""Fixtures shared by the test modules, and the rules that split the suite into two tiers."""
+
+import os
 
 import pytest
+import torch
 
 from autotp.models import build_model
+
+# One intra-op thread per test process. The tests' models are tiny: their ops gain nothing from
+# threads, and two xdist workers with two threads each on a 2-core machine spent 1.7x the CPU time of
+# one thread each (synthesize + verify of two families, measured with /usr/bin/time). Child
+# processes (gloo workers, isolated runs, the CLI) inherit the variable.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+torch.set_num_threads(1)
 
 
 @pytest.fixture(scope="session")
