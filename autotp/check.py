@@ -605,6 +605,15 @@ def check_plan(model: nn.Module, plan: Plan, *, tp_size: int, example_inputs=Non
         The findings, empty when the plan is consistent with the graph.
     """
     plan = as_styles(model, plan)
+    if example_inputs is None and analysis is None:  # the command line keeps answers (check_cache.py)
+        from autotp.check_cache import cached_findings
+
+        return cached_findings(model, plan, tp_size, lambda: _findings(model, plan, tp_size, None, None))
+    return _findings(model, plan, tp_size, example_inputs, analysis)
+
+
+def _findings(model: nn.Module, plan: Plan, tp_size: int, example_inputs, analysis) -> list[Finding]:
+    """:func:`check_plan` of a plan of styles."""
     resolved, findings = _resolve_findings(model, plan)
     if any(f.kind == "conflicting_keys" for f in findings):
         return findings

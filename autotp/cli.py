@@ -49,9 +49,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     otherwise. Warnings torch and transformers raise while the command runs are summarized at the
     end, one line per kind.
     """
+    from autotp.check_cache import enabled as check_cache  # stdlib only: no torch at import
+
     args = _parser().parse_args(argv)
     try:
-        with summarized_warnings(), quiet_transformers(), quiet_torch_tracebacks(not args.traceback):
+        with summarized_warnings(), quiet_transformers(), quiet_torch_tracebacks(not args.traceback), check_cache():
             status = args.run(args)
         sys.stdout.flush()  # a closed pipe raises here, inside the handler, not at exit
         return status

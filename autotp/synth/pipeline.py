@@ -504,8 +504,10 @@ def _logged(step: Callable[[Analysis], Analysis], a: Analysis) -> Analysis:
 def _warn_whole(module: str, what: str, size: int, tp_size: int) -> None:
     """The warning for a module kept whole because ``tp_size`` does not divide its ``size``: the plan
     is still given (the rest sharded), and the user learns what each rank holds whole, and why."""
+    sizes = working_tp_sizes([size])
+    hint = f"tp in {sizes} would split it" if len(sizes) > 1 else "no tp above 1 divides it"
     warnings.warn(f"autotp: {module} kept whole on every rank: its {size} {what} do not split over tp={tp_size} "
-                  f"(tp in {working_tp_sizes([size])} would split it)", UserWarning, stacklevel=2)
+                  f"({hint})", UserWarning, stacklevel=2)
 
 
 def indivisible_vocab(g: nx.DiGraph, flow: Flow, roles: dict[str, Role], tp_size: int | None) -> dict[str, str]:
