@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import re
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
@@ -376,6 +377,7 @@ def divisibility(a: Analysis) -> Analysis:
     if a.tp_size is None:
         return a
     check_divisible(a.graph, a.flow, a.roles, a.tp_size, skip=a.kv_handled)
+    _warn_whole_heads(a.roles, a.tp_size)
     return replace(a, roles={**a.roles, **indivisible_tables(a.graph, a.roles, a.tp_size)})
 
 
@@ -523,9 +525,22 @@ def indivisible_vocab(g: nx.DiGraph, flow: Flow, roles: dict[str, Role], tp_size
         module, size = module_of(g, root), flow.extent.get(root, 0)
         role = roles.get(module)
         if role is not None and role.kind == "head" and size % tp_size:
-            _warn_whole(module, "output features (the vocabulary)", size, tp_size)
-            found[root] = f"its {size} output features (the vocabulary) do not split over tp={tp_size}; kept whole"
+            found[root] = f"its {size} {_VOCAB_WHOLE}{tp_size}; kept whole"
     return found
+
+
+# The reason indivisible_vocab gives; the divisibility pass warns for the modules it finds it in.
+_VOCAB_WHOLE = "output features (the vocabulary) do not split over tp="
+_VOCAB_REASON = re.compile(r"its (\d+) output features \(the vocabulary\) do not split over tp=")
+
+
+def _warn_whole_heads(roles: dict[str, Role], tp_size: int) -> None:
+    """Warn for each output head :func:`indivisible_vocab` kept whole, once the plan stands (a model
+    refused for another size gets the refusal alone)."""
+    for module, role in sorted(roles.items()):
+        found = _VOCAB_REASON.search(role.reason or "") if role is not None else None
+        if found and role.kind == "replicate":
+            _warn_whole(module, "output features (the vocabulary)", int(found.group(1)), tp_size)
 
 
 def indivisible_tables(g: nx.DiGraph, roles: dict[str, Role], tp_size: int) -> dict[str, Role]:
