@@ -575,10 +575,12 @@ def _reshape_findings(model: nn.Module, g, flow, roles: dict, style_of: dict, co
         inner = inner_roles(roles, fqn) if view is None else with_width_view(inner_roles(roles, fqn), view)
         with collapsed(model, groups):
             module = model.get_submodule(fqn)
-            if not runs_into_other_shapes(module, captured[fqn], inner, tp_size, tuple(names)):
+            traces: dict = {}  # the block's global trace, exported once for the three steps
+            if not runs_into_other_shapes(module, captured[fqn], inner, tp_size, tuple(names), traces):
                 continue
-            main = shape_proof(module, captured[fqn], inner, tp_size)
-            fix_names = head_names(module, captured[fqn], inner, candidate_names(module, {v for v in sizes if v > 1}), tp_size, main)
+            main = shape_proof(module, captured[fqn], inner, tp_size, traces=traces)
+            fix_names = head_names(module, captured[fqn], inner, candidate_names(module, {v for v in sizes if v > 1}),
+                                   tp_size, main, traces=traces)
         linears = ", ".join(sorted({g.nodes[r]["module"] for r in roots}))
         divided = f" with {', '.join(names)} divided by tp" if names else ""
         fix = (f"divide {', '.join(fix_names)} by tp: ShardCounts(names={fix_names})" if fix_names else

@@ -324,7 +324,9 @@ def _print_plan(args: argparse.Namespace, model, choice) -> int:
     if replicated:
         print(f"autotp: warning: {_replicated_text(replicated, per_rank, total, args.tp)}", file=sys.stderr)
     explanation = _explanation(model, choice, args) if args.explain else None
-    findings = check_plan(model, plan, tp_size=args.tp) if args.check else None
+    findings = None
+    if args.check:  # selection's own check passed for this plan at this tp: not traced a second time
+        findings = [] if _checked_by_selection(args, choice) else check_plan(model, plan, tp_size=args.tp)
     if args.json:
         print(json.dumps(_plan_json(args, model, choice, per_rank, total, explanation, findings), indent=2))
         return EXIT_MISMATCH if findings else 0
@@ -347,6 +349,12 @@ def _print_plan(args: argparse.Namespace, model, choice) -> int:
         print(f"why each key has its style ({_explained_by(choice)}):")
         print(format_table(["module", "role", "style", "reason"], [_explain_row(r) for r in explanation]))
     return EXIT_MISMATCH if findings else 0
+
+
+def _checked_by_selection(args: argparse.Namespace, choice) -> bool:
+    """Whether selection already checked ``choice`` at ``args.tp`` with no finding (``auto``: each
+    candidate is checked, and the one returned passed)."""
+    return args.plan is None and args.source == "auto" and choice.source in ("handwritten", "hf", "synthesized")
 
 
 def replicated_linears(model, plan, share: float = None) -> list[tuple[str, int]]:
