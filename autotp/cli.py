@@ -480,7 +480,8 @@ def _emit(args: argparse.Namespace, model, choice) -> int:
         left_out = ", ".join(f"{key} ({style.split('(', 1)[0]})" for key, style in missing.items())
         print(f"autotp: warning: --emit hf left out {len(missing)} plan key(s) whose style has no transformers "
               f"tp_plan string: {left_out}. The strings above are not the whole plan: check them before use "
-              "(`autotp check MODEL --plan FILE.py:NAME` reads a dict of them).", file=sys.stderr)
+              "(`autotp check MODEL --plan FILE.py:NAME` reads a dict of them), or load the whole plan with "
+              "autotp.from_pretrained.", file=sys.stderr)
     return 0
 
 

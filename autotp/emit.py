@@ -263,6 +263,9 @@ def emit_python(model: nn.Module, plan: Plan, *, name: str = "plan", sequence_pa
         PlanError: a style or option cannot be written as Python, or the text does not rebuild
             ``plan`` on ``model``.
     """
+    from autotp.hf_plans import as_styles  # hf_plans imports every style: only when exporting
+
+    plan = as_styles(model, plan)  # a plan of transformers' strings is written as its styles
     names: set[str] = set()
     uses_config = uses_parts = False
     lines = []
@@ -363,8 +366,9 @@ def emit_hf(model: nn.Module, plan: Plan) -> tuple[dict[str, str], dict[str, str
         transformers string expresses (sequence-parallel norms that gather, packed parts of
         unequal sizes, kv replication, ...).
     """
-    from autotp.hf_plans import STYLE_FACTORIES
+    from autotp.hf_plans import STYLE_FACTORIES, as_styles
 
+    plan = as_styles(model, plan)
     config = _text_config(model)
     tp_plan, missing = {}, {}
     for key, style in plan.items():

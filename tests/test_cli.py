@@ -663,8 +663,9 @@ def test_plan_keeps_the_checkers_answer_between_runs(tiny_llama_config, tmp_path
 
 
 def test_plan_entry_points_take_a_plan_of_strings():
-    """validate_tp_mesh / check_divisible and param_bytes_per_rank read transformers' strings as
-    get_plan, check_plan and verify do (they failed on a str where a ParallelStyle was expected)."""
+    """validate_tp_mesh / check_divisible, param_bytes_per_rank and the exports read transformers'
+    strings as get_plan, check_plan and verify do (check_divisible and param_bytes_per_rank ignored
+    them: tp=3 passed and nothing counted as sharded)."""
     from autotp.apply import check_divisible
     from autotp.errors import MeshError
     from autotp.memory import param_bytes_per_rank
@@ -676,6 +677,10 @@ def test_plan_entry_points_take_a_plan_of_strings():
     check_divisible(model, 2, strings)
     with pytest.raises(MeshError, match="tp=3"):
         check_divisible(model, 3, strings)
+    from autotp.emit import emit_hf, emit_python
+
+    assert "RowwiseParallel()" in emit_python(model, strings)
+    assert emit_hf(model, strings)[0]["model.layers.*.mlp.down_proj"] == "rowwise"
     per_rank, total = param_bytes_per_rank(model, strings, 2)
     assert per_rank < total and param_bytes_per_rank(model, strings, 2) == param_bytes_per_rank(
         model, __import__("autotp").hf_plans.as_styles(model, strings), 2)
