@@ -84,10 +84,18 @@ def empty_model(config, *, dtype: torch.dtype | None = None) -> nn.Module:
     """
     from transformers import AutoModelForCausalLM
 
-    dtype = dtype or (config.dtype if isinstance(getattr(config, "dtype", None), torch.dtype) else torch.float32)
+    dtype = dtype or _config_dtype(config)
     with _parameters_on_meta():
         model = AutoModelForCausalLM.from_config(config, dtype=dtype)
     return model.eval()
+
+
+def _config_dtype(config) -> torch.dtype:
+    """The dtype the config was saved in (a ``torch.dtype`` or its name), else float32."""
+    value = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None)
+    if isinstance(value, str):
+        value = getattr(torch, value, None)
+    return value if isinstance(value, torch.dtype) else torch.float32
 
 
 def _tensor_files(directory: Path) -> dict[str, Path]:
@@ -149,9 +157,14 @@ def load_sharded_safetensors(model: nn.Module, directory: str | os.PathLike, *,
     owners: dict[int, list[tuple[nn.Module, str, str]]] = {}
     for fqn, module in model.named_modules(remove_duplicate=False):
         for name, value in [*module._parameters.items(), *module._buffers.items()]:
-            persistent = name in module._parameters or name not in module._non_persistent_buffers_set
-            if value is not None and value.is_meta and persistent:
-                owners.setdefault(id(value), []).append((module, name, f"{fqn}.{name}" if fqn else name))
+            if value is None or not value.is_meta:
+                continue
+            full = f"{fqn}.{name}" if fqn else name
+            if name in module._buffers and name in module._non_persistent_buffers_set:
+                raise LoadingError(f"{full}: a buffer no checkpoint holds (computed in __init__) is on the meta "
+                                   "device; build the model with autotp.loading.empty_model, which puts only "
+                                   "the parameters there.")
+            owners.setdefault(id(value), []).append((module, name, full))
     missing = [entries[0][2] for entries in owners.values() if not any(full in files for *_, full in entries)]
     if missing:
         raise LoadingError(f"{directory}: {len(missing)} tensor(s) the model needs are not in its safetensors "

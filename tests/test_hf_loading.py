@@ -145,3 +145,13 @@ def test_load_sharded_safetensors_fills_an_unsharded_meta_model(tmp_path):
     load_sharded_safetensors(model, directory)
     with torch.no_grad():
         assert torch.equal(model(ids).logits, reference[0])
+
+
+def test_a_meta_buffer_no_checkpoint_holds_is_refused(tmp_path):
+    """A model built wholly on meta has its rotary table there too; no file can fill it, and a
+    forward would fail far from the cause."""
+    from autotp.loading import LoadingError, load_sharded_safetensors
+
+    directory, _, _ = _saved(tmp_path / "llama", "llama")
+    with pytest.raises(LoadingError, match="rotary_emb.inv_freq: a buffer no checkpoint holds"):
+        load_sharded_safetensors(build_model("llama", tiny=True, tp=2, device="meta"), directory)
