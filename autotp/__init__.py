@@ -7,6 +7,7 @@ The API:
 - :func:`parallelize` shards a model over a tp mesh with it; :func:`fsdp2_strategy_parallelize`
   adds FSDP2 on a 2-D mesh.
 - :func:`synthesize` / :func:`explain` build a plan from the model's dataflow graph.
+- :func:`from_pretrained` loads a saved checkpoint straight into the plan, each rank reading its shards.
 - :func:`check_plan` finds what makes a plan wrong, statically.
 - :func:`verify` checks a plan numerically against the unsharded model on simulated ranks;
   :func:`verify_multiprocess` does it on real gloo processes.
@@ -28,6 +29,7 @@ _EXPORTS = {
     "Finding": "autotp.check",
     "check_plan": "autotp.check",
     "explain": "autotp.synth",
+    "from_pretrained": "autotp.loading",
     "fsdp2_strategy_parallelize": "autotp.training",
     "get_plan": "autotp.selection",
     "parallelize": "autotp.facade",
@@ -46,6 +48,7 @@ __all__ = [
     "VerifyReport",
     "check_plan",
     "explain",
+    "from_pretrained",
     "fsdp2_strategy_parallelize",
     "get_plan",
     "parallelize",
@@ -60,6 +63,7 @@ if TYPE_CHECKING:  # for type checkers and IDEs: the same names, imported eagerl
     from autotp.check import Finding, check_plan
     from autotp.errors import AutoTPError
     from autotp.facade import parallelize, synthesize
+    from autotp.loading import from_pretrained
     from autotp.multiprocess import verify_multiprocess
     from autotp.selection import PlanChoice, get_plan
     from autotp.synth import explain

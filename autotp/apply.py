@@ -62,8 +62,10 @@ def check_divisible(model: nn.Module, tp: int, plan: Plan | None = None) -> None
 
     Head counts are checked when there is no plan, or when the plan shards a dimension as wide as
     some heads (q, k, v or o projections): a plan that keeps attention whole (a one-kv-head model
-    whose synthesized plan shards only the MLP) does not need them to divide.
+    whose synthesized plan shards only the MLP) does not need them to divide. ``plan`` may hold
+    transformers' style strings.
     """
+    plan = as_styles(model, plan) if plan is not None else None
     sharded = _sharded_sizes(model, plan) if plan is not None else None
     kv_replicated = plan is not None and any(isinstance(s, ReplicatedKVColwise) for s in plan.values())
     for config in _text_configs(model):

@@ -547,10 +547,12 @@ def _reshape_findings(model: nn.Module, g, flow, roles: dict, style_of: dict, co
         inner = inner_roles(roles, fqn) if view is None else with_width_view(inner_roles(roles, fqn), view)
         with collapsed(model, groups):
             module = model.get_submodule(fqn)
-            if not runs_into_other_shapes(module, captured[fqn], inner, tp_size, tuple(names)):
+            traces: dict = {}  # the block's global trace, exported once for the three steps
+            if not runs_into_other_shapes(module, captured[fqn], inner, tp_size, tuple(names), traces):
                 continue
-            main = shape_proof(module, captured[fqn], inner, tp_size)
-            fix_names = head_names(module, captured[fqn], inner, candidate_names(module, {v for v in sizes if v > 1}), tp_size, main)
+            main = shape_proof(module, captured[fqn], inner, tp_size, traces=traces)
+            fix_names = head_names(module, captured[fqn], inner, candidate_names(module, {v for v in sizes if v > 1}),
+                                   tp_size, main, traces=traces)
         linears = ", ".join(sorted({g.nodes[r]["module"] for r in roots}))
         divided = f" with {', '.join(names)} divided by tp" if names else ""
         fix = (f"divide {', '.join(fix_names)} by tp: ShardCounts(names={fix_names})" if fix_names else
@@ -577,6 +579,13 @@ def check_plan(model: nn.Module, plan: Plan, *, tp_size: int, example_inputs=Non
         The findings, empty when the plan is consistent with the graph.
     """
     plan = as_styles(model, plan)
+    if example_inputs is None and analysis is None:  # the command line keeps answers (check_cache.py)
+        return cached_findings(model, plan, tp_size, lambda: _findings(model, plan, tp_size, None, None), Finding)
+    return _findings(model, plan, tp_size, example_inputs, analysis)
+
+
+def _findings(model: nn.Module, plan: Plan, tp_size: int, example_inputs, analysis) -> list[Finding]:
+    """:func:`check_plan` of a plan of styles."""
     resolved, findings = _resolve_findings(model, plan)
     if any(f.kind == "conflicting_keys" for f in findings):
         return findings

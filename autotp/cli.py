@@ -49,9 +49,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     otherwise. Warnings torch and transformers raise while the command runs are summarized at the
     end, one line per kind.
     """
+    from autotp.check_cache import enabled as check_cache  # stdlib only: no torch at import
+
     args = _parser().parse_args(argv)
     try:
-        with summarized_warnings(), quiet_transformers(), quiet_torch_tracebacks(not args.traceback):
+        with summarized_warnings(), quiet_transformers(), quiet_torch_tracebacks(not args.traceback), check_cache():
             status = args.run(args)
         sys.stdout.flush()  # a closed pipe raises here, inside the handler, not at exit
         return status
@@ -322,7 +324,9 @@ def _print_plan(args: argparse.Namespace, model, choice) -> int:
     if replicated:
         print(f"autotp: warning: {_replicated_text(replicated, per_rank, total, args.tp)}", file=sys.stderr)
     explanation = _explanation(model, choice, args) if args.explain else None
-    findings = check_plan(model, plan, tp_size=args.tp) if args.check else None
+    findings = None
+    if args.check:  # selection's own check passed for this plan at this tp: not traced a second time
+        findings = [] if _checked_by_selection(args, choice) else check_plan(model, plan, tp_size=args.tp)
     if args.json:
         print(json.dumps(_plan_json(args, model, choice, per_rank, total, explanation, findings), indent=2))
         return EXIT_MISMATCH if findings else 0
@@ -345,6 +349,12 @@ def _print_plan(args: argparse.Namespace, model, choice) -> int:
         print(f"why each key has its style ({_explained_by(choice)}):")
         print(format_table(["module", "role", "style", "reason"], [_explain_row(r) for r in explanation]))
     return EXIT_MISMATCH if findings else 0
+
+
+def _checked_by_selection(args: argparse.Namespace, choice) -> bool:
+    """Whether selection already checked ``choice`` at ``args.tp`` with no finding (``auto``: each
+    candidate is checked, and the one returned passed)."""
+    return args.plan is None and args.source == "auto" and choice.source in ("handwritten", "hf", "synthesized")
 
 
 def replicated_linears(model, plan, share: float = None) -> list[tuple[str, int]]:
@@ -470,7 +480,8 @@ def _emit(args: argparse.Namespace, model, choice) -> int:
         left_out = ", ".join(f"{key} ({style.split('(', 1)[0]})" for key, style in missing.items())
         print(f"autotp: warning: --emit hf left out {len(missing)} plan key(s) whose style has no transformers "
               f"tp_plan string: {left_out}. The strings above are not the whole plan: check them before use "
-              "(`autotp check MODEL --plan FILE.py:NAME` reads a dict of them).", file=sys.stderr)
+              "(`autotp check MODEL --plan FILE.py:NAME` reads a dict of them), or load the whole plan with "
+              "autotp.from_pretrained.", file=sys.stderr)
     return 0
 
 

@@ -27,7 +27,7 @@ from torch.distributed.tensor.placement_types import Placement
 
 from autotp import styles
 from autotp.errors import PlanError
-from autotp.hf_plans import STYLE_FACTORIES
+from autotp.hf_plans import STYLE_FACTORIES, as_styles
 from autotp.plan import Plan, describe_plan, describe_style, matched_modules
 
 # Options that hold a size of the model rather than a layout: written as expressions of the model.
@@ -265,6 +265,7 @@ def emit_python(model: nn.Module, plan: Plan, *, name: str = "plan", sequence_pa
         PlanError: a style or option cannot be written as Python, or the text does not rebuild
             ``plan`` on ``model``.
     """
+    plan = as_styles(model, plan)  # a plan of transformers' strings is written as its styles
     names: set[str] = set()
     uses_config = uses_parts = False
     lines = []
@@ -355,11 +356,15 @@ def emit_hf(model: nn.Module, plan: Plan) -> tuple[dict[str, str], dict[str, str
     turns back into an equal style on the same module, so the round trip is exact; an
     ``nn.Embedding`` gets only an ``embedding_*`` string, the one kind transformers applies to it.
 
+    Keys of transformers' own plan that this plan does not name are added as ``"replicate"`` (see
+    :func:`_overridden_defaults`): ``from_pretrained`` merges a plan into its own.
+
     Returns:
         ``(tp_plan, missing)``: ``{key: "colwise", ...}`` and ``{key: style repr}`` for styles no
         transformers string expresses (sequence-parallel norms that gather, packed parts of
         unequal sizes, kv replication, ...).
     """
+    plan = as_styles(model, plan)
     config = _text_config(model)
     tp_plan, missing = {}, {}
     for key, style in plan.items():
@@ -381,4 +386,28 @@ def emit_hf(model: nn.Module, plan: Plan) -> tuple[dict[str, str], dict[str, str
             missing[key] = repr(style)
         else:
             tp_plan[key] = found
-    return tp_plan, missing
+    return {**tp_plan, **_overridden_defaults(model, tp_plan)}, missing
+
+
+def _overridden_defaults(model: nn.Module, tp_plan: dict[str, str]) -> dict[str, str]:
+    """Keys of transformers' own plan for ``model`` that ``tp_plan`` does not name, set so that the
+    plan loaded is ``tp_plan`` and nothing else.
+
+    transformers 5.23 merges a ``tp_plan`` dict *into* the model's own plan (``DistributedConfig``:
+    "a dictionary overrides individual rules"), and shards an ``embed_tokens`` the plan does not name:
+    a module this plan leaves whole (a vocabulary tp does not divide, a style with no string) would be
+    sharded by the default rule. Each such module key gets the string this plan gives the module under
+    another pattern, else ``"replicate"`` (transformers' no-op style). Parameter-level keys (3-D
+    experts) are kept: the experts module's own string reads them."""
+    defaults = getattr(model, "tp_plan", None)
+    if not isinstance(defaults, dict):
+        return {}
+    ours = {fqn: string for key, string in tp_plan.items() for fqn in matched_modules(model, key)}
+    out = {}
+    for key in defaults:
+        if key in tp_plan:
+            continue
+        hits = matched_modules(model, key)
+        if hits:
+            out[key] = ours.get(hits[0], "replicate")
+    return out

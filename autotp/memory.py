@@ -24,7 +24,8 @@ def param_bytes_per_rank(model: nn.Module, plan: Plan, tp_size: int) -> tuple[in
 
     Args:
         model: the model, typically on the meta device.
-        plan: ``{fnmatch pattern: ParallelStyle}``, matched like ``parallelize_module`` does.
+        plan: ``{fnmatch pattern: ParallelStyle}``, matched like ``parallelize_module`` does
+            (transformers' style strings are translated first).
         tp_size: the tensor-parallel degree.
 
     Returns:
@@ -38,6 +39,9 @@ def param_bytes_per_rank(model: nn.Module, plan: Plan, tp_size: int) -> tuple[in
     >>> param_bytes_per_rank(two, {"0": ColwiseParallel()}, 2)
     (192, 256)
     """
+    from autotp.hf_plans import as_styles  # imports the styles: only when sizing a plan
+
+    plan = as_styles(model, plan)
     shard_dims = _shard_dims_by_param(model, plan)
     expanded = _expanded_sizes(model, plan, tp_size)
     per_rank = total = 0

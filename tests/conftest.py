@@ -43,6 +43,7 @@ DEFAULT_MULTIPROCESS = (
     "tests/test_multiprocess.py::test_sp_plan_verifies_on_two_gloo_processes",
     "tests/test_training.py::test_dp1_tp2_step_matches_single_process",
     "tests/test_checkpoint.py::test_reload_at_the_same_layout_gives_equal_logits_optimizer_and_next_step",
+    "tests/test_hf_loading.py::test_emitted_hf_plan_and_autotp_plan_load_sharded_on_two_gloo_processes",
 )
 
 TP_PARAMS = ("tp", "tp_size")

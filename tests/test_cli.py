@@ -634,3 +634,51 @@ def test_version_is_read_only_when_asked(monkeypatch, capsys):
     with pytest.raises(SystemExit) as info:
         main(["plan", "--help"])
     assert info.value.code == 0 and "MODEL" in capsys.readouterr().out
+
+
+def test_plan_keeps_the_checkers_answer_between_runs(tiny_llama_config, tmp_path, monkeypatch, capsys):
+    """`autotp plan` re-ran the checker (a torch.export of the model and the per-rank shape proof) on
+    every run: the second run must print the same without checking, and the library outside the
+    command must never read the cache."""
+    from autotp import check
+    from autotp.models import build_model
+
+    cache = tmp_path / "cache"
+    monkeypatch.setenv("AUTOTP_CACHE_DIR", str(cache))
+    assert main(["plan", tiny_llama_config, "--tp", "2"]) == 0
+    first = capsys.readouterr().out
+    assert len(list(cache.glob("findings-*.json"))) == 1
+
+    def checked_again(*args, **kwargs):
+        raise AssertionError("the checker ran again")
+
+    monkeypatch.setattr(check, "_findings", checked_again)
+    assert main(["plan", tiny_llama_config, "--tp", "2"]) == 0
+    assert capsys.readouterr().out == first
+    model = build_model(tiny_llama_config, device="meta")
+    with pytest.raises(AssertionError, match="ran again"):
+        check.check_plan(model, {}, tp_size=2)
+
+
+def test_plan_entry_points_take_a_plan_of_strings():
+    """validate_tp_mesh / check_divisible, param_bytes_per_rank and the exports read transformers'
+    strings as get_plan, check_plan and verify do (check_divisible and param_bytes_per_rank ignored
+    them: tp=3 passed and nothing counted as sharded)."""
+    from autotp.apply import check_divisible
+    from autotp.errors import MeshError
+    from autotp.memory import param_bytes_per_rank
+    from autotp.models import build_model
+
+    model = build_model("llama", tiny=True, tp=2)
+    strings = {"model.layers.*.mlp.gate_proj": "colwise", "model.layers.*.mlp.up_proj": "colwise",
+               "model.layers.*.mlp.down_proj": "rowwise"}
+    check_divisible(model, 2, strings)
+    with pytest.raises(MeshError, match="tp=3"):
+        check_divisible(model, 3, strings)
+    from autotp.emit import emit_hf, emit_python
+
+    assert "RowwiseParallel()" in emit_python(model, strings)
+    assert emit_hf(model, strings)[0]["model.layers.*.mlp.down_proj"] == "rowwise"
+    per_rank, total = param_bytes_per_rank(model, strings, 2)
+    assert per_rank < total and param_bytes_per_rank(model, strings, 2) == param_bytes_per_rank(
+        model, __import__("autotp").hf_plans.as_styles(model, strings), 2)

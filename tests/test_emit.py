@@ -149,7 +149,9 @@ def test_emit_hf_gives_back_transformers_own_strings(capsys):
     assert main(["plan", "olmo2", "--source", "hf", "--tp", "2", "--emit", "hf"]) == 0
     exported = json.loads(capsys.readouterr().out)
     raw = raw_hf_plan(build_model("olmo2"))
-    assert exported and all(raw[key] == string for key, string in exported.items())
+    # Keys of transformers' default plan that the translation has no key for ("embed_tokens", which
+    # transformers adds itself) come back as "replicate", so that from_pretrained loads exactly this plan.
+    assert exported and all(raw.get(key, "replicate") == string for key, string in exported.items())
 
 
 def test_emit_hf_names_styles_without_a_string_in_a_warning(capsys):
@@ -160,3 +162,21 @@ def test_emit_hf_names_styles_without_a_string_in_a_warning(capsys):
     assert captured.err.startswith("autotp: warning: --emit hf left out 8 plan key(s)")
     assert "model.layers.*.input_layernorm (SequenceParallelAllGather)" in captured.err
     assert captured.err.count("\n") == 1 and "error" not in captured.err
+
+
+def test_emit_hf_overrides_the_defaults_transformers_would_add():
+    """transformers 5.23 merges a tp_plan into the model's own plan and shards an unnamed
+    embed_tokens: a plan that leaves the embedding (or any default key's module) whole must say
+    "replicate", else from_pretrained shards it anyway."""
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+    from autotp.emit import emit_hf
+
+    model = build_model("llama", tiny=True, tp=2)
+    mlp = {"model.layers.*.mlp.gate_proj": ColwiseParallel(), "model.layers.*.mlp.up_proj": ColwiseParallel(),
+           "model.layers.*.mlp.down_proj": RowwiseParallel()}
+    tp_plan, missing = emit_hf(model, mlp)
+    assert not missing
+    assert tp_plan["model.layers.*.mlp.down_proj"] == "rowwise"
+    assert tp_plan["model.embed_tokens"] == "replicate" and tp_plan["model.layers.*.self_attn.q_proj"] == "replicate"
+    assert set(model.tp_plan) <= set(tp_plan)

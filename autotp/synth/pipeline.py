@@ -18,6 +18,8 @@ from __future__ import annotations
 
 import itertools
 import logging
+import re
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
@@ -136,6 +138,8 @@ def constraint_fixpoint(g: nx.DiGraph, groups: LayerGroups, model: nn.Module, ex
             log.info("constraints, round %d: fewer groups than ranks, read per group at %s", round_, per_group.last)
             continue
         indivisible = {n: reason for n, reason in _indivisible_parts(flow, tp_size).items() if n not in unlocal}
+        indivisible.update({n: reason for n, reason in indivisible_vocab(g, flow, roles, tp_size).items()
+                            if n not in unlocal})
         if indivisible:  # before the shape proofs: their modules run without these shards
             log.info("constraints, round %d: parts tp does not divide at %s", round_, sorted(indivisible))
             unlocal = {**unlocal, **per_group.give_up(indivisible)}
@@ -373,6 +377,7 @@ def divisibility(a: Analysis) -> Analysis:
     if a.tp_size is None:
         return a
     check_divisible(a.graph, a.flow, a.roles, a.tp_size, skip=a.kv_handled)
+    _warn_whole_heads(a.roles, a.tp_size)
     return replace(a, roles={**a.roles, **indivisible_tables(a.graph, a.roles, a.tp_size)})
 
 
@@ -498,6 +503,46 @@ def _logged(step: Callable[[Analysis], Analysis], a: Analysis) -> Analysis:
     return out
 
 
+def _warn_whole(module: str, what: str, size: int, tp_size: int) -> None:
+    """The warning for a module kept whole because ``tp_size`` does not divide its ``size``: the plan
+    is still given (the rest sharded), and the user learns what each rank holds whole, and why."""
+    sizes = working_tp_sizes([size])
+    hint = f"tp in {sizes} would split it" if len(sizes) > 1 else "no tp above 1 divides it"
+    warnings.warn(f"autotp: {module} kept whole on every rank: its {size} {what} do not split over tp={tp_size} "
+                  f"({hint})", UserWarning, stacklevel=2)
+
+
+def indivisible_vocab(g: nx.DiGraph, flow: Flow, roles: dict[str, Role], tp_size: int | None) -> dict[str, str]:
+    """The output head (vocab-sharded logits) when ``tp_size`` does not divide the vocabulary
+    (GPT-2's 50257 at any even tp): kept whole, with a warning, rather than the model refused.
+    Padding the vocabulary to a multiple of tp would shard it, but changes the logits' shape that
+    ``labels=`` losses and ``generate`` read; whole is exact. A tied embedding follows through the
+    tie constraint."""
+    if not tp_size:
+        return {}
+    found = {}
+    for root in flow.roots:
+        module, size = module_of(g, root), flow.extent.get(root, 0)
+        role = roles.get(module)
+        if role is not None and role.kind == "head" and size % tp_size:
+            found[root] = f"its {size} {_VOCAB_WHOLE}{tp_size}; kept whole"
+    return found
+
+
+# The reason indivisible_vocab gives; the divisibility pass warns for the modules it finds it in.
+_VOCAB_WHOLE = "output features (the vocabulary) do not split over tp="
+_VOCAB_REASON = re.compile(r"its (\d+) output features \(the vocabulary\) do not split over tp=")
+
+
+def _warn_whole_heads(roles: dict[str, Role], tp_size: int) -> None:
+    """Warn for each output head :func:`indivisible_vocab` kept whole, once the plan stands (a model
+    refused for another size gets the refusal alone)."""
+    for module, role in sorted(roles.items()):
+        found = _VOCAB_REASON.search(role.reason or "") if role is not None else None
+        if found and role.kind == "replicate":
+            _warn_whole(module, "output features (the vocabulary)", int(found.group(1)), tp_size)
+
+
 def indivisible_tables(g: nx.DiGraph, roles: dict[str, Role], tp_size: int) -> dict[str, Role]:
     """Vocab-parallel embeddings whose rows ``tp_size`` does not divide (OPT's 2050 positions at
     tp=4) stay whole: a small table costs less replicated than a plan that cannot be applied."""
@@ -508,6 +553,7 @@ def indivisible_tables(g: nx.DiGraph, roles: dict[str, Role], tp_size: int) -> d
             continue
         rows = g.nodes[data["args"][0].name]["shape"][0]
         if rows % tp_size:
+            _warn_whole(data["module"], "rows (the vocabulary)", rows, tp_size)
             # Under SP a whole table that starts the stream hands each rank its positions' slice.
             out[data["module"]] = Role("replicate", f"its {rows} rows do not split over tp={tp_size} (tp in "
                                        f"{working_tp_sizes([rows])} would); kept whole", role.evidence,

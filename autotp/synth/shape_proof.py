@@ -215,16 +215,19 @@ def _main(shapes):
 
 
 def runs_into_other_shapes(module: nn.Module, inputs, roles: dict[str, Role], tp: int,
-                           names: tuple[str, ...] = ()) -> bool:
+                           names: tuple[str, ...] = (), traces: dict | None = None) -> bool:
     """Whether ``module`` (``names`` divided by tp) runs at per-rank widths without an error and
     with its global output shapes, yet some intermediate shape is not the global one with the
     sharded dim divided: the silent case (``view(b, t, n_heads, -1)`` into heads of half the size).
-    A run that fails is loud at apply time and not reported here."""
+    A run that fails is loud at apply time and not reported here. ``traces``: shared with the
+    :func:`shape_proof` and :func:`head_names` that follow on the same module, so its global trace
+    is exported once (the checker once exported it up to three times)."""
     reference = run_local(module, inputs, roles, [], (), 1)
     local = run_local(module, inputs, roles, [], names, tp) if reference is not None else None
     if local is None or not outputs_match(local[0], reference[0], tp):
         return False
-    traced, per_rank = _global_trace(module, inputs, roles, {}), trace_local(module, inputs, roles, names, tp)
+    traced = _global_trace(module, inputs, roles, {} if traces is None else traces)
+    per_rank = trace_local(module, inputs, roles, names, tp)
     return traced is not None and per_rank is not None and not shapes_are_local(traced, per_rank, roles, tp)
 
 
