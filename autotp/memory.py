@@ -12,6 +12,7 @@ import math
 import torch
 from torch import nn
 
+from autotp.hf_plans import as_styles
 from autotp.plan import Plan, resolve, sharded_param_dims
 
 
@@ -39,7 +40,6 @@ def param_bytes_per_rank(model: nn.Module, plan: Plan, tp_size: int) -> tuple[in
     >>> param_bytes_per_rank(two, {"0": ColwiseParallel()}, 2)
     (192, 256)
     """
-    from autotp.hf_plans import as_styles  # imports the styles: only when sizing a plan
 
     plan = as_styles(model, plan)
     shard_dims = _shard_dims_by_param(model, plan)
