@@ -33,13 +33,14 @@ from torch.distributed.tensor.parallel.style import ParallelStyle
 
 from autotp import styles
 from autotp.apply import check_divisible, check_tied_styles
+from autotp.check_cache import cached_findings
 from autotp.copying import deep_copy
 from autotp.styles.raw_linear import LinearParams
 from autotp.styles.group_copies import Copies, expand_module
 from autotp.styles.params import HeadParams
 from autotp.errors import AutoTPError
 from autotp.hf_plans import as_styles
-from autotp.plan import Plan, base_style, describe_style, key_matches
+from autotp.plan import Plan, base_style, describe_plan, describe_style, key_matches
 from autotp.synth.analysis import (bad_packs, endless_shards, is_linear, linear_weight, mixed_parts, part_sizes,
                                    propagate_packed, raw_weight, unmet_scatters, weight_of, wider_attention)
 from autotp.synth.assign import expert_roles, norm_roles
@@ -580,7 +581,7 @@ def check_plan(model: nn.Module, plan: Plan, *, tp_size: int, example_inputs=Non
     """
     plan = as_styles(model, plan)
     if example_inputs is None and analysis is None:  # the command line keeps answers (check_cache.py)
-        return cached_findings(model, plan, tp_size, lambda: _findings(model, plan, tp_size, None, None), Finding)
+        return cached_findings(model, describe_plan(plan), tp_size, lambda: _findings(model, plan, tp_size, None, None), Finding)
     return _findings(model, plan, tp_size, example_inputs, analysis)
 
 

@@ -22,8 +22,6 @@ import os
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
-from autotp.plan import describe_plan
-
 _ON = False  # set by enabled(): only the command line reads and writes the cache
 _CODE_HASH: str | None = None
 
@@ -68,7 +66,7 @@ def _code_hash() -> str:
     return _CODE_HASH
 
 
-def _key(model, plan, tp_size: int) -> str | None:
+def _key(model, plan_text: str, tp_size: int) -> str | None:
     """The cache key of checking ``plan`` on ``model`` at ``tp_size``; None for a model without a
     transformers config (a plain module's shapes are not in any config)."""
     import torch
@@ -82,19 +80,20 @@ def _key(model, plan, tp_size: int) -> str | None:
         "class": f"{type(model).__module__}.{type(model).__qualname__}",
         "config": config.to_json_string(use_diff=False),
         "shapes": hashlib.sha256(repr(shapes).encode()).hexdigest(),
-        "plan": describe_plan(plan),
+        "plan": plan_text,
         "tp": tp_size,
         "versions": [torch.__version__, transformers.__version__, _code_hash()],
     }, sort_keys=True, default=repr)
     return hashlib.sha256(text.encode()).hexdigest()
 
 
-def cached_findings(model, plan, tp_size: int, compute: Callable[[], list], finding: type) -> list:
+def cached_findings(model, plan_text: str, tp_size: int, compute: Callable[[], list], finding: type) -> list:
     """``compute()`` (the checker's findings, dataclasses of type ``finding``), or the answer kept
-    for the same question."""
+    for the same question. ``plan_text`` is the plan as :func:`autotp.plan.describe_plan` writes it
+    (the caller's: this module imports nothing of torch, so ``autotp --help`` stays fast)."""
     Finding = finding
     where = directory()
-    key = _key(model, plan, tp_size) if where is not None else None
+    key = _key(model, plan_text, tp_size) if where is not None else None
     if key is None:
         return compute()
     path = where / f"findings-{key}.json"
