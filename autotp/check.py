@@ -581,7 +581,8 @@ def check_plan(model: nn.Module, plan: Plan, *, tp_size: int, example_inputs=Non
     """
     plan = as_styles(model, plan)
     if example_inputs is None and analysis is None:  # the command line keeps answers (check_cache.py)
-        return cached_findings(model, describe_plan(plan), tp_size, lambda: _findings(model, plan, tp_size, None, None), Finding)
+        compute = lambda: _findings(model, plan, tp_size, None, None)  # noqa: E731
+        return cached_findings(model, describe_plan(plan), tp_size, compute, Finding)
     return _findings(model, plan, tp_size, example_inputs, analysis)
 
 
