@@ -120,7 +120,8 @@ def test_torchtitan_model_as_shipped_is_synthesized_and_verified(name, tp_size, 
     to the experts' output in the block's combine, left with a partial gradient under SP (its
     router weight's gradient was 65% off)."""
     model = build(name)
-    plan = synthesize(model, example_inputs=(tokens(),), sequence_parallel=sequence_parallel, tp_size=tp_size)
+    plan = synthesize(model, example_inputs=(tokens(),), sequence_parallel=sequence_parallel, tp_size=tp_size,
+                      verify=False)
     assert any(key.startswith("layers.") for key in plan)  # keyed by the dict's keys
     with model_precision():
         report = verified(model, plan, tp_size)
@@ -138,7 +139,8 @@ def test_synthesized_plan_equals_torchtitans_own_sharding(name, tp_size, sequenc
     """Every parameter's placement and local shape after the synthesized plan equals what
     torchtitan's own ``parallelize`` gives it: the regression anchor on code autotp did not write."""
     model = build(name, sequence_parallel=sequence_parallel)
-    plan = synthesize(model, example_inputs=(tokens(),), sequence_parallel=sequence_parallel, tp_size=tp_size)
+    plan = synthesize(model, example_inputs=(tokens(),), sequence_parallel=sequence_parallel, tp_size=tp_size,
+                      verify=False)
     with _simulate.simulated_mesh(tp_size) as mesh:
         ours = copy.deepcopy(model)
         apply_plan(ours, mesh, plan)
@@ -157,7 +159,7 @@ def test_qwen3_moe_as_shipped_differs_by_bf16_rounding_only():
     model is bf16 rounding of the per-rank partial sums (3.4e-4 on logits, 7e-5 on gradients at
     tp 2), not a wrong reduction (the router's gradient was 2.8e-3 off on a 4e-3 scale)."""
     model = build("qwen3-moe")
-    plan = synthesize(model, example_inputs=(tokens(),), sequence_parallel=True, tp_size=2)
+    plan = synthesize(model, example_inputs=(tokens(),), sequence_parallel=True, tp_size=2, verify=False)
     report = verified(model, plan, 2, tolerance=1e-3)
     assert report.ok, str(report)
     assert max(report.logits_max_abs_diff) > 1e-5  # the bf16 rounding is there: the casts ran

@@ -48,7 +48,7 @@ def analyse_model(model: nn.Module, *, example_inputs=None, sequence_parallel: b
 
 def synthesize(model: nn.Module, *, example_inputs=None, sequence_parallel: bool = False,
                loss_parallel: bool = True, tp_size: int | None = None,
-               verify: bool = False, gather_copies: bool = True) -> dict[str, ParallelStyle]:
+               verify: bool = True, gather_copies: bool = True) -> dict[str, ParallelStyle]:
     """Write a tensor-parallel plan for ``model`` from its traced graph.
 
     Keyword Args:
@@ -60,8 +60,10 @@ def synthesize(model: nn.Module, *, example_inputs=None, sequence_parallel: bool
             fewer heads than ``tp_size`` (a multiple of them) get one kv head per rank.
         verify: check the plan numerically before returning it (:func:`autotp.self_check.self_check`:
             logits and every gradient at ``tp_size`` (2 if None) on simulated ranks, on the model
-            itself or on a tiny copy built from its config). Off by default: it costs 2-5 s on a
-            tiny model, several times the synthesis; ``autotp.parallelize`` turns it on.
+            itself or on a tiny copy built from its config), so no plan the verifier rejects is
+            handed out. It costs seconds, several times the synthesis (README, "Python API").
+            False skips it: for callers that verify the plan themselves. A model that cannot be
+            checked (on the meta device with no transformers config) gets a warning.
         gather_copies: parts with fewer groups than ranks (the one kv head of a fused multi-query
             qkv, B and C of a state-space mixer with ``n_groups < tp``) come from a Linear whose
             rows are sharded like its other parts; each forward all-gathers the part and each rank
@@ -73,8 +75,8 @@ def synthesize(model: nn.Module, *, example_inputs=None, sequence_parallel: bool
         ``{fnmatch key: ParallelStyle}`` for ``parallelize_module``, keys relative to ``model``.
 
     Raises:
-        VerificationError: (``verify=True``) the plan differs from the unsharded model; the
-            message names the first differing parameter and the difference against the tolerance.
+        VerificationError: (``verify=True``, the default) the plan differs from the unsharded model;
+            the message names the first differing parameter and the difference against the tolerance.
 
     Example::
         >>> plan = synthesize(model)  # doctest: +SKIP
@@ -86,10 +88,7 @@ def synthesize(model: nn.Module, *, example_inputs=None, sequence_parallel: bool
     plan = build_plan(analysis.roles, analysis.groups, loss_parallel=loss_parallel, copies=analysis.copies,
                       gather_copies=gather_copies)
     if verify:
-        from autotp.self_check import self_check
-
-        self_check(model, plan, tp_size=tp_size or 2, sequence_parallel=sequence_parallel,
-                   loss_parallel=loss_parallel, example_inputs=example_inputs)
+        self_check_plan(model, analysis, plan, loss_parallel=loss_parallel)
     else:
         check_value_branches(model, analysis, plan, loss_parallel=loss_parallel)
     return plan
@@ -107,21 +106,35 @@ def check_value_branches(model: nn.Module, analysis: Analysis, plan: dict[str, P
         VerificationError: the plan differs from the unsharded model.
         TraceError: the plan could not be checked (no inputs to check it on); it is not handed out.
     """
-    where = analysis.graph.graph.get("value_branches")
-    if not where:
-        return
+    if analysis.graph.graph.get("value_branches"):
+        self_check_plan(model, analysis, plan, loss_parallel=loss_parallel)
+
+
+def self_check_plan(model: nn.Module, analysis: Analysis, plan: dict[str, ParallelStyle], *,
+                    loss_parallel: bool = True) -> None:
+    """Verify ``plan`` numerically (:func:`autotp.self_check.self_check`) before it is handed out,
+    at the analysis' ``tp_size`` (2 if None), sequence-parallel mode and example inputs.
+
+    Raises:
+        VerificationError: the plan differs from the unsharded model.
+        TraceError: the plan has value-dependent branches and could not be checked (no inputs to
+            check it on); it is not handed out. Without such branches an unchecked plan gets a
+            warning (from the self-check) instead.
+    """
     from autotp.errors import TraceError
     from autotp.self_check import self_check
 
-    log.info("%s branches on tensor values: checking the plan traced on these inputs' branches", where)
+    where = analysis.graph.graph.get("value_branches")
+    if where:
+        log.info("%s branches on tensor values: checking the plan traced on these inputs' branches", where)
     report = self_check(model, plan, tp_size=analysis.tp_size or 2, sequence_parallel=analysis.sequence_parallel,
                         loss_parallel=loss_parallel, example_inputs=analysis.example_inputs)
-    if report is None:
+    if report is None and where:
         raise TraceError(
             f"{type(model).__name__}: {where} branches on tensor values, so its trace follows only the "
             "branches the example inputs took, and the plan made from it could not be checked on other "
             "inputs. Pass example_inputs (or use a model with a transformers config) so that "
-            f"synthesize(verify=True) can check it, or write the plan by hand and leave {where} replicated."
+            f"synthesize can check it, or write the plan by hand and leave {where} replicated."
         )
 
 
