@@ -96,6 +96,7 @@ def test_meta_model_with_config_is_checked_on_a_tiny_copy(caplog, monkeypatch):
     assert "does not fit" not in caplog.text  # the real plan itself ran on the copy
 
 
+@pytest.mark.slow  # a real-size synthesis and two tiny-copy checks; the default path is checked once above
 def test_tiny_copy_that_needs_its_own_plan_synthesizes_it_unchecked(monkeypatch):
     """Would catch: the self-check's fallback (the plan does not fit the tiny copy) synthesizing the
     copy's plan with the default self-check, which would check it twice, or recurse."""
