@@ -57,7 +57,8 @@ def synthesize(model: nn.Module, *, example_inputs=None, sequence_parallel: bool
         sequence_parallel: keep the residual stream sharded on the sequence between blocks.
         loss_parallel: leave the head's logits vocab-sharded (``Shard(-1)`` DTensor).
         tp_size: if given, check that every sharded extent divides evenly; k/v projections with
-            fewer heads than ``tp_size`` (a multiple of them) get one kv head per rank.
+            fewer heads than ``tp_size`` (a multiple of them) get one kv head per rank. k/v of one
+            head (multi-query) get it without ``tp_size``: that plan is the same at every tp.
         verify: check the plan numerically before returning it (:func:`autotp.self_check.self_check`:
             logits and every gradient at ``tp_size`` (2 if None) on simulated ranks, on the model
             itself or on a tiny copy built from its config), so no plan the verifier rejects is
@@ -77,6 +78,8 @@ def synthesize(model: nn.Module, *, example_inputs=None, sequence_parallel: bool
     Raises:
         VerificationError: (``verify=True``, the default) the plan differs from the unsharded model;
             the message names the first differing parameter and the difference against the tolerance.
+        MeshError: an extent ``tp_size`` does not divide; without ``tp_size``, k/v of one head whose
+            query heads 2 does not divide (pass ``tp_size``).
 
     Example::
         >>> plan = synthesize(model)  # doctest: +SKIP
