@@ -15,7 +15,7 @@ from torch.distributed.tensor.parallel.style import ParallelStyle
 
 from autotp.apply import apply_plan, validate_tp_mesh
 from autotp.selection import get_plan
-from autotp.self_check import check_value_branches, self_check
+from autotp.self_check import check_value_branches, self_check, self_check_synthesized
 from autotp.synth.api import plan_with_analysis
 
 
@@ -67,7 +67,7 @@ def parallelize(
 
 def synthesize(model: nn.Module, *, example_inputs=None, sequence_parallel: bool = False,
                loss_parallel: bool = True, tp_size: int | None = None,
-               verify: bool = False, gather_copies: bool = True) -> dict[str, ParallelStyle]:
+               verify: bool = True, gather_copies: bool = True) -> dict[str, ParallelStyle]:
     """Write a tensor-parallel plan for ``model`` from its traced graph.
 
     Keyword Args:
@@ -76,11 +76,14 @@ def synthesize(model: nn.Module, *, example_inputs=None, sequence_parallel: bool
         sequence_parallel: keep the residual stream sharded on the sequence between blocks.
         loss_parallel: leave the head's logits vocab-sharded (``Shard(-1)`` DTensor).
         tp_size: if given, check that every sharded extent divides evenly; k/v projections with
-            fewer heads than ``tp_size`` (a multiple of them) get one kv head per rank.
+            fewer heads than ``tp_size`` (a multiple of them) get one kv head per rank. k/v of one
+            head (multi-query) get it without ``tp_size``: that plan is the same at every tp.
         verify: check the plan numerically before returning it (:func:`autotp.self_check.self_check`:
             logits and every gradient at ``tp_size`` (2 if None) on simulated ranks, on the model
-            itself or on a tiny copy built from its config). Off by default: it costs 2-5 s on a
-            tiny model, several times the synthesis; ``autotp.parallelize`` turns it on.
+            itself or on a tiny copy built from its config), so no plan the verifier rejects is
+            handed out. It costs seconds, several times the synthesis (README, "Python API").
+            False skips it: for callers that verify the plan themselves. A model that cannot be
+            checked (on the meta device with no transformers config) gets a warning.
         gather_copies: parts with fewer groups than ranks (the one kv head of a fused multi-query
             qkv, B and C of a state-space mixer with ``n_groups < tp``) come from a Linear whose
             rows are sharded like its other parts; each forward all-gathers the part and each rank
@@ -92,8 +95,10 @@ def synthesize(model: nn.Module, *, example_inputs=None, sequence_parallel: bool
         ``{fnmatch key: ParallelStyle}`` for ``parallelize_module``, keys relative to ``model``.
 
     Raises:
-        VerificationError: (``verify=True``) the plan differs from the unsharded model; the
-            message names the first differing parameter and the difference against the tolerance.
+        VerificationError: (``verify=True``, the default) the plan differs from the unsharded model;
+            the message names the first differing parameter and the difference against the tolerance.
+        MeshError: an extent ``tp_size`` does not divide; without ``tp_size``, k/v of one head whose
+            query heads 2 does not divide (pass ``tp_size``).
 
     Example::
         >>> plan = synthesize(model)  # doctest: +SKIP
@@ -103,8 +108,7 @@ def synthesize(model: nn.Module, *, example_inputs=None, sequence_parallel: bool
     plan, analysis = plan_with_analysis(model, example_inputs=example_inputs, sequence_parallel=sequence_parallel,
                                         loss_parallel=loss_parallel, tp_size=tp_size, gather_copies=gather_copies)
     if verify:
-        self_check(model, plan, tp_size=tp_size or 2, sequence_parallel=sequence_parallel,
-                   loss_parallel=loss_parallel, example_inputs=example_inputs)
+        self_check_synthesized(model, analysis, plan, loss_parallel=loss_parallel)
     else:
         check_value_branches(model, analysis, plan, loss_parallel=loss_parallel)
     return plan

@@ -167,16 +167,30 @@ def check_value_branches(model: nn.Module, analysis: Analysis, plan: dict[str, P
         VerificationError: the plan differs from the unsharded model.
         TraceError: the plan could not be checked (no inputs to check it on); it is not handed out.
     """
+    if analysis.graph.graph.get("value_branches"):
+        self_check_synthesized(model, analysis, plan, loss_parallel=loss_parallel)
+
+
+def self_check_synthesized(model: nn.Module, analysis: Analysis, plan: dict[str, ParallelStyle], *,
+                           loss_parallel: bool = True) -> None:
+    """Verify a synthesized ``plan`` (:func:`self_check`) before it is handed out, at the analysis'
+    ``tp_size`` (2 if None), sequence-parallel mode and example inputs.
+
+    Raises:
+        VerificationError: the plan differs from the unsharded model.
+        TraceError: the plan has value-dependent branches and could not be checked (no inputs to
+            check it on); it is not handed out. Without such branches an unchecked plan gets a
+            warning (from :func:`self_check`) instead.
+    """
     where = analysis.graph.graph.get("value_branches")
-    if not where:
-        return
-    log.info("%s branches on tensor values: checking the plan traced on these inputs' branches", where)
+    if where:
+        log.info("%s branches on tensor values: checking the plan traced on these inputs' branches", where)
     report = self_check(model, plan, tp_size=analysis.tp_size or 2, sequence_parallel=analysis.sequence_parallel,
                         loss_parallel=loss_parallel, example_inputs=analysis.example_inputs)
-    if report is None:
+    if report is None and where:
         raise TraceError(
             f"{type(model).__name__}: {where} branches on tensor values, so its trace follows only the "
             "branches the example inputs took, and the plan made from it could not be checked on other "
             "inputs. Pass example_inputs (or use a model with a transformers config) so that "
-            f"synthesize(verify=True) can check it, or write the plan by hand and leave {where} replicated."
+            f"synthesize can check it, or write the plan by hand and leave {where} replicated."
         )

@@ -210,7 +210,7 @@ def plan_from(model: nn.Module, source: str, *, tp: int, sequence_parallel: bool
             plan = handwritten_plans.plan_for(model, sequence_parallel=sequence_parallel, replicate_kv_for_tp=tp)
         return plan
     if source == "synthesized":
-        return synthesize(model, sequence_parallel=sequence_parallel, tp_size=tp)
+        return synthesize(model, sequence_parallel=sequence_parallel, tp_size=tp, verify=False)
     if source == "hf":
         if sequence_parallel:
             raise NoPlan("transformers plans have no sequence-parallel variant")

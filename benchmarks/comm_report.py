@@ -145,7 +145,7 @@ def tiny_counts() -> str:
         for sp in (False, True):
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")
-                report = verify(model, synthesize(model, tp_size=2, sequence_parallel=sp), tp_size=2)
+                report = verify(model, synthesize(model, tp_size=2, sequence_parallel=sp, verify=False), tp_size=2)
             fwd, bwd = BEFORE.get((family, sp), ("-", "-"))
             lines.append(f"| {family} | {'SP' if sp else 'plain'} | {fwd} | {bwd} | {_short(report.collectives)} | "
                          f"{_short(report.collectives_backward)} | {'ok' if report.ok else 'FAIL'} |")

@@ -414,7 +414,7 @@ def _synth_case(model, case: Case) -> dict:
     from autotp import synthesize
 
     try:
-        plan = synthesize(model, sequence_parallel=case.sp, tp_size=case.tp)
+        plan = synthesize(model, sequence_parallel=case.sp, tp_size=case.tp, verify=False)
     except Exception as error:
         return {"status": "failed", "reason": _synthesis_reason(error), "error": _message(error)}
     out = check_and_verify(model, plan, case.tp, isolated=case.isolated)

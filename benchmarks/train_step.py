@@ -65,7 +65,7 @@ def run_step(case: dict) -> dict:
             out["dropout_refused"] = str(error)[:200]
             model = _tiny_model(case["model_type"], case["heads_for"], case["repeat"])
         model.eval()
-        plan = synthesize(model, sequence_parallel=case["sp"], tp_size=case["tp"])
+        plan = synthesize(model, sequence_parallel=case["sp"], tp_size=case["tp"], verify=False)
         out["live_dropouts"] = sum(1 for m in model.modules() if isinstance(m, torch.nn.Dropout) and m.p > 0)
         inputs = default_inputs(model, case["tp"])
         sharded = copy.deepcopy(model).train()

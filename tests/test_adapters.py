@@ -105,7 +105,8 @@ def _roles(model, sequence_parallel):
 @pytest.mark.parametrize("sequence_parallel", [False, True], ids=["tp", "sp"])
 def test_adapter_beside_a_whole_linear_stays_whole(sequence_parallel):
     model = Decoder(fixed_heads=True)
-    plan = autotp.synthesize(model, example_inputs=(_tokens(),), sequence_parallel=sequence_parallel, tp_size=2)
+    plan = autotp.synthesize(model, example_inputs=(_tokens(),), sequence_parallel=sequence_parallel, tp_size=2,
+                             verify=False)
     roles = _roles(model, sequence_parallel)
     for proj in ("q_proj", "v_proj"):
         assert roles[f"layers.*.attn.{proj}.base_layer"][0] == "replicate", roles
@@ -119,7 +120,8 @@ def test_adapter_beside_a_whole_linear_stays_whole(sequence_parallel):
 @pytest.mark.parametrize("sequence_parallel", [False, True], ids=["tp", "sp"])
 def test_adapter_beside_a_sharded_linear_keeps_the_attention_sharded(sequence_parallel):
     model = Decoder(fixed_heads=False)
-    plan = autotp.synthesize(model, example_inputs=(_tokens(),), sequence_parallel=sequence_parallel, tp_size=2)
+    plan = autotp.synthesize(model, example_inputs=(_tokens(),), sequence_parallel=sequence_parallel, tp_size=2,
+                             verify=False)
     roles = _roles(model, sequence_parallel)
     assert roles["layers.*.attn.q_proj.base_layer"][0] == "column", roles
     assert roles["layers.*.attn.o_proj"][0] == "row", roles

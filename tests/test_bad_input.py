@@ -58,14 +58,14 @@ IDS = torch.randint(0, 64, (2, 8))
 def test_untraceable_model_names_module_and_ways_out():
     """On meta a branch on a value cannot be decided (a materialised model is traced with real values)."""
     with pytest.raises(TraceError) as info:
-        synthesize(DataDependent().to("meta"), example_inputs=(IDS.to("meta"),))
+        synthesize(DataDependent().to("meta"), example_inputs=(IDS.to("meta"),), verify=False)
     message = str(info.value)
     assert "layers.0" in message and "example_inputs" in message and "replicate" in message
 
 
 def test_non_language_model():
     with pytest.raises(TraceError, match="not a language model"):
-        synthesize(ConvNet(), example_inputs=(torch.randn(2, 3, 8, 8),))
+        synthesize(ConvNet(), example_inputs=(torch.randn(2, 3, 8, 8),), verify=False)
 
 
 def test_mesh_of_wrong_dimension():
@@ -106,7 +106,7 @@ def test_meta_model_whose_rotary_branches_on_values_asks_for_a_materialised_mode
     config = load_config("llama-1b")
     config.rope_parameters = {"rope_type": "dynamic", "rope_theta": 10000.0, "factor": 2.0}
     with pytest.raises(TraceError, match=r"inside model\.rotary_emb: .*materialised model"):
-        synthesize(build_model(config))
+        synthesize(build_model(config), verify=False)
 
 
 def test_plan_key_matching_no_module_is_refused_with_close_names():

@@ -108,7 +108,8 @@ class EinsumGateAttention(WholeGateAttention):
 
 def _verified(attention, tp_size, sequence_parallel):
     model = SpecLM(SPEC, attention)
-    plan = synthesize(model, example_inputs=(tokens(),), tp_size=tp_size, sequence_parallel=sequence_parallel)
+    plan = synthesize(model, example_inputs=(tokens(),), tp_size=tp_size, sequence_parallel=sequence_parallel,
+                      verify=False)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         report = verify(model, plan, tp_size=tp_size, inputs=(tokens(),))

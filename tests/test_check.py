@@ -33,7 +33,7 @@ def test_handwritten_plans_have_no_finding(models, name, sequence_parallel):
 @pytest.mark.parametrize("name", ["llama", "qwen3", "gemma3", "phi3", "olmo2"])
 def test_synthesized_plans_have_no_finding(models, name):
     model = models[name]
-    assert check_plan(model, synthesize(model), tp_size=4) == []
+    assert check_plan(model, synthesize(model, verify=False), tp_size=4) == []
 
 
 def test_key_matching_nothing(models):
@@ -123,7 +123,7 @@ def test_routed_query_left_replicated_beside_sharded_kv_is_flagged():
     tiled k/v are sharded, so attention would mix sharded and replicated heads."""
     torch.manual_seed(0)
     model = toy_model(RoutedQueryAttention).eval()
-    plan = {k: v for k, v in synthesize(model, example_inputs=(example_tokens(),), tp_size=2).items()
+    plan = {k: v for k, v in synthesize(model, example_inputs=(example_tokens(),), tp_size=2, verify=False).items()
             if not k.startswith("layers.*.mixer.queries")}
     findings = check_plan(model, plan, tp_size=2, example_inputs=(example_tokens(),))
     assert ("layers.0.mixer.kv", "breaks_shard") in {(f.module, f.kind) for f in findings}, findings
@@ -134,7 +134,7 @@ def test_experts_columns_packed_unlike_their_parts_are_flagged():
     each rank would take gate features as up features."""
     torch.manual_seed(0)
     model = toy_model(RoutedQueryAttention).eval()
-    plan = synthesize(model, example_inputs=(example_tokens(),), tp_size=2)
+    plan = synthesize(model, example_inputs=(example_tokens(),), tp_size=2, verify=False)
     plan["layers.*.ffn.up"] = styles.ExpertsParallel(shard_dims={"weight": 1}, packed={}, side="columns")
     findings = check_plan(model, plan, tp_size=2, example_inputs=(example_tokens(),))
     assert [(f.module, f.kind) for f in findings] == [("layers.0.ffn.up", "fused_sizes")], findings

@@ -97,7 +97,7 @@ def test_full_state_dict_of_one_state_group_mixer_is_the_unsharded_model(gather)
     from test_grouped_parts import GroupedScanMixer, _model
 
     model = _model(lambda: GroupedScanMixer(groups=1, norm_group=64))
-    plan = autotp.synthesize(model, example_inputs=(example_tokens(),), tp_size=2, gather_copies=gather)
+    plan = autotp.synthesize(model, example_inputs=(example_tokens(),), tp_size=2, gather_copies=gather, verify=False)
     assert plan["layers.*.mixer"].gather == gather
     expected = {k: v.clone() for k, v in model.state_dict().items()}
     with simulated_mesh(2) as mesh:

@@ -88,7 +88,7 @@ def test_handwritten_embedding_gradient_is_local_shard(tiny_llama, sequence_para
 def test_synthesized_embedding_gradient_is_local_shard(sequence_parallel, tp_size):
     model = TitanLlama()
     plan = synthesize(model, example_inputs=(example_tokens(),), sequence_parallel=sequence_parallel,
-                      tp_size=tp_size)
+                      tp_size=tp_size, verify=False)
     assert isinstance(plan["tok_embeddings"], VocabParallelEmbedding)
     placements, shapes, _, made = _grad_layout(model, plan, tp_size, (example_tokens(),), "tok_embeddings.weight")
     assert placements == (Shard(0),)
@@ -143,7 +143,8 @@ def test_embedding_forms_are_exact_with_local_gradient(embedding, sequence_paral
     weight), a norm run on partial rows, or a gradient sent to the padding row."""
     model = _with_embedding(embedding)
     layout = {"output_layouts": Shard(1), "use_local_output": False} if sequence_parallel else {}
-    plan = synthesize(model, example_inputs=(example_tokens(),), sequence_parallel=sequence_parallel, tp_size=2)
+    plan = synthesize(model, example_inputs=(example_tokens(),), sequence_parallel=sequence_parallel, tp_size=2,
+                      verify=False)
     table = plan["tok_embeddings"]  # the synthesizer's own style: the rows reduced at the lookup
     assert isinstance(table, VocabParallelEmbedding) and tuple(table.output_layouts) == (layout.get("output_layouts", Replicate()),)
     ids = example_tokens()
@@ -193,6 +194,6 @@ class TableMeanEmbedding(nn.Embedding):
 def test_embedding_reading_its_table_outside_the_lookup_stays_whole():
     """Would catch the table sharded there: the mean over this rank's rows, silently wrong."""
     model = _with_embedding(TableMeanEmbedding(VOCAB, DIM))
-    plan = synthesize(model, example_inputs=(example_tokens(),), tp_size=2)
+    plan = synthesize(model, example_inputs=(example_tokens(),), tp_size=2, verify=False)
     assert "tok_embeddings" not in plan
     _verified(model, plan, 2, (example_tokens(),))

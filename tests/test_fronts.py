@@ -45,7 +45,8 @@ def test_wide_latents_reduce_the_block_input_once(tp, sequence_parallel):
     """Would catch one all-reduce per up-projection input and rope key (backward bytes above the
     forward's), or a partial gradient left unreduced (a weight or input gradient differs)."""
     model = LatentModel(q_rank=32, kv_rank=32)
-    plan = synthesize(model, example_inputs=(example_tokens(),), tp_size=tp, sequence_parallel=sequence_parallel)
+    plan = synthesize(model, example_inputs=(example_tokens(),), tp_size=tp, sequence_parallel=sequence_parallel,
+                      verify=False)
     report = _verified(model, plan, tp)
     assert report.comm_volume_backward <= report.comm_volume, (report.comm_volume, report.comm_volume_backward)
     for name in FRONT:
@@ -63,7 +64,8 @@ def test_narrow_latents_keep_their_own_reductions(tp, sequence_parallel):
     no dearer than the block input (plain: twice 64; SP: 64). Would catch the front taken where it
     moves more bytes, or the latent reductions dropped without it."""
     model = LatentModel(q_rank=8, kv_rank=8)
-    plan = synthesize(model, example_inputs=(example_tokens(),), tp_size=tp, sequence_parallel=sequence_parallel)
+    plan = synthesize(model, example_inputs=(example_tokens(),), tp_size=tp, sequence_parallel=sequence_parallel,
+                      verify=False)
     assert not any(isinstance(plan.get(f"layers.*.{name}"), styles.ReplicatedWithGradAllReduce) for name in FRONT)
     assert plan["layers.*.attn.kv_down"].reduce_grad_features == ((8, 24),)
     report = _verified(model, plan, tp)
@@ -130,7 +132,7 @@ def test_head_gathered_at_entry_reduce_scatters_once(tp):
     one reduce-scatter to the sequence shard at the head's entry does (backward bytes above the
     forward's), or a partial gradient left unreduced (the head's or an embedding's gradient differs)."""
     model = _DenseHeadLM()
-    plan = synthesize(model, example_inputs=(example_tokens(),), tp_size=tp, sequence_parallel=True)
+    plan = synthesize(model, example_inputs=(example_tokens(),), tp_size=tp, sequence_parallel=True, verify=False)
     report = _verified(model, plan, tp)
     assert report.comm_volume_backward <= report.comm_volume, (report.comm_volume, report.comm_volume_backward)
     assert isinstance(plan["output"], styles.PartialGradInput), plan["output"]
@@ -145,7 +147,7 @@ def test_head_gathered_at_entry_keeps_its_reductions(tp, model):
     the root, which none names; a head narrower than the stream is cheaper reduced at the output
     projection's input. Would catch the rule taken there (a plan key '' that matches no module, or
     more bytes)."""
-    plan = synthesize(model, example_inputs=(example_tokens(),), tp_size=tp, sequence_parallel=True)
+    plan = synthesize(model, example_inputs=(example_tokens(),), tp_size=tp, sequence_parallel=True, verify=False)
     assert not isinstance(plan["output"], styles.PartialGradInput), plan["output"]
     assert isinstance(plan["head.dense"], styles.GatherSequenceInput), plan["head.dense"]
     assert "head.norm" not in plan

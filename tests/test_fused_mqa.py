@@ -85,7 +85,8 @@ MODES = [pytest.param(False, id="plain"), pytest.param(True, id="sp")]
 
 
 def _verified_plan(model, tp, sequence_parallel, near_bound=True):
-    plan = synthesize(model, example_inputs=(example_tokens(),), tp_size=tp, sequence_parallel=sequence_parallel)
+    plan = synthesize(model, example_inputs=(example_tokens(),), tp_size=tp, sequence_parallel=sequence_parallel,
+                      verify=False)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         report = verify(model, plan, tp_size=tp, inputs=(example_tokens(),))

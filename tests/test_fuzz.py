@@ -27,7 +27,7 @@ BLOCK_EXAMPLES = int(os.environ.get("AUTOTP_FUZZ_BLOCK_EXAMPLES", "3"))
 
 def check_case(model_type: str, options: dict, tp: int, sequence_parallel: bool = False) -> None:
     model = build_model(build_config(model_type, options), device="cpu")
-    plan = synthesize(model, sequence_parallel=sequence_parallel, tp_size=tp)
+    plan = synthesize(model, sequence_parallel=sequence_parallel, tp_size=tp, verify=False)
     findings = check_plan(model, plan, tp_size=tp)
     assert findings == [], [str(f) for f in findings]
     report = verify(model, plan, tp_size=tp)
@@ -42,7 +42,7 @@ def block_outcome(spec: BlockSpec, tp: int) -> dict:
     """
     model = SpecLM(spec)
     try:
-        plan = synthesize(model, example_inputs=(tokens(),), tp_size=tp)
+        plan = synthesize(model, example_inputs=(tokens(),), tp_size=tp, verify=False)
     except AutoTPError as error:
         return {"outcome": "refused", "sharded": False, "detail": one_line(error), "findings": []}
     with warnings.catch_warnings():

@@ -84,7 +84,7 @@ def _model(mixer):
 
 def _verify_near(model, tp, sequence_parallel, fraction, gather_copies=True, report_out=None, tokens=None):
     plan = synthesize(model, example_inputs=(example_tokens(),), tp_size=tp, sequence_parallel=sequence_parallel,
-                      gather_copies=gather_copies)
+                      gather_copies=gather_copies, verify=False)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         report = verify(model, plan, tp_size=tp, inputs=(example_tokens() if tokens is None else tokens,))
@@ -263,9 +263,9 @@ def test_group_copies_are_proven_on_a_meta_model(tp):
     plan must be the one the same model gets on the CPU; would catch the mixer kept whole on meta
     (real-size Bamba and Falcon-H1 stayed at 0.67 / 0.90 of the parameters per rank at tp=2)."""
     make = lambda: _model(lambda: GroupedScanMixer(groups=1, norm_group=HEADS * HEAD_DIM))  # noqa: E731
-    on_cpu = synthesize(make(), example_inputs=(example_tokens(),), tp_size=tp)
+    on_cpu = synthesize(make(), example_inputs=(example_tokens(),), tp_size=tp, verify=False)
     with torch.device("meta"):
         meta = make()
-    on_meta = synthesize(meta, example_inputs=(example_tokens().to("meta"),), tp_size=tp)
+    on_meta = synthesize(meta, example_inputs=(example_tokens().to("meta"),), tp_size=tp, verify=False)
     assert isinstance(on_meta["layers.*.mixer.in_proj"], GroupCopies), on_meta
     assert {k: repr(v) for k, v in on_meta.items()} == {k: repr(v) for k, v in on_cpu.items()}

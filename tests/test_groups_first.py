@@ -73,7 +73,8 @@ def _bound(model, tp: int) -> float:
 
 
 def _verified(model, tp, sequence_parallel):
-    plan = synthesize(model, example_inputs=(example_tokens(),), tp_size=tp, sequence_parallel=sequence_parallel)
+    plan = synthesize(model, example_inputs=(example_tokens(),), tp_size=tp, sequence_parallel=sequence_parallel,
+                      verify=False)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         report = verify(model, plan, tp_size=tp, inputs=(example_tokens(),))

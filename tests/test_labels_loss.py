@@ -206,7 +206,7 @@ def test_labels_loss_and_gradients_match_the_unsharded_model(sp):
 def test_labels_loss_with_a_synthesized_plan_of_another_family():
     """The same on a Qwen3-shaped model (per-head q/k norms) with the plan the synthesizer derives."""
     model = build_model("qwen3", tiny=True, tp=2, device="cpu").train()
-    plan = autotp.synthesize(model, sequence_parallel=True)
+    plan = autotp.synthesize(model, sequence_parallel=True, verify=False)
     ref_out, ref_params, losses, grads, _, _ = _labels_step(model, plan)
     _assert_step_matches(ref_out, ref_params, losses, grads)
 

@@ -165,7 +165,8 @@ def synthesize_and_verify(experts, tp_size, sequence_parallel, router: type[nn.M
     torch.manual_seed(0)
     model = Model(experts, router=router).eval()
     tokens = example_tokens()
-    plan = autotp.synthesize(model, example_inputs=(tokens,), tp_size=tp_size, sequence_parallel=sequence_parallel)
+    plan = autotp.synthesize(model, example_inputs=(tokens,), tp_size=tp_size, sequence_parallel=sequence_parallel,
+                             verify=False)
     report = verify(model, plan, tp_size=tp_size, inputs=(tokens,))
     assert report.ok, str(report)
     assert max(report.logits_max_abs_diff) <= 1e-5 and report.worst_grad[1] <= 1e-5, report
@@ -310,7 +311,7 @@ def test_router_inside_a_moe_block_reduces_the_block_input_once_under_sequence_p
     for block in model.layers:
         block.mlp = BiasedMoE(LoopExperts)
     tokens = example_tokens()[:, :8]
-    plan = autotp.synthesize(model, example_inputs=(tokens,), tp_size=tp_size, sequence_parallel=True)
+    plan = autotp.synthesize(model, example_inputs=(tokens,), tp_size=tp_size, sequence_parallel=True, verify=False)
     report = verify(model, plan, tp_size=tp_size, inputs=(tokens,))
     assert report.ok, str(report)
     assert isinstance(plan["layers.*.mlp.router"], styles.PartialGradRouter), plan.get("layers.*.mlp.router")
@@ -344,7 +345,8 @@ def test_moe_block_beside_attention_reduces_their_shared_input_once(tp_size, seq
     model = Model(LoopExperts).eval()
     model.layers = nn.ModuleList(ParallelMoEBlock(LoopExperts) for _ in range(2))
     tokens = example_tokens()[:, :8]
-    plan = autotp.synthesize(model, example_inputs=(tokens,), tp_size=tp_size, sequence_parallel=sequence_parallel)
+    plan = autotp.synthesize(model, example_inputs=(tokens,), tp_size=tp_size, sequence_parallel=sequence_parallel,
+                             verify=False)
     report = verify(model, plan, tp_size=tp_size, inputs=(tokens,))
     assert report.ok, str(report)
     assert isinstance(plan["layers.*.mlp.router"], styles.PartialGradRouter), plan.get("layers.*.mlp.router")

@@ -98,7 +98,7 @@ def test_masked_columns_reduce_their_input_gradient_once(tp, sequence_parallel):
     """Would catch the four columns reducing their input gradients one by one (backward 4 + 1 per
     layer where the forward has 2), or a partial gradient left unreduced (gradients differ)."""
     model = Model()
-    plan = synthesize(model, example_inputs=_inputs(), tp_size=tp, sequence_parallel=sequence_parallel)
+    plan = synthesize(model, example_inputs=_inputs(), tp_size=tp, sequence_parallel=sequence_parallel, verify=False)
     shared = _sharing(plan)
     assert shared.partial_grad is sequence_parallel
     report = _report(model, plan, tp)
@@ -113,7 +113,7 @@ def test_a_learned_scale_before_the_columns_keeps_the_gradient_reduced(sequence_
     partial sum if the columns handed theirs back unreduced. Would catch the partial route taken
     anyway (the scale's gradient is then off by the other ranks' share)."""
     model = Model(learned_scale=True)
-    plan = synthesize(model, example_inputs=_inputs(), tp_size=2, sequence_parallel=sequence_parallel)
+    plan = synthesize(model, example_inputs=_inputs(), tp_size=2, sequence_parallel=sequence_parallel, verify=False)
     assert not _sharing(plan).partial_grad
     report = _report(model, plan, 2)
     if sequence_parallel:  # the columns' summed gradient all-reduced once per layer; the rest mirrored

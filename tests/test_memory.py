@@ -123,7 +123,7 @@ def test_group_copies_count_their_expanded_rows(tp):
     from autotp.verifier import verify
 
     model = _model(lambda: GroupedScanMixer(groups=1, norm_group=HEADS * HEAD_DIM))
-    plan = synthesize(model, example_inputs=(example_tokens(),), tp_size=tp)
+    plan = synthesize(model, example_inputs=(example_tokens(),), tp_size=tp, verify=False)
     per_rank, total = param_bytes_per_rank(model, plan, tp)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")

@@ -54,7 +54,8 @@ class TokenShiftMixer(nn.Module):
 def _verified(tp: int, sequence_parallel: bool, **kwargs):
     torch.manual_seed(0)
     model = SSMStack(mixer=lambda: TokenShiftMixer(**kwargs))
-    plan = synthesize(model, example_inputs=(example_tokens(),), tp_size=tp, sequence_parallel=sequence_parallel)
+    plan = synthesize(model, example_inputs=(example_tokens(),), tp_size=tp, sequence_parallel=sequence_parallel,
+                      verify=False)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         report = verify(model, plan, tp_size=tp, inputs=(example_tokens(),))

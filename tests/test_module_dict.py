@@ -49,7 +49,8 @@ def test_module_dict_layers_are_planned_under_the_dict_keys(sequence_parallel):
     """Would catch torchtitan / olmo-core layer dicts not read as a layer stack (plan keys per layer,
     no ``layers.*``), or plan keys that name traced positions instead of the dict's keys."""
     model = DictStack()
-    plan = synthesize(model, example_inputs=(example_tokens(),), sequence_parallel=sequence_parallel, tp_size=2)
+    plan = synthesize(model, example_inputs=(example_tokens(),), sequence_parallel=sequence_parallel, tp_size=2,
+                      verify=False)
     assert {"layers.*.attention.wq", "layers.*.attention.wo", "layers.*.feed_forward.w2"} <= set(plan)
     report = _verify(model, plan)
     assert all(abs(f - 0.5) < 0.05 for f in report.param_fraction), report.param_fraction
@@ -70,7 +71,7 @@ def test_module_dict_with_named_keys_collapses_and_restores():
 
 def test_sequential_layers_are_planned_and_verified():
     model = SequentialStack()
-    plan = synthesize(model, example_inputs=(example_tokens(),), tp_size=2)
+    plan = synthesize(model, example_inputs=(example_tokens(),), tp_size=2, verify=False)
     assert "layers.*.feed_forward.w1" in plan
     _verify(model, plan)
 
@@ -118,7 +119,7 @@ def test_autocast_and_grad_mode_regions_are_read_through():
     g = build_graph(program)
     linears = {d["module"] for _, d in g.nodes(data=True) if d["op"] == "linear"}
     assert {"layers.0.feed_forward.w1", "layers.0.attention.wq"} <= linears
-    plan = synthesize(model, example_inputs=(example_tokens(),), tp_size=2)
+    plan = synthesize(model, example_inputs=(example_tokens(),), tp_size=2, verify=False)
     assert {"layers.*.feed_forward.w1", "layers.*.attention.wo"} <= set(plan)
     _verify(model, plan)
 
@@ -143,7 +144,7 @@ class CondLlama(TitanLlama):
 
 def test_unknown_higher_order_op_is_a_trace_error_naming_op_and_module():
     with pytest.raises(TraceError, match=r"branch: .*higher-order op 'cond'"):
-        synthesize(CondLlama(), example_inputs=(example_tokens(),))
+        synthesize(CondLlama(), example_inputs=(example_tokens(),), verify=False)
 
 
 def test_layer_groups_of_a_dict_map_keys_not_positions():

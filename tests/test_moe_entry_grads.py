@@ -111,7 +111,7 @@ def test_gated_shared_expert_block_backward_moves_no_more_than_forward(wiring, t
     torch.manual_seed(0)
     model = _MoELM(wiring)
     ids = torch.randint(0, 128, (2, 8))
-    plan = synthesize(model, example_inputs=(ids,), sequence_parallel=sequence_parallel, tp_size=tp_size)
+    plan = synthesize(model, example_inputs=(ids,), sequence_parallel=sequence_parallel, tp_size=tp_size, verify=False)
     assert plan["layers.*.moe.experts"].partial_grad_inputs
     assert type(plan["layers.*.moe.router"]).__name__ == "PartialGradRouter"
     with warnings.catch_warnings():
@@ -152,7 +152,7 @@ def test_block_reading_a_mask_keeps_its_plain_input():
     torch.manual_seed(0)
     model = LM("normed_residual")
     inputs = (torch.randint(0, 128, (2, 8)), torch.rand(2, 8, 1))
-    plan = synthesize(model, example_inputs=inputs, tp_size=2)
+    plan = synthesize(model, example_inputs=inputs, tp_size=2, verify=False)
     assert "layers.*.moe" not in plan
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")

@@ -82,7 +82,8 @@ def _roles(model, sequence_parallel) -> dict[str, str]:
 def test_a_model_without_a_layer_stack_is_sharded_and_exact(table, calls, sequence_parallel):
     torch.manual_seed(0)
     model = OneBlock(table, calls)
-    plan = autotp.synthesize(model, example_inputs=(_tokens(),), sequence_parallel=sequence_parallel, tp_size=2)
+    plan = autotp.synthesize(model, example_inputs=(_tokens(),), sequence_parallel=sequence_parallel, tp_size=2,
+                             verify=False)
     roles = _roles(model, sequence_parallel)
     assert {m: roles.get(m) for m in ("block.attn.q", "block.attn.k", "block.attn.v", "block.fc")} \
         == dict.fromkeys(("block.attn.q", "block.attn.k", "block.attn.v", "block.fc"), "column"), roles
@@ -94,8 +95,8 @@ def test_a_replicated_stream_without_a_layer_stack_stays_replicated_under_sp():
     """The Linear between the embedding and the block is kept whole: with no layer entry to slice
     the stream at, the SP plan is the plain one (before: norms sharded on a plain stream, a crash)."""
     model = OneBlock(32, 1)
-    plain = autotp.synthesize(model, example_inputs=(_tokens(),), tp_size=2)
-    sp = autotp.synthesize(model, example_inputs=(_tokens(),), sequence_parallel=True, tp_size=2)
+    plain = autotp.synthesize(model, example_inputs=(_tokens(),), tp_size=2, verify=False)
+    sp = autotp.synthesize(model, example_inputs=(_tokens(),), sequence_parallel=True, tp_size=2, verify=False)
     assert {k: repr(v) for k, v in sp.items()} == {k: repr(v) for k, v in plain.items()}
 
 
@@ -105,7 +106,7 @@ def test_one_layer_transformers_model(sequence_parallel):
                                       num_hidden_layers=1, num_attention_heads=HEADS, num_key_value_heads=2)
     torch.manual_seed(0)
     model = transformers.LlamaForCausalLM(config)
-    plan = autotp.synthesize(model, sequence_parallel=sequence_parallel, tp_size=2)
+    plan = autotp.synthesize(model, sequence_parallel=sequence_parallel, tp_size=2, verify=False)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         report = autotp.verify(model, plan, tp_size=2)

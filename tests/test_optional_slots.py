@@ -246,7 +246,8 @@ def test_module_tree_is_sharded_and_exact(name, sequence_parallel):
     whose closure head read, and wrote gradients into, the original model's weights."""
     torch.manual_seed(0)
     model = MODELS[name]()
-    plan = autotp.synthesize(model, example_inputs=(_tokens(),), sequence_parallel=sequence_parallel, tp_size=2)
+    plan = autotp.synthesize(model, example_inputs=(_tokens(),), sequence_parallel=sequence_parallel, tp_size=2,
+                             verify=False)
     styles = {fqn: style for fqn, (_, style) in resolve(model, plan).items()}
     columns, rows = _linears(model)
     assert len(columns) >= 4 and len(rows) >= 2
@@ -315,9 +316,9 @@ def test_calling_an_empty_slot_is_a_trace_error_naming_the_slots():
     with pytest.raises(TraceError, match=r"failed inside <root>: TypeError: 'NoneType' object is not callable\. "
                                          r"The model holds empty slots \(None\) at layers\.0\.0, layers\.1\.3, "
                                          r"layers\.2\.3: skip them"):
-        autotp.synthesize(Unchecked(), example_inputs=(_tokens(),), tp_size=2)
+        autotp.synthesize(Unchecked(), example_inputs=(_tokens(),), tp_size=2, verify=False)
 
 
 def test_a_non_module_where_a_module_is_called_is_a_trace_error_naming_the_module():
     with pytest.raises(TraceError, match=r"StringActivation: .* inside layers\.1\.mlp: TypeError: 'str' object"):
-        autotp.synthesize(StringActivation(), example_inputs=(_tokens(),), tp_size=2)
+        autotp.synthesize(StringActivation(), example_inputs=(_tokens(),), tp_size=2, verify=False)

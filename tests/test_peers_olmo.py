@@ -67,7 +67,8 @@ def test_olmo_core_model_is_synthesized_and_verified(name, tp_size, sequence_par
     """Would catch the rotary cache's fake tables from one trace breaking the next (export, or the
     shape proof's module copies), or OLMo2's full-width QK-norm sharded without its statistic reduced."""
     model = build(name)
-    plan = synthesize(model, example_inputs=(tokens(),), sequence_parallel=sequence_parallel, tp_size=tp_size)
+    plan = synthesize(model, example_inputs=(tokens(),), sequence_parallel=sequence_parallel, tp_size=tp_size,
+                      verify=False)
     assert any(key.startswith("blocks.") for key in plan)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
@@ -84,7 +85,7 @@ def test_synthesized_plan_matches_olmo_cores_apply_tp(name, tp_size):
     (it gathers q and k before the norm), autotp shards them with the width and all-reduces the
     norm's statistic (less memory, the same numerics: verified above)."""
     model = build(name)
-    plan = synthesize(model, example_inputs=(tokens(),), sequence_parallel=True, tp_size=tp_size)
+    plan = synthesize(model, example_inputs=(tokens(),), sequence_parallel=True, tp_size=tp_size, verify=False)
     with _simulate.simulated_mesh(tp_size) as mesh:
         ours = copy.deepcopy(model)
         apply_plan(ours, mesh, plan)

@@ -97,7 +97,8 @@ def _synthesize_and_verify(mixer, tp_size, sequence_parallel):
     torch.manual_seed(0)
     model = Model(mixer).eval()
     tokens = example_tokens()
-    plan = autotp.synthesize(model, example_inputs=(tokens,), tp_size=tp_size, sequence_parallel=sequence_parallel)
+    plan = autotp.synthesize(model, example_inputs=(tokens,), tp_size=tp_size, sequence_parallel=sequence_parallel,
+                             verify=False)
     report = verify(model, plan, tp_size=tp_size, inputs=(tokens,))
     assert report.ok, str(report)
     assert max(report.logits_max_abs_diff) <= 1e-5 and report.worst_grad[1] <= 1e-5, str(report)
@@ -139,6 +140,6 @@ def test_checker_flags_per_head_values_scattered_where_they_are_read_whole():
     whole: the checker must flag the row. Would catch a checker that trusts ``Shard(-1)``."""
     torch.manual_seed(0)
     tokens = example_tokens()
-    plan = autotp.synthesize(Model(PerHeadGateAttention).eval(), example_inputs=(tokens,), tp_size=2)
+    plan = autotp.synthesize(Model(PerHeadGateAttention).eval(), example_inputs=(tokens,), tp_size=2, verify=False)
     findings = autotp.check_plan(Model(WholeReadGateAttention).eval(), plan, tp_size=2, example_inputs=(tokens,))
     assert any(f.module.endswith("mixer.gate") for f in findings), findings

@@ -159,7 +159,8 @@ def test_relative_bias_is_sharded_with_the_heads_and_exact(variant, tp_size, seq
     tensor and DTensor)."""
     model = Model(variant).eval()
     inputs = _inputs()
-    plan = autotp.synthesize(model, example_inputs=inputs, tp_size=tp_size, sequence_parallel=sequence_parallel)
+    plan = autotp.synthesize(model, example_inputs=inputs, tp_size=tp_size, sequence_parallel=sequence_parallel,
+                             verify=False)
     for name in ("q", "k", "v", "r"):
         assert isinstance(plan.get(f"layers.*.attn.{name}"), ColwiseParallel), sorted(plan)
     report = verify(model, plan, tp_size=tp_size, inputs=inputs)
@@ -195,7 +196,7 @@ def test_gather_along_the_sharded_dim_stays_whole():
     inputs = _inputs()
     reasons = {r.key: r.reason for r in explain(model, example_inputs=inputs, tp_size=2)}
     assert "picks along the sharded dim" in reasons.get("layers.*.attn.r", ""), reasons.get("layers.*.attn.r")
-    plan = autotp.synthesize(model, example_inputs=inputs, tp_size=2)
+    plan = autotp.synthesize(model, example_inputs=inputs, tp_size=2, verify=False)
     assert "layers.*.attn.r" not in plan
     report = verify(model, plan, tp_size=2, inputs=inputs)
     assert report.ok, str(report)

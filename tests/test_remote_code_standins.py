@@ -230,7 +230,7 @@ def test_synthesized_plan_verifies_on_remote_code_standin(standins, name, tp_siz
     """Would catch a synthesized plan that splits a fused projection contiguously, shards a layer
     by another layer's key, or leaves a partial sum unreduced: all give wrong logits or grads."""
     model = standins[name]
-    plan = autotp.synthesize(model, example_inputs=_ids())
+    plan = autotp.synthesize(model, example_inputs=_ids(), verify=False)
     report = autotp.verify(model, plan, tp_size=tp_size, inputs=_ids(1))
     assert report.ok, str(report)
     assert report.param_fraction[0] < 0.75, report.param_fraction  # most of the model is sharded
@@ -242,7 +242,7 @@ def test_baichuan_plan_is_nemos_mlp_only_plan(standins):
     does not prove shard-safe, and NormHead (not an nn.Linear) normalises and uses its whole weight.
     Both stay replicated (the embedding is vocab-parallel on top of NeMo's)."""
     model = standins["baichuan"]
-    plan = autotp.synthesize(model, example_inputs=_ids())
+    plan = autotp.synthesize(model, example_inputs=_ids(), verify=False)
     # the MLP's pre-norm hands gate and up one replicated DTensor (their input gradients reduced once)
     assert sorted(plan) == ["embed_tokens", *(f"layers.*.mlp.{p}_proj" for p in ("down", "gate", "up")),
                             "layers.*.post_attention_layernorm"]
@@ -253,7 +253,7 @@ def test_baichuan_plan_is_nemos_mlp_only_plan(standins):
 def test_decilm_layers_with_different_blocks_get_their_own_keys(standins):
     """Layer 1 has no attention and layer 3 no FFN: no key may give them another layer's styles."""
     model = standins["decilm"]
-    plan = autotp.synthesize(model, example_inputs=_ids())
+    plan = autotp.synthesize(model, example_inputs=_ids(), verify=False)
     touched = autotp.plan.resolve(model, plan)
     assert "layers.0.self_attn.k_proj" in touched and "layers.3.self_attn.k_proj" in touched
     assert "layers.1.mlp.down_proj" in touched and "layers.2.mlp.down_proj" in touched
@@ -261,14 +261,14 @@ def test_decilm_layers_with_different_blocks_get_their_own_keys(standins):
 
 
 def test_nemotron_super_fused_gate_up_is_packed(standins):
-    plan = autotp.synthesize(standins["nemotron_super"], example_inputs=_ids())
+    plan = autotp.synthesize(standins["nemotron_super"], example_inputs=_ids(), verify=False)
     assert plan["layers.*.mlp.gate_up_proj"].sizes == (2 * DIM, 2 * DIM)
 
 
 def test_nemotron_super_fused_qkv_is_packed_with_gqa_sizes(standins):
     """The cut sizes come from ``heads`` and ``kv_heads``: both divided by tp make them per-rank.
     Would catch the fused qkv left replicated, or cut with global sizes (a split_with_sizes error)."""
-    plan = autotp.synthesize(standins["nemotron_super"], example_inputs=_ids())
+    plan = autotp.synthesize(standins["nemotron_super"], example_inputs=_ids(), verify=False)
     assert plan["layers.*.self_attn.qkv_proj"].sizes == (8 * HEAD_DIM, 4 * HEAD_DIM, 4 * HEAD_DIM)
     assert plan["layers.*.self_attn"].names == ("heads", "kv_heads")
 
@@ -277,7 +277,7 @@ def test_decilm_layer_with_fewer_kv_heads_than_tp_replicates_them(standins):
     """Layer 0 has 2 kv heads: at tp=4 each rank holds the kv head its query heads read, and the plan
     still matches the unsharded model. Would catch kv heads split below one head per rank."""
     model = standins["decilm"]
-    plan = autotp.synthesize(model, example_inputs=_ids(), tp_size=4)
+    plan = autotp.synthesize(model, example_inputs=_ids(), tp_size=4, verify=False)
     assert plan["layers.0.self_attn.k_proj"].kv_heads == 2
     report = autotp.verify(model, plan, tp_size=4, inputs=_ids(1))
     assert report.ok, str(report)
@@ -286,4 +286,4 @@ def test_decilm_layer_with_fewer_kv_heads_than_tp_replicates_them(standins):
 def test_decilm_query_heads_that_tp_cannot_split_are_refused_by_name(standins):
     """4 query heads over tp=8: the error names the module and the tp sizes that work."""
     with pytest.raises(autotp.AutoTPError, match=r"layers\.0\.self_attn\.k_proj: 4 query heads .*tp=8.*use tp in \(1, 2, 4\)"):
-        autotp.synthesize(standins["decilm"], example_inputs=_ids(), tp_size=8)
+        autotp.synthesize(standins["decilm"], example_inputs=_ids(), tp_size=8, verify=False)

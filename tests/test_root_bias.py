@@ -165,7 +165,7 @@ def _bound(model: nn.Module, tp: int) -> float:
 
 def _synthesize_and_verify(model, tp, sequence_parallel):
     tokens = example_tokens()[:, :8]
-    plan = synthesize(model, example_inputs=(tokens,), tp_size=tp, sequence_parallel=sequence_parallel)
+    plan = synthesize(model, example_inputs=(tokens,), tp_size=tp, sequence_parallel=sequence_parallel, verify=False)
     report = verify(model, plan, tp_size=tp, inputs=(tokens,))
     assert report.ok, str(report)
     return plan, report
@@ -230,7 +230,7 @@ def test_checker_flags_a_plan_that_hands_the_bias_over_whole():
     attention would meet every head's bias: flagged where it is, before anything runs."""
     model = AlibiModel([lambda: Attention(True)] * 2)
     tokens = example_tokens()[:, :8]
-    plan = synthesize(model, example_inputs=(tokens,), tp_size=2)
+    plan = synthesize(model, example_inputs=(tokens,), tp_size=2, verify=False)
     assert check_plan(model, plan, tp_size=2, example_inputs=(tokens,)) == []
     unsliced = {key: style for key, style in plan.items() if not isinstance(style, styles.ShardedInputs)}
     kinds = {f.kind for f in check_plan(model, unsliced, tp_size=2, example_inputs=(tokens,))}

@@ -83,7 +83,7 @@ def _model(**kwargs):
 def _verified(model, tp: int, sequence_parallel: bool = False):
     """The synthesized plan and its verification report (logits and every gradient)."""
     tokens = example_tokens()
-    plan = synthesize(model, example_inputs=(tokens,), tp_size=tp, sequence_parallel=sequence_parallel)
+    plan = synthesize(model, example_inputs=(tokens,), tp_size=tp, sequence_parallel=sequence_parallel, verify=False)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         report = verify(model, plan, tp_size=tp, inputs=(tokens,))
@@ -122,7 +122,7 @@ def test_row_reduces_the_gradient_of_the_broadcast_spans_only():
     records = {r.key: r for r in explain(_model(), example_inputs=(example_tokens(),), tp_size=2)}
     row = records["layers.*.mixer.x_proj"]
     assert row.role == "row", row
-    style = synthesize(_model(), example_inputs=(example_tokens(),), tp_size=2)["layers.*.mixer.x_proj"]
+    style = synthesize(_model(), example_inputs=(example_tokens(),), tp_size=2, verify=False)["layers.*.mixer.x_proj"]
     assert style.reduce_grad_features == ((RANK, RANK + STATE), (RANK + STATE, RANK + 2 * STATE)), style
     assert records["layers.*.mixer.dt_proj"].role == "column"
 

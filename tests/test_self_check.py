@@ -1,5 +1,5 @@
-"""The self-check: ``synthesize(verify=True)``, and ``parallelize`` / ``fsdp2_strategy_parallelize``
-verifying a synthesized plan before sharding with it."""
+"""The self-check: ``synthesize`` (on by default, ``verify=False`` opts out), and ``parallelize`` /
+``fsdp2_strategy_parallelize`` verifying a synthesized plan before sharding with it."""
 
 from __future__ import annotations
 
@@ -20,18 +20,36 @@ from autotp.selection import PlanChoice
 from synth_toy import NanoGPT, example_tokens
 
 
-def test_correct_plan_is_verified_and_returned(caplog):
-    """A correct synthesized plan comes back unchanged, after a check that actually ran."""
+def _count_checks(monkeypatch) -> list[dict]:
+    """Record every self-check call (keywords), still running the real check."""
+    calls, real = [], autotp.self_check.self_check
+
+    def counted(model, plan, **kwargs):
+        calls.append(kwargs)
+        return real(model, plan, **kwargs)
+
+    monkeypatch.setattr(autotp.self_check, "self_check", counted)
+    return calls
+
+
+def test_correct_plan_is_verified_by_default_and_returned(caplog, monkeypatch):
+    """A correct synthesized plan comes back unchanged, after one check that actually ran; with
+    ``verify=False`` no check runs."""
     model = build_model("llama", tiny=True, tp=2, device="cpu")
+    calls = _count_checks(monkeypatch)
     with caplog.at_level(logging.INFO, logger="autotp.self_check"):
-        checked = synthesize(model, tp_size=2, verify=True)
-    assert {k: repr(v) for k, v in checked.items()} == {k: repr(v) for k, v in synthesize(model, tp_size=2).items()}
+        checked = synthesize(model, tp_size=2)
     assert "on the model itself at tp=2: ok" in caplog.text
+    assert len(calls) == 1
+    unchecked = synthesize(model, tp_size=2, verify=False)
+    assert len(calls) == 1
+    assert {k: repr(v) for k, v in checked.items()} == {k: repr(v) for k, v in unchecked.items()}
 
 
-def test_broken_plan_raises_naming_the_partial_gradient(monkeypatch):
-    """Would catch: a builder that leaves a per-head norm without its style. The forward is exact,
-    each rank's norm gradient covers only its own heads; the error names that parameter."""
+def test_broken_plan_is_refused_by_default_naming_the_parameter(monkeypatch):
+    """Would catch: a builder that leaves a per-head norm without its style, handed out by
+    ``synthesize`` as it is. The forward is exact, each rank's norm gradient covers only its own
+    heads; the default self-check refuses the plan naming that parameter, ``verify=False`` returns it."""
     def without_head_norms(*args, **kwargs):
         plan = build(*args, **kwargs)
         return {k: v for k, v in plan.items() if not k.endswith("q_norm")}
@@ -40,17 +58,20 @@ def test_broken_plan_raises_naming_the_partial_gradient(monkeypatch):
     monkeypatch.setattr(autotp.synth.api, "build_plan", without_head_norms)
     model = build_model("qwen3", tiny=True, tp=2, device="cpu")
     with pytest.raises(VerificationError, match=r"q_norm\.weight differs .* \(allowed") as caught:
-        synthesize(model, tp_size=2, verify=True)
+        synthesize(model, tp_size=2)
     error = caught.value
     assert error.parameter == "model.layers.0.self_attn.q_norm.weight"
     assert error.difference > error.allowed
     assert max(error.report.logits_max_abs_diff) <= error.allowed  # forward exact: only the gradient is wrong
+    unchecked = synthesize(model, tp_size=2, verify=False)
+    assert "model.layers.*.self_attn.q_proj" in unchecked
+    assert not any(key.endswith("q_norm") for key in unchecked)  # the wrong plan, handed out on request
 
 
 def test_model_without_config_is_verified_on_its_example_inputs(caplog):
     """A plain PyTorch model (no transformers config) is verified itself, on the inputs it was traced with."""
     with caplog.at_level(logging.INFO, logger="autotp.self_check"):
-        plan = synthesize(NanoGPT(), example_inputs=(example_tokens(),), tp_size=2, verify=True)
+        plan = synthesize(NanoGPT(), example_inputs=(example_tokens(),), tp_size=2)
     assert plan
     assert "on the model itself at tp=2: ok" in caplog.text
 
@@ -64,15 +85,28 @@ def test_meta_model_without_config_says_it_could_not_check(caplog):
     assert "could not self-check" in caplog.text and "meta device" in caplog.text
 
 
-def test_meta_model_with_config_is_checked_on_a_tiny_copy(caplog):
-    """A real-size config on meta: the plan synthesized for it is verified on a tiny copy."""
+def test_meta_model_with_config_is_checked_on_a_tiny_copy(caplog, monkeypatch):
+    """A real-size config on meta: ``synthesize`` verifies its plan on a tiny copy, once (the
+    copy's own synthesis, where the plan does not fit it, does not check again)."""
     model = build_model("llama")  # 8B shapes, no storage
-    plan = synthesize(model, tp_size=2)
+    calls = _count_checks(monkeypatch)
     with caplog.at_level(logging.INFO, logger="autotp.self_check"):
-        report = self_check(model, plan, tp_size=2)
-    assert report is not None and report.ok
+        plan = synthesize(model, tp_size=2)
+    assert plan and len(calls) == 1
     assert "on a tiny copy at tp=2: ok" in caplog.text
     assert "does not fit" not in caplog.text  # the real plan itself ran on the copy
+
+
+@pytest.mark.slow  # a real-size synthesis and two tiny-copy checks; the default path is checked once above
+def test_tiny_copy_that_needs_its_own_plan_synthesizes_it_unchecked(monkeypatch):
+    """Would catch: the self-check's fallback (the plan does not fit the tiny copy) synthesizing the
+    copy's plan with the default self-check, which would check it twice, or recurse."""
+    model = build_model("llama")
+    calls = _count_checks(monkeypatch)
+    wrong_keys = {"model.layers.*.mlp.not_there": next(iter(synthesize(model, tp_size=2, verify=False).values()))}
+    report = autotp.self_check.self_check(model, wrong_keys, tp_size=2)
+    assert report is not None and report.ok  # the copy's own plan, verified explicitly
+    assert len(calls) == 1
 
 
 def _record_calls(monkeypatch, plan):
@@ -92,7 +126,7 @@ def test_parallelize_checks_synthesized_plans_unless_opted_out(monkeypatch, opt_
     from autotp import parallelize
 
     model = build_model("llama", tiny=True, tp=2, device="cpu")
-    calls = _record_calls(monkeypatch, synthesize(model, tp_size=2))
+    calls = _record_calls(monkeypatch, synthesize(model, tp_size=2, verify=False))
     with _simulate.simulated_mesh(2) as mesh:
         parallelize(model, mesh, **({"verify_synthesized": False} if opt_out else {}))
     assert calls == ([] if opt_out else [{"tp_size": 2, "sequence_parallel": False}])
@@ -104,7 +138,7 @@ def test_fsdp2_strategy_checks_synthesized_plans_unless_opted_out(monkeypatch, o
     from autotp.training import fsdp2_strategy_parallelize
 
     model = build_model("llama", tiny=True, tp=2, device="cpu")
-    calls = _record_calls(monkeypatch, synthesize(model, tp_size=2))
+    calls = _record_calls(monkeypatch, synthesize(model, tp_size=2, verify=False))
     with _simulate.simulated_mesh(2):
         mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("tp",))
         fsdp2_strategy_parallelize(model, mesh, **({"verify_synthesized": False} if opt_out else {}))

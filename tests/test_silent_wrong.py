@@ -149,7 +149,7 @@ class WidthNormAttention(CountViewAttention):
 
 def _synthesize_and_verify(attention, tp_size):
     model = SpecLM(SPEC, attention)
-    plan = synthesize(model, example_inputs=(tokens(),), tp_size=tp_size)
+    plan = synthesize(model, example_inputs=(tokens(),), tp_size=tp_size, verify=False)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         report = verify(model, plan, tp_size=tp_size, inputs=(tokens(),))
@@ -233,7 +233,7 @@ def test_sizes_from_the_input_width_are_read_per_rank_by_every_projection(tp_siz
                          ids=["count_view", "lambda", "sink_scale"])
 def test_checker_accepts_the_synthesized_plans(attention):
     model = SpecLM(SPEC, attention)
-    plan = synthesize(model, example_inputs=(tokens(),), tp_size=2)
+    plan = synthesize(model, example_inputs=(tokens(),), tp_size=2, verify=False)
     assert check_plan(model, plan, tp_size=2, example_inputs=(tokens(),)) == []
 
 

@@ -163,7 +163,7 @@ def attention_model():
 
 def _verify_near_one_over_tp(model, tp, sequence_parallel):
     plan = synthesize(model, example_inputs=(example_tokens(),), tp_size=tp,
-                      sequence_parallel=sequence_parallel)
+                      sequence_parallel=sequence_parallel, verify=False)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         report = verify(model, plan, tp_size=tp, inputs=(example_tokens(),))
@@ -212,7 +212,8 @@ def test_mixer_beside_an_mlp_with_one_state_group_is_sharded_and_exact(tp, seque
     parameters per rank on a hybrid model)."""
     torch.manual_seed(0)
     model = SSMStack(mixer=lambda: ConvScanMixer(groups=1), block=lambda mixer: SideBySideBlock(mixer, tail))
-    plan = synthesize(model, example_inputs=(example_tokens(),), tp_size=tp, sequence_parallel=sequence_parallel)
+    plan = synthesize(model, example_inputs=(example_tokens(),), tp_size=tp, sequence_parallel=sequence_parallel,
+                      verify=False)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         report = verify(model, plan, tp_size=tp, inputs=(example_tokens(),))
@@ -231,7 +232,7 @@ def test_plain_output_after_side_by_side_branches_keeps_one_reduction_per_branch
     the sharded run raised on the tail's residual add), with groups tp divides (no copies)."""
     torch.manual_seed(0)
     model = SSMStack(block=SideBySideBlock)
-    plan = synthesize(model, example_inputs=(example_tokens(),), tp_size=2)
+    plan = synthesize(model, example_inputs=(example_tokens(),), tp_size=2, verify=False)
     assert "layers.*" not in plan
     assert {type(plan[f"layers.*.{m}"]).__name__ for m in ("mixer.out_proj", "mlp.c_proj")} == {"RowwiseParallel"}
     _verify_near_one_over_tp(model, 2, False)
@@ -240,7 +241,7 @@ def test_plain_output_after_side_by_side_branches_keeps_one_reduction_per_branch
 def test_conv_weight_is_packed_with_the_parts_it_convolves(model):
     """The depthwise conv over ``[x | B | C]`` is sharded part by part, with the mixer (whose code
     reads it), and the per-head parameters are sharded on their only dim."""
-    style = synthesize(model, example_inputs=(example_tokens(),), tp_size=2)["layers.*.mixer"]
+    style = synthesize(model, example_inputs=(example_tokens(),), tp_size=2, verify=False)["layers.*.mixer"]
     part = (HEADS * HEAD_DIM, GROUPS * STATE, GROUPS * STATE)
     assert style.packed == {"conv1d.weight": part, "conv1d.bias": part, "scale": (HEADS * HEAD_DIM, *part, HEADS)}
     assert style.shard_dims == {"A_log": 0, "D": 0, "dt_bias": 0, "conv1d.weight": 0, "conv1d.bias": 0, "scale": 0}

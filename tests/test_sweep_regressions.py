@@ -26,7 +26,7 @@ def test_head_front_after_a_norm_standing_for_every_layer_is_not_taken(tp):
     feed whole attention. Taking the front gave every layer's norm a partial gradient reduction:
     the token-type table's gradient came out tp times too large (0.30 off at tp 2, silently)."""
     model = _tiny("electra", tp)
-    plan = synthesize(model, tp_size=tp)
+    plan = synthesize(model, tp_size=tp, verify=False)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         report = verify(model, plan, tp_size=tp)
@@ -41,7 +41,7 @@ def test_table_that_is_not_an_embedding_weight_stays_whole():
     records = {r.key: r for r in explain(model, tp_size=2)}
     assert records["cpmant.position_bias"].role == "replicate"
     assert "not an embedding's weight" in records["cpmant.position_bias"].reason
-    plan = synthesize(model, tp_size=2)
+    plan = synthesize(model, tp_size=2, verify=False)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         report = verify(model, plan, tp_size=2)

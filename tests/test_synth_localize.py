@@ -93,7 +93,7 @@ def test_shape_proof_keeps_whole_what_a_failed_fake_forward_never_reached(monkey
     ids = torch.randint(0, 64, (2, 8))
     torch.manual_seed(0)
     model = _CountedModel()
-    plan = synthesize(model, example_inputs=(ids,), tp_size=2)
+    plan = synthesize(model, example_inputs=(ids,), tp_size=2, verify=False)
     assert "layers.*.q" in plan and any("n_head" in repr(s) for s in plan.values()), plan
 
     def stopped(*args, **kwargs):
@@ -102,7 +102,7 @@ def test_shape_proof_keeps_whole_what_a_failed_fake_forward_never_reached(monkey
         return captured
 
     monkeypatch.setattr(shape_proof, "capture_inputs", stopped)
-    plan = synthesize(model, example_inputs=(ids,), tp_size=2)
+    plan = synthesize(model, example_inputs=(ids,), tp_size=2, verify=False)
     assert "layers.*.q" not in plan, plan
     reasons = {r.key: r.reason for r in explain(model, example_inputs=(ids,), tp_size=2)}
     assert "stopped before it (RuntimeError: no fake kernel)" in reasons["layers.*.q"], reasons["layers.*.q"]

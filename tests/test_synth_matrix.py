@@ -112,7 +112,8 @@ def test_synthesized_plan_is_exact_and_megatron_optimal(name, tp_size, sequence_
     model, inputs = _model(name)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        plan = synthesize(model, example_inputs=inputs, sequence_parallel=sequence_parallel, tp_size=tp_size)
+        plan = synthesize(model, example_inputs=inputs, sequence_parallel=sequence_parallel, tp_size=tp_size,
+                          verify=False)
         verify_inputs = inputs if inputs is None else (torch.randint(0, 256, (2, 16)),)
         report = verify(model, plan, tp_size=tp_size, inputs=verify_inputs)
     assert report.ok, str(report)

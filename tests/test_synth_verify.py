@@ -37,7 +37,7 @@ def test_tp_above_kv_heads_replicates_kv_heads_exactly(family, tp_size, sequence
     ratio attribute is found and set per rank, and the collectives stay optimal. Would catch a k/v
     split through a head, a wrong ratio (shape error or wrong logits), unsummed kv gradients."""
     model = tiny_model(family, device="cpu", num_key_value_heads=2, **WIDE)
-    plan = synthesize(model, sequence_parallel=sequence_parallel, tp_size=tp_size)
+    plan = synthesize(model, sequence_parallel=sequence_parallel, tp_size=tp_size, verify=False)
     attn = "model.layers.*.self_attn"
     assert repr(plan[f"{attn}.k_proj"]).startswith("ReplicatedKVColwise")
     assert (plan[f"{attn}.k_proj"].kv_heads, plan[f"{attn}.k_proj"].head_dim) == (2, 16)
@@ -68,7 +68,7 @@ def test_tp_above_one_kv_head_replicates_it(tp_size, sequence_parallel, gather):
     forward, the backward moving as many bytes; copies (``gather_copies=False``): each rank holds
     it whole, no forward collective."""
     model = tiny_model("llama", device="cpu", num_key_value_heads=1, **WIDE)
-    plan = synthesize(model, sequence_parallel=sequence_parallel, tp_size=tp_size, gather_copies=gather)
+    plan = synthesize(model, sequence_parallel=sequence_parallel, tp_size=tp_size, gather_copies=gather, verify=False)
     assert plan["model.layers.*.self_attn.k_proj"].kv_heads == 1
     assert plan["model.layers.*.self_attn.k_proj"].gather == gather
     report = _verify(model, plan, tp_size)
@@ -79,7 +79,7 @@ def test_tp_above_one_kv_head_replicates_it(tp_size, sequence_parallel, gather):
 
 def test_tp_not_a_multiple_of_kv_heads_raises_naming_the_projection():
     with pytest.raises(MeshError, match=r"self_attn\.k_proj: 2 kv heads cannot be shared evenly by tp=3"):
-        synthesize(tiny_model("llama", num_key_value_heads=2, **WIDE), tp_size=3)
+        synthesize(tiny_model("llama", num_key_value_heads=2, **WIDE), tp_size=3, verify=False)
 
 
 DYNAMIC_ROPE = {"rope_type": "dynamic", "rope_theta": 10000.0, "factor": 2.0}
@@ -91,7 +91,7 @@ def test_dynamic_ntk_rope_is_traced_with_real_values(sequence_parallel):
     it, so a materialised model is re-exported with real values (the branch is in a module without
     parameters). Would catch that retry being lost (a TraceError) or the plan going wrong."""
     model = tiny_model("llama", device="cpu", rope_parameters=DYNAMIC_ROPE)
-    plan = synthesize(model, sequence_parallel=sequence_parallel, tp_size=2)
+    plan = synthesize(model, sequence_parallel=sequence_parallel, tp_size=2, verify=False)
     _verify(model, plan, 2)
 
 
@@ -109,7 +109,7 @@ def test_sp_plans_with_shared_experts_and_inner_rows_are_exact(name):
     from autotp.models import build_model
 
     model = build_model(name, tiny=True, tp=2, device="cpu")
-    _verify(model, synthesize(model, sequence_parallel=True, tp_size=2), 2)
+    _verify(model, synthesize(model, sequence_parallel=True, tp_size=2, verify=False), 2)
 
 
 def test_sp_norm_read_by_several_whole_linears_gathers_once():
@@ -121,7 +121,7 @@ def test_sp_norm_read_by_several_whole_linears_gathers_once():
     from autotp.models import build_model
 
     model = build_model("deepseek_v3", tiny=True, tp=2, device="cpu")
-    plan = synthesize(model, sequence_parallel=True, tp_size=2)
+    plan = synthesize(model, sequence_parallel=True, tp_size=2, verify=False)
     assert type(plan["model.layers.*.input_layernorm"]).__name__ == "SequenceParallelAllGather", plan
     report = _verify(model, plan, 2)
     assert report.collectives["all_gather_into_tensor"] == 5, report.collectives

@@ -107,7 +107,8 @@ class AveragedWeightsBlock(HandWrittenBlock):
 
 
 def _synthesize_and_verify(model, tp_size, sequence_parallel):
-    plan = synthesize(model, example_inputs=(tokens(),), tp_size=tp_size, sequence_parallel=sequence_parallel)
+    plan = synthesize(model, example_inputs=(tokens(),), tp_size=tp_size, sequence_parallel=sequence_parallel,
+                      verify=False)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         report = verify(model, plan, tp_size=tp_size, inputs=(tokens(),))

@@ -56,7 +56,7 @@ def test_each_layers_own_adapter_is_sharded(tp):
     """Would catch the adapters the trace never ran left whole (the plan fails on the shapes in
     layers 1 and 2), or planned unlike the traced one (a gradient differs)."""
     model, ids = AdaptedModel(), torch.randint(0, VOCAB, (2, 8))
-    plan = synthesize(model, example_inputs=(ids,), tp_size=tp)
+    plan = synthesize(model, example_inputs=(ids,), tp_size=tp, verify=False)
     report = verify_toy(model, plan, tp, inputs=(ids,))
     for entry in range(LAYERS):
         assert isinstance(plan[f"blocks.*.adapters.{entry}.1"], type(plan["blocks.*.up"])), plan
@@ -76,6 +76,6 @@ def test_zamba2_with_two_hybrid_layers_verifies():
 
     model = _tiny_model("zamba2", 2, repeat=2)
     assert model.config.layers_block_type.count("hybrid") == 2
-    plan = synthesize(model, tp_size=2)
+    plan = synthesize(model, tp_size=2, verify=False)
     report = verify_toy(model, plan, 2, inputs={"input_ids": torch.randint(0, model.config.vocab_size, (2, 8))})
     assert max(report.param_fraction) < 0.6, report.param_fraction

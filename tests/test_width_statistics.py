@@ -140,7 +140,7 @@ def test_check_flags_a_plan_that_shards_the_statistics_without_their_style():
     """Would catch ``check_plan`` passing a hand-written plan whose MLP reads statistics of one
     rank's slice (silently wrong values); the synthesized plan passes."""
     model = SparseGateLM("std")
-    synthesized = synthesize(model, example_inputs=(example_tokens(),), tp_size=2)
+    synthesized = synthesize(model, example_inputs=(example_tokens(),), tp_size=2, verify=False)
     assert check_plan(model, synthesized, tp_size=2, example_inputs=(example_tokens(),)) == []
     plan = {"layers.*.mlp.gate_proj": ColwiseParallel(), "layers.*.mlp.up_proj": ColwiseParallel(),
             "layers.*.mlp.down_proj": RowwiseParallel()}

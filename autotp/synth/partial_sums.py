@@ -33,6 +33,7 @@ from autotp.synth.experts import partial_sum_reach
 from autotp.synth.graph import Ref
 from autotp.synth.roles import Role, kind_of
 from autotp.synth.sequence import module_outputs
+from autotp.synth.shared import shared_columns
 
 log = logging.getLogger(__name__)
 
@@ -49,7 +50,9 @@ def partial_sum_blocks(g: nx.DiGraph, flow: Flow, roles: dict[str, Role], *,
     Returns:
         New roles: the block (``partial_sum_block``), its rows (``partial_local``), the modules with
         parameters kept whole inside it (``partial_grad_module``); other roles inside it (a gather, a
-        shared entry) are set to ``replicate``: the block's style takes their place.
+        shared entry) are set to ``replicate``: the block's style takes their place. A module above
+        the block that shares the block's columns' input loses those columns (None: no role left;
+        :func:`_outer_shares`).
     """
     rows = [n for n, d in g.nodes(data=True) if d["kind"] == "call" and is_linear(g, n)
             and kind_of(roles, module_of(g, n)) == "row"]
@@ -85,6 +88,38 @@ def partial_sum_blocks(g: nx.DiGraph, flow: Flow, roles: dict[str, Role], *,
                 found[module] = Role("partial_grad_module", f"kept whole inside {block}: runs on replicated "
                                      "values with partial gradients, its parameters' gradients all-reduced",
                                      (block, module))
+    found.update(_outer_shares(roles, set(blocks) & set(found)))
+    return found
+
+
+def _outer_shares(roles: dict[str, Role], blocks: set[str]) -> dict[str, Role | None]:
+    """Shares of column inputs made by modules above the partial-sum ``blocks``, without the
+    blocks' columns.
+
+    The block's style shares its columns' input itself, handing back each rank's partial gradient,
+    which the block reduces once at entry. A shared entry chosen above the block (the block's own
+    role, a gather at entry, left no room for its hooks when the shares were found) would wrap the
+    same input first and all-reduce the columns' gradient, which the block's entry then reduces
+    again: the columns' share of the input gradient counted tp times, so the norm before the block
+    gets a wrong gradient though the logits are exact. Each column is shared by one style: the block's.
+
+    Returns:
+        The changed roles: fewer shared columns, or None where a ``shared_entry`` keeps none.
+    """
+    found: dict[str, Role | None] = {}
+    for scope, role in roles.items():
+        if any(scope == b or scope.startswith(b + ".") for b in blocks):
+            continue  # the block itself, or a module inside it: its role is the block's to set
+        columns = shared_columns(role) if role is not None else ()
+        left = tuple(c for c in columns if not any(f"{scope}.{c}".startswith(b + ".") for b in blocks))
+        if len(left) == len(columns):
+            continue
+        log.info("partial sums: %s no longer shares %s (its partial-sum block shares them)", scope,
+                 ", ".join(c for c in columns if c not in left))
+        if role.kind == "shared_entry":
+            found[scope] = replace(role, names=left) if len(left) > 1 else None
+        else:
+            found[scope] = replace(role, shared_columns=left)
     return found
 
 

@@ -116,10 +116,12 @@ def constraint_fixpoint(g: nx.DiGraph, groups: LayerGroups, model: nn.Module, ex
     """
     whole, forced = foreign_reads(g)
     unlocal: dict[str, str] = {}
-    one_kv = tp_size is not None  # one-kv-head k/v (separate, or parts of a fused output) need a known tp
+    # One-kv-head k/v are read at any tp (every tp is above one head: the plan is the same at each,
+    # see kv_replication); parts of a fused output held whole per rank need a known tp.
+    copy_parts = tp_size is not None
     per_group = _PerGroup()
     for round_ in itertools.count(1):
-        flow, dropped = analyse(g, unlocal, unit_heads=one_kv, whole=whole, copy_parts=one_kv,
+        flow, dropped = analyse(g, unlocal, unit_heads=True, whole=whole, copy_parts=copy_parts,
                                 per_group=frozenset(per_group.plain))
         broke = {n: dropped[n] for n in per_group.plain if n in dropped and n not in unlocal}
         if broke:  # read per group, the shard breaks: back to the plain reading, or whole
@@ -266,10 +268,23 @@ def shard_counts(a: Analysis) -> Analysis:
 
 
 def kv_replication(a: Analysis) -> Analysis:
-    """tp > kv heads: k/v projections hold the kv head their ranks' query heads read."""
+    """tp > kv heads: k/v projections hold the kv head their ranks' query heads read.
+
+    Without ``tp_size`` only k/v of one head are handled: every tp is above them, and their plan
+    (each rank holds the head, the attention's counts set per rank from the mesh when applied) is
+    the same at every tp that divides the query heads, so it is found at tp=2 and holds at any.
+    """
+    tp = a.tp_size or ANY_TP_ABOVE_ONE_HEAD
+    try:
+        kv_roles, handled = replicate_kv(a.model, a.example_inputs, a.graph, a.flow, a.roles, tp, a.groups)
+    except MeshError as error:
+        if a.tp_size is not None:
+            raise
+        raise MeshError(module=error.module, found=f"its k/v have one head, so every rank holds it and the "
+                        f"query heads are split over tp, and without tp_size that failed at tp={tp}: {error.found}",
+                        fix="pass tp_size= (the tp you will shard with) to synthesize") from error
     if a.tp_size is None:
-        return a
-    kv_roles, handled = replicate_kv(a.model, a.example_inputs, a.graph, a.flow, a.roles, a.tp_size, a.groups)
+        _no_unhandled_unit_heads(a, handled)
     roles = dict(a.roles)
     for module, role in kv_roles.items():
         current = roles.get(module)
@@ -281,6 +296,23 @@ def kv_replication(a: Analysis) -> Analysis:
         else:
             roles[module] = role
     return replace(a, roles=roles, kv_handled=frozenset(handled))
+
+
+# The tp the one-kv-head reading is found at when no tp_size is given (any tp above one head).
+ANY_TP_ABOVE_ONE_HEAD = 2
+
+
+def _no_unhandled_unit_heads(a: Analysis, handled: set[str]) -> None:
+    """Without ``tp_size``: every sharded root of one head must be a k/v that ranks hold whole.
+
+    Raises:
+        MeshError: a root of one head is left sharded (its plan would depend on tp), asking for tp_size.
+    """
+    for root in sorted(set(a.flow.roots) - set(handled), key=lambda n: a.graph.nodes[n]["order"]):
+        if a.flow.extent.get(root) == 1:
+            raise MeshError(module=module_of(a.graph, root), found="its output is one head read by a wider "
+                            "attention, which no tp splits, and without tp_size the plan that holds it on "
+                            "every rank cannot be written", fix="pass tp_size= (the tp you will shard with) to synthesize")
 
 
 def torch_attention(a: Analysis) -> Analysis:
@@ -318,8 +350,8 @@ def sequence_parallel(a: Analysis) -> Analysis:
 
 def partial_sums(a: Analysis) -> Analysis:
     """Modules adding up row Linears' partial sums (a loop over ``nn.Linear`` experts) reduce them once."""
-    return replace(a, roles={**a.roles, **partial_sum_blocks(a.graph, a.flow, a.roles,
-                                                             sequence_parallel=a.sequence_parallel)})
+    found = partial_sum_blocks(a.graph, a.flow, a.roles, sequence_parallel=a.sequence_parallel)
+    return replace(a, roles={m: r for m, r in {**a.roles, **found}.items() if r is not None})
 
 
 def shared_inputs(a: Analysis) -> Analysis:
