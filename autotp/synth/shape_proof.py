@@ -20,7 +20,7 @@ from torch import nn
 
 from autotp.synth.analysis import Flow, Shard, module_of
 from autotp.synth.ops import FIXED_SIZE_CUTS
-from autotp.synth.local_run import capture_inputs, outputs_match, run_local, shapes_are_local, trace_local
+from autotp.synth.local_run import argument_roles, capture_inputs, outputs_match, run_local, shapes_are_local, trace_local
 from autotp.synth.localize import MAX_NAMES, Localization, candidate_names, cutting_module, inner_roles
 from autotp.synth.localize import width_view_of, with_width_view
 from autotp.synth.ops import NEW_LIKE, VIEW_LIKE
@@ -108,7 +108,7 @@ def localize_shapes(model: nn.Module, example_inputs, g: nx.DiGraph, flow: Flow,
     by_module = {m: r for m, r in by_module.items() if r}
     if not by_module:
         return
-    captured = capture_inputs(model, example_inputs, set(by_module), groups)
+    captured = capture_inputs(model, example_inputs, set(by_module), groups, roles)
     for fqn, roots in by_module.items():
         if fqn not in captured:
             if captured.failed is not None:  # the forward stopped before it: unproven, so whole
@@ -141,8 +141,11 @@ def localize_shapes(model: nn.Module, example_inputs, g: nx.DiGraph, flow: Flow,
                     result.unlocal[root] = (f"{fqn} makes a constant tensor that meets the shard, and it cannot "
                                             "be run alone to prove that tensor's per-rank size; kept whole")
                 continue
+            if verdict is None and traces.get("unjudged") and fqn not in captured.stateful:
+                _unjudged(module, fqn, roots, values, result)
+                continue
             if verdict is None:
-                continue  # already per-rank (or cannot run alone: the verifier judges the numbers)
+                continue  # already per-rank
             candidates = candidate_names(module, {v for v in values if v > 1})
             names = head_names(module, inputs, inner, candidates, tp, verdict, known, traces)
             view = width_view_of(g, roles, fqn, inputs) if not names and fqn not in result.widths else None
@@ -168,6 +171,30 @@ def localize_shapes(model: nn.Module, example_inputs, g: nx.DiGraph, flow: Flow,
         log.info("localize heads %s: %s", fqn, names)
 
 
+def _unjudged(module: nn.Module, fqn: str, roots: list[str], values: set[int], result: Localization) -> None:
+    """``fqn`` shapes its shard and cannot run alone on meta tensors (it reads real values from
+    outside, or code meta tensors cannot run): its per-rank shapes are not proven.
+
+    Where it holds integer attributes equal to the sizes it shapes with (a head count fixed in the
+    module or in a layer module, ``Rearrange(..., h=heads)``), at per-rank widths those would cut
+    the shard into heads of another size and run silently wrong, or crash: its projections are kept
+    whole (the DTensor-region pass may still run it sharded on DTensors). Without such attributes
+    its sizes come from the widths it is handed (``view(b, t, -1, head_dim)``): the shards are kept,
+    with a warning, for the verifier to judge.
+    """
+    candidates = candidate_names(module, {v for v in values if v > 1})
+    if candidates:
+        for root in roots:
+            result.unlocal[root] = (f"{fqn} shapes its sharded output, holds attributes that may size it "
+                                    f"({', '.join(candidates)}), and does not run alone on meta tensors to prove its "
+                                    "per-rank shapes; kept whole")
+        log.warning("shape proof: %s does not run alone on meta tensors, so its per-rank shapes (sized by "
+                    "%s) are not proven; its projections are kept whole", fqn, ", ".join(candidates))
+        return
+    log.warning("shape proof: %s shapes its sharded output and does not run alone on meta tensors; its per-rank "
+                "shapes are not proven: verify the plan (synthesize(verify=True) or autotp.verify)", fqn)
+
+
 def shape_proof(module: nn.Module, inputs, roles: dict[str, Role], tp: int, names: tuple[str, ...] = (),
                 traces: dict | None = None):
     """None if ``module``, with ``names`` divided by tp, runs right at per-rank widths; else the
@@ -176,7 +203,9 @@ def shape_proof(module: nn.Module, inputs, roles: dict[str, Role], tp: int, name
     Runs right: alone at per-rank widths, it keeps its outputs' global shapes and every
     intermediate shape is the global one with the sharded dim divided by tp (head size intact).
     A module that cannot run alone at global widths cannot be judged here: None, logged.
+    Modules handed to it as arguments run at per-rank shapes with it (their roles included).
     """
+    roles = {**roles, **argument_roles(inputs)}
     reference = run_local(module, inputs, roles, [], (), 1)
     if reference is None:
         log.debug("shape proof of %s: it does not run alone on meta; not judged", type(module).__name__)
@@ -216,6 +245,7 @@ def runs_into_other_shapes(module: nn.Module, inputs, roles: dict[str, Role], tp
     with its global output shapes, yet some intermediate shape is not the global one with the
     sharded dim divided: the silent case (``view(b, t, n_heads, -1)`` into heads of half the size).
     A run that fails is loud at apply time and not reported here."""
+    roles = {**roles, **argument_roles(inputs)}
     reference = run_local(module, inputs, roles, [], (), 1)
     local = run_local(module, inputs, roles, [], names, tp) if reference is not None else None
     if local is None or not outputs_match(local[0], reference[0], tp):
@@ -228,6 +258,7 @@ def head_names(module: nn.Module, inputs, roles: dict[str, Role], candidates: li
                main: tuple, known: tuple[str, ...] = (), traces: dict | None = None) -> tuple[str, ...] | None:
     """The smallest set of ``candidates`` with which ``module`` runs at per-rank widths, keeps its
     main output's global shape, and has every intermediate shape the per-rank one; or None."""
+    roles = {**roles, **argument_roles(inputs)}
     traced = None
     # With no names the module was judged already; with an input seen at per-rank width, not yet.
     first = 0 if "" in roles and roles[""].width_view else 1
