@@ -156,6 +156,23 @@ class Attention(nn.Module):
         return self.to_out(self.merge_heads(out))
 
 
+class CpuMaskAttention(Attention):
+    """:class:`Attention` whose causal mask is made on an explicit device (``device="cpu"``), as code
+    written for one machine does: it cannot run alone on meta tensors, so its per-rank shapes
+    cannot be proven."""
+
+    def forward(self, x, rotary_freqs=None, rel_pos=None):
+        n = x.shape[1]
+        q = self.to_q(x)
+        k, v = self.to_kv(x).chunk(2, dim=-1)
+        q, k, v = map(self.split_heads, (q, k, v))
+        sim = einsum("b h i d, b h j d -> b h i j", q, k) * self.scale
+        causal = torch.ones(n, n, dtype=torch.bool, device="cpu").triu(1)
+        sim = sim.masked_fill(causal, -torch.finfo(sim.dtype).max)
+        out = einsum("b h i j, b h j d -> b h i d", sim.softmax(dim=-1), v)
+        return self.to_out(self.merge_heads(out))
+
+
 class FeedForward(nn.Module):
     def __init__(self, dim: int = DIM, mult: int = 4):
         super().__init__()
@@ -392,6 +409,13 @@ def alibi() -> nn.Module:
 
 def distance_mlp() -> nn.Module:
     return Decoder("dynamic")
+
+
+def cpu_mask() -> nn.Module:
+    model = Decoder(None)
+    for layer in model.layers:
+        layer.attn = CpuMaskAttention()
+    return model
 
 
 def shared_alibi() -> nn.Module:

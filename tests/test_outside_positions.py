@@ -22,16 +22,18 @@ Default tier: each idiom at tp 2 under SP (the conftest base-case rule); tp 4 an
 
 from __future__ import annotations
 
+import logging
 import re
 import warnings
 
 import pytest
-from outside_models import (alibi, distance_mlp, folded_hyper_connections, hyper_connections, partial_rotary,
+from outside_models import (alibi, cpu_mask, distance_mlp, folded_hyper_connections, hyper_connections, partial_rotary,
                             shared_alibi, shared_distance_mlp, stream_shift, token_shift, tokens)
 from torch import nn
 
 import autotp
 from autotp.memory import param_bytes_per_rank
+from autotp.plan import resolve
 
 # Parameters the bound shards: the attention's and feed-forward's Linears (a row's bias is added
 # whole), the token table, the head, and a position MLP's Linear that makes one value per head.
@@ -116,3 +118,22 @@ VARIANTS = {"alibi in each attention": alibi, "distance MLP in each attention": 
 @pytest.mark.parametrize("variant", list(VARIANTS))
 def test_idiom_variants(variant, tp, sequence_parallel):
     check(VARIANTS[variant], tp, sequence_parallel)
+
+
+def test_attention_that_cannot_run_alone_is_kept_whole_with_a_warning(caplog):
+    """An attention with a fixed einops head count that cannot run alone on meta tensors (a mask made
+    on ``device="cpu"``): its per-rank shapes cannot be proven, so its projections stay whole, and a
+    warning names it. Before, its shards were kept with the head count global: 4 heads of half the
+    size per rank, logits off by 0.14 at tp 2, no error."""
+    model = cpu_mask()
+    with caplog.at_level(logging.WARNING, logger="autotp.synth.shape_proof"):
+        plan = autotp.synthesize(model, example_inputs=(tokens(),), tp_size=2)
+    assert any("layers.0.attn" in r.getMessage() and "kept whole" in r.getMessage() for r in caplog.records), \
+        [r.getMessage() for r in caplog.records]
+    styles = {fqn for fqn, _ in resolve(model, plan).items()}
+    assert not {f"layers.{i}.attn.{p}" for i in (0, 1) for p in ("to_q", "to_kv", "to_out")} & styles
+    assert {"layers.0.ff.net.0", "layers.1.ff.net.2"} <= styles  # the rest still sharded
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        report = autotp.verify(model, plan, tp_size=2, inputs=(tokens(),))
+    assert report.ok, str(report)
