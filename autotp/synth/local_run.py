@@ -137,7 +137,8 @@ def _arguments(inputs) -> list[ModuleArgument]:
 def argument_roles(inputs) -> dict[str, Role]:
     """The roles of the modules among ``inputs`` (:class:`ModuleArgument`), by the names their
     copies take as children of the module run alone."""
-    return {f"{arg.name}.{rel}" if rel else arg.name: role for arg in _arguments(inputs) for rel, role in arg.roles.items()}
+    return {f"{arg.name}.{rel}" if rel else arg.name: role
+            for arg in _arguments(inputs) for rel, role in arg.roles.items()}
 
 
 def _attached(local: nn.Module, inputs: tuple[tuple, dict], real: bool) -> tuple[tuple, dict]:

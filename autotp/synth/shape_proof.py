@@ -20,7 +20,8 @@ from torch import nn
 
 from autotp.synth.analysis import Flow, Shard, module_of
 from autotp.synth.ops import FIXED_SIZE_CUTS
-from autotp.synth.local_run import argument_roles, capture_inputs, outputs_match, run_local, shapes_are_local, trace_local
+from autotp.synth.local_run import argument_roles, capture_inputs, outputs_match, run_local, shapes_are_local
+from autotp.synth.local_run import trace_local
 from autotp.synth.localize import MAX_NAMES, Localization, candidate_names, cutting_module, inner_roles
 from autotp.synth.localize import width_view_of, with_width_view
 from autotp.synth.ops import NEW_LIKE, VIEW_LIKE
