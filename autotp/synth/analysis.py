@@ -569,7 +569,8 @@ def _row_sources(g: nx.DiGraph, flow: Flow, name: str) -> list[str]:
 def _rows_within(g: nx.DiGraph, flow: Flow, other: str, name: str) -> list[str]:
     """The row Linears that replicated ``other`` is computed from, walking back through the ops
     of the module that runs the Linears of the shard met at ``name`` (its parameters and buffers
-    may enter); empty if the walk meets a sharded value, a Linear that is not a row, or leaves it."""
+    may enter), and of the modules it calls (one handed to it as an argument: a distance MLP shared
+    by every layer); empty if the walk meets a sharded value, a Linear that is not a row, or leaves it."""
     scopes = {g.nodes[o]["module"].rpartition(".")[0] for s in flow.meeting for o in s.origins}
     module = scopes.pop() if len(scopes) == 1 else ""
     if not module or not (g.nodes[name]["module"] + ".").startswith(module + "."):
@@ -578,7 +579,8 @@ def _rows_within(g: nx.DiGraph, flow: Flow, other: str, name: str) -> list[str]:
     while todo:
         node = todo.pop()
         data = g.nodes[node]
-        if flow.sharded(node) or not (data["module"] == module or data["module"].startswith(module + ".")):
+        inside = data["module"] == module or data["module"].startswith(module + ".") or module in (data["stack"] or ())
+        if flow.sharded(node) or not inside:
             return []
         if is_linear(g, node):
             if node not in flow.rows:

@@ -117,7 +117,7 @@ def replicate_kv(model: nn.Module, example_inputs, g: nx.DiGraph, flow: Flow, ro
 
 
 def _ratio_roles(model, example_inputs, roles, kv_roles, attention, tp, groups) -> dict[str, Role]:
-    captured = capture_inputs(model, example_inputs, set(attention), groups)
+    captured = capture_inputs(model, example_inputs, set(attention), groups, {**roles, **kv_roles})
     out = {}
     for fqn, (heads, kv) in attention.items():
         inner = inner_roles({**roles, **kv_roles}, fqn)

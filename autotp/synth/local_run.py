@@ -100,10 +100,66 @@ def _as_traced():
         torch.compiler._is_compiling_flag = before
 
 
+class ModuleArgument:
+    """A module of the model handed to a module as an argument (one relative-position module at the
+    root that every layer's attention calls: ``sim + rel_pos(n, n)``). Run alone, the module proven
+    calls a meta copy of it, attached as its child ``name``, at per-rank shapes under ``roles`` (its
+    own and its children's, relative to it: per-head slopes, the head-producing Linear of a
+    distance MLP), as the plan runs it; the model's own copy holds real tensors, which a meta run
+    cannot mix with, and its shards would not be seen."""
+
+    __slots__ = ("module", "name", "roles")
+
+    def __init__(self, module: nn.Module, name: str, roles: dict[str, Role]):
+        self.module, self.name, self.roles = module, name, roles
+
+
+def _module_arguments(inputs: tuple[tuple, dict], model: nn.Module, roles: dict[str, Role]) -> tuple[tuple, dict]:
+    """``inputs`` with each module of ``model`` among the arguments as a :class:`ModuleArgument`."""
+    from autotp.synth.localize import inner_roles
+
+    names = {id(m): name for name, m in model.named_modules()}
+
+    def wrap(value, key):
+        if isinstance(value, nn.Module) and id(value) in names:
+            return ModuleArgument(value, f"_autotp_argument_{key}", inner_roles(roles, names[id(value)]))
+        return value
+
+    args, kwargs = inputs
+    return tuple(wrap(a, i) for i, a in enumerate(args)), {k: wrap(v, k) for k, v in kwargs.items()}
+
+
+def _arguments(inputs) -> list[ModuleArgument]:
+    if not (isinstance(inputs, tuple) and len(inputs) == 2 and isinstance(inputs[1], dict)):
+        return []
+    return [v for v in (*inputs[0], *inputs[1].values()) if isinstance(v, ModuleArgument)]
+
+
+def argument_roles(inputs) -> dict[str, Role]:
+    """The roles of the modules among ``inputs`` (:class:`ModuleArgument`), by the names their
+    copies take as children of the module run alone."""
+    return {f"{arg.name}.{rel}" if rel else arg.name: role
+            for arg in _arguments(inputs) for rel, role in arg.roles.items()}
+
+
+def _attached(local: nn.Module, inputs: tuple[tuple, dict], real: bool) -> tuple[tuple, dict]:
+    """``inputs`` with each :class:`ModuleArgument` a copy (meta, or holding values with ``real``)
+    attached to ``local`` as its child of the argument's name, so that roles shrink it with the rest."""
+    def copy_of(value):
+        if isinstance(value, ModuleArgument):
+            local.add_module(value.name, _module_copy(value.module, real))
+            return local.get_submodule(value.name)
+        return value
+
+    args, kwargs = inputs
+    return tuple(copy_of(a) for a in args), {k: copy_of(v) for k, v in kwargs.items()}
+
+
 def capture_inputs(model: nn.Module, example_inputs, fqns: set[str],
-                   groups: LayerGroups | None) -> Captured:
+                   groups: LayerGroups | None, roles: dict[str, Role] | None = None) -> Captured:
     """The inputs each module in ``fqns`` (FQNs traced with ``groups``) gets, as meta tensors, from
-    one fake forward."""
+    one fake forward. With ``roles``, modules of the model among them are :class:`ModuleArgument`
+    (for :func:`run_local` and :func:`trace_local`, which run a per-rank copy of them)."""
     captured: dict[str, tuple[tuple, dict]] = {}
     args, kwargs = example_args(model, example_inputs)
     with collapsed(model, groups):
@@ -129,9 +185,16 @@ def capture_inputs(model: nn.Module, example_inputs, fqns: set[str],
                 handle.remove()
     # Fake tensors belong to the fake mode: keep only their shapes, as plain meta tensors.
     result = Captured({fqn: (_to_meta(a), _to_meta(k)) for fqn, (a, k) in captured.items()})
+    if roles is not None:
+        with collapsed(model, groups):
+            for fqn in result:
+                result[fqn] = _module_arguments(result[fqn], model, roles)
     result.stateful = frozenset(fqn for fqn, inputs in captured.items() if _filled_state(inputs))
     if real:  # a module that reads values itself is run on them (:func:`run_local`)
         result.real = {fqn: _rebuilt(inputs, lambda t, inside: t.detach().clone()) for fqn, inputs in captured.items()}
+        if roles is not None:
+            with collapsed(model, groups):
+                result.real = {fqn: _module_arguments(v, model, roles) for fqn, v in result.real.items()}
     if failed is not None:
         result.failed = f"{type(failed).__name__}: {str(failed).splitlines()[0] if str(failed) else ''}"[:200]
     return result
@@ -195,6 +258,10 @@ def _module_copy(module: nn.Module, real: bool = False) -> nn.Module:
     # restored only when analysis ends) is not copied: a deep copy of one corrupts memory when freed.
     memo.update({id(value): None for m in module.modules() for value in vars(m).values()
                  if isinstance(value, FakeTensor)})
+    # Tensors held as plain attributes (a mask or table kept outside the buffers) go with the copy:
+    # a meta run cannot mix them with meta tensors, and the module could not be judged.
+    memo.update({id(value): tensor(value) for m in module.modules() for value in vars(m).values()
+                 if type(value) is torch.Tensor and id(value) not in memo})
     return deep_copy(module, memo)
 
 
@@ -250,10 +317,14 @@ def _shrink_in_out(module: nn.Module, role: Role, tp: int) -> None:
 
 
 def _local_copy(module: nn.Module, roles: dict[str, Role], names: tuple[str, ...], tp: int,
-                real: bool = False) -> nn.Module:
+                real: bool = False, inputs: tuple[tuple, dict] | None = None):
     """A meta copy of ``module`` (with ``real``, a copy holding values) with per-rank parameter
-    shapes and ``names`` divided by ``tp``."""
+    shapes and ``names`` divided by ``tp``; with ``inputs``, ``(copy, inputs)`` where the modules
+    handed in (:class:`ModuleArgument`) are copies attached to it, shrunk under their roles too."""
     local = _module_copy(module, real)
+    if inputs is not None:
+        roles = {**roles, **argument_roles(inputs)}
+        inputs = _attached(local, inputs, real)
     for name, role in roles.items():
         if tp > 1 or _in_out(role):  # at tp=1 too, so that both runs have the same ops
             _shrink(local.get_submodule(name), role, tp)
@@ -265,7 +336,7 @@ def _local_copy(module: nn.Module, roles: dict[str, Role], names: tuple[str, ...
             width_view(local.get_submodule(name), *role.width_view, tp)
     if tp > 1:
         _divide(local, names, tp)
-    return local
+    return local if inputs is None else (local, inputs)
 
 
 def _slice_entries(module: nn.Module, inputs: tuple, tp: int) -> None:
@@ -373,7 +444,8 @@ def run_local(module: nn.Module, inputs: tuple[tuple, dict], roles: dict[str, Ro
         ``(output shapes, {fused index: set of cuts})``, or None if the forward fails.
     """
     real = _real_inputs(inputs)
-    local = _local_copy(module, roles, names, tp, real)
+    # A cache among the inputs is updated by the run: each run gets its own.
+    local, (args, kwargs) = _local_copy(module, roles, names, tp, real, _snapshot(inputs))
     for name, value in (assign or {}).items():
         setattr(local, name, value)
     recorder = _CutRecorder()
@@ -387,7 +459,6 @@ def run_local(module: nn.Module, inputs: tuple[tuple, dict], roles: dict[str, Ro
 
     for index, name in enumerate(fused):
         local.get_submodule(name).register_forward_hook(watch(index))
-    args, kwargs = _snapshot(inputs)  # a cache among them is updated by the run: each run gets its own
     try:
         # Tensors the module makes without a device (``torch.full((t, t), -inf)``) are made on meta too.
         with torch.no_grad(), contextlib.nullcontext() if real else torch.device("meta"), recorder:
@@ -409,8 +480,9 @@ def trace_local(module: nn.Module, inputs, roles: dict[str, Role], names: tuple[
     """The analysis graph of a meta copy of ``module`` at per-rank widths (``tp`` 1: global); of a
     copy holding values, exported down the branches its values take, where the inputs hold values."""
     real = _real_inputs(inputs)
-    local = _local_copy(module, roles, names, tp, real)
-    args, kwargs = _snapshot(inputs)
+    # Modules handed in (:class:`ModuleArgument`) join the copy as children, so that their
+    # parameters and buffers are named in the trace, where the per-head ones meet the heads.
+    local, (args, kwargs) = _local_copy(module, roles, names, tp, real, _snapshot(inputs))
     bound = {k: v for k, v in kwargs.items() if not _exportable(v)}
     if bound:  # a cache object: handed to the forward as it is, not as an input of the program
         local.forward = functools.partial(local.forward, **bound)

@@ -37,7 +37,8 @@ from autotp.synth.copies import local_point
 from autotp.synth.entries import keys_of_shape
 from autotp.synth.graph import Ref, common_module
 from autotp.synth.ops import FIXED_SIZE_CUTS
-from autotp.synth.local_run import capture_inputs, outputs_match, run_local, shapes_are_local, trace_local
+from autotp.synth.local_run import argument_roles, capture_inputs, outputs_match, run_local, shapes_are_local
+from autotp.synth.local_run import trace_local
 from autotp.synth.ops import VIEW_LIKE
 from autotp.synth.params import value_refs
 from autotp.synth.ops import SINKS
@@ -236,6 +237,7 @@ def local_ranges(sizes: tuple[int, ...], tp: int) -> set[tuple[int, int]]:
 def find_names(module: nn.Module, inputs, roles: dict[str, Role], fused: dict[str, tuple[int, ...]],
                candidates: list[str], tp: int) -> tuple[str, ...] | None:
     """The smallest set of ``candidates`` that makes every fused output's cuts per-rank, or None."""
+    roles = {**roles, **argument_roles(inputs)}  # modules handed in run at per-rank shapes too
     names_of = list(fused)
     reference = run_local(module, inputs, roles, names_of, (), 1)
     if reference is None:

@@ -58,6 +58,16 @@ def inner_rows(g: nx.DiGraph, flow: Flow) -> set[str]:
     return found
 
 
+def _holds_sharded(module: str, roles: dict[str, Role]) -> bool:
+    return any(m.startswith(module + ".") and r.kind != "replicate" for m, r in roles.items())
+
+
+def _own_params_on(g: nx.DiGraph, module: str, region: set[str]) -> bool:
+    """Whether a parameter of ``module`` itself (not of a child) is read, past casts, by the stream."""
+    return any(g.nodes[p]["param"].rpartition(".")[0] == module and _readers_past_casts(g, p) & region
+               for p in g.nodes if g.nodes[p]["kind"] == "param")
+
+
 def residual_region(g: nx.DiGraph, flow: Flow, blocks: set[str] = frozenset(), returns: list[str] = ()) -> set[str]:
     """Nodes carrying the sequence-sharded residual stream: reachable from the rows that return to
     the stream (not :func:`inner_rows`, nor rows inside the MoE ``blocks``, whose partial sums meet
@@ -519,7 +529,9 @@ def sequence_norms(g: nx.DiGraph, region: set[str], roles: dict[str, Role], grou
     owners = param_modules(g)
     # A module that multiplies by a weight matrix mixes features: it is a Linear (kept whole, or
     # sharded), never a norm.
-    owners -= {d["module"] for n, d in g.nodes(data=True) if d["op"] in WEIGHT_PRODUCTS or _weight_matmul(g, n)}
+    products = {d["module"] for n, d in g.nodes(data=True) if d["op"] in WEIGHT_PRODUCTS or _weight_matmul(g, n)}
+    mixers = owners & products  # mixes by weights of its own: a hyper-connection's stream weights
+    owners -= products
     blocks = expert_blocks(roles, groups)
     # The stream is sharded from a token embedding module's output on: a norm inside that module
     # (an embedding that normalises its rows) still sees every position.
@@ -528,6 +540,13 @@ def sequence_norms(g: nx.DiGraph, region: set[str], roles: dict[str, Role], grou
     for name in sorted(region, key=lambda n: g.nodes[n]["order"]):
         for module in g.nodes[name]["stack"]:
             if module in roles or module in found:
+                continue
+            if module in mixers and _holds_sharded(module, roles) and _own_params_on(g, module, region):
+                # Weights of its own that mix or weigh the stream around sharded children (several
+                # residual streams ``(s, b, n, d)`` read and written by learned weights): replicated
+                # DTensors, so that the products run on the sequence-sharded stream DTensor.
+                found[module] = Role("seq_params", "mixes the sequence-sharded stream by weights of its own "
+                                     "around sharded children; they are replicated DTensors", ("residual", module))
                 continue
             if module not in owners:
                 # A parameter-free norm (``LayerNorm(d, elementwise_affine=False)``) needs no style,

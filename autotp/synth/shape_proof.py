@@ -24,7 +24,8 @@ from torch import nn
 from autotp.synth.analysis import Flow, Shard, module_of
 from autotp.synth.entries import with_entries
 from autotp.synth.ops import FIXED_SIZE_CUTS
-from autotp.synth.local_run import capture_inputs, outputs_match, run_local, shapes_are_local, trace_local
+from autotp.synth.local_run import argument_roles, capture_inputs, outputs_match, run_local, shapes_are_local
+from autotp.synth.local_run import trace_local
 from autotp.synth.localize import MAX_NAMES, Localization, candidate_names, cutting_module, find_names, fixed_size_roots
 from autotp.synth.localize import inner_roles, part_numbers, resolve_entries, width_view_of, with_width_view
 from autotp.synth.ops import NEW_LIKE, VIEW_LIKE
@@ -112,7 +113,7 @@ def localize_shapes(model: nn.Module, example_inputs, g: nx.DiGraph, flow: Flow,
     by_module = {m: r for m, r in by_module.items() if r}
     if not by_module:
         return
-    captured = capture_inputs(model, example_inputs, set(by_module), groups)
+    captured = capture_inputs(model, example_inputs, set(by_module), groups, roles)
     for fqn, roots in by_module.items():
         if fqn not in captured:
             if captured.failed is not None:  # the forward stopped before it: unproven, so whole
@@ -145,8 +146,11 @@ def localize_shapes(model: nn.Module, example_inputs, g: nx.DiGraph, flow: Flow,
                     result.unlocal[root] = (f"{fqn} makes a constant tensor that meets the shard, and it cannot "
                                             "be run alone to prove that tensor's per-rank size; kept whole")
                 continue
+            if verdict is None and traces.get("unjudged") and fqn not in captured.stateful:
+                _unjudged(module, fqn, roots, values, result)
+                continue
             if verdict is None:
-                continue  # already per-rank (or cannot run alone: the verifier judges the numbers)
+                continue  # already per-rank
             candidates = candidate_names(module, {v for v in values if v > 1})
             names = head_names(module, inputs, inner, candidates, tp, verdict, known, traces)
             view = width_view_of(g, roles, fqn, inputs) if not names and fqn not in result.widths else None
@@ -172,6 +176,30 @@ def localize_shapes(model: nn.Module, example_inputs, g: nx.DiGraph, flow: Flow,
         log.info("localize heads %s: %s", fqn, names)
 
 
+def _unjudged(module: nn.Module, fqn: str, roots: list[str], values: set[int], result: Localization) -> None:
+    """``fqn`` shapes its shard and cannot run alone on meta tensors (it reads real values from
+    outside, or code meta tensors cannot run): its per-rank shapes are not proven.
+
+    Where it holds integer attributes equal to the sizes it shapes with (a head count fixed in the
+    module or in a layer module, ``Rearrange(..., h=heads)``), at per-rank widths those would cut
+    the shard into heads of another size and run silently wrong, or crash: its projections are kept
+    whole (the DTensor-region pass may still run it sharded on DTensors). Without such attributes
+    its sizes come from the widths it is handed (``view(b, t, -1, head_dim)``): the shards are kept,
+    with a warning, for the verifier to judge.
+    """
+    candidates = candidate_names(module, {v for v in values if v > 1})
+    if candidates:
+        for root in roots:
+            result.unlocal[root] = (f"{fqn} shapes its sharded output, holds attributes that may size it "
+                                    f"({', '.join(candidates)}), and does not run alone on meta tensors to prove its "
+                                    "per-rank shapes; kept whole")
+        log.warning("shape proof: %s does not run alone on meta tensors, so its per-rank shapes (sized by "
+                    "%s) are not proven; its projections are kept whole", fqn, ", ".join(candidates))
+        return
+    log.warning("shape proof: %s shapes its sharded output and does not run alone on meta tensors; its per-rank "
+                "shapes are not proven: verify the plan (synthesize(verify=True) or autotp.verify)", fqn)
+
+
 def shape_proof(module: nn.Module, inputs, roles: dict[str, Role], tp: int, names: tuple[str, ...] = (),
                 traces: dict | None = None):
     """None if ``module``, with ``names`` divided by tp, runs right at per-rank widths; else the
@@ -180,7 +208,9 @@ def shape_proof(module: nn.Module, inputs, roles: dict[str, Role], tp: int, name
     Runs right: alone at per-rank widths, it keeps its outputs' global shapes and every
     intermediate shape is the global one with the sharded dim divided by tp (head size intact).
     A module that cannot run alone at global widths cannot be judged here: None, logged.
+    Modules handed to it as arguments run at per-rank shapes with it (their roles included).
     """
+    roles = {**roles, **argument_roles(inputs)}
     reference = run_local(module, inputs, roles, [], (), 1)
     if reference is None:
         log.debug("shape proof of %s: it does not run alone on meta; not judged", type(module).__name__)
@@ -222,6 +252,7 @@ def runs_into_other_shapes(module: nn.Module, inputs, roles: dict[str, Role], tp
     A run that fails is loud at apply time and not reported here. ``traces``: shared with the
     :func:`shape_proof` and :func:`head_names` that follow on the same module, so its global trace
     is exported once (the checker once exported it up to three times)."""
+    roles = {**roles, **argument_roles(inputs)}
     reference = run_local(module, inputs, roles, [], (), 1)
     local = run_local(module, inputs, roles, [], names, tp) if reference is not None else None
     if local is None or not outputs_match(local[0], reference[0], tp):
@@ -235,6 +266,7 @@ def head_names(module: nn.Module, inputs, roles: dict[str, Role], candidates: li
                main: tuple, known: tuple[str, ...] = (), traces: dict | None = None) -> tuple[str, ...] | None:
     """The smallest set of ``candidates`` with which ``module`` runs at per-rank widths, keeps its
     main output's global shape, and has every intermediate shape the per-rank one; or None."""
+    roles = {**roles, **argument_roles(inputs)}
     traced = None
     # With no names the module was judged already; with an input seen at per-rank width, not yet.
     first = 0 if "" in roles and roles[""].width_view else 1
@@ -272,7 +304,7 @@ def localize(model: nn.Module, example_inputs, g: nx.DiGraph, flow: Flow, roles:
     by_module: dict[str, list[str]] = {}
     for root, nodes in fixed_size_roots(g, flow).items():
         by_module.setdefault(cutting_module(g, root, nodes), []).append(root)
-    captured = capture_inputs(model, example_inputs, {m for m in by_module if m}, groups) if by_module else {}
+    captured = capture_inputs(model, example_inputs, {m for m in by_module if m}, groups, roles) if by_module else {}
     for fqn, roots in by_module.items():
         prefix = fqn + "." if fqn else ""
         inner = inner_roles(roles, fqn)
