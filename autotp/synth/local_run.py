@@ -100,6 +100,17 @@ def _as_traced():
         torch.compiler._is_compiling_flag = before
 
 
+def inner_roles(roles: dict[str, Role], fqn: str) -> dict[str, Role]:
+    """The roles of ``fqn`` and of the modules inside it, by name relative to it (``""``: itself),
+    that change a shape when it runs alone at per-rank widths."""
+    prefix = fqn + "." if fqn else ""
+    found = {m[len(prefix):]: r for m, r in roles.items() if m.startswith(prefix) and r.kind != "replicate"}
+    if fqn in roles and (roles[fqn].kind in ("head_params", "linear_params") or roles[fqn].entry_inputs
+                         or roles[fqn].width_view):
+        found[""] = roles[fqn]  # its per-head parameters (or raw Linear weights, or sliced inputs) are per-rank too
+    return found
+
+
 class ModuleArgument:
     """A module of the model handed to a module as an argument (one relative-position module at the
     root that every layer's attention calls: ``sim + rel_pos(n, n)``). Run alone, the module proven
@@ -116,8 +127,6 @@ class ModuleArgument:
 
 def _module_arguments(inputs: tuple[tuple, dict], model: nn.Module, roles: dict[str, Role]) -> tuple[tuple, dict]:
     """``inputs`` with each module of ``model`` among the arguments as a :class:`ModuleArgument`."""
-    from autotp.synth.localize import inner_roles
-
     names = {id(m): name for name, m in model.named_modules()}
 
     def wrap(value, key):

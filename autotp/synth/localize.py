@@ -38,7 +38,7 @@ from autotp.synth.entries import keys_of_shape
 from autotp.synth.graph import Ref, common_module
 from autotp.synth.ops import FIXED_SIZE_CUTS
 from autotp.synth.local_run import argument_roles, capture_inputs, outputs_match, run_local, shapes_are_local
-from autotp.synth.local_run import trace_local
+from autotp.synth.local_run import inner_roles, trace_local  # inner_roles: re-exported
 from autotp.synth.ops import VIEW_LIKE
 from autotp.synth.params import value_refs
 from autotp.synth.ops import SINKS
@@ -114,17 +114,6 @@ def with_width_view(roles: dict[str, Role], view: tuple) -> dict[str, Role]:
     own = roles.get("")
     own = Role("shard_counts", "its code reads widths from its inputs") if own is None else own
     return {**roles, "": replace(own, width_view=view)}
-
-
-def inner_roles(roles: dict[str, Role], fqn: str) -> dict[str, Role]:
-    """The roles of ``fqn`` and of the modules inside it, by name relative to it (``""``: itself),
-    that change a shape when it runs alone at per-rank widths."""
-    prefix = fqn + "." if fqn else ""
-    found = {m[len(prefix):]: r for m, r in roles.items() if m.startswith(prefix) and r.kind != "replicate"}
-    if fqn in roles and (roles[fqn].kind in ("head_params", "linear_params") or roles[fqn].entry_inputs
-                         or roles[fqn].width_view):
-        found[""] = roles[fqn]  # its per-head parameters (or raw Linear weights, or sliced inputs) are per-rank too
-    return found
 
 
 def fixed_size_roots(g: nx.DiGraph, flow: Flow) -> dict[str, list[str]]:
