@@ -147,7 +147,8 @@ def localize_shapes(model: nn.Module, example_inputs, g: nx.DiGraph, flow: Flow,
                                             "be run alone to prove that tensor's per-rank size; kept whole")
                 continue
             if verdict is None and traces.get("unjudged") and fqn not in captured.stateful:
-                _unjudged(module, fqn, roots, values, result)
+                _unjudged(module, fqn, roots, values, result, grouped_experts=any(
+                    getattr(roles.get(module_of(g, root)), "kind", None) == "experts" for root in roots))
                 continue
             if verdict is None:
                 continue  # already per-rank
@@ -176,7 +177,8 @@ def localize_shapes(model: nn.Module, example_inputs, g: nx.DiGraph, flow: Flow,
         log.info("localize heads %s: %s", fqn, names)
 
 
-def _unjudged(module: nn.Module, fqn: str, roots: list[str], values: set[int], result: Localization) -> None:
+def _unjudged(module: nn.Module, fqn: str, roots: list[str], values: set[int], result: Localization, *,
+              grouped_experts: bool = False) -> None:
     """``fqn`` shapes its shard and cannot run alone on meta tensors (it reads real values from
     outside, or code meta tensors cannot run): its per-rank shapes are not proven.
 
@@ -185,10 +187,12 @@ def _unjudged(module: nn.Module, fqn: str, roots: list[str], values: set[int], r
     the shard into heads of another size and run silently wrong, or crash: its projections are kept
     whole (the DTensor-region pass may still run it sharded on DTensors). Without such attributes
     its sizes come from the widths it is handed (``view(b, t, -1, head_dim)``): the shards are kept,
-    with a warning, for the verifier to judge.
+    with a warning, for the verifier to judge. So are grouped experts' 3-D parameters
+    (``grouped_experts``): their attributes size the FFN dim each expert's matmul reads whole, not
+    heads, and their kernels (``torch._grouped_mm``: bf16 only on meta) often cannot run on meta.
     """
     candidates = candidate_names(module, {v for v in values if v > 1})
-    if candidates:
+    if candidates and not grouped_experts:
         for root in roots:
             result.unlocal[root] = (f"{fqn} shapes its sharded output, holds attributes that may size it "
                                     f"({', '.join(candidates)}), and does not run alone on meta tensors to prove its "
