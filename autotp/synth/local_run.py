@@ -26,6 +26,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from autotp.copying import deep_copy
 from autotp.styles.attention import count_holder, sync_einops_lengths, width_view
 from autotp.synth.analysis import Shard, is_linear, module_of, propagate_packed, weight_of
+from autotp.synth.carried import per_rank_call
 from autotp.synth.graph import build_graph
 from autotp.synth.head_loops import later_iterations
 from autotp.synth.ops import FIXED_SIZE_CUTS
@@ -387,6 +388,7 @@ def run_local(module: nn.Module, inputs: tuple[tuple, dict], roles: dict[str, Ro
     for index, name in enumerate(fused):
         local.get_submodule(name).register_forward_hook(watch(index))
     args, kwargs = _snapshot(inputs)  # a cache among them is updated by the run: each run gets its own
+    args, kwargs = per_rank_call(inputs, args, kwargs, tp)  # shards another module handed in
     try:
         # Tensors the module makes without a device (``torch.full((t, t), -inf)``) are made on meta too.
         with torch.no_grad(), contextlib.nullcontext() if real else torch.device("meta"), recorder:
@@ -411,7 +413,7 @@ def trace_local(module: nn.Module, inputs, roles: dict[str, Role], names: tuple[
 
     real = _real_inputs(inputs)
     local = _local_copy(module, roles, names, tp, real)
-    args, kwargs = _snapshot(inputs)
+    args, kwargs = per_rank_call(inputs, *_snapshot(inputs), tp)
     bound = {k: v for k, v in kwargs.items() if not _exportable(v)}
     if bound:  # a cache object: handed to the forward as it is, not as an input of the program
         local.forward = functools.partial(local.forward, **bound)

@@ -1,0 +1,79 @@
+"""Shards carried from one module into another: what a layer hands the next, already per rank.
+
+Residual attention hands each layer's pre-softmax scores ``(b, heads, n, n)`` to the next layer,
+which adds them to its own; a value residual hands the first layer's values ``(b, heads, n, d)``
+to every later layer. With both layers' heads sharded alike, each rank hands on its own heads'
+share and the next layer reads it as it is: nothing to communicate, nothing to slice. The analysis
+follows such a value as any shard (the graph holds every layer that reads it: layers called with
+different arguments are traced apart, :mod:`autotp.synth.call_groups`).
+
+The shape proof runs the receiving module alone on the inputs it got in a fake forward, which
+hold every head. :func:`carried_arguments` finds the arguments of its call that carry a shard
+into it, and :func:`per_rank_call` narrows them to one rank's share for the per-rank runs (only
+there: the global run keeps them whole), as the plan will hand them over.
+"""
+
+from __future__ import annotations
+
+import networkx as nx
+import torch
+
+from autotp.synth.analysis import Shard
+from autotp.synth.entries import keys_of_shape
+from autotp.synth.params import value_refs
+
+
+class ShardedCall(tuple):
+    """``(args, kwargs)`` of a captured call, with ``carried``: ``(position or keyword, dim)`` of
+    the arguments that hold a shard made outside the module (:func:`carried_arguments`)."""
+
+    carried: tuple = ()
+
+
+def carried_arguments(g: nx.DiGraph, flow, module: str, call) -> tuple:
+    """``((position or keyword, dim), ...)``: the arguments of ``module``'s call ``call`` that
+    carry a shard into it: values made outside ``module`` (another layer's scores or values) whose
+    shard its code reads. A value placed by its shape, which must be that of one argument alone;
+    one that cannot be placed, or holds a shard of joined pieces or folded heads, is left out (the
+    proof then sees it whole, and fails where its code needs the share)."""
+    if not module or call is None:
+        return ()
+    found: dict = {}
+    for name, data in g.nodes(data=True):
+        if module not in data["stack"]:
+            continue
+        for ref in value_refs(data):
+            source = g.nodes[ref.name]
+            state = flow.state.get(ref.name)
+            if module in source["stack"] or not isinstance(state, Shard) or state.pieces or state.fold:
+                continue
+            if source["kind"] != "call" or not source["shape"]:
+                continue
+            keys = keys_of_shape(call, tuple(source["shape"]))
+            if len(keys) == 1:
+                found.setdefault(keys[0], state.dim % len(source["shape"]))
+    return tuple(sorted(found.items(), key=str))
+
+
+def with_carried(call, carried: tuple):
+    """``call`` marked with the arguments it carries shards in (a :class:`ShardedCall`)."""
+    if not carried:
+        return call
+    marked = ShardedCall(call)
+    marked.carried = carried
+    return marked
+
+
+def per_rank_call(inputs, args: tuple, kwargs: dict, tp: int) -> tuple[tuple, dict]:
+    """``args`` / ``kwargs`` (a copy of ``inputs``) with every carried argument narrowed to rank 0's
+    share at ``tp`` (a no-op at tp 1 or for an unmarked call)."""
+    carried = getattr(inputs, "carried", ())
+    if tp == 1 or not carried:
+        return args, kwargs
+    args, kwargs = list(args), dict(kwargs)
+    for key, dim in carried:
+        holder = args if isinstance(key, int) else kwargs
+        value = holder[key] if (isinstance(key, int) and key < len(args)) or key in kwargs else None
+        if isinstance(value, torch.Tensor):
+            holder[key] = value.narrow(dim, 0, value.shape[dim] // tp)
+    return tuple(args), kwargs
