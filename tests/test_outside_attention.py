@@ -76,3 +76,14 @@ def test_layers_called_with_different_arguments_are_traced_apart():
     assert groups.groups["layers"] == [[0], [1]], groups
     _, groups = trace(IDIOMS["sdpa"](), (tokens(),))
     assert groups.groups["layers"] == [[0, 1]], groups
+
+
+@pytest.mark.parametrize(**MODES)
+def test_relative_bias_table_shared_by_every_layer_is_cut_by_heads(tp, sequence_parallel):
+    """T5's bucketed bias, ``Embedding(buckets, heads)`` held once by the model and its ``(heads,
+    i, j)`` output handed to every layer: the table is cut on its columns (the heads), each rank
+    looks up its own heads' biases and adds them to its own heads' scores, and its rows' gradients
+    are each rank's own. Before, a value with a gradient entering the layers kept them whole."""
+    _, plan, _ = _sharded_at_the_bound("shared_rel_bias", tp, sequence_parallel)
+    style = plan["rel_pos.relative_attention_bias"]
+    assert type(style).__name__ == "HeadParams" and style.shard_dims == {"weight": 1}, style

@@ -38,20 +38,27 @@ def carried_arguments(g: nx.DiGraph, flow, module: str, call) -> tuple:
     proof then sees it whole, and fails where its code needs the share)."""
     if not module or call is None:
         return ()
+    from autotp.synth.params import chain_dims
+
     found: dict = {}
+    tables = chain_dims(g, flow.param_shards)  # per-head values looked up outside (a shared bias table)
     for name, data in g.nodes(data=True):
         if module not in data["stack"]:
             continue
         for ref in value_refs(data):
             source = g.nodes[ref.name]
             state = flow.state.get(ref.name)
-            if module in source["stack"] or not isinstance(state, Shard) or state.pieces or state.fold:
+            if module in source["stack"] or source["kind"] != "call" or not source["shape"]:
                 continue
-            if source["kind"] != "call" or not source["shape"]:
+            if isinstance(state, Shard) and not (state.pieces or state.fold):
+                dim = state.dim
+            elif ref.name in tables:
+                dim = tables[ref.name]
+            else:
                 continue
             keys = keys_of_shape(call, tuple(source["shape"]))
             if len(keys) == 1:
-                found.setdefault(keys[0], state.dim % len(source["shape"]))
+                found.setdefault(keys[0], dim % len(source["shape"]))
     return tuple(sorted(found.items(), key=str))
 
 

@@ -249,6 +249,10 @@ def _chain_source(g: nx.DiGraph, name: str, dim: int) -> tuple[str, int] | None:
         inputs = value_refs(data)
         if not inputs and data["op"] in CONSTANT_FACTORIES:
             break
+        looked_up = table_lookup(g, name, dim)
+        if looked_up is not None:
+            name, dim = looked_up, 1
+            continue
         if data["op"] not in SINGLE_INPUT or len(inputs) != 1 or not isinstance(data["args"][0], Ref):
             return None
         source = inputs[0].name
@@ -257,6 +261,26 @@ def _chain_source(g: nx.DiGraph, name: str, dim: int) -> tuple[str, int] | None:
             return None
         name = source
     return name, dim
+
+
+def table_lookup(g: nx.DiGraph, name: str, dim: int) -> str | None:
+    """The table (parameter placeholder) that ``embedding`` node ``name`` looks rows up in, when
+    ``dim`` is its output's last dim (the table's columns) and the indices carry no gradient (made
+    from positions, not from parameters); else None.
+
+    A table with one column per head (T5's relative position bias, ``Embedding(buckets, heads)``)
+    is then a per-head parameter: cut on its columns with the heads, each rank looks up its own
+    heads' biases, and the rows' gradients are each rank's own.
+    """
+    data = g.nodes[name]
+    if data["op"] != "embedding" or len(data["args"]) < 2 or not data["shape"]:
+        return None
+    table, index = data["args"][:2]
+    if not isinstance(table, Ref) or not isinstance(index, Ref) or dim % len(data["shape"]) != len(data["shape"]) - 1:
+        return None
+    if g.nodes[table.name]["kind"] != "param" or made_from_params(g, index.name):
+        return None
+    return table.name
 
 
 def chain_dims(g: nx.DiGraph, param_shards: dict[str, int]) -> dict[str, int]:
@@ -272,6 +296,11 @@ def chain_dims(g: nx.DiGraph, param_shards: dict[str, int]) -> dict[str, int]:
             node, dim = todo.pop()
             for succ in g.successors(node):
                 data = g.nodes[succ]
+                if data["op"] == "embedding" and data["shape"] and dim == 1 \
+                        and table_lookup(g, succ, len(data["shape"]) - 1) == node:
+                    found[succ] = len(data["shape"]) - 1  # rows looked up in a table cut on its columns
+                    todo.append((succ, found[succ]))
+                    continue
                 if succ in found or data["op"] in SINKS or data["op"] not in SINGLE_INPUT \
                         or len(value_refs(data)) != 1 or not data["shape"]:
                     continue
@@ -330,8 +359,9 @@ def param_roles(g: nx.DiGraph, flow, roles: dict[str, Role]) -> dict[str, Role]:
     Returns:
         New roles by module FQN.
     """
+    # A table looked up per head (:func:`table_lookup`) is sharded with the heads like any other.
     linear_params = {r.name for n, d in g.nodes(data=True) if d["op"] in ("linear", "embedding")
-                     for r in refs(d["args"])}
+                     for r in refs(d["args"])} - set(flow.param_shards)
     from autotp.synth.analysis import packed_params
 
     sharded: dict[str, dict[str, int]] = {}
