@@ -87,3 +87,16 @@ def test_relative_bias_table_shared_by_every_layer_is_cut_by_heads(tp, sequence_
     _, plan, _ = _sharded_at_the_bound("shared_rel_bias", tp, sequence_parallel)
     style = plan["rel_pos.relative_attention_bias"]
     assert type(style).__name__ == "HeadParams" and style.shard_dims == {"weight": 1}, style
+
+
+@pytest.mark.parametrize(**MODES)
+def test_talking_heads_are_gathered_once_around_each_mixer(tp, sequence_parallel):
+    """Talking heads: ``Conv2d(heads, heads, 1)`` before and after the softmax. Each mixer's input
+    is all-gathered on the heads, it runs whole and each rank keeps its heads of its output; the
+    q / k / v / out projections stay sharded by heads. The bound keeps the two small mixers whole."""
+    model, plan, _ = _sharded_at_the_bound("talking_heads", tp, sequence_parallel, whole=("talking_heads.weight",))
+    for mixer in ("pre_softmax_talking_heads", "post_softmax_talking_heads"):
+        style = plan[f"layers.*.attn.{mixer}"]
+        assert type(style).__name__ == "PrepareModuleInputOutput", style
+    records = {r.key: r for r in autotp.explain(model, example_inputs=(tokens(),), tp_size=tp)}
+    assert "all-gathered on the heads" in records["layers.*.attn.pre_softmax_talking_heads"].reason

@@ -257,7 +257,7 @@ def _local_copy(module: nn.Module, roles: dict[str, Role], names: tuple[str, ...
     for name, role in roles.items():
         if tp > 1 or _in_out(role):  # at tp=1 too, so that both runs have the same ops
             _shrink(local.get_submodule(name), role, tp)
-        if role.kind == "width_norm":  # at tp=1 too
+        if role.kind in ("width_norm", "head_mixer"):  # at tp=1 too: per rank, shaped like its input
             _as_width_norm(local.get_submodule(name))
         if role.entry_inputs:  # at tp=1 too, so that both traces hold the same ops
             _slice_entries(local.get_submodule(name), role.entry_inputs, tp)

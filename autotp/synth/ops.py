@@ -1034,6 +1034,8 @@ def _conv(g, name, dims, ctx):
     if op == "convolution" and _arg(g, name, 6, "transposed", False):
         return Break(f"{op} is transposed")
     out_channels = g.nodes[name]["shape"][1] if g.nodes[name]["shape"] else None
+    if groups == 1 and ctx.head_mixer(name, x.name):
+        return Out(1)  # a module mixing the heads, gathered at entry and sliced at exit (head_mixers.py)
     if not isinstance(groups, int) or groups < 2 or channels % groups or not out_channels or out_channels % groups:
         return Break(f"{op} mixes the channels of the sharded dim 1 (groups={groups} for {channels} channels)")
     if not isinstance(weight, Ref) or not ctx.shard_param(weight.name, 0):

@@ -379,6 +379,8 @@ def param_roles(g: nx.DiGraph, flow, roles: dict[str, Role]) -> dict[str, Role]:
                 packings.setdefault(module, {})[pname] = packed[name]
             continue
         module, _, pname = data["param"].rpartition(".")
+        if module in flow.mixers:
+            continue  # whole on every rank with whole gradients (head_mixers.py)
         if _meets_shard(g, flow, name, module):
             reduced.setdefault(module, []).append(pname)
     out = {}
