@@ -7,7 +7,7 @@ What varies is the attention:
 - ``sdpa``: heads split with ``view`` / ``transpose``, ``F.scaled_dot_product_attention`` with a
   boolean mask and a dropout probability that is zero outside training;
 - ``gqa``: 8 query heads, 4 kv heads repeated to the query heads (``repeat_interleave`` or
-  ``expand`` of a new group dim);
+  ``expand`` of a new group dim; or tiled by ``repeat``, which is kept whole with a warning);
 - ``head_scale``: a per-head output scale ``Parameter(1, heads, 1, 1)``;
 - ``memory_kv``: learned memory keys / values ``Parameter(heads, m, dim_head)`` prepended to k / v;
 - ``shared_rel_bias``: a T5-style bucketed relative position bias, ``Embedding(buckets, heads)``
@@ -91,8 +91,9 @@ class SdpaAttention(Attention):
 
 
 class GroupedQueryAttention(Attention):
-    """8 query heads, 4 kv heads; ``repeat``: ``"interleave"`` (``repeat_interleave``) or
-    ``"expand"`` (a new group dim expanded and merged with ``reshape``)."""
+    """8 query heads, 4 kv heads; ``repeat``: ``"interleave"`` (``repeat_interleave``),
+    ``"expand"`` (a new group dim expanded and merged with ``reshape``) or ``"tile"`` (``repeat``:
+    the kv heads tiled, query head ``h`` reading kv head ``h % kv_heads``)."""
 
     def __init__(self, repeat: str = "interleave", kv_heads: int = KV_HEADS, layer: int = 0):
         super().__init__()
@@ -104,6 +105,8 @@ class GroupedQueryAttention(Attention):
         groups = self.heads // self.kv_heads
         if self.repeat == "interleave":
             return t.repeat_interleave(groups, dim=1)
+        if self.repeat == "tile":  # query head h reads kv head h % kv_heads
+            return t.repeat(1, groups, 1, 1)
         b, h, n, d = t.shape
         return t[:, :, None].expand(b, h, groups, n, d).reshape(b, h * groups, n, d)
 
@@ -294,10 +297,15 @@ def _gqa_expand(layer: int = 0):
     return GroupedQueryAttention(repeat="expand")
 
 
+def _gqa_tile(layer: int = 0):
+    return GroupedQueryAttention(repeat="tile")
+
+
 IDIOMS = {
     "sdpa": lambda: LM(SdpaAttention),
     "gqa": lambda: LM(GroupedQueryAttention),
     "gqa_expand": lambda: LM(_gqa_expand),
+    "gqa_tile": lambda: LM(_gqa_tile),
     "head_scale": lambda: LM(HeadScaleAttention),
     "memory_kv": lambda: LM(MemoryKVAttention),
     "shared_rel_bias": lambda: LM(RelBiasAttention, rel_pos=RelativePositionBias()),

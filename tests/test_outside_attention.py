@@ -20,16 +20,18 @@ import pytest
 from outside_attention_models import IDIOMS, bound_fraction, tokens
 
 import autotp
+from autotp.errors import WholeAttentionWarning
 from autotp.synth.trace import trace
 
 
 def _sharded_at_the_bound(idiom: str, tp: int, sequence_parallel: bool, whole: tuple[str, ...] = ()):
     model = IDIOMS[idiom]()
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
         plan = autotp.synthesize(model, example_inputs=(tokens(),), tp_size=tp, sequence_parallel=sequence_parallel)
         report = autotp.verify(model, plan, tp_size=tp, inputs=(tokens(),))
     assert report.ok, str(report)
+    assert not [w for w in caught if issubclass(w.category, WholeAttentionWarning)], [str(w.message) for w in caught]
     bound = bound_fraction(model, tp, whole)
     assert max(report.param_fraction) <= bound + 1e-3, (report.param_fraction, bound, plan)
     return model, plan, report
@@ -100,3 +102,16 @@ def test_talking_heads_are_gathered_once_around_each_mixer(tp, sequence_parallel
         assert type(style).__name__ == "PrepareModuleInputOutput", style
     records = {r.key: r for r in autotp.explain(model, example_inputs=(tokens(),), tp_size=tp)}
     assert "all-gathered on the heads" in records["layers.*.attn.pre_softmax_talking_heads"].reason
+
+
+def test_tiled_kv_heads_keep_the_attention_whole_with_a_warning():
+    """kv heads tiled by ``repeat`` (query head h reads kv head h % kv): a rank's block of query
+    heads reads kv heads every rank holds a share of. The attention stays whole, exact, and the
+    plan says so with a warning naming the module and the reason (before: silently)."""
+    model = IDIOMS["gqa_tile"]()
+    with pytest.warns(WholeAttentionWarning, match=r"layers\.\*\.attn: attention kept whole") as caught:
+        plan = autotp.synthesize(model, example_inputs=(tokens(),), tp_size=2)
+    assert "layers.*.attn.to_q" not in plan, plan
+    assert any("repeat" in str(w.message) or "sharded" in str(w.message) for w in caught), [str(w.message) for w in caught]
+    report = autotp.verify(model, plan, tp_size=2, inputs=(tokens(),))
+    assert report.ok, str(report)

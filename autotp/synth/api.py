@@ -15,6 +15,7 @@ from autotp.synth.build import build_plan
 from autotp.synth.groups import group_copies
 from autotp.synth.pipeline import Analysis, run
 from autotp.synth.trace import LayerGroups, restored_module_state
+from autotp.synth.whole_attention import warn_whole_attentions
 
 log = logging.getLogger(__name__)
 
@@ -72,6 +73,10 @@ def synthesize(model: nn.Module, *, example_inputs=None, sequence_parallel: bool
     Returns:
         ``{fnmatch key: ParallelStyle}`` for ``parallelize_module``, keys relative to ``model``.
 
+    Warns:
+        WholeAttentionWarning: an attention is kept whole (:mod:`autotp.synth.whole_attention`):
+            its plan key and the reason. The plan is right; each rank holds every head.
+
     Raises:
         VerificationError: (``verify=True``) the plan differs from the unsharded model; the
             message names the first differing parameter and the difference against the tolerance.
@@ -85,6 +90,7 @@ def synthesize(model: nn.Module, *, example_inputs=None, sequence_parallel: bool
                              tp_size=tp_size)
     plan = build_plan(analysis.roles, analysis.groups, loss_parallel=loss_parallel, copies=analysis.copies,
                       gather_copies=gather_copies)
+    warn_whole_attentions(analysis.graph, analysis.roles, analysis.groups)
     if verify:
         from autotp.self_check import self_check
 
