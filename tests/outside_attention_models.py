@@ -11,7 +11,8 @@ What varies is the attention:
 - ``head_scale``: a per-head output scale ``Parameter(1, heads, 1, 1)``;
 - ``memory_kv``: learned memory keys / values ``Parameter(heads, m, dim_head)`` prepended to k / v;
 - ``shared_rel_bias``: a T5-style bucketed relative position bias, ``Embedding(buckets, heads)``
-  held once by the model and handed to every block;
+  held once by the model and its output handed to every block (``called_rel_bias``: the module
+  itself handed to every attention, which calls it);
 - ``residual_attn``: each layer returns its pre-softmax scores ``(b, h, n, n)``; the next adds them;
 - ``talking_heads``: 1x1 convolutions mixing the heads before and after the softmax;
 - ``value_residual``: the first layer's values mixed into the later layers' by a learned lerp.
@@ -187,6 +188,19 @@ class RelBiasAttention(Attention):
         return self.to_out(merge_heads(torch.matmul(attn, v))), {}
 
 
+class CalledRelBiasAttention(Attention):
+    """Calls the model's shared relative position bias module, handed to it as an argument, at its
+    own query / key lengths (``attn_bias = rel_pos(i, j)``)."""
+
+    def forward(self, x, *, rel_pos=None, **state):
+        q, k, v = self.qkv(x)
+        sim = self.scores(q, k)
+        if rel_pos is not None:
+            sim = sim + rel_pos(q.shape[-2], k.shape[-2], device=x.device)
+        attn = self.causal(sim).softmax(dim=-1)
+        return self.to_out(merge_heads(torch.matmul(attn, v))), {}
+
+
 class ResidualAttention(Attention):
     """Residual attention: the previous layer's pre-softmax scores ``(b, h, n, n)`` are added to
     this layer's, and this layer's are handed on."""
@@ -267,13 +281,14 @@ class LM(nn.Module):
     merged into what the next blocks receive; ``rel_pos`` (a shared bias module) is called once and
     its output given to every block."""
 
-    def __init__(self, attention, depth: int = 2, rel_pos: nn.Module | None = None):
-        """``attention(layer=i)`` makes layer ``i``'s attention."""
+    def __init__(self, attention, depth: int = 2, rel_pos: nn.Module | None = None, hand_module: bool = False):
+        """``attention(layer=i)`` makes layer ``i``'s attention; ``hand_module``: every block gets
+        the ``rel_pos`` module itself and calls it, rather than its output."""
         super().__init__()
         torch.manual_seed(0)
         self.token_emb = nn.Embedding(VOCAB, DIM)
         self.layers = nn.ModuleList(Block(attention(layer=i)) for i in range(depth))
-        self.rel_pos = rel_pos
+        self.rel_pos, self.hand_module = rel_pos, hand_module
         self.norm, self.to_logits = nn.RMSNorm(DIM), nn.Linear(DIM, VOCAB, bias=False)
         for module in self.modules():  # a visible, non-trivial bias table and head mixing
             if isinstance(module, (nn.Conv2d,)):
@@ -284,7 +299,9 @@ class LM(nn.Module):
     def forward(self, tokens):
         x = self.token_emb(tokens)
         state = {}
-        if self.rel_pos is not None:
+        if self.rel_pos is not None and self.hand_module:
+            state["rel_pos"] = self.rel_pos
+        elif self.rel_pos is not None:
             n = tokens.shape[1]
             state["rel_pos"] = self.rel_pos(n, n, device=tokens.device)
         for layer in self.layers:
@@ -309,6 +326,7 @@ IDIOMS = {
     "head_scale": lambda: LM(HeadScaleAttention),
     "memory_kv": lambda: LM(MemoryKVAttention),
     "shared_rel_bias": lambda: LM(RelBiasAttention, rel_pos=RelativePositionBias()),
+    "called_rel_bias": lambda: LM(CalledRelBiasAttention, rel_pos=RelativePositionBias(), hand_module=True),
     "residual_attn": lambda: LM(ResidualAttention),
     "talking_heads": lambda: LM(TalkingHeadsAttention),
     "value_residual": lambda: LM(ValueResidualAttention),

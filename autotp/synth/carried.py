@@ -25,9 +25,12 @@ from autotp.synth.params import value_refs
 
 class ShardedCall(tuple):
     """``(args, kwargs)`` of a captured call, with ``carried``: ``(position or keyword, dim)`` of
-    the arguments that hold a shard made outside the module (:func:`carried_arguments`)."""
+    the arguments that hold a shard made outside the module (:func:`carried_arguments`), and
+    ``modules``: ``(position or keyword, {name: Role})`` of the arguments that are modules of the
+    model with roles of their own (a relative-bias module handed to every attention, which calls it)."""
 
     carried: tuple = ()
+    modules: tuple = ()
 
 
 def carried_arguments(g: nx.DiGraph, flow, module: str, call) -> tuple:
@@ -62,22 +65,49 @@ def carried_arguments(g: nx.DiGraph, flow, module: str, call) -> tuple:
     return tuple(sorted(found.items(), key=str))
 
 
-def with_carried(call, carried: tuple):
+def module_arguments(model, roles: dict, call) -> tuple:
+    """``((position or keyword, {relative name: Role}), ...)``: the arguments of ``call`` that are
+    submodules of ``model`` whose parameters the plan shards (the module code calls them: their
+    per-rank copies stand in for them in the per-rank runs)."""
+    if call is None or model is None:
+        return ()
+    args, kwargs = call
+    names = {id(m): n for n, m in model.named_modules()}
+    found = []
+    for key, value in [*enumerate(args), *kwargs.items()]:
+        if not isinstance(value, torch.nn.Module) or id(value) not in names:
+            continue
+        fqn = names[id(value)]
+        inner = {(n[len(fqn) + 1:] if fqn else n): r for n, r in roles.items() if fqn == "" or n.startswith(fqn + ".")}
+        if inner:
+            found.append((key, inner))
+    return tuple(found)
+
+
+def with_carried(call, carried: tuple, modules: tuple = ()):
     """``call`` marked with the arguments it carries shards in (a :class:`ShardedCall`)."""
-    if not carried:
+    if not carried and not modules:
         return call
     marked = ShardedCall(call)
-    marked.carried = carried
+    marked.carried, marked.modules = carried, modules
     return marked
 
 
 def per_rank_call(inputs, args: tuple, kwargs: dict, tp: int) -> tuple[tuple, dict]:
     """``args`` / ``kwargs`` (a copy of ``inputs``) with every carried argument narrowed to rank 0's
     share at ``tp`` (a no-op at tp 1 or for an unmarked call)."""
-    carried = getattr(inputs, "carried", ())
-    if tp == 1 or not carried:
+    carried, modules = getattr(inputs, "carried", ()), getattr(inputs, "modules", ())
+    if not modules and (tp == 1 or not carried):
         return args, kwargs
     args, kwargs = list(args), dict(kwargs)
+    if modules:
+        from autotp.synth.local_run import _local_copy
+
+        for key, inner in modules:  # at tp 1 too: both runs call a meta copy
+            holder = args if isinstance(key, int) else kwargs
+            holder[key] = _local_copy(holder[key], inner, (), tp)
+    if tp == 1:
+        return tuple(args), kwargs
     for key, dim in carried:
         holder = args if isinstance(key, int) else kwargs
         value = holder[key] if (isinstance(key, int) and key < len(args)) or key in kwargs else None

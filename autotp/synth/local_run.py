@@ -422,7 +422,9 @@ def trace_local(module: nn.Module, inputs, roles: dict[str, Role], names: tuple[
         if real:
             return build_graph(_export(local, args, kwargs, real_values=True))
         with torch.no_grad(), torch.device("meta"):
-            return build_graph(torch.export.export(local, args, kwargs, strict=False))
+            graph = build_graph(torch.export.export(local, args, kwargs, strict=False))
+        graph.graph["module_alone"] = True  # a module's parameters handed in come as inputs (table_lookup)
+        return graph
     except Exception as error:  # cannot trace alone: cannot confirm
         log.debug("export of %s alone failed: %s", type(module).__name__, error)
         return None

@@ -118,7 +118,13 @@ def param_dim(g: nx.DiGraph, name: str, dim: int) -> tuple[str, int] | None:
     which :func:`stray_param_reads` checks once the pass has seen them all.
     """
     found = _chain_source(g, name, dim)
-    if found is None or g.nodes[found[0]]["kind"] not in ("param", "buffer"):
+    if found is None:
+        return None
+    source = g.nodes[found[0]]
+    # A module traced alone gets the table of a module handed to it as an input (table_lookup).
+    looked_up = source["kind"] == "input" and g.graph.get("module_alone") and any(
+        g.nodes[s]["op"] == "embedding" for s in g.successors(found[0]))
+    if source["kind"] not in ("param", "buffer") and not looked_up:
         return None
     return found
 
@@ -278,7 +284,9 @@ def table_lookup(g: nx.DiGraph, name: str, dim: int) -> str | None:
     table, index = data["args"][:2]
     if not isinstance(table, Ref) or not isinstance(index, Ref) or dim % len(data["shape"]) != len(data["shape"]) - 1:
         return None
-    if g.nodes[table.name]["kind"] != "param" or made_from_params(g, index.name):
+    # In a module traced alone, the table of a module handed to it as an argument is an input.
+    kinds = ("param", "input", "buffer") if g.graph.get("module_alone") else ("param",)
+    if g.nodes[table.name]["kind"] not in kinds or made_from_params(g, index.name):
         return None
     return table.name
 
