@@ -27,19 +27,25 @@ import networkx as nx
 from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.parallel import PrepareModuleInputOutput
 
-from autotp.synth.graph import refs
+from autotp.synth.graph import Ref, refs
 from autotp.synth.ops import SINKS
 from autotp.synth.roles import Role
 
 
 def mixer_module(g: nx.DiGraph, name: str, src: str) -> str | None:
     """The module that op ``name`` (reading the sharded ``src``) is all of, if it can run whole
-    between a gather and a slice: it runs ``name`` alone, ``src`` is made outside it, the output
-    has the input's shape, and every parameter ``name`` reads is the module's own and read only
-    there. None otherwise."""
+    between a gather and a slice: it runs ``name`` alone, a 1x1 convolution on a 4-D input (scores
+    ``(b, heads, i, j)``), ``src`` is made outside it, the output has the input's shape, and every
+    parameter ``name`` reads is the module's own and read only there. None otherwise."""
     data = g.nodes[name]
     module = data["module"]
     if not module or module in g.nodes[src]["stack"] or data["shape"] != g.nodes[src]["shape"]:
+        return None
+    # Pointwise over scores (b, heads, i, j): a 1x1 kernel on a 4-D input. A channel-mixing conv
+    # over features (b, d, t) would gather activations as wide as the model: kept whole, as before.
+    weight = data["args"][1] if len(data["args"]) > 1 else None
+    shape = g.nodes[weight.name]["shape"] if isinstance(weight, Ref) else None
+    if len(data["shape"] or ()) != 4 or not shape or len(shape) != 4 or tuple(shape[2:]) != (1, 1):
         return None
     own = [n for n, d in g.nodes(data=True) if d["kind"] == "call" and module in d["stack"] and d["op"] not in SINKS]
     if own != [name]:
