@@ -103,18 +103,19 @@ def test_talking_heads_are_gathered_once_around_each_mixer(tp, sequence_parallel
     for mixer in ("pre_softmax_talking_heads", "post_softmax_talking_heads"):
         style = plan[f"layers.*.attn.{mixer}"]
         assert type(style).__name__ == "PrepareModuleInputOutput", style
-    records = {r.key: r for r in autotp.explain(model, example_inputs=(tokens(),), tp_size=tp)}
-    assert "all-gathered on the heads" in records["layers.*.attn.pre_softmax_talking_heads"].reason
+    if tp == 4 and not sequence_parallel:  # explain says how (one more synthesis: slow tier only)
+        records = {r.key: r for r in autotp.explain(model, example_inputs=(tokens(),), tp_size=tp)}
+        assert "all-gathered on the heads" in records["layers.*.attn.pre_softmax_talking_heads"].reason
 
 
 def test_tiled_kv_heads_keep_the_attention_whole_with_a_warning():
     """kv heads tiled by ``repeat`` (query head h reads kv head h % kv): a rank's block of query
-    heads reads kv heads every rank holds a share of. The attention stays whole, exact, and the
-    plan says so with a warning naming the module and the reason (before: silently)."""
+    heads reads kv heads every rank holds a share of. The attention stays whole (default-deny; its exactness:
+    test_plain_idioms), and the plan says so with a warning naming the module and the reason
+    (before: silently)."""
     model = IDIOMS["gqa_tile"]()
     with pytest.warns(WholeAttentionWarning, match=r"layers\.\*\.attn: attention kept whole") as caught:
         plan = autotp.synthesize(model, example_inputs=(tokens(),), tp_size=2)
     assert "layers.*.attn.to_q" not in plan, plan
-    assert any("repeat" in str(w.message) or "sharded" in str(w.message) for w in caught), [str(w.message) for w in caught]
-    report = autotp.verify(model, plan, tp_size=2, inputs=(tokens(),))
-    assert report.ok, str(report)
+    messages = [str(w.message) for w in caught if issubclass(w.category, WholeAttentionWarning)]
+    assert len(messages) == 1 and "matmul" in messages[0], messages  # the op where the tiled heads broke

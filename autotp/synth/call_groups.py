@@ -8,8 +8,8 @@ and the next receives. Traced from the first layer alone, the code that reads th
 is never seen: the plan for the later layers is a guess (a Linear only they call is never planned,
 and a plan that crashed with "got mixed torch.Tensor and DTensor" was the result).
 
-:func:`call_signatures` runs the whole model once on fake tensors and records, for every entry of
-every layer stack, which of its call's arguments are tensors, which are ``None`` and which are
+:func:`call_signatures` runs the model once on fake tensors, each layer stack cut to the first
+entries of each structural group, and records, for every entry, which of its call's arguments are tensors, which are ``None`` and which are
 other objects (no values, no shapes: a layer index passed as an ``int`` does not split a group).
 :func:`autotp.synth.trace.lockstep_groups` groups entries by structure and call together.
 """
@@ -45,27 +45,42 @@ def call_signature(args: tuple, kwargs: dict) -> tuple:
     return str(spec), tuple(_leaf_kind(leaf) for leaf in leaves)
 
 
-def call_signatures(model: nn.Module, example_inputs, stacks: dict[str, nn.Module]) -> dict[str, dict]:
-    """For each stack in ``stacks`` (FQN -> container), ``{entry key: call signature}`` of the
-    entries one fake forward of the whole model calls (first call of each). Empty when the forward
-    cannot run on fake tensors: grouping then falls back to structure alone."""
-    from autotp.synth.local_run import _fake_forward
-    from autotp.synth.trace import example_args, stack_entries
+# Entries of each structural group run by the fake forward: the first layers are where calls differ
+# (the first layer gets no previous scores, no first values); the rest are taken to be called as the
+# last of these. A stack of 80 layers costs 3 per group, not 80.
+SAMPLED = 3
 
+
+def call_signatures(model: nn.Module, example_inputs, stacks: dict[str, nn.Module]) -> dict[str, dict]:
+    """For each stack in ``stacks`` (FQN -> container), ``{entry key: call signature}``, from one
+    fake forward of the model with each structural group cut to its first :data:`SAMPLED` entries
+    (first call of each); entries after those get the signature of the last one run. Empty when the
+    forward cannot run on fake tensors: grouping then falls back to structure alone."""
+    from autotp.synth.local_run import _fake_forward
+    from autotp.synth.trace import LayerGroups, collapsed, example_args, lockstep_groups, stack_entries
+
+    structural = lockstep_groups(stacks)
     found: dict[str, dict] = {name: {} for name in stacks}
     handles = []
     for name, stack in stacks.items():
-        for key, entry in stack_entries(stack):
-            if entry is None:
-                continue
+        entries = dict(stack_entries(stack))
+        for group in structural.get(name, []):
+            for key in group[:SAMPLED]:
+                if entries[key] is None:
+                    continue
 
-            def hook(module, args, kwargs, name=name, key=key):
-                found[name].setdefault(key, call_signature(args, kwargs))
+                def hook(module, args, kwargs, name=name, key=key):
+                    found[name].setdefault(key, call_signature(args, kwargs))
 
-            handles.append(entry.register_forward_pre_hook(hook, with_kwargs=True))
+                handles.append(entries[key].register_forward_pre_hook(hook, with_kwargs=True))
+    order = {name: {key: i for i, (key, _) in enumerate(stack_entries(stack))} for name, stack in stacks.items()}
+    # One group per sampled entry: collapsed() keeps the first entry of each group.
+    sampled = LayerGroups({name: [[k] for k in sorted((k for g in groups for k in g[:SAMPLED]), key=order[name].get)]
+                           for name, groups in structural.items()})
     try:
         args, kwargs = example_args(model, example_inputs)
-        failed = _fake_forward(model, args, kwargs, real_values=False)
+        with collapsed(model, sampled):
+            failed = _fake_forward(model, args, kwargs, real_values=False)
     except Exception as error:  # no inputs: the trace reports that itself
         failed = error
     finally:
@@ -74,4 +89,9 @@ def call_signatures(model: nn.Module, example_inputs, stacks: dict[str, nn.Modul
     if failed is not None:
         log.debug("call signatures of layer stacks unknown (%s): grouping by structure alone", failed)
         return {}
+    for name, groups in structural.items():
+        for group in groups:
+            last = next((found[name][k] for k in reversed(group[:SAMPLED]) if k in found[name]), None)
+            for key in group[SAMPLED:]:
+                found[name][key] = last
     return found
