@@ -9,8 +9,9 @@ is never seen: the plan for the later layers is a guess (a Linear only they call
 and a plan that crashed with "got mixed torch.Tensor and DTensor" was the result).
 
 :func:`call_signatures` runs the model once on fake tensors, each layer stack cut to the first
-entries of each structural group, and records, for every entry, which of its call's arguments are tensors, which are ``None`` and which are
-other objects (no values, no shapes: a layer index passed as an ``int`` does not split a group).
+entries of each structural group, and records, for every entry, which of its call's arguments are
+tensors, which are ``None`` and which are other objects (no values, no shapes: a layer index passed
+as an ``int`` does not split a group).
 :func:`autotp.synth.trace.lockstep_groups` groups entries by structure and call together.
 """
 

@@ -10,7 +10,10 @@ different arguments are traced apart, :mod:`autotp.synth.call_groups`).
 The shape proof runs the receiving module alone on the inputs it got in a fake forward, which
 hold every head. :func:`carried_arguments` finds the arguments of its call that carry a shard
 into it, and :func:`per_rank_call` narrows them to one rank's share for the per-rank runs (only
-there: the global run keeps them whole), as the plan will hand them over.
+there: the global run keeps them whole), as the plan will hand them over. A submodule of the
+model handed in as an argument and called by the module's code (a relative-bias module every
+attention calls) is replaced in both runs by a meta copy, with its per-rank parameters in the
+per-rank run (:func:`module_arguments`).
 """
 
 from __future__ import annotations
