@@ -201,6 +201,19 @@ class CalledRelBiasAttention(Attention):
         return self.to_out(merge_heads(torch.matmul(attn, v))), {}
 
 
+class SdpaRelBiasAttention(Attention):
+    """The called bias expanded to ``(b, heads, i, j)``, causally masked with ``masked_fill`` and
+    handed to ``F.scaled_dot_product_attention`` as its float ``attn_mask``."""
+
+    def forward(self, x, *, rel_pos=None, **state):
+        q, k, v = self.qkv(x)
+        b, h, n, _ = q.shape
+        bias = rel_pos(n, n, device=x.device)[None].expand(b, h, -1, -1)
+        future = torch.ones(n, n, dtype=torch.bool, device=x.device).triu(1)
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=bias.masked_fill(future, -1e4))
+        return self.to_out(merge_heads(out)), {}
+
+
 class ResidualAttention(Attention):
     """Residual attention: the previous layer's pre-softmax scores ``(b, h, n, n)`` are added to
     this layer's, and this layer's are handed on."""
@@ -327,6 +340,7 @@ IDIOMS = {
     "memory_kv": lambda: LM(MemoryKVAttention),
     "shared_rel_bias": lambda: LM(RelBiasAttention, rel_pos=RelativePositionBias()),
     "called_rel_bias": lambda: LM(CalledRelBiasAttention, rel_pos=RelativePositionBias(), hand_module=True),
+    "sdpa_rel_bias": lambda: LM(SdpaRelBiasAttention, rel_pos=RelativePositionBias(), hand_module=True),
     "residual_attn": lambda: LM(ResidualAttention),
     "talking_heads": lambda: LM(TalkingHeadsAttention),
     "value_residual": lambda: LM(ValueResidualAttention),

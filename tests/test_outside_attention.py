@@ -81,14 +81,15 @@ def test_layers_called_with_different_arguments_are_traced_apart():
 
 
 @pytest.mark.parametrize(**MODES)
-@pytest.mark.parametrize("idiom", ["called_rel_bias", "shared_rel_bias"])
+@pytest.mark.parametrize("idiom", ["called_rel_bias", "shared_rel_bias", "sdpa_rel_bias"])
 def test_relative_bias_table_shared_by_every_layer_is_cut_by_heads(idiom, tp, sequence_parallel):
     """T5's bucketed bias, ``Embedding(buckets, heads)`` held once by the model and its ``(heads,
     i, j)`` output handed to every layer: the table is cut on its columns (the heads), each rank
     looks up its own heads' biases and adds them to its own heads' scores, and its rows' gradients
     are each rank's own. Before, a value with a gradient entering the layers kept them whole.
     ``called_rel_bias``: the module itself is handed to every attention, which calls it (the shape
-    proof calls a per-rank copy of it); before, that plan crashed when run."""
+    proof calls a per-rank copy of it); before, that plan crashed when run. ``sdpa_rel_bias``: the
+    bias masked and handed to sdpa as its float mask; before, the attention was kept whole."""
     _, plan, _ = _sharded_at_the_bound(idiom, tp, sequence_parallel)
     style = plan["rel_pos.relative_attention_bias"]
     assert type(style).__name__ == "HeadParams" and style.shard_dims == {"weight": 1}, style

@@ -915,6 +915,10 @@ def _attention(g, name, dims, ctx):
         shape = g.nodes[mask.name]["shape"]
         at = dim - (ndim - len(shape))  # the mask broadcasts from the end
         if at >= 0 and shape[at] != 1 and not ctx.shard_entry(mask.name, at):
+            # Per-head values from parameters (a relative-bias table looked up per head, then masked):
+            # sharded with the heads, each rank's its own, no gradient to reduce.
+            if ctx.shard_param(mask.name, at) or ctx.shard_tree(mask.name, at):
+                return Out(dim)
             return Break(f"attention mask holds all {shape[at]} heads of the sharded dim {dim} (a per-head bias "
                          "made outside the sharded region)")
         if not ctx.broadcast_grad_ok(mask.name):
