@@ -112,3 +112,8 @@ class NoPlanError(PlanError, MeshError):
         super().__init__(message, **parts)
         self.skipped = list(skipped)
         self.tp_sizes = tuple(tp_sizes)
+
+
+class WholeAttentionWarning(UserWarning):
+    """A synthesized plan keeps an attention whole (its projections replicated on every rank):
+    the message names the module and why. The plan is right, at up to ``tp`` times the memory."""

@@ -82,6 +82,7 @@ class Flow:
     entry_uses: dict = field(default_factory=dict)  # (value, module) -> {(operand, node)} that met the heads
     entry_origins: dict = field(default_factory=dict)  # (value, module) -> the candidates whose shard met it
     module_alone: bool = False  # the graph is one module exported alone (see propagate)
+    mixers: dict = field(default_factory=dict)  # module mixing the sharded heads -> (dim, origins) (head_mixers.py)
     copied: dict = field(default_factory=dict)  # candidate -> spans of its output held whole on every rank
     copy_cuts: dict = field(default_factory=dict)  # cutting node -> {element index or None: (root, span)} held whole
     per_group: frozenset = frozenset()  # candidates whose views into fixed groups are read per group (group_view)
@@ -166,6 +167,23 @@ class Flow:
         origins = frozenset().union(*(shard.origins for shard in self.meeting))
         previous = self.factory_shards.get(found[0], (found[1], frozenset()))[1]
         self.factory_shards[found[0]] = (found[1], previous | origins)
+        return True
+
+    def head_mixer(self, name: str, src: str) -> bool:
+        """Whether op ``name``, which mixes the sharded channels of ``src``, is a module of its own
+        that can run whole between a gather of its input and a slice of its output
+        (:func:`autotp.synth.head_mixers.mixer_module`): talking heads' 1x1 convolutions. Recorded
+        in ``mixers``."""
+        from autotp.synth.head_mixers import mixer_module
+
+        module = mixer_module(self.g, name, src)
+        if module is None or self.state[src].pieces or self.state[src].fold:
+            return False
+        dim = self.state[src].dim
+        previous = self.mixers.get(module, (dim, frozenset()))
+        if previous[0] != dim:
+            return False
+        self.mixers[module] = (dim, previous[1] | self.state[src].origins)
         return True
 
     def shard_entry(self, other: str, dim: int) -> bool:

@@ -15,6 +15,7 @@ from autotp.synth.build import build_plan
 from autotp.synth.groups import group_copies
 from autotp.synth.pipeline import Analysis, run
 from autotp.synth.trace import LayerGroups, restored_module_state
+from autotp.synth.whole_attention import warn_whole_attentions
 
 log = logging.getLogger(__name__)
 
@@ -55,6 +56,7 @@ def plan_with_analysis(model: nn.Module, *, example_inputs=None, sequence_parall
                              tp_size=tp_size)
     plan = build_plan(analysis.roles, analysis.groups, loss_parallel=loss_parallel, copies=analysis.copies,
                       gather_copies=gather_copies)
+    warn_whole_attentions(analysis.graph, analysis.roles, analysis.groups)
     return plan, analysis
 
 

@@ -13,6 +13,7 @@ from autotp.synth.analysis import (Flow, Shard, is_linear, linear_weight, module
 from autotp.synth.experts import once_params, whole_terms
 from autotp.synth.graph import Ref, param_modules, refs
 from autotp.synth.ops import ALIASING, SINKS
+from autotp.synth.head_mixers import mixer_roles
 from autotp.synth.param_roles import broadcast_roles, param_roles
 from autotp.synth.params import reading_module
 from autotp.synth.roles import WEIGHT_DIMS, Role, kind_of
@@ -407,6 +408,7 @@ def assign_roles(g: nx.DiGraph, flow: Flow, dropped: dict[str, str],
     roles.update(embedding_roles(g, forced or {}))
     roles.update(norm_roles(g, flow, set(roles)))
     roles.update(param_roles(g, flow, roles))
+    roles.update(mixer_roles(g, flow))
     roles.update(broadcast_roles(g, flow, roles))
     return _with_raw_linears(roles, raw_linear_roles(g, flow))
 

@@ -18,6 +18,7 @@ from autotp import styles
 from autotp.plan import describe_style
 from autotp.styles.linear import gathered_param_sizes, gathered_sizes
 from autotp.styles.raw_linear import LinearParams
+from autotp.synth.head_mixers import mixer_style
 from autotp.synth.roles import Role
 from autotp.synth.copies import row_copies
 from autotp.synth.trace import LayerGroups
@@ -185,6 +186,7 @@ _STYLES: dict[str, Callable[[Role, bool], ParallelStyle | None]] = {
     "partial_grad_module": lambda role, lp: styles.ReplicatedWithGradAllReduce(),
     "reduced_inputs": lambda role, lp: styles.ReducedInputGrads(partial_params=role.partial_params),
     "multihead_attention": lambda role, lp: styles.MultiheadAttentionParallel(sequence_parallel=role.seq_output),
+    "head_mixer": lambda role, lp: mixer_style(role),
     "entry_shard": lambda role, lp: None,  # the ShardedInputs wrapper alone (see style_for)
     "width_stats": lambda role, lp: None,  # the ShardedStatistics wrapper alone (see style_for)
     "dtensor_region": lambda role, lp: None,  # the DTensorRegion wrapper alone (see style_for)

@@ -337,7 +337,7 @@ def _local_copy(module: nn.Module, roles: dict[str, Role], names: tuple[str, ...
     for name, role in roles.items():
         if tp > 1 or _in_out(role):  # at tp=1 too, so that both runs have the same ops
             _shrink(local.get_submodule(name), role, tp)
-        if role.kind == "width_norm":  # at tp=1 too
+        if role.kind in ("width_norm", "head_mixer"):  # at tp=1 too: per rank, shaped like its input
             _as_width_norm(local.get_submodule(name))
         if role.entry_inputs:  # at tp=1 too, so that both traces hold the same ops
             _slice_entries(local.get_submodule(name), role.entry_inputs, tp)
@@ -441,6 +441,27 @@ def outputs_match(local, reference, tp: int) -> bool:
     return len(differ) == 1 and differ[0][0] * tp == differ[0][1]
 
 
+def per_rank_call(inputs, args: tuple, kwargs: dict, tp: int) -> tuple[tuple, dict]:
+    """``args`` / ``kwargs`` (a copy of ``inputs``) with every carried argument narrowed to rank 0's
+    share at ``tp`` (a no-op at tp 1 or for an unmarked call)."""
+    carried, modules = getattr(inputs, "carried", ()), getattr(inputs, "modules", ())
+    if not modules and (tp == 1 or not carried):
+        return args, kwargs
+    args, kwargs = list(args), dict(kwargs)
+    if modules:
+        for key, inner in modules:  # at tp 1 too: both runs call a meta copy
+            holder = args if isinstance(key, int) else kwargs
+            holder[key] = _local_copy(holder[key], inner, (), tp)
+    if tp == 1:
+        return tuple(args), kwargs
+    for key, dim in carried:
+        holder = args if isinstance(key, int) else kwargs
+        value = holder[key] if (isinstance(key, int) and key < len(args)) or key in kwargs else None
+        if isinstance(value, torch.Tensor):
+            holder[key] = value.narrow(dim, 0, value.shape[dim] // tp)
+    return tuple(args), kwargs
+
+
 def run_local(module: nn.Module, inputs: tuple[tuple, dict], roles: dict[str, Role], fused: list[str],
               names: tuple[str, ...], tp: int, assign: dict[str, int] | None = None):
     """Run a meta copy of ``module`` with per-rank widths and ``names`` divided by ``tp``.
@@ -468,6 +489,7 @@ def run_local(module: nn.Module, inputs: tuple[tuple, dict], roles: dict[str, Ro
 
     for index, name in enumerate(fused):
         local.get_submodule(name).register_forward_hook(watch(index))
+    args, kwargs = per_rank_call(inputs, args, kwargs, tp)  # shards carried in from another module
     try:
         # Tensors the module makes without a device (``torch.full((t, t), -inf)``) are made on meta too.
         with torch.no_grad(), contextlib.nullcontext() if real else torch.device("meta"), recorder:
@@ -492,6 +514,7 @@ def trace_local(module: nn.Module, inputs, roles: dict[str, Role], names: tuple[
     # Modules handed in (:class:`ModuleArgument`) join the copy as children, so that their
     # parameters and buffers are named in the trace, where the per-head ones meet the heads.
     local, (args, kwargs) = _local_copy(module, roles, names, tp, real, _snapshot(inputs))
+    args, kwargs = per_rank_call(inputs, args, kwargs, tp)  # shards carried in from another module
     bound = {k: v for k, v in kwargs.items() if not _exportable(v)}
     if bound:  # a cache object: handed to the forward as it is, not as an input of the program
         local.forward = functools.partial(local.forward, **bound)
@@ -500,7 +523,9 @@ def trace_local(module: nn.Module, inputs, roles: dict[str, Role], names: tuple[
         if real:
             return build_graph(_export(local, args, kwargs, real_values=True))
         with torch.no_grad(), torch.device("meta"):
-            return build_graph(torch.export.export(local, args, kwargs, strict=False))
+            graph = build_graph(torch.export.export(local, args, kwargs, strict=False))
+        graph.graph["module_alone"] = True  # a module's parameters handed in come as inputs (table_lookup)
+        return graph
     except Exception as error:  # cannot trace alone: cannot confirm
         log.debug("export of %s alone failed: %s", type(module).__name__, error)
         return None

@@ -916,6 +916,10 @@ def _attention(g, name, dims, ctx):
         shape = g.nodes[mask.name]["shape"]
         at = dim - (ndim - len(shape))  # the mask broadcasts from the end
         if at >= 0 and shape[at] != 1 and not ctx.shard_entry(mask.name, at):
+            # Per-head values from parameters (a relative-bias table looked up per head, then masked):
+            # sharded with the heads, each rank's its own, no gradient to reduce.
+            if ctx.shard_param(mask.name, at) or ctx.shard_tree(mask.name, at):
+                return Out(dim)
             return Break(f"attention mask holds all {shape[at]} heads of the sharded dim {dim} (a per-head bias "
                          "made outside the sharded region)")
         if not ctx.broadcast_grad_ok(mask.name):
@@ -1035,6 +1039,8 @@ def _conv(g, name, dims, ctx):
     if op == "convolution" and _arg(g, name, 6, "transposed", False):
         return Break(f"{op} is transposed")
     out_channels = g.nodes[name]["shape"][1] if g.nodes[name]["shape"] else None
+    if groups == 1 and ctx.head_mixer(name, x.name):
+        return Out(1)  # a module mixing the heads, gathered at entry and sliced at exit (head_mixers.py)
     if not isinstance(groups, int) or groups < 2 or channels % groups or not out_channels or out_channels % groups:
         return Break(f"{op} mixes the channels of the sharded dim 1 (groups={groups} for {channels} channels)")
     if not isinstance(weight, Ref) or not ctx.shard_param(weight.name, 0):

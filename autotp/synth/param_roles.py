@@ -46,8 +46,10 @@ def param_roles(g: nx.DiGraph, flow, roles: dict[str, Role]) -> dict[str, Role]:
     Returns:
         New roles by module FQN.
     """
+    # A table looked up per head (:func:`~autotp.synth.params.table_lookup`) is sharded with the
+    # heads like any other.
     linear_params = {r.name for n, d in g.nodes(data=True) if d["op"] in ("linear", "embedding")
-                     for r in refs(d["args"])}
+                     for r in refs(d["args"])} - set(flow.param_shards)
     sharded: dict[str, dict[str, int]] = {}
     reduced: dict[str, list[str]] = {}
     packed, packings = packed_params(flow), {}
@@ -63,6 +65,8 @@ def param_roles(g: nx.DiGraph, flow, roles: dict[str, Role]) -> dict[str, Role]:
                 packings.setdefault(module, {})[pname] = packed[name]
             continue
         module, _, pname = data["param"].rpartition(".")
+        if module in flow.mixers:
+            continue  # whole on every rank with whole gradients (head_mixers.py)
         if _meets_shard(g, flow, name, module):
             reduced.setdefault(module, []).append(pname)
     out = {}

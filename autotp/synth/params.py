@@ -117,7 +117,13 @@ def param_dim(g: nx.DiGraph, name: str, dim: int) -> tuple[str, int] | None:
     which :func:`stray_param_reads` checks once the pass has seen them all.
     """
     found = _chain_source(g, name, dim)
-    if found is None or g.nodes[found[0]]["kind"] not in ("param", "buffer"):
+    if found is None:
+        return None
+    source = g.nodes[found[0]]
+    # A module traced alone gets the table of a module handed to it as an input (table_lookup).
+    looked_up = source["kind"] == "input" and g.graph.get("module_alone") and any(
+        g.nodes[s]["op"] == "embedding" for s in g.successors(found[0]))
+    if source["kind"] not in ("param", "buffer") and not looked_up:
         return None
     return found
 
@@ -248,6 +254,10 @@ def _chain_source(g: nx.DiGraph, name: str, dim: int) -> tuple[str, int] | None:
         inputs = value_refs(data)
         if not inputs and data["op"] in CONSTANT_FACTORIES:
             break
+        looked_up = table_lookup(g, name, dim)
+        if looked_up is not None:
+            name, dim = looked_up, 1
+            continue
         if data["op"] not in SINGLE_INPUT or len(inputs) != 1 or not isinstance(data["args"][0], Ref):
             return None
         source = inputs[0].name
@@ -256,6 +266,28 @@ def _chain_source(g: nx.DiGraph, name: str, dim: int) -> tuple[str, int] | None:
             return None
         name = source
     return name, dim
+
+
+def table_lookup(g: nx.DiGraph, name: str, dim: int) -> str | None:
+    """The table (parameter placeholder) that ``embedding`` node ``name`` looks rows up in, when
+    ``dim`` is its output's last dim (the table's columns) and the indices carry no gradient (made
+    from positions, not from parameters); else None.
+
+    A table with one column per head (T5's relative position bias, ``Embedding(buckets, heads)``)
+    is then a per-head parameter: cut on its columns with the heads, each rank looks up its own
+    heads' biases, and the rows' gradients are each rank's own.
+    """
+    data = g.nodes[name]
+    if data["op"] != "embedding" or len(data["args"]) < 2 or not data["shape"]:
+        return None
+    table, index = data["args"][:2]
+    if not isinstance(table, Ref) or not isinstance(index, Ref) or dim % len(data["shape"]) != len(data["shape"]) - 1:
+        return None
+    # In a module traced alone, the table of a module handed to it as an argument is an input.
+    kinds = ("param", "input", "buffer") if g.graph.get("module_alone") else ("param",)
+    if g.nodes[table.name]["kind"] not in kinds or made_from_params(g, index.name):
+        return None
+    return table.name
 
 
 def chain_dims(g: nx.DiGraph, param_shards: dict[str, int]) -> dict[str, int]:
@@ -271,6 +303,11 @@ def chain_dims(g: nx.DiGraph, param_shards: dict[str, int]) -> dict[str, int]:
             node, dim = todo.pop()
             for succ in g.successors(node):
                 data = g.nodes[succ]
+                if data["op"] == "embedding" and data["shape"] and dim == 1 \
+                        and table_lookup(g, succ, len(data["shape"]) - 1) == node:
+                    found[succ] = len(data["shape"]) - 1  # rows looked up in a table cut on its columns
+                    todo.append((succ, found[succ]))
+                    continue
                 if succ in found or data["op"] in SINKS or data["op"] not in SINGLE_INPUT \
                         or len(value_refs(data)) != 1 or not data["shape"]:
                     continue

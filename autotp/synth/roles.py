@@ -29,6 +29,7 @@ ROLE_KINDS = {
     "shard_counts": "module whose integer attributes size the cuts of a fused output; divided by tp",
     "seq_params": "module holding sharded children whose own parameters act on the sequence-sharded stream",
     "head_params": "module whose own parameters meet a sharded activation: sharded with it, or gradient all-reduced",
+    "head_mixer": "module mixing the sharded heads: input all-gathered, run whole, output sliced to this rank's heads",
     "linear_params": "module whose code uses its raw parameters as column / row Linear weights: sharded like them",
     "shared_input": "module whose output only column Linears read: a Replicate() DTensor, gradient reduced once "
                     "(with partial_grad: a plain output whose partial gradient is all-reduced once)",

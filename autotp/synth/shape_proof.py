@@ -22,6 +22,7 @@ import networkx as nx
 from torch import nn
 
 from autotp.synth.analysis import Flow, Shard, module_of
+from autotp.synth.carried import carried_arguments, module_arguments, with_carried
 from autotp.synth.entries import with_entries
 from autotp.synth.ops import FIXED_SIZE_CUTS
 from autotp.synth.local_run import argument_roles, capture_inputs, outputs_match, run_local, shapes_are_local
@@ -124,11 +125,13 @@ def localize_shapes(model: nn.Module, example_inputs, g: nx.DiGraph, flow: Flow,
         inner = inner_roles(roles, fqn)
         if fqn in result.widths:  # its fused cuts were proven with it: so are its shapes
             inner = with_width_view(inner, result.widths[fqn])
-        inputs = captured[fqn]
+        inputs = with_carried(captured[fqn], carried_arguments(g, flow, fqn, captured[fqn]),
+                              module_arguments(model, roles, captured[fqn]))
         if fqn in captured.real:  # it reads values (a router's sizes): run on meta, it cannot be judged
             with collapsed(model, groups):
                 if run_local(model.get_submodule(fqn), inputs, inner, [], (), 1) is None:
-                    inputs = captured.real[fqn]
+                    inputs = with_carried(captured.real[fqn], getattr(inputs, "carried", ()),
+                                          getattr(inputs, "modules", ()))
         values = shaped_sizes(g, flow, roots)
         if any(v % tp for v in values):
             continue  # tp does not divide the heads: check_divisible names the module and the sizes

@@ -162,7 +162,8 @@ def group_entries(entries: nn.Module) -> list[list[int | str]]:
     return list(groups.values())
 
 
-def lockstep_groups(stacks: dict[str, nn.Module]) -> dict[str, list[list[int | str]]]:
+def lockstep_groups(stacks: dict[str, nn.Module], calls: dict[str, dict] | None = None
+                    ) -> dict[str, list[list[int | str]]]:
     """:func:`group_entries` for each stack, with stacks of one length grouped together: entry ``i``
     of one goes with entry ``i`` of the others.
 
@@ -171,6 +172,10 @@ def lockstep_groups(stacks: dict[str, nn.Module]) -> dict[str, list[list[int | s
     entries, and the trace would pair the kept block with the wrong norm: an optional norm list
     ``[None, norm, norm]`` beside three alike blocks kept ``[None, norm]`` for one block, so the
     norms were never traced and never planned. Grouped in step, both keep the same positions.
+
+    ``calls`` (:func:`autotp.synth.call_groups.call_signatures`) splits entries of one structure
+    that the forward calls with different arguments (``prev_attn=None`` for the first layer, the
+    previous layer's scores for the others): each runs code the other does not.
 
     >>> blocks = nn.ModuleList([nn.Linear(2, 2) for _ in range(3)])
     >>> norms = nn.ModuleList([None, nn.LayerNorm(2), nn.LayerNorm(2)])
@@ -185,7 +190,8 @@ def lockstep_groups(stacks: dict[str, nn.Module]) -> dict[str, list[list[int | s
         entries = {name: stack_entries(stacks[name]) for name in names}
         positions: dict[tuple, list[int]] = {}
         for i in range(length):
-            key = tuple(block_signature(entries[name][i][1]) for name in names)
+            key = tuple((block_signature(entries[name][i][1]),
+                         (calls or {}).get(name, {}).get(entries[name][i][0])) for name in names)
             positions.setdefault(key, []).append(i)
         for name in names:
             out[name] = [[entries[name][i][0] for i in group] for group in positions.values()]
@@ -216,20 +222,21 @@ def _per_layer_config_lists(model: nn.Module, length: int) -> list[tuple[object,
 
 
 @contextlib.contextmanager
-def collapsed(model: nn.Module, like: LayerGroups | None = None):
+def collapsed(model: nn.Module, like: LayerGroups | None = None, calls: dict[str, dict] | None = None):
     """Temporarily keep one entry per structural group in every layer stack (:func:`repeated_lists`;
     stacks of one length are grouped in step, :func:`lockstep_groups`).
 
     Args:
         like: collapse exactly as this :class:`LayerGroups` says (the one :func:`trace` returned,
             empty when the model had to be traced whole), so that traced FQNs name the same modules.
+        calls: the layers' call signatures (:func:`lockstep_groups`), when ``like`` is None.
 
     Yields:
         :class:`LayerGroups` for the FQNs of the collapsed model.
     """
     layer_groups, restore = LayerGroups(), []
     stacks = repeated_lists(model)
-    grouped = lockstep_groups(stacks) if like is None else like.groups
+    grouped = lockstep_groups(stacks, calls) if like is None else like.groups
     try:
         for name, entries in stacks.items():
             groups = grouped.get(name)
@@ -583,8 +590,12 @@ def trace(model: nn.Module, example_inputs=None) -> tuple[torch.export.ExportedP
     Returns:
         The exported program and the :class:`LayerGroups` mapping traced FQNs to the model's.
     """
+    from autotp.synth.call_groups import call_signatures
+
+    stacks = repeated_lists(model)
+    calls = call_signatures(model, example_inputs, stacks) if stacks else {}
     try:
-        with collapsed(model) as groups:
+        with collapsed(model, calls=calls) as groups:
             return export_model(model, example_inputs), groups
     except TraceError:
         if not repeated_lists(model):
