@@ -36,6 +36,7 @@ from autotp.synth.queries import (Weight, _grad_inputs, _only_params_behind, _on
                                   _value_inputs, is_linear, linear_weight, module_of, module_outputs, param_source,
                                   part_sizes, raw_like, raw_weight, upstream_linears, weight_of)
 from autotp.synth.shard import Shard
+from autotp.synth.head_mixers import mixer_module
 
 log = logging.getLogger(__name__)
 
@@ -174,8 +175,6 @@ class Flow:
         that can run whole between a gather of its input and a slice of its output
         (:func:`autotp.synth.head_mixers.mixer_module`): talking heads' 1x1 convolutions. Recorded
         in ``mixers``."""
-        from autotp.synth.head_mixers import mixer_module
-
         module = mixer_module(self.g, name, src)
         if module is None or self.state[src].pieces or self.state[src].fold:
             return False

@@ -5,7 +5,7 @@ which adds them to its own; a value residual hands the first layer's values ``(b
 to every later layer. With both layers' heads sharded alike, each rank hands on its own heads'
 share and the next layer reads it as it is: nothing to communicate, nothing to slice. The analysis
 follows such a value as any shard (the graph holds every layer that reads it: layers called with
-different arguments are traced apart, :mod:`autotp.synth.call_groups`).
+different arguments are traced apart, :func:`autotp.synth.trace.call_signatures`).
 
 The shape proof runs the receiving module alone on the inputs it got in a fake forward, which
 hold every head. :func:`carried_arguments` finds the arguments of its call that carry a shard
@@ -23,7 +23,7 @@ import torch
 
 from autotp.synth.analysis import Shard
 from autotp.synth.entries import keys_of_shape
-from autotp.synth.params import value_refs
+from autotp.synth.params import chain_dims, value_refs
 
 
 class ShardedCall(tuple):
@@ -44,8 +44,6 @@ def carried_arguments(g: nx.DiGraph, flow, module: str, call) -> tuple:
     proof then sees it whole, and fails where its code needs the share)."""
     if not module or call is None:
         return ()
-    from autotp.synth.params import chain_dims
-
     found: dict = {}
     tables = chain_dims(g, flow.param_shards)  # per-head values looked up outside (a shared bias table)
     for name, data in g.nodes(data=True):

@@ -33,7 +33,8 @@ from autotp.synth.ops import FIXED_SIZE_CUTS
 from autotp.synth.ops import ELEMENTWISE, PASSTHROUGH, REORDERS, VIEW_LIKE
 from autotp.synth.params import chain_dims, reading_module
 from autotp.synth.roles import WEIGHT_DIMS, Role, kind_of
-from autotp.synth.trace import LayerGroups, _export, collapsed, data_dependent, example_args, on_meta
+from autotp.synth.trace import LayerGroups, _as_traced, _export, _fake_forward, collapsed, data_dependent
+from autotp.synth.trace import example_args, on_meta
 
 log = logging.getLogger(__name__)
 
@@ -85,19 +86,6 @@ class Captured(dict):
     failed: str | None = None
     stateful: frozenset = frozenset()
     real: dict = {}  # FQN -> (args, kwargs) with their values, where the forward had to read values
-
-
-@contextlib.contextmanager
-def _as_traced():
-    """Run model code down the branches ``torch.export`` took: it reports compiling while it traces
-    (transformers picks, for instance, a grouped matmul that fake tensors accept only in bf16 when
-    not compiling), and the graph the proof checks is the traced one."""
-    before = torch.compiler._is_compiling_flag
-    torch.compiler._is_compiling_flag = True
-    try:
-        yield
-    finally:
-        torch.compiler._is_compiling_flag = before
 
 
 def inner_roles(roles: dict[str, Role], fqn: str) -> dict[str, Role]:
@@ -214,25 +202,6 @@ def _filled_state(value) -> bool:
     filled = []
     _rebuilt(value, lambda t, inside: filled.append(inside and t.numel() > 0) or t)
     return any(filled)
-
-
-def _fake_forward(model: nn.Module, args: tuple, kwargs: dict, *, real_values: bool) -> Exception | None:
-    """One forward of ``model`` on fake tensors, or on the real inputs if ``real_values``; the error
-    that stopped it, if any."""
-    try:
-        with torch.no_grad(), _as_traced():
-            if real_values:
-                model(*args, **kwargs)
-                return None
-            with FakeTensorMode(allow_non_fake_inputs=True) as mode:
-                # Inputs as fake tensors too: model code that skips value checks while tracing
-                # (``torch.all(mask == 1)``) recognises them, where a real input would be read.
-                fake = lambda t: mode.from_tensor(t) if isinstance(t, torch.Tensor) else t  # noqa: E731
-                model(*[fake(a) for a in args], **{k: fake(v) for k, v in kwargs.items()})
-    except Exception as error:  # the modules it reached are judged; the others cannot be
-        log.debug("fake forward for localization failed: %s", error)
-        return error
-    return None
 
 
 def _real_inputs(inputs) -> bool:

@@ -20,6 +20,8 @@ from dataclasses import dataclass, field
 
 import torch
 from torch import nn
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.utils import _pytree as pytree
 
 from autotp.errors import TraceError, one_line
 from autotp.synth.validate import failing_module
@@ -173,7 +175,7 @@ def lockstep_groups(stacks: dict[str, nn.Module], calls: dict[str, dict] | None 
     ``[None, norm, norm]`` beside three alike blocks kept ``[None, norm]`` for one block, so the
     norms were never traced and never planned. Grouped in step, both keep the same positions.
 
-    ``calls`` (:func:`autotp.synth.call_groups.call_signatures`) splits entries of one structure
+    ``calls`` (:func:`call_signatures`) splits entries of one structure
     that the forward calls with different arguments (``prev_attn=None`` for the first layer, the
     previous layer's scores for the others): each runs code the other does not.
 
@@ -584,14 +586,131 @@ def _trace_error(model: nn.Module, error: BaseException) -> TraceError:
     )
 
 
+# ------------------------------------------------- layers of one structure called differently
+#
+# Layers of one structure that their stack calls differently are traced apart.
+#
+# :func:`autotp.synth.trace.collapsed` traces one layer per structural group. That is right when every
+# layer of a group runs the same code, and wrong when the stack hands some layers a value it hands
+# others as ``None``: residual attention (layer ``i`` adds layer ``i - 1``'s pre-softmax scores), a
+# value residual (later layers mix the first layer's values into theirs), anything a layer returns
+# and the next receives. Traced from the first layer alone, the code that reads the handed-on value
+# is never seen: the plan for the later layers is a guess (a Linear only they call is never planned,
+# and a plan that crashed with "got mixed torch.Tensor and DTensor" was the result).
+#
+# :func:`call_signatures` runs the model once on fake tensors, each layer stack cut to the first
+# entries of each structural group, and records, for every entry, which of its call's arguments are
+# tensors, which are ``None`` and which are other objects (no values, no shapes: a layer index passed
+# as an ``int`` does not split a group).
+# :func:`autotp.synth.trace.lockstep_groups` groups entries by structure and call together.
+
+def _leaf_kind(value) -> str:
+    if isinstance(value, torch.Tensor):
+        return "tensor"
+    if value is None:
+        return "none"
+    return type(value).__name__
+
+
+def call_signature(args: tuple, kwargs: dict) -> tuple:
+    """The structure of one call: the pytree spec, each leaf a tensor / ``None`` / a type name.
+
+    >>> call_signature((torch.ones(1), None), {}) == call_signature((torch.zeros(2), None), {})
+    True
+    >>> call_signature((torch.ones(1), None), {}) == call_signature((torch.ones(1), torch.ones(1)), {})
+    False
+    """
+    leaves, spec = pytree.tree_flatten((args, dict(sorted(kwargs.items()))))
+    return str(spec), tuple(_leaf_kind(leaf) for leaf in leaves)
+
+
+# Entries of each structural group run by the fake forward: the first layers are where calls differ
+# (the first layer gets no previous scores, no first values); the rest are taken to be called as the
+# last of these. A stack of 80 layers costs 3 per group, not 80.
+SAMPLED = 3
+
+
+def call_signatures(model: nn.Module, example_inputs, stacks: dict[str, nn.Module]) -> dict[str, dict]:
+    """For each stack in ``stacks`` (FQN -> container), ``{entry key: call signature}``, from one
+    fake forward of the model with each structural group cut to its first :data:`SAMPLED` entries
+    (first call of each); entries after those get the signature of the last one run. Empty when the
+    forward cannot run on fake tensors: grouping then falls back to structure alone."""
+    structural = lockstep_groups(stacks)
+    found: dict[str, dict] = {name: {} for name in stacks}
+    handles = []
+    for name, stack in stacks.items():
+        entries = dict(stack_entries(stack))
+        for group in structural.get(name, []):
+            for key in group[:SAMPLED]:
+                if entries[key] is None:
+                    continue
+
+                def hook(module, args, kwargs, name=name, key=key):
+                    found[name].setdefault(key, call_signature(args, kwargs))
+
+                handles.append(entries[key].register_forward_pre_hook(hook, with_kwargs=True))
+    order = {name: {key: i for i, (key, _) in enumerate(stack_entries(stack))} for name, stack in stacks.items()}
+    # One group per sampled entry: collapsed() keeps the first entry of each group.
+    sampled = LayerGroups({name: [[k] for k in sorted((k for g in groups for k in g[:SAMPLED]), key=order[name].get)]
+                           for name, groups in structural.items()})
+    try:
+        args, kwargs = example_args(model, example_inputs)
+        with collapsed(model, sampled):
+            failed = _fake_forward(model, args, kwargs, real_values=False)
+    except Exception as error:  # no inputs: the trace reports that itself
+        failed = error
+    finally:
+        for handle in handles:
+            handle.remove()
+    if failed is not None:
+        log.debug("call signatures of layer stacks unknown (%s): grouping by structure alone", failed)
+        return {}
+    for name, groups in structural.items():
+        for group in groups:
+            last = next((found[name][k] for k in reversed(group[:SAMPLED]) if k in found[name]), None)
+            for key in group[SAMPLED:]:
+                found[name][key] = last
+    return found
+
+
+@contextlib.contextmanager
+def _as_traced():
+    """Run model code down the branches ``torch.export`` took: it reports compiling while it traces
+    (transformers picks, for instance, a grouped matmul that fake tensors accept only in bf16 when
+    not compiling), and the graph the proof checks is the traced one."""
+    before = torch.compiler._is_compiling_flag
+    torch.compiler._is_compiling_flag = True
+    try:
+        yield
+    finally:
+        torch.compiler._is_compiling_flag = before
+
+
+def _fake_forward(model: nn.Module, args: tuple, kwargs: dict, *, real_values: bool) -> Exception | None:
+    """One forward of ``model`` on fake tensors, or on the real inputs if ``real_values``; the error
+    that stopped it, if any."""
+    try:
+        with torch.no_grad(), _as_traced():
+            if real_values:
+                model(*args, **kwargs)
+                return None
+            with FakeTensorMode(allow_non_fake_inputs=True) as mode:
+                # Inputs as fake tensors too: model code that skips value checks while tracing
+                # (``torch.all(mask == 1)``) recognises them, where a real input would be read.
+                fake = lambda t: mode.from_tensor(t) if isinstance(t, torch.Tensor) else t  # noqa: E731
+                model(*[fake(a) for a in args], **{k: fake(v) for k, v in kwargs.items()})
+    except Exception as error:  # the modules it reached are judged; the others cannot be
+        log.debug("fake forward for localization failed: %s", error)
+        return error
+    return None
+
+
 def trace(model: nn.Module, example_inputs=None) -> tuple[torch.export.ExportedProgram, LayerGroups]:
     """Export ``model`` with repeated blocks collapsed; retry uncollapsed if the forward needs them all.
 
     Returns:
         The exported program and the :class:`LayerGroups` mapping traced FQNs to the model's.
     """
-    from autotp.synth.call_groups import call_signatures
-
     stacks = repeated_lists(model)
     calls = call_signatures(model, example_inputs, stacks) if stacks else {}
     try:
