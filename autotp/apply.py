@@ -77,14 +77,15 @@ def check_divisible(model: nn.Module, tp: int, plan: Plan | None = None) -> None
             hint = ""
             if attr == "num_key_value_heads" and tp % n == 0:
                 hint = " or replicate kv heads across ranks (autotp.kv.replicate_kv_heads / synthesize(tp_size=...))"
+            sizes = working_tp_sizes(list(counts.values()))
             raise MeshError(module=type(model).__name__, found=f"{attr}={n} cannot be split over tp={tp}",
                             required=f"config {type(config).__name__}: {counts}",
-                            fix=f"use tp in {working_tp_sizes(list(counts.values()))}{hint}.")
+                            fix=f"use tp in {sizes}{hint}.", tp_sizes=sizes)
     for where, size in (sharded or {}).items():
         if size % tp:
             module, _, found = where.partition(": ")
             raise MeshError(module=module, found=f"{found} of size {size}, which tp={tp} does not divide",
-                            fix=f"use tp in {working_tp_sizes([size])}.")
+                            fix=f"use tp in {working_tp_sizes([size])}.", tp_sizes=working_tp_sizes([size]))
 
 
 def _sharded_sizes(model: nn.Module, plan: Plan) -> dict[str, int]:
@@ -270,8 +271,14 @@ def parallelize(
     tp_shard_plan=None,
     verify_synthesized: bool = True,
     loss_parallel: bool = True,
+    example_inputs=None,
+    cache: bool = True,
 ) -> nn.Module:
     """Shard ``model`` over ``tp_mesh`` with the plan :func:`autotp.get_plan` chooses.
+
+    The choice (selection, and the self-check of a synthesized plan) is made once per job: by the
+    tp group's first rank under a real process group, and kept in an on-disk cache
+    (:mod:`autotp.decision`).
 
     ``model.generate()`` (KV cache, greedy or sampled) works after either ``loss_parallel``
     setting and gives the unsharded model's tokens; sampling needs the same seed on every rank.
@@ -292,21 +299,25 @@ def parallelize(
             all-gather per forward; ``[batch, seq, vocab]`` per rank). The model's ``train()`` /
             ``eval()`` mode does not change it; :func:`gathered_logits` switches one block of code
             to whole logits.
+        example_inputs: a tuple of positional inputs or a dict of keyword inputs for one forward,
+            to trace and self-check a model without a transformers config (a plain-PyTorch model)
+            with; made from the config otherwise.
+        cache: read and write the on-disk plan cache (``$AUTOTP_CACHE_DIR``, default
+            ``~/.cache/autotp``); False decides afresh and stores nothing.
 
     Returns:
         The same model, sharded in place.
 
     Raises:
-        VerificationError: the synthesized plan failed its self-check (nothing is sharded).
+        VerificationError: the synthesized plan failed its self-check and no other source's plan
+            passed selection (nothing is sharded).
+        NoPlanError: no source gives a plan (for a plain-PyTorch model without ``example_inputs``:
+            one line saying to pass them).
     """
-    from autotp.selection import get_plan
+    from autotp.decision import decide_plan  # decision -> self_check -> verifier imports this module
 
     if tp_mesh.ndim != 1:
         validate_tp_mesh(model, tp_mesh)
-    choice = get_plan(model, sequence_parallel=sequence_parallel, tp_shard_plan=tp_shard_plan,
-                      tp_size=tp_mesh.size())
-    if verify_synthesized and choice.source == "synthesized":
-        from autotp.self_check import self_check
-
-        self_check(model, choice.plan, tp_size=tp_mesh.size(), sequence_parallel=sequence_parallel)
+    choice = decide_plan(model, tp_mesh, sequence_parallel=sequence_parallel, tp_shard_plan=tp_shard_plan,
+                         verify_synthesized=verify_synthesized, example_inputs=example_inputs, cache=cache)
     return apply_plan(model, tp_mesh, choice.plan, loss_parallel=loss_parallel)

@@ -63,7 +63,7 @@ def self_check(model: nn.Module, plan: Plan, *, tp_size: int, sequence_parallel:
             log.warning("%s: could not self-check the synthesized plan: no config.vocab_size to draw token ids "
                         "from and no example_inputs; pass example_inputs, or run autotp.verify", what)
             return None
-        report = verify(subject, plan, tp_size=tp_size, inputs=inputs, tolerance=tolerance, isolated=isolated)
+        report = verify(subject, plan, tp_size=tp_size, example_inputs=inputs, tolerance=tolerance, isolated=isolated)
         log.info("self-check of %s on the model itself at tp=%d: %s", what, tp_size, "ok" if report.ok else "FAILED")
         return require_ok(report, what=what)
     if _transformers_config(model) is not None:

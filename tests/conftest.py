@@ -1,5 +1,7 @@
 """Fixtures shared by the test modules."""
 
+import hashlib
+
 import pytest
 
 from autotp.models import build_model
@@ -9,6 +11,15 @@ from autotp.models import build_model
 def meta_llama():
     """Llama-3.1-8B on the meta device: real shapes, no storage. Do not shard it in place."""
     return build_model("llama")
+
+
+@pytest.fixture(autouse=True)
+def _plan_cache_per_test(monkeypatch, tmp_path_factory, request):
+    """Each test gets its own (empty, created on first write) plan cache directory: a plan
+    ``parallelize`` cached in one test (or in the user's ~/.cache) never decides another."""
+    root = tmp_path_factory.getbasetemp() / "plan-cache"
+    name = hashlib.sha1(request.node.nodeid.encode()).hexdigest()[:16]
+    monkeypatch.setenv("AUTOTP_CACHE_DIR", str(root / name))
 
 
 # ------------------------------------------------------------------------------------ test tiers

@@ -96,12 +96,16 @@ def synthesize(model: nn.Module, *, example_inputs=None, sequence_parallel: bool
 
 
 def check_value_branches(model: nn.Module, analysis: Analysis, plan: dict[str, ParallelStyle], *,
-                         loss_parallel: bool = True) -> None:
+                         loss_parallel: bool = True):
     """Verify ``plan`` numerically when its trace followed value-dependent branches through a
     module with parameters (:func:`~autotp.synth.trace.export_model`), whatever ``verify`` says.
 
     Such a trace holds the branches its example inputs took (the experts their tokens picked), not
     the others. The self-check runs the plan on inputs of its own, against the unsharded model.
+
+    Returns:
+        The self-check's :class:`~autotp.verifier.VerifyReport`, or None when the trace took no
+        value-dependent branch (nothing was checked).
 
     Raises:
         VerificationError: the plan differs from the unsharded model.
@@ -109,7 +113,7 @@ def check_value_branches(model: nn.Module, analysis: Analysis, plan: dict[str, P
     """
     where = analysis.graph.graph.get("value_branches")
     if not where:
-        return
+        return None
     from autotp.errors import TraceError
     from autotp.self_check import self_check
 
@@ -123,6 +127,7 @@ def check_value_branches(model: nn.Module, analysis: Analysis, plan: dict[str, P
             "inputs. Pass example_inputs (or use a model with a transformers config) so that "
             f"synthesize(verify=True) can check it, or write the plan by hand and leave {where} replicated."
         )
+    return report
 
 
 def explain(model: nn.Module | None = None, *, example_inputs=None, sequence_parallel: bool = False,
