@@ -306,14 +306,15 @@ def get_plan(
                                            example_inputs=example_inputs)
             findings = checked[same]
             reason = _rejection_text(findings)
-            obstacles += findings[:1]
+            obstacles += [(choice.source, f) for f in findings[:1]]
         if reason is None:
             passed.append(choice)
             continue
-        obstacles += [errors[choice.source]] if choice.source in errors else []
+        obstacles += [(choice.source, errors[choice.source])] if choice.source in errors else []
         log.info("plan source %s rejected for %s: %s", choice.source, type(model).__name__, reason)
         skipped.append((choice.source, reason))
     skipped.sort(key=lambda item: SOURCES.index(item[0]))
+    obstacles = [o for _, o in sorted(obstacles, key=lambda item: SOURCES.index(item[0]))]  # stable sort
     if not passed:
         if example_inputs is None and isinstance(errors.get("synthesized"), TraceError) and not _has_vocab(model):
             raise _needs_inputs(model, skipped)

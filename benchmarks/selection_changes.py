@@ -79,6 +79,8 @@ def table(names: list[str], old: dict, new: dict) -> list[str]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--base", type=Path, required=True, help="the tree to compare with (an extracted commit), or a JSON file of its side saved before")
+    parser.add_argument("--base-label", default=None, help="what the base side is, for the result (e.g. a commit)")
+    parser.add_argument("--new", type=Path, default=None, help="a JSON file of this side saved before (its 'new')")
     parser.add_argument("--tp", type=int, default=2)
     parser.add_argument("--only", nargs="*", default=None, help="built-in names (default: all)")
     args = parser.parse_args()
@@ -92,16 +94,20 @@ def main() -> None:
         old = saved.get("old", saved)
     else:
         old = run_side(args.base.resolve(), names, args.tp)
-    new = run_side(ROOT, names, args.tp)
+    saved = json.loads(args.new.read_text()) if args.new else None
+    new = saved["new"] if saved else run_side(ROOT, names, args.tp)
     lines = table(names, old, new)
     print("\n".join(lines))
-    meta = {"command": " ".join(sys.argv), "tp": args.tp, "base": str(args.base), "machine": platform.node(),
-            "python": platform.python_version(), "seconds": round(time.time() - start, 1)}
+    meta = {"command": " ".join(sys.argv), "tp": args.tp, "base": args.base_label or str(args.base),
+            "machine": platform.node(),
+            "python": platform.python_version(),
+            "seconds": saved["meta"]["seconds"] if saved else round(time.time() - start, 1)}
     RESULTS.mkdir(exist_ok=True)
     (RESULTS / "selection_changes.json").write_text(json.dumps({"meta": meta, "old": old, "new": new}, indent=2))
     header = [f"# Auto selection at tp={args.tp}: old against new", "",
-              f"`{meta['command']}` ({meta['seconds']} s on {meta['machine']}, a shared 2-core machine). Parameters "
-              "per rank are over the model's (bfloat16, real-size configs on meta).", ""]
+              f"`{meta['command']}` ({meta['seconds']} s on {meta['machine']}, a shared 2-core machine). Old: "
+              f"{meta['base']}. Parameters per rank are over the model's (bfloat16, real-size configs on meta); "
+              "collectives are the static estimate of autotp.cost, per token of a step, all layers.", ""]
     (RESULTS / "selection_changes.md").write_text("\n".join(header + lines) + "\n")
 
 

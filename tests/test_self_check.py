@@ -9,7 +9,6 @@ import pytest
 import torch
 from torch.distributed.device_mesh import init_device_mesh
 
-import autotp.self_check
 import autotp.synth.api
 from autotp import _simulate, synthesize
 from autotp.errors import VerificationError
@@ -75,12 +74,12 @@ def test_meta_model_with_config_is_checked_on_a_tiny_copy(caplog):
 
 
 def _record_calls(monkeypatch, plan):
-    """Make get_plan hand out ``plan`` as synthesized, and record the self-check's calls."""
+    """Make get_plan hand out ``plan`` as synthesized, and record the self-check's calls (both as
+    autotp.decision, which parallelize and fsdp2_strategy_parallelize decide with, imported them)."""
     calls = []
     chosen = lambda model, **kw: PlanChoice(plan, "synthesized")  # noqa: E731
-    monkeypatch.setattr("autotp.selection.get_plan", chosen)  # parallelize imports it when called
-    monkeypatch.setattr("autotp.training.get_plan", chosen)  # training imported it by name
-    monkeypatch.setattr(autotp.self_check, "self_check", lambda model, plan, **kw: calls.append(kw))
+    monkeypatch.setattr("autotp.decision.get_plan", chosen)
+    monkeypatch.setattr("autotp.decision.self_check", lambda model, plan, **kw: calls.append(kw))
     return calls
 
 
@@ -92,7 +91,7 @@ def test_parallelize_checks_synthesized_plans_unless_opted_out(monkeypatch, opt_
     calls = _record_calls(monkeypatch, synthesize(model, tp_size=2))
     with _simulate.simulated_mesh(2) as mesh:
         parallelize(model, mesh, **({"verify_synthesized": False} if opt_out else {}))
-    assert calls == ([] if opt_out else [{"tp_size": 2, "sequence_parallel": False}])
+    assert calls == ([] if opt_out else [{"tp_size": 2, "sequence_parallel": False, "example_inputs": None}])
     assert hasattr(model.model.layers[0].mlp.up_proj.weight, "placements")  # sharded either way
 
 
@@ -105,7 +104,7 @@ def test_fsdp2_strategy_checks_synthesized_plans_unless_opted_out(monkeypatch, o
     with _simulate.simulated_mesh(2):
         mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("tp",))
         fsdp2_strategy_parallelize(model, mesh, **({"verify_synthesized": False} if opt_out else {}))
-    assert calls == ([] if opt_out else [{"tp_size": 2, "sequence_parallel": False}])
+    assert calls == ([] if opt_out else [{"tp_size": 2, "sequence_parallel": False, "example_inputs": None}])
 
 
 def _gloo_rank(rank: int, port: int, results) -> None:
@@ -159,9 +158,11 @@ def test_self_check_under_a_gloo_group_leaves_it_working():
     outcomes = sorted(results.get(timeout=300) for _ in workers)
     for worker in workers:
         worker.join(timeout=30)
+    checked = []
     for rank, messages, total, diff, error in outcomes:
         assert error is None, f"rank {rank}: {error}"
         # Logged by the self-check, which runs only for a synthesized plan: the plan source too.
-        assert any("synthesized plan on the model itself at tp=2: ok" in m for m in messages), messages
+        checked.append(any("synthesized plan on the model itself at tp=2: ok" in m for m in messages))
         assert total == 3.0
         assert diff <= 1e-5
+    assert checked == [True, False], "the first rank of the tp group checks, the other receives its plan"
