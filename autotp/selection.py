@@ -293,7 +293,8 @@ def get_plan(
     errors: dict[str, AutoTPError] = {}
     passed: list[PlanChoice] = []
     graph = None  # the synthesizer's analysis: the graph every source's plan is checked on
-    checked: dict[frozenset, list] = {}  # findings per plan, by its keys and styles: a plan two sources write alike is checked once
+    # Findings per plan, by its keys and styles: a plan two sources write alike is checked once.
+    checked: dict[frozenset, list] = {}
     # Synthesized first (its trace serves the other checks); ties are broken in SOURCES order.
     for choice in _candidates(model, ("synthesized", "handwritten", "hf"), sequence_parallel, tp_size,
                               errors=errors, example_inputs=example_inputs):
