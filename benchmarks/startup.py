@@ -144,7 +144,10 @@ def main() -> None:
         f"`{meta['command']}`: medians of {args.runs} calls, wall seconds (this process's CPU seconds), tiny "
         f"models (2 layers) on simulated ranks, {meta['seconds']} s in all on {meta['machine']} ({meta['cpus']} "
         f"cores, load average {load} at the end: a shared, contended machine). `cold`: empty plan cache; "
-        "`cached`: the cache a first call filled; `base`: the tree given as --base.", ""]
+        "`cached`: the cache a first call filled; `decide`: get_plan + the self-check of a synthesized winner, in "
+        "process, no mesh; `base`: the same decision in the tree given as --base (its parallelize fails on "
+        "simulated ranks); `cold` and `cached` include the sharding, and `cold` the self-check's child "
+        "interpreter (not in the cpu figure).", ""]
     (RESULTS / "startup.md").write_text("\n".join(header + lines) + "\n")
 
 
