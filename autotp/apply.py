@@ -80,14 +80,15 @@ def check_divisible(model: nn.Module, tp: int, plan: Plan | None = None) -> None
             hint = ""
             if attr == "num_key_value_heads" and tp % n == 0:
                 hint = " or replicate kv heads across ranks (autotp.kv.replicate_kv_heads / synthesize(tp_size=...))"
+            sizes = working_tp_sizes(list(counts.values()))
             raise MeshError(module=type(model).__name__, found=f"{attr}={n} cannot be split over tp={tp}",
                             required=f"config {type(config).__name__}: {counts}",
-                            fix=f"use tp in {working_tp_sizes(list(counts.values()))}{hint}.")
+                            fix=f"use tp in {sizes}{hint}.", tp_sizes=sizes)
     for where, size in (sharded or {}).items():
         if size % tp:
             module, _, found = where.partition(": ")
             raise MeshError(module=module, found=f"{found} of size {size}, which tp={tp} does not divide",
-                            fix=f"use tp in {working_tp_sizes([size])}.")
+                            fix=f"use tp in {working_tp_sizes([size])}.", tp_sizes=working_tp_sizes([size]))
 
 
 def _sharded_sizes(model: nn.Module, plan: Plan) -> dict[str, int]:

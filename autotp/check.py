@@ -84,6 +84,7 @@ class Finding:
     problem: str
     fix: str
     kind: str
+    tp_sizes: tuple[int, ...] = ()  # tp sizes that clear it, when it is about tp (named in ``fix`` too)
 
     def __str__(self) -> str:
         return f"{self.module}: {self.problem.rstrip('.')}. Fix: {self.fix.rstrip('.')}."
@@ -116,7 +117,7 @@ def _size_findings(model: nn.Module, plan: Plan, tp_size: int) -> list[Finding]:
             check()
         except AutoTPError as error:
             found = error.found + (f" ({error.required})" if error.required else "")
-            findings.append(Finding(error.module, found, error.fix, kind))
+            findings.append(Finding(error.module, found, error.fix, kind, error.tp_sizes))
     return findings
 
 

@@ -277,7 +277,9 @@ def select(model, *, source: str = "auto", sequence_parallel: bool = False, plan
 
 
 def _skipped_lines(choice) -> list[str]:
-    return [f"skipped source {name}: {reason}" for name, reason in getattr(choice, "skipped", [])]
+    """A line per rejected source, then why the winner won among those that passed."""
+    lines = [f"skipped source {name}: {reason}" for name, reason in getattr(choice, "skipped", [])]
+    return lines + ([f"sources considered: {choice.why}"] if getattr(choice, "why", "") else [])
 
 
 # --- autotp plan -------------------------------------------------------------------------------
@@ -442,6 +444,9 @@ def _plan_json(args, model, choice, per_rank, total, explanation, findings=None)
         "model_class": type(model).__name__,
         "source": choice.source,
         "skipped": [{"source": name, "reason": reason} for name, reason in getattr(choice, "skipped", [])],
+        "considered": [{"source": c.source, "params_fraction": c.fraction, "verdict": c.verdict,
+                        "collective_bytes_per_token": c.collective_bytes} for c in getattr(choice, "considered", [])],
+        "why": getattr(choice, "why", ""),
         "tp": args.tp,
         "sequence_parallel": args.sp,
         "plan": describe_plan(choice.plan),

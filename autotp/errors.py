@@ -18,6 +18,8 @@ class AutoTPError(Exception):
         found: what was found there.
         required: what was required instead, or None.
         fix: what to do about it.
+        tp_sizes: the tp sizes that would clear this error when it is about tp (``()`` otherwise),
+            as data: the ``fix`` text names them for people.
 
     >>> error = AutoTPError(module="layers.0.attn", found="12 heads", required="tp divides them",
     ...                     fix="use tp in (1, 2, 3, 4, 6, 12)")
@@ -28,8 +30,9 @@ class AutoTPError(Exception):
     """
 
     def __init__(self, message: str = "", *, module: str | None = None, found: str | None = None,
-                 required: str | None = None, fix: str | None = None):
+                 required: str | None = None, fix: str | None = None, tp_sizes: tuple[int, ...] = ()):
         self.module, self.found, self.required, self.fix = module, found, required, fix
+        self.tp_sizes = tuple(tp_sizes)
         if not message:
             message = f"{module}: {found}" if module else str(found or "")
             message += f" ({required})" if required else ""
@@ -109,9 +112,9 @@ class NoPlanError(PlanError, MeshError):
 
     def __init__(self, message: str, *, skipped: list[tuple[str, str]] | tuple = (),
                  tp_sizes: tuple[int, ...] = (), **parts):
-        super().__init__(message, **parts)
+        super().__init__(message, tp_sizes=tp_sizes, **parts)
         self.skipped = list(skipped)
-        self.tp_sizes = tuple(tp_sizes)
+
 
 
 class WholeAttentionWarning(UserWarning):

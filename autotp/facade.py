@@ -14,8 +14,8 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor.parallel.style import ParallelStyle
 
 from autotp.apply import apply_plan, validate_tp_mesh
-from autotp.selection import get_plan
-from autotp.self_check import check_value_branches, self_check, self_check_synthesized
+from autotp.decision import decide_plan
+from autotp.self_check import check_value_branches, self_check_synthesized
 from autotp.synth.api import plan_with_analysis
 
 
@@ -27,8 +27,14 @@ def parallelize(
     tp_shard_plan=None,
     verify_synthesized: bool = True,
     loss_parallel: bool = True,
+    example_inputs=None,
+    cache: bool = True,
 ) -> nn.Module:
     """Shard ``model`` over ``tp_mesh`` with the plan :func:`autotp.get_plan` chooses.
+
+    The choice (selection, and the self-check of a synthesized plan) is made once per job: by the
+    tp group's first rank under a real process group, and kept in an on-disk cache
+    (:mod:`autotp.decision`).
 
     ``model.generate()`` (KV cache, greedy or sampled) works after either ``loss_parallel``
     setting and gives the unsharded model's tokens; sampling needs the same seed on every rank.
@@ -49,19 +55,25 @@ def parallelize(
             all-gather per forward; ``[batch, seq, vocab]`` per rank). The model's ``train()`` /
             ``eval()`` mode does not change it; :func:`gathered_logits` switches one block of code
             to whole logits.
+        example_inputs: a tuple of positional inputs or a dict of keyword inputs for one forward,
+            to trace and self-check a model without a transformers config (a plain-PyTorch model)
+            with; made from the config otherwise.
+        cache: read and write the on-disk plan cache (``$AUTOTP_CACHE_DIR``, default
+            ``~/.cache/autotp``); False decides afresh and stores nothing.
 
     Returns:
         The same model, sharded in place.
 
     Raises:
-        VerificationError: the synthesized plan failed its self-check (nothing is sharded).
+        VerificationError: the synthesized plan failed its self-check and no other source's plan
+            passed selection (nothing is sharded).
+        NoPlanError: no source gives a plan (for a plain-PyTorch model without ``example_inputs``:
+            one line saying to pass them).
     """
     if tp_mesh.ndim != 1:
         validate_tp_mesh(model, tp_mesh)
-    choice = get_plan(model, sequence_parallel=sequence_parallel, tp_shard_plan=tp_shard_plan,
-                      tp_size=tp_mesh.size())
-    if verify_synthesized and choice.source == "synthesized":
-        self_check(model, choice.plan, tp_size=tp_mesh.size(), sequence_parallel=sequence_parallel)
+    choice = decide_plan(model, tp_mesh, sequence_parallel=sequence_parallel, tp_shard_plan=tp_shard_plan,
+                         verify_synthesized=verify_synthesized, example_inputs=example_inputs, cache=cache)
     return apply_plan(model, tp_mesh, choice.plan, loss_parallel=loss_parallel)
 
 

@@ -40,7 +40,8 @@ def check_kv_replication(where: str, kv_heads: int, heads: int, tp: int) -> None
                         fix=f"use tp a divisor or a multiple of {kv_heads}")
     if not heads or heads % tp:
         raise MeshError(module=where, found=f"{heads} query heads cannot be split over tp={tp}",
-                        fix=f"use tp in {working_tp_sizes([heads])}" if heads else "keep tp a divisor of the kv heads")
+                        fix=f"use tp in {working_tp_sizes([heads])}" if heads else "keep tp a divisor of the kv heads",
+                        tp_sizes=working_tp_sizes([heads]) if heads else ())
 
 
 def replicate_kv_heads(model: nn.Module, plan: Plan, tp_size: int, *, gather: bool = True) -> Plan:

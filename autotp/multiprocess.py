@@ -31,6 +31,7 @@ from autotp.verifier import (
     comm_fields,
     default_inputs,
     reference_run,
+    renamed_inputs,
     run_and_compare,
     scales,
 )
@@ -65,18 +66,22 @@ def verify_multiprocess(
     plan: Plan,
     *,
     procs: int = 2,
-    inputs=None,
+    example_inputs=None,
     backward: bool = True,
     tolerance: float = DEFAULT_TOLERANCE,
     timeout: float = 300.0,
+    inputs=None,
 ) -> VerifyReport:
     """Like :func:`autotp.verify`, with ``procs`` real gloo processes instead of simulated ranks.
+
+    ``inputs`` is the former name of ``example_inputs`` (accepted, with a DeprecationWarning).
 
     Workers are spawned (a script calling this needs the ``if __name__ == "__main__":`` guard).
 
     Raises:
         VerificationError: a worker died without reporting, or ``timeout`` seconds passed.
     """
+    inputs = renamed_inputs(example_inputs, inputs, "verify_multiprocess")
     check_materialised(model)
     plan = as_styles(model, plan)
     model = clean_copy(model)  # pickles without a trace's fake tensors; each worker shards its own

@@ -70,7 +70,7 @@ def self_check(model: nn.Module, plan: Plan, *, tp_size: int, sequence_parallel:
             log.warning("%s: could not self-check the synthesized plan: no config.vocab_size to draw token ids "
                         "from and no example_inputs; pass example_inputs, or run autotp.verify", what)
             return None
-        report = verify(subject, plan, tp_size=tp_size, inputs=inputs, tolerance=tolerance, isolated=isolated)
+        report = verify(subject, plan, tp_size=tp_size, example_inputs=inputs, tolerance=tolerance, isolated=isolated)
         log.info("self-check of %s on the model itself at tp=%d: %s", what, tp_size, "ok" if report.ok else "FAILED")
         return require_ok(report, what=what)
     if _transformers_config(model) is not None:
@@ -156,23 +156,28 @@ def _is_fp32_cpu(model: nn.Module) -> bool:
 
 
 def check_value_branches(model: nn.Module, analysis: Analysis, plan: dict[str, ParallelStyle], *,
-                         loss_parallel: bool = True) -> None:
+                         loss_parallel: bool = True) -> VerifyReport | None:
     """Verify ``plan`` numerically when its trace followed value-dependent branches through a
     module with parameters (:func:`~autotp.synth.trace.export_model`), whatever ``verify`` says.
 
     Such a trace holds the branches its example inputs took (the experts their tokens picked), not
     the others. The self-check runs the plan on inputs of its own, against the unsharded model.
 
+    Returns:
+        The self-check's report, or None when the trace took no value-dependent branch (nothing
+        was checked).
+
     Raises:
         VerificationError: the plan differs from the unsharded model.
         TraceError: the plan could not be checked (no inputs to check it on); it is not handed out.
     """
     if analysis.graph.graph.get("value_branches"):
-        self_check_synthesized(model, analysis, plan, loss_parallel=loss_parallel)
+        return self_check_synthesized(model, analysis, plan, loss_parallel=loss_parallel)
+    return None
 
 
 def self_check_synthesized(model: nn.Module, analysis: Analysis, plan: dict[str, ParallelStyle], *,
-                           loss_parallel: bool = True) -> None:
+                           loss_parallel: bool = True) -> VerifyReport | None:
     """Verify a synthesized ``plan`` (:func:`self_check`) before it is handed out, at the analysis'
     ``tp_size`` (2 if None), sequence-parallel mode and example inputs.
 
@@ -194,3 +199,4 @@ def self_check_synthesized(model: nn.Module, analysis: Analysis, plan: dict[str,
             "inputs. Pass example_inputs (or use a model with a transformers config) so that "
             f"synthesize can check it, or write the plan by hand and leave {where} replicated."
         )
+    return report

@@ -31,8 +31,7 @@ from torch.utils.checkpoint import checkpoint
 from autotp.apply import apply_plan, gather_logits, validate_tp_mesh
 from autotp.dtensor_utils import get_logprobs_from_vocab_parallel_logits
 from autotp.errors import AutoTPError, MeshError
-from autotp.selection import get_plan
-from autotp.self_check import self_check
+from autotp.decision import decide_plan
 from autotp.synth.trace import is_layer_stack, stack_entries
 
 __all__ = [
@@ -192,6 +191,8 @@ def fsdp2_strategy_parallelize(
     tp_mesh_name: str = "tp",
     verify_synthesized: bool = True,
     loss_parallel: bool = True,
+    example_inputs=None,
+    cache: bool = True,
 ) -> nn.Module:
     """Shard ``model`` in place for training: TP inside each data-parallel replica, FSDP2 across them.
 
@@ -210,6 +211,9 @@ def fsdp2_strategy_parallelize(
         loss_parallel: keep the logits a vocabulary-sharded DTensor (the default: no rank holds
             ``[batch, seq, vocab]``); False returns them whole on every rank, as
             :func:`autotp.parallelize` describes. ``generate`` works either way.
+        example_inputs: inputs for one forward, to trace a model without a transformers config
+            with (as for :func:`autotp.parallelize`).
+        cache: read and write the on-disk plan cache (as for :func:`autotp.parallelize`).
 
     Returns:
         The same model: parameters are DTensors on the (dp..., tp) mesh, tied weights still tied.
@@ -221,10 +225,8 @@ def fsdp2_strategy_parallelize(
     """
     dp_mesh, tp_mesh = _sub_meshes(device_mesh, dp_replicate_mesh_name, dp_shard_cp_mesh_name, tp_mesh_name)
     if tp_mesh is not None:
-        choice = get_plan(model, sequence_parallel=sequence_parallel, tp_shard_plan=tp_shard_plan,
-                          tp_size=tp_mesh.size())
-        if verify_synthesized and choice.source == "synthesized":
-            self_check(model, choice.plan, tp_size=tp_mesh.size(), sequence_parallel=sequence_parallel)
+        choice = decide_plan(model, tp_mesh, sequence_parallel=sequence_parallel, tp_shard_plan=tp_shard_plan,
+                             verify_synthesized=verify_synthesized, example_inputs=example_inputs, cache=cache)
         size, source, entries = tp_mesh.size(), choice.source, len(choice.plan)
         logger.info("tensor parallel over %d ranks with the %s plan (%d entries)", size, source, entries)
         apply_plan(model, tp_mesh, choice.plan)

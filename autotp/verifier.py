@@ -23,6 +23,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import warnings
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -250,6 +251,23 @@ def _volume(name: str, args) -> int:
     return nbytes
 
 
+def renamed_inputs(example_inputs, inputs, where: str):
+    """``example_inputs``, or the same thing passed under its former name ``inputs`` (with a
+    DeprecationWarning): one keyword name across autotp's entry points.
+
+    Raises:
+        AutoTPError: both names were given.
+    """
+    if inputs is None:
+        return example_inputs
+    if example_inputs is not None:
+        raise AutoTPError(f"{where}: got both example_inputs= and inputs=; pass example_inputs= only "
+                          "(inputs= is its former name).")
+    warnings.warn(f"{where}(inputs=...) is deprecated; pass example_inputs=... (the keyword synthesize, "
+                  "check_plan, get_plan and parallelize take).", DeprecationWarning, stacklevel=3)
+    return inputs
+
+
 def default_inputs(model: nn.Module, tp_size: int, *, batch: int = 2, seed: int = 0) -> dict:
     """Token ids for a transformers-style model, with a sequence length divisible by ``tp_size``."""
     config = getattr(model, "config", None)
@@ -257,7 +275,7 @@ def default_inputs(model: nn.Module, tp_size: int, *, batch: int = 2, seed: int 
     vocab = getattr(config, "vocab_size", None)
     if vocab is None:
         raise VerificationError(
-            f"{type(model).__name__}: no config.vocab_size to draw token ids from; pass inputs= "
+            f"{type(model).__name__}: no config.vocab_size to draw token ids from; pass example_inputs= "
             "(a dict of keyword arguments or a tuple of positional ones)."
         )
     seq = max(16, 2 * tp_size)
@@ -351,11 +369,12 @@ def verify(
     plan: Plan,
     *,
     tp_size: int = 2,
-    inputs=None,
+    example_inputs=None,
     backward: bool = True,
     tolerance: float = DEFAULT_TOLERANCE,
     isolated: bool = False,
     timeout: float = 600.0,
+    inputs=None,
 ) -> VerifyReport:
     """Check ``plan`` on ``model`` against the unsharded model, with ``tp_size`` simulated ranks.
 
@@ -363,14 +382,16 @@ def verify(
         model: a materialised model (fp32 recommended); it is not modified.
         plan: the plan to check (styles, or transformers' style strings: see :func:`autotp.hf_plans.as_styles`).
         tp_size: number of simulated ranks (2, 4, 8...).
-        inputs: keyword (dict) or positional (tuple) arguments for one forward; by default token ids
-            drawn from ``model.config.vocab_size``.
+        example_inputs: keyword (dict) or positional (tuple) arguments for one forward (the keyword
+            ``synthesize``, ``check_plan``, ``get_plan`` and ``parallelize`` take too); by default
+            token ids drawn from ``model.config.vocab_size``.
         backward: also compare parameter gradients after a cross-entropy backward.
         tolerance: max abs difference counted as equal.
         isolated: run the check in a fresh child interpreter (:func:`verify_isolated`): a crash of
             the simulated runtime (a corrupted heap, a segfault) becomes a failed report whose
             ``crash`` names the signal, instead of killing this process. Costs a few seconds of start.
         timeout: seconds an isolated check may run before it is killed and reported as timed out.
+        inputs: the former name of ``example_inputs``; still accepted, with a DeprecationWarning.
 
     Returns:
         A :class:`VerifyReport`. Its ``verdict``: ``"exact"`` when the sharded model agrees within
@@ -383,6 +404,7 @@ def verify(
         VerificationError: the model is on meta, no inputs can be made, or (isolated) the model
             or plan cannot be sent to the child.
     """
+    inputs = renamed_inputs(example_inputs, inputs, "verify")
     check_materialised(model)
     plan = as_styles(model, plan)
     if inputs is None:

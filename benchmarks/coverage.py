@@ -229,7 +229,7 @@ def per_token_comm(model, plan, tp: int, report) -> dict:
     ids = default_inputs(model, tp)["input_ids"]  # what the first verification ran on
     tokens = ids.numel()
     try:
-        again = verify(model, plan, tp_size=tp, inputs=default_inputs(model, tp, batch=2 * ids.shape[0]))
+        again = verify(model, plan, tp_size=tp, example_inputs=default_inputs(model, tp, batch=2 * ids.shape[0]))
     except Exception as error:  # recorded, not fatal: the first verification decided the row
         return {"per_token_error": _message(error)}
     if not again.ok:

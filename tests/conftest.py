@@ -2,6 +2,8 @@
 
 import os
 
+import hashlib
+
 import pytest
 import torch
 
@@ -19,6 +21,15 @@ torch.set_num_threads(1)
 def meta_llama():
     """Llama-3.1-8B on the meta device: real shapes, no storage. Do not shard it in place."""
     return build_model("llama")
+
+
+@pytest.fixture(autouse=True)
+def _plan_cache_per_test(monkeypatch, tmp_path_factory, request):
+    """Each test gets its own (empty, created on first write) plan cache directory: a plan
+    ``parallelize`` cached in one test (or in the user's ~/.cache) never decides another."""
+    root = tmp_path_factory.getbasetemp() / "plan-cache"
+    name = hashlib.sha1(request.node.nodeid.encode()).hexdigest()[:16]
+    monkeypatch.setenv("AUTOTP_CACHE_DIR", str(root / name))
 
 
 # ------------------------------------------------------------------------------------ test tiers

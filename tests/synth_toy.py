@@ -174,7 +174,7 @@ def verify_toy(model: nn.Module, plan, tp_size: int = 2, inputs=None):
 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        report = verify(model, plan, tp_size=tp_size, inputs=(example_tokens(),) if inputs is None else inputs)
+        report = verify(model, plan, tp_size=tp_size, example_inputs=(example_tokens(),) if inputs is None else inputs)
     assert report.ok, str(report)
     return report
 

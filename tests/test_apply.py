@@ -27,10 +27,13 @@ def llama():
 
 
 def test_kv_heads_not_divisible_names_sizes_and_working_tp(llama):
+    """A plan that splits kv heads tp does not divide is refused before sharding. (``parallelize``
+    itself takes the synthesized plan there, which repeats each kv head over tp / kv ranks: its
+    selection once failed under simulated ranks, where tracing ran per rank, and refused.)"""
     kv = llama.config.num_key_value_heads
     with simulated_mesh(2 * kv) as mesh:
         with pytest.raises(MeshError) as info:
-            parallelize(copy.deepcopy(llama), mesh)
+            apply_plan(copy.deepcopy(llama), mesh, handwritten_plans.plan_for(llama))
     message = str(info.value)
     assert f"num_key_value_heads={kv}" in message and f"tp={2 * kv}" in message
     assert "use tp in (1, 2" in message

@@ -145,9 +145,8 @@ def test_variant_is_sharded_and_verified(case, tp_size, sequence_parallel):
     torch.manual_seed(0)
     model = Model(*CASES[case]).eval()
     tokens = example_tokens()
-    plan = autotp.synthesize(model, example_inputs=(tokens,), tp_size=tp_size, sequence_parallel=sequence_parallel,
-                             verify=False)
-    report = verify(model, plan, tp_size=tp_size, inputs=(tokens,))
+    plan = autotp.synthesize(model, example_inputs=(tokens,), tp_size=tp_size, sequence_parallel=sequence_parallel, verify=False)
+    report = verify(model, plan, tp_size=tp_size, example_inputs=(tokens,))
     assert report.ok, str(report)
     assert max(report.logits_max_abs_diff) <= 1e-5 and report.worst_grad[1] <= 1e-5
     # Only norms, the router and the shared rope part stay whole: close to 1/tp per rank.
@@ -166,10 +165,9 @@ def test_learned_shared_rope_part_stays_whole_with_its_gradient_reduced(tp_size,
     torch.manual_seed(0)
     model = Model(LearnedSharedRopeAttention).eval()
     tokens = example_tokens()
-    plan = autotp.synthesize(model, example_inputs=(tokens,), tp_size=tp_size, sequence_parallel=sequence_parallel,
-                             verify=False)
+    plan = autotp.synthesize(model, example_inputs=(tokens,), tp_size=tp_size, sequence_parallel=sequence_parallel, verify=False)
     assert all(f"layers.*.mixer.{name}" in plan for name in ("q", "k", "v", "o")), sorted(plan)
     rope = plan["layers.*.mixer.rope"]
     assert isinstance(rope, styles.ReplicatedModule) and rope.reduce_grad_features == ((0, ROPE),), rope
-    report = verify(model, plan, tp_size=tp_size, inputs=(tokens,))
+    report = verify(model, plan, tp_size=tp_size, example_inputs=(tokens,))
     assert report.ok, str(report)

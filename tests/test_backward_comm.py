@@ -28,7 +28,7 @@ LAYERS = 2
 def _report(model, plan, tp_size=2, inputs=None):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        report = verify(model, plan, tp_size=tp_size, inputs=inputs)
+        report = verify(model, plan, tp_size=tp_size, example_inputs=inputs)
     assert report.ok, str(report)
     return report
 

@@ -112,7 +112,7 @@ def _verified(attention, tp_size, sequence_parallel):
                       verify=False)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        report = verify(model, plan, tp_size=tp_size, inputs=(tokens(),))
+        report = verify(model, plan, tp_size=tp_size, example_inputs=(tokens(),))
     assert report.ok, str(report)
     return model, plan, report
 

@@ -60,7 +60,7 @@ def _grad_layout(model, plan, tp_size, inputs, table: str):
 def _verified(model, plan, tp_size, inputs):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        report = verify(model, plan, tp_size=tp_size, inputs=inputs)
+        report = verify(model, plan, tp_size=tp_size, example_inputs=inputs)
     assert report.ok, str(report)
     return report
 

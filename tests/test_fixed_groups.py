@@ -70,9 +70,8 @@ class LiteralHeadsPerGroup(GroupedFusedQKV):
 def run(model, tp, sequence_parallel=False):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        plan = synthesize(model, example_inputs=(tokens(),), tp_size=tp, sequence_parallel=sequence_parallel,
-                          verify=False)
-        return plan, verify(model, plan, tp_size=tp, inputs=(tokens(),))
+        plan = synthesize(model, example_inputs=(tokens(),), tp_size=tp, sequence_parallel=sequence_parallel, verify=False)
+        return plan, verify(model, plan, tp_size=tp, example_inputs=(tokens(),))
 
 
 MODES = [pytest.param(False, id="plain"), pytest.param(True, id="sp")]
@@ -135,5 +134,5 @@ def test_a_contiguous_row_after_grouped_heads_is_flagged_and_wrong():
     assert [f.kind for f in findings] == ["packed_row"], findings
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        assert not verify(model, wrong, tp_size=2, inputs=(tokens(),)).ok
+        assert not verify(model, wrong, tp_size=2, example_inputs=(tokens(),)).ok
     assert isinstance(plan["layers.*.attn.qkv"], PackedColwiseParallel)

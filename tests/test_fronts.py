@@ -34,7 +34,7 @@ FRONT = ("attn.q_down", "attn.q_norm", "attn.kv_down", "attn.kv_norm")
 def _verified(model, plan, tp):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        report = verify(model, plan, tp_size=tp, inputs=(example_tokens(),))
+        report = verify(model, plan, tp_size=tp, example_inputs=(example_tokens(),))
     assert report.ok, str(report)
     return report
 

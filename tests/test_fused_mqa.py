@@ -89,7 +89,7 @@ def _verified_plan(model, tp, sequence_parallel, near_bound=True):
                       verify=False)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        report = verify(model, plan, tp_size=tp, inputs=(example_tokens(),))
+        report = verify(model, plan, tp_size=tp, example_inputs=(example_tokens(),))
     assert report.ok, str(report)
     if near_bound:
         assert max(report.param_fraction) <= _bound(model, tp) + 0.1, (report.param_fraction, _bound(model, tp))

@@ -47,7 +47,7 @@ def block_outcome(spec: BlockSpec, tp: int) -> dict:
         return {"outcome": "refused", "sharded": False, "detail": one_line(error), "findings": []}
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        report = verify(model, plan, tp_size=tp, inputs=(tokens(),))
+        report = verify(model, plan, tp_size=tp, example_inputs=(tokens(),))
     findings = [f.kind for f in check_plan(model, plan, tp_size=tp, example_inputs=(tokens(),))]
     sharded = any(key.startswith("blocks.*.attn.") and key.rsplit(".", 1)[-1] != "out" for key in plan)
     return {"outcome": "verified" if report.ok else "wrong", "sharded": sharded,

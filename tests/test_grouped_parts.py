@@ -87,7 +87,7 @@ def _verify_near(model, tp, sequence_parallel, fraction, gather_copies=True, rep
                       gather_copies=gather_copies, verify=False)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        report = verify(model, plan, tp_size=tp, inputs=(example_tokens() if tokens is None else tokens,))
+        report = verify(model, plan, tp_size=tp, example_inputs=(example_tokens() if tokens is None else tokens,))
     assert report.ok, str(report)
     assert all(abs(f - fraction) < 0.02 for f in report.param_fraction), (report.param_fraction, fraction)
     if report_out is not None:

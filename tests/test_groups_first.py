@@ -77,7 +77,7 @@ def _verified(model, tp, sequence_parallel):
                       verify=False)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        report = verify(model, plan, tp_size=tp, inputs=(example_tokens(),))
+        report = verify(model, plan, tp_size=tp, example_inputs=(example_tokens(),))
     assert report.ok, str(report)
     assert max(report.logits_max_abs_diff) <= 1e-4 and report.worst_grad[1] <= 1e-4, str(report)
     return plan, report

@@ -224,7 +224,7 @@ def test_qwen3_5_plan_survives_a_padded_batch(tiny_models, tp_size, sequence_par
     mask = torch.ones_like(ids)
     mask[0, :3] = 0
     plan = handwritten_plans.plan_for(model, sequence_parallel=sequence_parallel)
-    report = verify(model, plan, tp_size=tp_size, inputs={"input_ids": ids, "attention_mask": mask})
+    report = verify(model, plan, tp_size=tp_size, example_inputs={"input_ids": ids, "attention_mask": mask})
     assert report.ok, str(report)
     assert report.param_fraction[0] < 1 / tp_size + 0.02, report.param_fraction
 
@@ -240,7 +240,7 @@ def test_qwen3_5_synthesized_plan_with_a_padded_batch(tiny_models, sequence_para
     mask = torch.ones_like(ids)
     mask[0, :3] = 0
     plan = _synthesize(model, sequence_parallel)
-    report = verify(model, plan, tp_size=2, inputs={"input_ids": ids, "attention_mask": mask})
+    report = verify(model, plan, tp_size=2, example_inputs={"input_ids": ids, "attention_mask": mask})
     assert report.ok, str(report)
 
 

@@ -41,8 +41,8 @@ def toy_and_plan():
 def test_isolated_run_reports_what_the_in_process_run_does(toy_and_plan):
     model, plan = toy_and_plan
     inputs = (example_tokens(),)
-    isolated = verify(model, plan, tp_size=2, inputs=inputs, isolated=True)
-    local = verify(model, plan, tp_size=2, inputs=inputs)
+    isolated = verify(model, plan, tp_size=2, example_inputs=inputs, isolated=True)
+    local = verify(model, plan, tp_size=2, example_inputs=inputs)
     assert isolated.ok and local.ok
     assert isolated.crash is None
     assert isolated.grad_max_abs_diff.keys() == local.grad_max_abs_diff.keys()
@@ -53,7 +53,7 @@ def test_worker_killed_by_a_signal_is_a_failed_report_naming_it(toy_and_plan):
     """Would catch: a crash of the simulated runtime taking the caller down with it."""
     model, plan = toy_and_plan
     aborting = {**plan, "ln_f": AbortInForward()}
-    report = verify(model, aborting, tp_size=2, inputs=(example_tokens(),), isolated=True)
+    report = verify(model, aborting, tp_size=2, example_inputs=(example_tokens(),), isolated=True)
     assert not report.ok
     assert report.crash == "SIGABRT"
     assert "verification worker died (SIGABRT)" in str(report)
@@ -68,7 +68,7 @@ def test_bad_plan_raises_in_the_caller_as_it_would_in_process(toy_and_plan):
 
     model, plan = toy_and_plan
     with pytest.raises(PlanError, match="no_such_module"):
-        verify(model, {**plan, "no_such_module": AbortInForward()}, tp_size=2, inputs=(example_tokens(),),
+        verify(model, {**plan, "no_such_module": AbortInForward()}, tp_size=2, example_inputs=(example_tokens(),),
                isolated=True)
 
 
@@ -79,7 +79,7 @@ def test_model_that_cannot_be_sent_is_refused_before_starting_a_worker():
             self.proj = nn.Linear(4, 4)
 
     with pytest.raises(VerificationError, match="pickle"):
-        verify(Local(), {}, tp_size=2, inputs=(), isolated=True)
+        verify(Local(), {}, tp_size=2, example_inputs=(), isolated=True)
 
 
 

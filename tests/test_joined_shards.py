@@ -75,7 +75,7 @@ def _plan_and_report(model, tp, sequence_parallel=False):
                       verify=False)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        report = verify(model, plan, tp_size=tp, inputs=(example_tokens(),))
+        report = verify(model, plan, tp_size=tp, example_inputs=(example_tokens(),))
     return plan, report
 
 

@@ -165,9 +165,8 @@ def synthesize_and_verify(experts, tp_size, sequence_parallel, router: type[nn.M
     torch.manual_seed(0)
     model = Model(experts, router=router).eval()
     tokens = example_tokens()
-    plan = autotp.synthesize(model, example_inputs=(tokens,), tp_size=tp_size, sequence_parallel=sequence_parallel,
-                             verify=False)
-    report = verify(model, plan, tp_size=tp_size, inputs=(tokens,))
+    plan = autotp.synthesize(model, example_inputs=(tokens,), tp_size=tp_size, sequence_parallel=sequence_parallel, verify=False)
+    report = verify(model, plan, tp_size=tp_size, example_inputs=(tokens,))
     assert report.ok, str(report)
     assert max(report.logits_max_abs_diff) <= 1e-5 and report.worst_grad[1] <= 1e-5, report
     return model, plan, report
@@ -216,7 +215,7 @@ def test_experts_parallel_refuses_once_naming_no_parameter():
     plan = {"layers.*.mlp.experts": styles.ExpertsParallel(shard_dims={"gate_up": 2, "down": 1}, packed={},
                                                              once=("down_bais",))}
     try:
-        message = verify(model, plan, tp_size=2, inputs=(example_tokens(),)).error or ""
+        message = verify(model, plan, tp_size=2, example_inputs=(example_tokens(),)).error or ""
     except PlanError as error:  # raised, or reported by the verifier: either names the parameter
         message = str(error)
     assert "down_bais" in message and "not parameters" in message, message
@@ -312,7 +311,7 @@ def test_router_inside_a_moe_block_reduces_the_block_input_once_under_sequence_p
         block.mlp = BiasedMoE(LoopExperts)
     tokens = example_tokens()[:, :8]
     plan = autotp.synthesize(model, example_inputs=(tokens,), tp_size=tp_size, sequence_parallel=True, verify=False)
-    report = verify(model, plan, tp_size=tp_size, inputs=(tokens,))
+    report = verify(model, plan, tp_size=tp_size, example_inputs=(tokens,))
     assert report.ok, str(report)
     assert isinstance(plan["layers.*.mlp.router"], styles.PartialGradRouter), plan.get("layers.*.mlp.router")
     swap = {"reduce_scatter_tensor": "all_gather_into_tensor", "all_gather_into_tensor": "reduce_scatter_tensor"}
@@ -345,9 +344,8 @@ def test_moe_block_beside_attention_reduces_their_shared_input_once(tp_size, seq
     model = Model(LoopExperts).eval()
     model.layers = nn.ModuleList(ParallelMoEBlock(LoopExperts) for _ in range(2))
     tokens = example_tokens()[:, :8]
-    plan = autotp.synthesize(model, example_inputs=(tokens,), tp_size=tp_size, sequence_parallel=sequence_parallel,
-                             verify=False)
-    report = verify(model, plan, tp_size=tp_size, inputs=(tokens,))
+    plan = autotp.synthesize(model, example_inputs=(tokens,), tp_size=tp_size, sequence_parallel=sequence_parallel, verify=False)
+    report = verify(model, plan, tp_size=tp_size, example_inputs=(tokens,))
     assert report.ok, str(report)
     assert isinstance(plan["layers.*.mlp.router"], styles.PartialGradRouter), plan.get("layers.*.mlp.router")
     layers = len(model.layers)

@@ -73,7 +73,7 @@ def _inputs():
 
 
 def _report(model, plan, tp):
-    report = verify(model, plan, tp_size=tp, inputs=_inputs())
+    report = verify(model, plan, tp_size=tp, example_inputs=_inputs())
     assert report.ok, str(report)
     return report
 

@@ -127,7 +127,7 @@ def test_group_copies_count_their_expanded_rows(tp):
     per_rank, total = param_bytes_per_rank(model, plan, tp)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        measured = max(verify(model, plan, tp_size=tp, inputs=(example_tokens(),)).param_fraction)
+        measured = max(verify(model, plan, tp_size=tp, example_inputs=(example_tokens(),)).param_fraction)
     assert per_rank / total == pytest.approx(measured, abs=1e-4), (per_rank / total, measured)
 
 

@@ -58,7 +58,7 @@ def _verified(tp: int, sequence_parallel: bool, **kwargs):
                       verify=False)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        report = verify(model, plan, tp_size=tp, inputs=(example_tokens(),))
+        report = verify(model, plan, tp_size=tp, example_inputs=(example_tokens(),))
     assert report.ok, str(report)
     return plan, report
 

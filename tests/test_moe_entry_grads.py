@@ -116,7 +116,7 @@ def test_gated_shared_expert_block_backward_moves_no_more_than_forward(wiring, t
     assert type(plan["layers.*.moe.router"]).__name__ == "PartialGradRouter"
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        report = verify(model, plan, tp_size=tp_size, inputs=(ids,))
+        report = verify(model, plan, tp_size=tp_size, example_inputs=(ids,))
     assert report.ok, str(report)
     assert report.comm_volume_backward <= report.comm_volume, (report.collectives, report.collectives_backward)
 
@@ -156,5 +156,5 @@ def test_block_reading_a_mask_keeps_its_plain_input():
     assert "layers.*.moe" not in plan
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        report = verify(model, plan, tp_size=2, inputs=inputs)
+        report = verify(model, plan, tp_size=2, example_inputs=inputs)
     assert report.ok, str(report)

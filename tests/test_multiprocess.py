@@ -34,6 +34,6 @@ def test_gathered_kv_head_verifies_on_two_gloo_processes():
     assert plan["model.layers.*.self_attn.k_proj"].gather
     many = torch.randint(0, config.vocab_size, (4, 2 * config.hidden_size // 4))
     for inputs in (None, (many,)):
-        report = verify_multiprocess(model, plan, procs=2, inputs=inputs)
+        report = verify_multiprocess(model, plan, procs=2, example_inputs=inputs)
         assert report.ok, str(report)
         assert report.collectives["all_gather_into_tensor"] == 2 * config.num_hidden_layers, report

@@ -92,7 +92,7 @@ def verified(model, plan, tp_size: int, **options):
     """``verify`` on the test tokens, torch's DTensor warnings silenced."""
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        return verify(model, plan, tp_size=tp_size, inputs=(tokens(),), **options)
+        return verify(model, plan, tp_size=tp_size, example_inputs=(tokens(),), **options)
 
 
 @pytest.fixture

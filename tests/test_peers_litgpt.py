@@ -53,9 +53,8 @@ def test_litgpt_plan_is_exact(name, tp, sequence_parallel):
     model = GPT(Config(name=name, **BASE, **CONFIGS[name]))
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        plan = synthesize(model, example_inputs=(tokens(),), tp_size=tp, sequence_parallel=sequence_parallel,
-                          verify=False)
-        report = verify(model, plan, tp_size=tp, inputs=(tokens(),))
+        plan = synthesize(model, example_inputs=(tokens(),), tp_size=tp, sequence_parallel=sequence_parallel, verify=False)
+        report = verify(model, plan, tp_size=tp, example_inputs=(tokens(),))
     assert report.ok, str(report)
     assert max(report.logits_max_abs_diff) <= 1e-4 and report.worst_grad[1] <= 1e-4
     assert all(f <= FRACTION[name][tp == 4] for f in report.param_fraction), report.param_fraction

@@ -72,7 +72,7 @@ def test_olmo_core_model_is_synthesized_and_verified(name, tp_size, sequence_par
     assert any(key.startswith("blocks.") for key in plan)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        report = verify(model, plan, tp_size=tp_size, inputs=(tokens(),))
+        report = verify(model, plan, tp_size=tp_size, example_inputs=(tokens(),))
     assert report.ok, str(report)
     assert all(abs(f - 1 / tp_size) < 0.01 for f in report.param_fraction), report.param_fraction
 

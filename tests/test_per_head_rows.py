@@ -97,9 +97,8 @@ def _synthesize_and_verify(mixer, tp_size, sequence_parallel):
     torch.manual_seed(0)
     model = Model(mixer).eval()
     tokens = example_tokens()
-    plan = autotp.synthesize(model, example_inputs=(tokens,), tp_size=tp_size, sequence_parallel=sequence_parallel,
-                             verify=False)
-    report = verify(model, plan, tp_size=tp_size, inputs=(tokens,))
+    plan = autotp.synthesize(model, example_inputs=(tokens,), tp_size=tp_size, sequence_parallel=sequence_parallel, verify=False)
+    report = verify(model, plan, tp_size=tp_size, example_inputs=(tokens,))
     assert report.ok, str(report)
     assert max(report.logits_max_abs_diff) <= 1e-5 and report.worst_grad[1] <= 1e-5, str(report)
     return plan, report

@@ -450,9 +450,8 @@ def tokens():
 def run(model, tp, sequence_parallel=False):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        plan = synthesize(model, example_inputs=(tokens(),), tp_size=tp, sequence_parallel=sequence_parallel,
-                          verify=False)
-        return plan, verify(model, plan, tp_size=tp, inputs=(tokens(),))
+        plan = synthesize(model, example_inputs=(tokens(),), tp_size=tp, sequence_parallel=sequence_parallel, verify=False)
+        return plan, verify(model, plan, tp_size=tp, example_inputs=(tokens(),))
 
 
 # Plain at tp 2 and 4; sequence parallel at tp 2 (its layouts do not depend on the tp size).

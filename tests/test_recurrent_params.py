@@ -81,7 +81,7 @@ def _verified(model, tp: int, sequence_parallel: bool = False, inputs=None):
     plan = synthesize(model, example_inputs=inputs[:1], tp_size=tp, sequence_parallel=sequence_parallel, verify=False)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        report = verify(model, plan, tp_size=tp, inputs=inputs)
+        report = verify(model, plan, tp_size=tp, example_inputs=inputs)
     assert report.ok, str(report)
     return plan, report
 

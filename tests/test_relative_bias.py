@@ -163,7 +163,7 @@ def test_relative_bias_is_sharded_with_the_heads_and_exact(variant, tp_size, seq
                              verify=False)
     for name in ("q", "k", "v", "r"):
         assert isinstance(plan.get(f"layers.*.attn.{name}"), ColwiseParallel), sorted(plan)
-    report = verify(model, plan, tp_size=tp_size, inputs=inputs)
+    report = verify(model, plan, tp_size=tp_size, example_inputs=inputs)
     assert report.ok, str(report)
     assert max(report.logits_max_abs_diff) <= 1e-5 and report.worst_grad[1] <= 1e-5, report
     # The bound counts the conv's depthwise weight and the relative bias' profile bank as whole
@@ -198,5 +198,5 @@ def test_gather_along_the_sharded_dim_stays_whole():
     assert "picks along the sharded dim" in reasons.get("layers.*.attn.r", ""), reasons.get("layers.*.attn.r")
     plan = autotp.synthesize(model, example_inputs=inputs, tp_size=2, verify=False)
     assert "layers.*.attn.r" not in plan
-    report = verify(model, plan, tp_size=2, inputs=inputs)
+    report = verify(model, plan, tp_size=2, example_inputs=inputs)
     assert report.ok, str(report)

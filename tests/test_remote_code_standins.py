@@ -231,7 +231,7 @@ def test_synthesized_plan_verifies_on_remote_code_standin(standins, name, tp_siz
     by another layer's key, or leaves a partial sum unreduced: all give wrong logits or grads."""
     model = standins[name]
     plan = autotp.synthesize(model, example_inputs=_ids(), verify=False)
-    report = autotp.verify(model, plan, tp_size=tp_size, inputs=_ids(1))
+    report = autotp.verify(model, plan, tp_size=tp_size, example_inputs=_ids(1))
     assert report.ok, str(report)
     assert report.param_fraction[0] < 0.75, report.param_fraction  # most of the model is sharded
 
@@ -279,7 +279,7 @@ def test_decilm_layer_with_fewer_kv_heads_than_tp_replicates_them(standins):
     model = standins["decilm"]
     plan = autotp.synthesize(model, example_inputs=_ids(), tp_size=4, verify=False)
     assert plan["layers.0.self_attn.k_proj"].kv_heads == 2
-    report = autotp.verify(model, plan, tp_size=4, inputs=_ids(1))
+    report = autotp.verify(model, plan, tp_size=4, example_inputs=_ids(1))
     assert report.ok, str(report)
 
 

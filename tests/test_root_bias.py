@@ -166,7 +166,7 @@ def _bound(model: nn.Module, tp: int) -> float:
 def _synthesize_and_verify(model, tp, sequence_parallel):
     tokens = example_tokens()[:, :8]
     plan = synthesize(model, example_inputs=(tokens,), tp_size=tp, sequence_parallel=sequence_parallel, verify=False)
-    report = verify(model, plan, tp_size=tp, inputs=(tokens,))
+    report = verify(model, plan, tp_size=tp, example_inputs=(tokens,))
     assert report.ok, str(report)
     return plan, report
 

@@ -8,7 +8,9 @@ from autotp import get_plan
 from autotp.errors import PlanError
 from autotp.hf_plans import STYLE_FACTORIES, raw_hf_plan, translate
 from autotp.models import build_model
-from autotp.selection import register_plan
+from autotp.cli import _skipped_lines
+from autotp.cost import PlanCost
+from autotp.selection import PlanChoice, register_plan
 from autotp.verifier import verify
 
 # Referenced by import path in the tests below.
@@ -52,11 +54,48 @@ def test_handwritten_comes_before_transformers_plan(llama):
     assert choice.plan.keys() == handwritten_plans.plan_for(llama).keys()
 
 
-def test_transformers_plan_when_no_handwritten_one():
+def test_transformers_plan_is_weighed_against_the_synthesized_one_when_no_handwritten_one():
+    """OLMo2 has no handwritten plan: transformers' (embedding whole) and the synthesized plan
+    (vocab-parallel embedding) both pass; the one holding fewer parameters per rank wins, and the
+    choice says so."""
     model = build_model("olmo2", tiny=True, tp=2, device="cpu")
-    choice = get_plan(model)
-    assert choice.source == "hf"
-    assert isinstance(choice.plan["model.layers.*.self_attn.q_proj"], ColwiseParallel)
+    choice = get_plan(model, tp_size=2)
+    by_source = {c.source: c for c in choice.considered}
+    assert by_source["handwritten"].fraction is None and by_source["hf"].verdict == "passes"
+    assert by_source["synthesized"].fraction < by_source["hf"].fraction - 0.005
+    assert choice.source == "synthesized" and "fewest parameters per rank" in choice.why
+    assert "hf 0." in choice.why and "synthesized 0." in choice.why
+    hf = get_plan(model, source="hf")
+    assert isinstance(hf.plan["model.layers.*.self_attn.q_proj"], ColwiseParallel)
+    assert f"sources considered: {choice.why}" in _skipped_lines(choice)  # what `autotp plan` prints
+
+
+def _costed(source: str, fraction: float, collective_bytes: int) -> PlanChoice:
+    return PlanChoice({}, source, cost=PlanCost(int(fraction * 1000), 1000, collective_bytes))
+
+
+# (parameters per rank, collective bytes) per source -> the winner and the reason it names.
+RANKING_CASES = [
+    ({"handwritten": (0.44, 10), "synthesized": (0.31, 10)}, "synthesized", "fewest parameters per rank"),
+    ({"handwritten": (0.50, 100), "hf": (0.502, 60), "synthesized": (0.50, 80)}, "hf", "fewest collective bytes"),
+    ({"handwritten": (0.50, 100), "synthesized": (0.50, 98)}, "handwritten", "a tie"),
+    ({"hf": (0.50, 100), "synthesized": (0.50, 100)}, "hf", "a tie"),
+    ({"handwritten": (0.50, 100), "hf": (0.40, 900), "synthesized": (0.45, 10)}, "hf", "fewest parameters"),
+]
+
+
+def test_ranking_prefers_fewer_parameters_then_fewer_collectives_then_source_order(monkeypatch):
+    """Parameters within 0.5% of the model and collectives within 5% count as equal."""
+    import autotp.selection as selection
+
+    for costs, winner, reason in RANKING_CASES:
+        choices = [_costed(source, *cost) for source, cost in costs.items()]
+        monkeypatch.setattr(selection, "plan_cost", lambda model, plan, tp: next(c.cost for c in choices
+                                                                                  if c.plan is plan))
+        ranked = selection._ranked(None, choices, [], 2)
+        assert (ranked.source, costs) == (winner, costs) and reason in ranked.why, ranked.why
+        assert [c.source for c in ranked.considered] == list(costs) and len(ranked.runners_up) == len(costs) - 1
+        assert [c.verdict for c in ranked.considered].count("chosen") == 1
 
 
 def test_unknown_style_string_names_key_and_string(llama):
@@ -158,6 +197,27 @@ def test_api_functions_show_their_keywords():
     assert {"example_inputs", "tp_size", "sequence_parallel"} <= keywords(autotp.synthesize)
     assert {"example_inputs", "tp_size"} <= keywords(autotp.explain)
     assert {"procs", "backward"} <= keywords(autotp.verify_multiprocess)
+    for entry in (autotp.synthesize, autotp.verify, autotp.check_plan, autotp.get_plan, autotp.parallelize,
+                  autotp.fsdp2_strategy_parallelize, autotp.verify_multiprocess):
+        assert "example_inputs" in keywords(entry), entry.__name__
     assert {"device_mesh", "tp_shard_plan", "sequence_parallel"} <= keywords(autotp.fsdp2_strategy_parallelize)
     assert {"tp_size", "check"} <= keywords(autotp.get_plan)
     assert set(autotp.__all__) <= set(dir(autotp))
+
+
+@pytest.mark.slow
+def test_autotp_plan_says_which_sources_it_considered_and_why(capsys):
+    """``autotp plan`` on a real-size config (meta): the table's heading names the sources weighed
+    and the reason; the JSON lists each with its parameters per rank."""
+    import json
+
+    from autotp import cli
+
+    assert cli.main(["plan", "olmo2", "--tp", "2"]) == 0
+    text = capsys.readouterr().out
+    assert "sources considered: hf 0.528, synthesized 0.500 params/rank: synthesized (fewest parameters" in text
+    assert cli.main(["plan", "olmo2", "--tp", "2", "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    verdicts = {c["source"]: (c["verdict"], c["params_fraction"]) for c in data["considered"]}
+    assert verdicts["synthesized"][0] == "chosen" and verdicts["hf"][0] == "passes"
+    assert verdicts["handwritten"][1] is None and data["why"].endswith("(fewest parameters per rank)")

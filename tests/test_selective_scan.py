@@ -86,7 +86,7 @@ def _verified(model, tp: int, sequence_parallel: bool = False):
     plan = synthesize(model, example_inputs=(tokens,), tp_size=tp, sequence_parallel=sequence_parallel, verify=False)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        report = verify(model, plan, tp_size=tp, inputs=(tokens,))
+        report = verify(model, plan, tp_size=tp, example_inputs=(tokens,))
     assert report.ok, str(report)
     return plan, report
 

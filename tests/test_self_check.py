@@ -110,14 +110,12 @@ def test_tiny_copy_that_needs_its_own_plan_synthesizes_it_unchecked(monkeypatch)
 
 
 def _record_calls(monkeypatch, plan):
-    """Make get_plan hand out ``plan`` as synthesized, and record the self-check's calls."""
+    """Make get_plan hand out ``plan`` as synthesized, and record the self-check's calls (both as
+    autotp.decision, which parallelize and fsdp2_strategy_parallelize decide with, imported them)."""
     calls = []
     chosen = lambda model, **kw: PlanChoice(plan, "synthesized")  # noqa: E731
-    record = lambda model, plan, **kw: calls.append(kw)  # noqa: E731
-    monkeypatch.setattr("autotp.facade.get_plan", chosen)  # the facade (parallelize) imported it by name
-    monkeypatch.setattr("autotp.training.get_plan", chosen)  # training imported it by name
-    monkeypatch.setattr("autotp.facade.self_check", record)
-    monkeypatch.setattr("autotp.training.self_check", record)
+    monkeypatch.setattr("autotp.decision.get_plan", chosen)
+    monkeypatch.setattr("autotp.decision.self_check", lambda model, plan, **kw: calls.append(kw))
     return calls
 
 
@@ -129,7 +127,7 @@ def test_parallelize_checks_synthesized_plans_unless_opted_out(monkeypatch, opt_
     calls = _record_calls(monkeypatch, synthesize(model, tp_size=2, verify=False))
     with _simulate.simulated_mesh(2) as mesh:
         parallelize(model, mesh, **({"verify_synthesized": False} if opt_out else {}))
-    assert calls == ([] if opt_out else [{"tp_size": 2, "sequence_parallel": False}])
+    assert calls == ([] if opt_out else [{"tp_size": 2, "sequence_parallel": False, "example_inputs": None}])
     assert hasattr(model.model.layers[0].mlp.up_proj.weight, "placements")  # sharded either way
 
 
@@ -142,7 +140,7 @@ def test_fsdp2_strategy_checks_synthesized_plans_unless_opted_out(monkeypatch, o
     with _simulate.simulated_mesh(2):
         mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("tp",))
         fsdp2_strategy_parallelize(model, mesh, **({"verify_synthesized": False} if opt_out else {}))
-    assert calls == ([] if opt_out else [{"tp_size": 2, "sequence_parallel": False}])
+    assert calls == ([] if opt_out else [{"tp_size": 2, "sequence_parallel": False, "example_inputs": None}])
 
 
 def _gloo_rank(rank: int, port: int, results) -> None:
@@ -196,9 +194,11 @@ def test_self_check_under_a_gloo_group_leaves_it_working():
     outcomes = sorted(results.get(timeout=300) for _ in workers)
     for worker in workers:
         worker.join(timeout=30)
+    checked = []
     for rank, messages, total, diff, error in outcomes:
         assert error is None, f"rank {rank}: {error}"
         # Logged by the self-check, which runs only for a synthesized plan: the plan source too.
-        assert any("synthesized plan on the model itself at tp=2: ok" in m for m in messages), messages
+        checked.append(any("synthesized plan on the model itself at tp=2: ok" in m for m in messages))
         assert total == 3.0
         assert diff <= 1e-5
+    assert checked == [True, False], "the first rank of the tp group checks, the other receives its plan"

@@ -152,7 +152,7 @@ def _synthesize_and_verify(attention, tp_size):
     plan = synthesize(model, example_inputs=(tokens(),), tp_size=tp_size, verify=False)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        report = verify(model, plan, tp_size=tp_size, inputs=(tokens(),))
+        report = verify(model, plan, tp_size=tp_size, example_inputs=(tokens(),))
     assert report.ok, str(report)
     return model, plan
 

@@ -295,7 +295,7 @@ def test_module_masking_the_stream_reads_it_gathered(tp):
     norm = plan["layers.*.ln_1"]
     assert isinstance(norm, styles.SequenceParallelAllGather) and norm.use_local_output, norm
     assert isinstance(plan["layers.*.mixer"], styles.HeadParams), plan.get("layers.*.mixer")
-    report = verify(model, plan, tp_size=tp, inputs=(tokens, mask))
+    report = verify(model, plan, tp_size=tp, example_inputs=(tokens, mask))
     assert report.ok, str(report)
     assert all(f <= _whole_fraction(model, tp) + 0.01 for f in report.param_fraction), report.param_fraction
 
@@ -746,5 +746,5 @@ def test_a_plain_parameter_with_a_dtensor_gradient_is_a_failure_not_a_crash():
     model = PickedScaleModel()
     plan = synthesize(model, example_inputs=(example_tokens(),), tp_size=2, sequence_parallel=True, verify=False)
     plan = {key: style for key, style in plan.items() if key != "layers.*"}
-    report = verify(model, plan, tp_size=2, inputs=(example_tokens(),))
+    report = verify(model, plan, tp_size=2, example_inputs=(example_tokens(),))
     assert not report.ok and report.worst_grad[0].endswith("lambdas") and report.worst_grad[1] == float("inf"), report

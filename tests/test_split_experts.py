@@ -204,9 +204,8 @@ def toy_model(attention: type[nn.Module] | None = None, mlp: type[nn.Module] | N
 
 def synthesize_and_verify(model: nn.Module, tp_size: int, sequence_parallel: bool):
     tokens = example_tokens()
-    plan = autotp.synthesize(model, example_inputs=(tokens,), tp_size=tp_size, sequence_parallel=sequence_parallel,
-                             verify=False)
-    report = verify(model, plan, tp_size=tp_size, inputs=(tokens,))
+    plan = autotp.synthesize(model, example_inputs=(tokens,), tp_size=tp_size, sequence_parallel=sequence_parallel, verify=False)
+    report = verify(model, plan, tp_size=tp_size, example_inputs=(tokens,))
     assert report.ok, str(report)
     assert max(report.logits_max_abs_diff) <= 1e-5 and report.worst_grad[1] <= 1e-5, report
     return plan, report

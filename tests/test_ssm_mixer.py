@@ -166,7 +166,7 @@ def _verify_near_one_over_tp(model, tp, sequence_parallel):
                       sequence_parallel=sequence_parallel, verify=False)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        report = verify(model, plan, tp_size=tp, inputs=(example_tokens(),))
+        report = verify(model, plan, tp_size=tp, example_inputs=(example_tokens(),))
     assert report.ok, str(report)
     # Only the two small RMSNorms per layer and the final one stay whole: under 1% of the model.
     assert all(abs(f - 1 / tp) < 0.01 for f in report.param_fraction), report.param_fraction
@@ -216,7 +216,7 @@ def test_mixer_beside_an_mlp_with_one_state_group_is_sharded_and_exact(tp, seque
                       verify=False)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        report = verify(model, plan, tp_size=tp, inputs=(example_tokens(),))
+        report = verify(model, plan, tp_size=tp, example_inputs=(example_tokens(),))
     assert report.ok, str(report)
     expected = _sharded_fraction(model, tp)
     assert all(abs(f - expected) < 1e-6 for f in report.param_fraction), (report.param_fraction, expected)

@@ -96,9 +96,8 @@ def test_value_read_and_cache_object_keep_the_attention_sharded(tp, sequence_par
     model = ParallelListsDecoder()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        plan = synthesize(model, example_inputs=(tokens(),), tp_size=tp, sequence_parallel=sequence_parallel,
-                          verify=False)
-        report = verify(model, plan, tp_size=tp, inputs=(tokens(),))
+        plan = synthesize(model, example_inputs=(tokens(),), tp_size=tp, sequence_parallel=sequence_parallel, verify=False)
+        report = verify(model, plan, tp_size=tp, example_inputs=(tokens(),))
     assert report.ok, str(report)
     assert max(report.logits_max_abs_diff) <= 1e-4 and report.worst_grad[1] <= 1e-4
     # Norms, biases of rows and the embedding stay whole: a little above 1/tp.

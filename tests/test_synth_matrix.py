@@ -115,7 +115,7 @@ def test_synthesized_plan_is_exact_and_megatron_optimal(name, tp_size, sequence_
         plan = synthesize(model, example_inputs=inputs, sequence_parallel=sequence_parallel, tp_size=tp_size,
                           verify=False)
         verify_inputs = inputs if inputs is None else (torch.randint(0, 256, (2, 16)),)
-        report = verify(model, plan, tp_size=tp_size, inputs=verify_inputs)
+        report = verify(model, plan, tp_size=tp_size, example_inputs=verify_inputs)
     assert report.ok, str(report)
     assert max(report.logits_max_abs_diff) <= 1e-5 and report.worst_grad[1] <= 1e-5
     bound = megatron_fraction(model, tp_size)

@@ -24,7 +24,7 @@ WIDE = dict(hidden_size=128, num_attention_heads=8, head_dim=16)
 def _verify(model, plan, tp_size, inputs=None):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        report = verify(model, plan, tp_size=tp_size, inputs=inputs)
+        report = verify(model, plan, tp_size=tp_size, example_inputs=inputs)
     assert report.ok, str(report)
     return report
 

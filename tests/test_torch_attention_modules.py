@@ -111,7 +111,7 @@ def _synthesize_and_verify(model, tp_size, sequence_parallel):
                       verify=False)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        report = verify(model, plan, tp_size=tp_size, inputs=(tokens(),))
+        report = verify(model, plan, tp_size=tp_size, example_inputs=(tokens(),))
     assert report.ok, str(report)
     assert check_plan(model, plan, tp_size=tp_size, example_inputs=(tokens(),)) == []
     return plan, report

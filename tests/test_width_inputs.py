@@ -76,7 +76,7 @@ def _plan_and_verify(attention, tp_size, sequence_parallel):
                       sequence_parallel=sequence_parallel, verify=False)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        report = verify(model, plan, tp_size=tp_size, inputs=(example_tokens(),))
+        report = verify(model, plan, tp_size=tp_size, example_inputs=(example_tokens(),))
     assert report.ok, str(report)
     return model, plan, report
 
@@ -198,5 +198,5 @@ def test_the_readers_get_the_input_before_a_shared_wrapper_takes_it(tp_size):
     assert isinstance(style.wrapped.wrapped, styles.ShardCounts)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        report = verify(model, plan, tp_size=tp_size, inputs=(example_tokens(),))
+        report = verify(model, plan, tp_size=tp_size, example_inputs=(example_tokens(),))
     assert report.ok, str(report)

@@ -67,7 +67,8 @@ class MultiheadAttentionParallel(ParallelStyle):
         tp = device_mesh.size()
         if module.num_heads % tp:
             raise MeshError(module="nn.MultiheadAttention", found=f"{module.num_heads} heads",
-                            required=f"tp={tp} divides them", fix=f"use tp in {working_tp_sizes([module.num_heads])}")
+                            required=f"tp={tp} divides them", fix=f"use tp in {working_tp_sizes([module.num_heads])}",
+                            tp_sizes=working_tp_sizes([module.num_heads]))
         width = module.embed_dim
         order = packed_row_order((width,) * 3, tp)
         for name, dim, packed in (("in_proj_weight", 0, True), ("in_proj_bias", 0, True), ("q_proj_weight", 0, False),

@@ -609,4 +609,4 @@ def check_divisible(g: nx.DiGraph, flow: Flow, roles: dict[str, Role], tp_size: 
             if size > 0 and size % tp_size:
                 raise MeshError(module=module, found=f"its sharded output reaches a dim of size {size} (heads or "
                                 f"features), which tp={tp_size} does not divide",
-                                fix=f"use tp in {working_tp_sizes([size])}")
+                                fix=f"use tp in {working_tp_sizes([size])}", tp_sizes=working_tp_sizes([size]))
