@@ -52,7 +52,7 @@ def directory() -> Path | None:
     return Path(base) / "autotp"
 
 
-def _code_hash() -> str:
+def source_hash() -> str:
     """A hash of autotp's and the handwritten plans' source files (read once per process)."""
     global _CODE_HASH
     if _CODE_HASH is None:
@@ -82,7 +82,7 @@ def _key(model, plan_text: str, tp_size: int) -> str | None:
         "shapes": hashlib.sha256(repr(shapes).encode()).hexdigest(),
         "plan": plan_text,
         "tp": tp_size,
-        "versions": [torch.__version__, transformers.__version__, _code_hash()],
+        "versions": [torch.__version__, transformers.__version__, source_hash()],
     }, sort_keys=True, default=repr)
     return hashlib.sha256(text.encode()).hexdigest()
 

@@ -31,14 +31,13 @@ from dataclasses import replace
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 
-import handwritten_plans
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
-import autotp
 from autotp._simulate import outside_simulation
+from autotp.check_cache import source_hash
 from autotp.errors import AutoTPError, VerificationError
 from autotp.selection import PlanChoice, get_plan
 from autotp.self_check import self_check
@@ -205,11 +204,7 @@ def cache_key(model: nn.Module, tp_size: int, *, sequence_parallel: bool, verify
 def code_fingerprint() -> str:
     """autotp's version, a hash of its source and of the handwritten plans', torch's and
     transformers' versions: a change to any of them makes every entry stale."""
-    digest = hashlib.sha256()
-    for root in (Path(autotp.__file__).parent, Path(handwritten_plans.__file__).parent):
-        for path in sorted(root.rglob("*.py")):
-            digest.update(str(path.relative_to(root)).encode())
-            digest.update(path.read_bytes())
+    digest = hashlib.sha256(source_hash().encode())
     versions = [torch.__version__]
     for package in ("autotp", "transformers"):
         try:
