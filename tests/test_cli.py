@@ -636,16 +636,17 @@ def test_version_is_read_only_when_asked(monkeypatch, capsys):
     assert info.value.code == 0 and "MODEL" in capsys.readouterr().out
 
 
-def test_plan_keeps_the_checkers_answer_between_runs(tiny_llama_config, tmp_path, monkeypatch, capsys):
-    """`autotp plan` re-ran the checker (a torch.export of the model and the per-rank shape proof) on
-    every run: the second run must print the same without checking, and the library outside the
-    command must never read the cache."""
+def test_check_keeps_the_checkers_answer_between_runs(tiny_llama_config, tmp_path, monkeypatch, capsys):
+    """`autotp check --source NAME` re-ran the checker (a torch.export of the model and the per-rank
+    shape proof) on every run: the second run must print the same without checking, and the library
+    outside the command must never read the cache. (With ``--source auto`` selection checks every
+    source on the synthesizer's own trace, which the cache does not hold.)"""
     from autotp import check
     from autotp.models import build_model
 
     cache = tmp_path / "cache"
     monkeypatch.setenv("AUTOTP_CACHE_DIR", str(cache))
-    assert main(["plan", tiny_llama_config, "--tp", "2"]) == 0
+    assert main(["check", tiny_llama_config, "--tp", "2", "--source", "handwritten"]) == 0
     first = capsys.readouterr().out
     assert len(list(cache.glob("findings-*.json"))) == 1
 
@@ -653,7 +654,7 @@ def test_plan_keeps_the_checkers_answer_between_runs(tiny_llama_config, tmp_path
         raise AssertionError("the checker ran again")
 
     monkeypatch.setattr(check, "_findings", checked_again)
-    assert main(["plan", tiny_llama_config, "--tp", "2"]) == 0
+    assert main(["check", tiny_llama_config, "--tp", "2", "--source", "handwritten"]) == 0
     assert capsys.readouterr().out == first
     model = build_model(tiny_llama_config, device="meta")
     with pytest.raises(AssertionError, match="ran again"):
