@@ -33,14 +33,15 @@ def test_head_front_after_a_norm_standing_for_every_layer_is_not_taken(tp):
     assert report.ok, str(report)
 
 
-def test_table_that_is_not_an_embedding_weight_stays_whole():
+def test_table_that_is_not_an_embedding_weight_is_cut_with_the_heads():
     """CPM-Ant's segment-position module looks up its own ``relative_attention_bias`` (no
-    ``weight``) by ids made from the input: the vocab-parallel style cannot take it (it failed to
-    apply), so it stays whole with the reason, and the plan verifies."""
+    ``weight``, one column per head) by ids made from the input: the vocab-parallel style cannot
+    take it (it failed to apply when it was given one). Looked up per head, the table is a per-head
+    parameter: cut on its columns with the heads (``HeadParams``), and the plan verifies."""
     model = _tiny("cpmant", 2)
     records = {r.key: r for r in explain(model, tp_size=2)}
-    assert records["cpmant.position_bias"].role == "replicate"
-    assert "not an embedding's weight" in records["cpmant.position_bias"].reason
+    assert records["cpmant.position_bias"].role == "head_params"
+    assert "relative_attention_bias sharded with the heads" in records["cpmant.position_bias"].reason
     plan = synthesize(model, tp_size=2, verify=False)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")

@@ -74,8 +74,10 @@ def mixer_roles(g: nx.DiGraph, flow) -> dict[str, Role]:
     return out
 
 
-def mixer_style(role: Role) -> PrepareModuleInputOutput:
+def mixer_style(role: Role) -> PrepareModuleInputOutput | None:
     """Gather the input on the heads, slice the output back to this rank's heads."""
+    if role.shard_dim is None:
+        return None  # a role without the heads' dim (only the pass above makes these): nothing to do
     return PrepareModuleInputOutput(input_layouts=Shard(role.shard_dim), desired_input_layouts=Replicate(),
                                     use_local_input=True, output_layouts=Replicate(),
                                     desired_output_layouts=Shard(role.shard_dim), use_local_output=True)

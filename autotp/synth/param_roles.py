@@ -48,8 +48,10 @@ def param_roles(g: nx.DiGraph, flow, roles: dict[str, Role]) -> dict[str, Role]:
     """
     # A table looked up per head (:func:`~autotp.synth.params.table_lookup`) is sharded with the
     # heads like any other.
+    per_head_tables = {r.name for n, d in g.nodes(data=True) if d["op"] == "embedding"
+                       for r in refs(d["args"][:1])} & set(flow.param_shards)
     linear_params = {r.name for n, d in g.nodes(data=True) if d["op"] in ("linear", "embedding")
-                     for r in refs(d["args"])} - set(flow.param_shards)
+                     for r in refs(d["args"])} - per_head_tables
     sharded: dict[str, dict[str, int]] = {}
     reduced: dict[str, list[str]] = {}
     packed, packings = packed_params(flow), {}

@@ -287,6 +287,8 @@ def table_lookup(g: nx.DiGraph, name: str, dim: int) -> str | None:
     kinds = ("param", "input", "buffer") if g.graph.get("module_alone") else ("param",)
     if g.nodes[table.name]["kind"] not in kinds or made_from_params(g, index.name):
         return None
+    if g.nodes[index.name]["kind"] == "input" and not g.graph.get("module_alone"):
+        return None  # ids the model is given (a token embedding): rows per token, not per head
     return table.name
 
 

@@ -285,6 +285,8 @@ def kv_replication(a: Analysis) -> Analysis:
                         fix="pass tp_size= (the tp you will shard with) to synthesize") from error
     if a.tp_size is None:
         _no_unhandled_unit_heads(a, handled)
+    if not kv_roles and not handled:
+        return a  # nothing to replicate (and, without tp_size, no k/v of one head)
     roles = dict(a.roles)
     for module, role in kv_roles.items():
         current = roles.get(module)
