@@ -54,8 +54,26 @@ DEFAULT_MULTIPROCESS = (
     "tests/test_multiprocess.py::test_sp_plan_verifies_on_two_gloo_processes",
     "tests/test_training.py::test_dp1_tp2_step_matches_single_process",
     "tests/test_checkpoint.py::test_reload_at_the_same_layout_gives_equal_logits_optimizer_and_next_step",
-    "tests/test_hf_loading.py::test_emitted_hf_plan_and_autotp_plan_load_sharded_on_two_gloo_processes",
 )
+
+# Single default-tier cases in the slow tier (each over 5 s), with the default tests that hold the
+# same behaviour.
+SLOW_TESTS = {
+    "tests/test_hf_loading.py::test_emitted_hf_plan_and_autotp_plan_load_sharded_on_two_gloo_processes":
+        "test_hf_loading (the loader on one process), test_emit (the strings), test_multiprocess (gloo)",
+    "tests/test_selection.py::test_real_size_model_whose_transformers_plan_tp_does_not_divide_falls_through":
+        "test_selection::test_tied_weights_sharded_two_ways_fall_through_to_a_plan_that_verifies, "
+        "test_cli::test_a_tp_size_no_source_can_serve_is_one_short_line_with_one_tp_list",
+    "tests/test_handwritten_more.py::test_qwen3_5_synthesized_plan_with_a_padded_batch[sp]":
+        "test_qwen3_5_plan_equals_the_synthesized_one[sp], test_qwen3_5_plan_survives_a_padded_batch[2-sp]",
+    "tests/test_check.py::test_synthesized_plans_have_no_finding[phi3]": "the [llama] and [gemma3] cases",
+    "tests/test_check.py::test_synthesized_plans_have_no_finding[olmo2]": "the [llama] and [gemma3] cases",
+    "tests/test_check.py::test_synthesized_plans_have_no_finding[qwen3]": "the [llama] and [gemma3] cases",
+    "tests/test_synth_verify.py::test_sp_plans_with_shared_experts_and_inner_rows_are_exact[afmoe]":
+        "its [qwen2_moe] case, test_shared_expert_moe",
+    "tests/test_synth_verify.py::test_sp_plans_with_shared_experts_and_inner_rows_are_exact[deepseek_v3]":
+        "its [qwen2_moe] case, test_shared_expert_moe",
+}
 
 TP_PARAMS = ("tp", "tp_size")
 
@@ -91,7 +109,7 @@ def _sibling_key(item, name: str, tp: int) -> tuple:
 
 
 def _is_slow(item, at_two: set, base: dict) -> bool:
-    if item.path.name in SLOW_FILES:
+    if item.path.name in SLOW_FILES or item.nodeid in SLOW_TESTS:
         return True
     if item.get_closest_marker("multiprocess") and item.nodeid.partition("[")[0] not in DEFAULT_MULTIPROCESS:
         return True
