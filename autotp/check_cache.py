@@ -1,4 +1,5 @@
-"""The checker's findings kept on disk between runs of the ``autotp`` command.
+"""The checker's findings, and whole ``autotp plan`` answers, kept on disk between runs of the
+``autotp`` command.
 
 ``autotp plan llama`` spends most of its time after the imports in :func:`autotp.check_plan`
 (a ``torch.export`` of the model and the per-rank shape proof of each attention block), and the
@@ -11,12 +12,20 @@ style with its options), tp, and the versions of torch, transformers and autotp'
 hash of its source files, so an edited checkout never reads an old answer). Only the command line
 turns the cache on (:func:`enabled`), and not inside a pytest run unless ``AUTOTP_CACHE_DIR`` is
 set: the library's callers and the tests always run the checker.
+
+:func:`cached_output` keeps what a successful ``autotp plan`` printed, keyed by its arguments, the
+config file it read (if any), the versions of torch and transformers (read from the installed
+packages' metadata, without importing them) and autotp's source hash: a second ``autotp plan
+llama`` prints it without importing torch (under half a second, where the first run spends about
+five seconds importing torch and transformers alone). A run with ``--plan FILE`` is not kept (the
+file may import code this key cannot see).
 """
 
 from __future__ import annotations
 
 import contextlib
 import hashlib
+import importlib.metadata
 import json
 import os
 from collections.abc import Callable, Iterator
@@ -110,3 +119,51 @@ def cached_findings(model, plan_text: str, tp_size: int, compute: Callable[[], l
     except OSError:  # a read-only home: the answer is still right, only not kept
         pass
     return findings
+
+
+def _version(package: str) -> str:
+    try:
+        return importlib.metadata.version(package)
+    except importlib.metadata.PackageNotFoundError:
+        return "none"
+
+
+def output_key(arguments: dict, model: str) -> str | None:
+    """The key of an ``autotp plan`` run with ``arguments`` (its parsed options) on ``model`` (a
+    name, or a config path whose bytes join the key); None when the cache is off."""
+    if directory() is None:
+        return None
+    path = Path(model)
+    if path.is_dir():
+        path = path / "config.json"
+    config = hashlib.sha256(path.read_bytes()).hexdigest() if path.is_file() else None
+    text = json.dumps({"arguments": arguments, "config": config, "source": source_hash(),
+                       "versions": [_version("torch"), _version("transformers")]}, sort_keys=True, default=repr)
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+def cached_output(key: str | None) -> dict | None:
+    """What a run with this key printed (``{"stdout", "stderr", "status"}``), or None."""
+    where = directory()
+    if key is None or where is None:
+        return None
+    try:
+        kept = json.loads((where / f"output-{key}.json").read_text())
+    except (OSError, ValueError):
+        return None
+    return kept if isinstance(kept, dict) and {"stdout", "stderr", "status"} <= kept.keys() else None
+
+
+def keep_output(key: str | None, stdout: str, stderr: str, status: int) -> None:
+    """Keep what a successful run printed (atomically; a read-only cache directory keeps nothing)."""
+    where = directory()
+    if key is None or where is None or status != 0:
+        return
+    path = where / f"output-{key}.json"
+    try:
+        where.mkdir(parents=True, exist_ok=True)
+        partial = path.with_suffix(f".{os.getpid()}.tmp")
+        partial.write_text(json.dumps({"stdout": stdout, "stderr": stderr, "status": status}))
+        partial.replace(path)
+    except OSError:
+        pass

@@ -49,12 +49,22 @@ def main(argv: Sequence[str] | None = None) -> int:
     otherwise. Warnings torch and transformers raise while the command runs are summarized at the
     end, one line per kind.
     """
-    from autotp.check_cache import enabled as check_cache  # stdlib only: no torch at import
+    from autotp import check_cache  # stdlib only: no torch at import
 
     args = _parser().parse_args(argv)
     try:
-        with summarized_warnings(), quiet_transformers(), quiet_torch_tracebacks(not args.traceback), check_cache():
-            status = args.run(args)
+        with check_cache.enabled():
+            key = _output_key(args)
+            kept = check_cache.cached_output(key)
+            if kept is not None:  # the same plan command on the same code and config: its answer
+                sys.stderr.write(kept["stderr"])
+                sys.stdout.write(kept["stdout"])
+                sys.stdout.flush()
+                return kept["status"]
+            with _Tee("stdout") as out, _Tee("stderr") as err:
+                with summarized_warnings(), quiet_transformers(), quiet_torch_tracebacks(not args.traceback):
+                    status = args.run(args)
+            check_cache.keep_output(key, out.text(), err.text(), status)
         sys.stdout.flush()  # a closed pipe raises here, inside the handler, not at exit
         return status
     except BrokenPipeError:
@@ -70,6 +80,41 @@ def main(argv: Sequence[str] | None = None) -> int:
         else:
             print(f"autotp: error: {_one_line_error(error)}", file=sys.stderr)
         return EXIT_ERROR
+
+
+def _output_key(args: argparse.Namespace) -> str | None:
+    """The output cache's key of a ``plan`` run (None for other commands and for ``--plan FILE``)."""
+    from autotp import check_cache
+
+    if args.command != "plan" or args.plan is not None:
+        return None
+    arguments = {name: value for name, value in vars(args).items() if name != "run"}
+    return check_cache.output_key(arguments, args.model)
+
+
+class _Tee:
+    """Inside, ``sys.<name>`` writes go to the stream and are kept too (:meth:`text`)."""
+
+    def __init__(self, name: str):
+        self.name, self.kept = name, []
+
+    def __enter__(self) -> _Tee:
+        self.stream = getattr(sys, self.name)
+        setattr(sys, self.name, self)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        setattr(sys, self.name, self.stream)
+
+    def write(self, text: str) -> int:
+        self.kept.append(text)
+        return self.stream.write(text)
+
+    def text(self) -> str:
+        return "".join(self.kept)
+
+    def __getattr__(self, name: str):  # flush, fileno, isatty, encoding: the stream's
+        return getattr(self.stream, name)
 
 
 def _one_line_error(error: Exception) -> str:

@@ -15,7 +15,9 @@ What varies is the attention:
   itself handed to every attention, which calls it);
 - ``residual_attn``: each layer returns its pre-softmax scores ``(b, h, n, n)``; the next adds them;
 - ``talking_heads``: 1x1 convolutions mixing the heads before and after the softmax;
-- ``value_residual``: the first layer's values mixed into the later layers' by a learned lerp.
+- ``value_residual``: the first layer's values mixed into the later layers' by a learned lerp;
+- ``memory_tokens``: learned memory tokens ``Parameter(m, dim)`` prepended to the sequence before
+  the first block and cut off before the head (the attention itself is plain).
 
 ``bound_fraction`` gives the parameter fraction per rank of a plan at the bound: every parameter
 sharded ``1/tp`` except the norms' weights (which tensor parallelism keeps whole).
@@ -323,6 +325,23 @@ class LM(nn.Module):
         return self.to_logits(self.norm(x))
 
 
+class MemoryTokensLM(LM):
+    """``m`` learned tokens prepended to the embedded sequence, seen by every block, and cut off
+    before the final norm: the blocks run on ``n + m`` positions, the head on ``n``."""
+
+    def __init__(self, memory: int = MEMORY):
+        super().__init__(Attention)
+        self.memory = memory
+        self.memory_tokens = nn.Parameter(torch.randn(memory, DIM))
+
+    def forward(self, tokens):
+        x = self.token_emb(tokens)
+        x = torch.cat((self.memory_tokens.expand(x.shape[0], -1, -1), x), dim=1)
+        for layer in self.layers:
+            x, _ = layer(x)
+        return self.to_logits(self.norm(x[:, self.memory:]))
+
+
 def _gqa_expand(layer: int = 0):
     return GroupedQueryAttention(repeat="expand")
 
@@ -344,6 +363,7 @@ IDIOMS = {
     "residual_attn": lambda: LM(ResidualAttention),
     "talking_heads": lambda: LM(TalkingHeadsAttention),
     "value_residual": lambda: LM(ValueResidualAttention),
+    "memory_tokens": MemoryTokensLM,
 }
 
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 import warnings
 
 import pytest
+from torch.distributed.tensor import Replicate, Shard
 from outside_attention_models import IDIOMS, bound_fraction, tokens
 
 import autotp
@@ -69,6 +70,19 @@ def test_first_layers_values_mixed_into_later_layers_stay_head_sharded(tp, seque
     DTensor")."""
     _, plan, _ = _sharded_at_the_bound("value_residual", tp, sequence_parallel)
     assert "layers.1.attn.to_value_residual_mix" in plan, plan
+
+
+@pytest.mark.parametrize(**MODES)
+def test_memory_tokens_prepended_to_the_sequence_keep_sequence_parallel(tp, sequence_parallel):
+    """Learned memory tokens ``(m, dim)`` prepended before the first block and cut off before the
+    head: the blocks see ``n + m`` positions. Under SP the stream is still sliced on the sequence
+    where it enters the blocks (after the prepend), the rows reduce-scatter onto it and the head
+    reads it sequence-sharded; the tokens themselves (``m x dim``) stay whole. Would catch an SP
+    request that silently gives a plain plan (issue 42: three such cases before)."""
+    _, plan, _ = _sharded_at_the_bound("memory_tokens", tp, sequence_parallel, whole=("memory_tokens",))
+    row = plan["layers.*.attn.to_out"]
+    assert row.output_layouts == ((Shard(1),) if sequence_parallel else (Replicate(),)), row
+    assert ("layers.*" in plan) == sequence_parallel, plan  # the stream sliced where it enters the blocks
 
 
 def test_layers_called_with_different_arguments_are_traced_apart():
