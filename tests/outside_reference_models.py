@@ -17,6 +17,9 @@ mask, and hands both to every block. What varies is the attention:
 - ``head_temperature``: one ``to_qkv`` Linear cut by ``chunk(3)``, cosine-similarity scores
   (``F.normalize``) times a learned per-head temperature ``Parameter(heads)`` viewed
   ``(1, heads, 1, 1)``;
+- ``float32_qk_norm``: ``complex_rotary`` with per-head RMS norms of the queries and keys computed
+  in float32 inside ``torch.autocast(device_type=x.device.type, enabled=False)`` (as training
+  libraries write norms that must not run in bf16);
 - ``differential``: differential attention: twice the heads of queries and keys, two softmaxes per
   head subtracted with a learned scalar ``lambda`` (from four ``Parameter(head_dim)``), a norm over
   each head's doubled value width.
@@ -81,6 +84,37 @@ class ComplexRotaryAttention(nn.Module):
         scores = torch.matmul(q, k.transpose(2, 3)) / math.sqrt(self.head_dim) + mask
         scores = F.softmax(scores.float(), dim=-1).type_as(q)
         return self.wo(torch.matmul(scores, v).transpose(1, 2).contiguous().view(b, n, -1))
+
+
+class Float32Norm(nn.Module):
+    """RMS norm in float32 whatever autocast says."""
+
+    def __init__(self, width: int, eps: float = 1e-6):
+        super().__init__()
+        self.weight, self.eps = nn.Parameter(torch.ones(width) + 0.1 * torch.randn(width)), eps
+
+    def forward(self, x):
+        with torch.autocast(enabled=False, device_type=x.device.type):
+            og_dtype, x = x.dtype, x.float()
+            x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+            return (self.weight * x).to(og_dtype)
+
+
+class Float32QKNormAttention(ComplexRotaryAttention):
+    def __init__(self):
+        super().__init__()
+        self.q_norm, self.k_norm = Float32Norm(HEAD_DIM), Float32Norm(HEAD_DIM)
+
+    def forward(self, x, freqs_cis, mask):
+        b, n, _ = x.shape
+        xq = self.q_norm(self.wq(x).view(b, n, self.n_heads, self.head_dim))
+        xk = self.k_norm(self.wk(x).view(b, n, self.n_kv_heads, self.head_dim))
+        xv = self.wv(x).view(b, n, self.n_kv_heads, self.head_dim)
+        xq, xk = apply_rotary_emb(xq, xk, freqs_cis)
+        n_rep = self.n_heads // self.n_kv_heads
+        q, k, v = xq.transpose(1, 2), repeat_kv(xk, n_rep).transpose(1, 2), repeat_kv(xv, n_rep).transpose(1, 2)
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        return self.wo(out.transpose(1, 2).reshape(b, n, -1))
 
 
 class FusedGQAAttention(nn.Module):
@@ -199,6 +233,7 @@ IDIOMS = {
     "fused_gqa": lambda: Transformer(FusedGQAAttention),
     "gated_output": lambda: Transformer(GatedOutputAttention),
     "head_temperature": lambda: Transformer(HeadTemperatureAttention),
+    "float32_qk_norm": lambda: Transformer(Float32QKNormAttention),
     "differential": lambda: Transformer(DifferentialAttention),
 }
 
@@ -211,7 +246,7 @@ def bound_fraction(model: nn.Module, tp: int) -> float:
     total = held = 0.0
     for name, param in model.named_parameters():
         owner = model.get_submodule(name.rpartition(".")[0])
-        whole = (isinstance(owner, nn.RMSNorm) or ".lambda_" in name
+        whole = (isinstance(owner, (nn.RMSNorm, Float32Norm)) or ".lambda_" in name
                  or name.endswith(("proj.bias", "wo.bias", "out_proj.bias")))
         total += param.numel()
         held += param.numel() if whole else param.numel() / tp

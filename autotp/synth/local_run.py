@@ -461,12 +461,32 @@ def run_local(module: nn.Module, inputs: tuple[tuple, dict], roles: dict[str, Ro
     args, kwargs = per_rank_call(inputs, args, kwargs, tp)  # shards carried in from another module
     try:
         # Tensors the module makes without a device (``torch.full((t, t), -inf)``) are made on meta too.
-        with torch.no_grad(), contextlib.nullcontext() if real else torch.device("meta"), recorder:
+        with torch.no_grad(), contextlib.nullcontext() if real else on_meta(), recorder:
             out = local(*args, **kwargs)
     except Exception as error:  # a wrong guess usually fails on a shape: that is the answer
         log.debug("local run of %s with %s divided failed: %s", type(module).__name__, names, error)
         return None
     return _shapes(out), recorder.cuts
+
+
+@contextlib.contextmanager
+def on_meta():
+    """Run module code on the meta device: tensors it makes without a device are made there, and
+    ``torch.autocast(device_type=x.device.type, ...)`` (a norm computing in float32, common in
+    plain-PyTorch code) takes ``"meta"`` as ``"cpu"``: torch keeps no autocast state for meta and
+    raises "unsupported scalarType", where any autocast is a no-op on meta tensors anyway."""
+    autocast = torch.amp.autocast_mode.autocast
+    original = autocast.__init__
+
+    def init(self, device_type, *args, **kwargs):
+        original(self, "cpu" if device_type == "meta" else device_type, *args, **kwargs)
+
+    autocast.__init__ = init
+    try:
+        with torch.device("meta"):
+            yield
+    finally:
+        autocast.__init__ = original
 
 
 def _shapes(out):
@@ -491,7 +511,7 @@ def trace_local(module: nn.Module, inputs, roles: dict[str, Role], names: tuple[
     try:
         if real:
             return build_graph(_export(local, args, kwargs, real_values=True))
-        with torch.no_grad(), torch.device("meta"):
+        with torch.no_grad(), on_meta():
             graph = build_graph(torch.export.export(local, args, kwargs, strict=False))
         graph.graph["module_alone"] = True  # a module's parameters handed in come as inputs (table_lookup)
         return graph

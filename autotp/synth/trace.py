@@ -655,7 +655,7 @@ def call_signatures(model: nn.Module, example_inputs, stacks: dict[str, nn.Modul
                            for name, groups in structural.items()})
     try:
         args, kwargs = example_args(model, example_inputs)
-        with collapsed(model, sampled):
+        with collapsed(model, sampled), restored_module_state(model):  # no fake rotary cache left behind
             failed = _fake_forward(model, args, kwargs, real_values=False)
     except Exception as error:  # no inputs: the trace reports that itself
         failed = error

@@ -6,8 +6,9 @@ attention blocks is most of the memory tensor parallelism was meant to save. Suc
 out with a :class:`~autotp.errors.WholeAttentionWarning` per attention module: its plan key, and
 the reason its first projection was kept whole (the same reason ``explain`` gives).
 
-An attention is a module that runs a softmax or a fused attention kernel and calls Linears of its
-own; it is whole when none of those Linears is sharded and it runs on no DTensor region.
+An attention is the innermost module around a softmax or a fused attention kernel that calls
+Linears (the kernel itself may run in a child holding none, a backend wrapping the fused kernel);
+it is whole when none of those Linears is sharded and it runs on no DTensor region.
 """
 
 from __future__ import annotations
@@ -30,13 +31,16 @@ def whole_attentions(g: nx.DiGraph, roles: dict[str, Role]) -> dict[str, str]:
     """``{attention module (traced FQN): why its first projection is whole}`` for every attention
     whose own Linears are all kept whole and which runs on no DTensor region."""
     found: dict[str, str] = {}
+    stacks = [(n, d["stack"]) for n, d in g.nodes(data=True) if is_linear(g, n)]
     for name, data in sorted(g.nodes(data=True), key=lambda item: item[1]["order"]):
         if data["op"] not in _SCORES or not data["stack"]:
             continue
-        module = data["stack"][-1]
-        if module in found or any(getattr(roles.get(m), "region", None) for m in data["stack"]):
+        # The innermost module around the kernel that calls Linears: the kernel may run in a child
+        # of the attention that holds none (a backend module wrapping the fused kernel).
+        module = next((m for m in reversed(data["stack"]) if any(m in stack for _, stack in stacks)), None)
+        if module is None or module in found or any(getattr(roles.get(m), "region", None) for m in data["stack"]):
             continue
-        linears = [n for n, d in g.nodes(data=True) if is_linear(g, n) and module in d["stack"]]
+        linears = [n for n, stack in stacks if module in stack]
         kinds = [roles.get(module_of(g, n)) for n in linears]
         if not linears or any(r is not None and r.kind not in _WHOLE for r in kinds):
             continue
