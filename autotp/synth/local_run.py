@@ -461,7 +461,7 @@ def run_local(module: nn.Module, inputs: tuple[tuple, dict], roles: dict[str, Ro
     args, kwargs = per_rank_call(inputs, args, kwargs, tp)  # shards carried in from another module
     try:
         # Tensors the module makes without a device (``torch.full((t, t), -inf)``) are made on meta too.
-        with torch.no_grad(), contextlib.nullcontext() if real else on_meta(), recorder:
+        with torch.no_grad(), contextlib.nullcontext() if real else meta_device(), recorder:
             out = local(*args, **kwargs)
     except Exception as error:  # a wrong guess usually fails on a shape: that is the answer
         log.debug("local run of %s with %s divided failed: %s", type(module).__name__, names, error)
@@ -470,7 +470,7 @@ def run_local(module: nn.Module, inputs: tuple[tuple, dict], roles: dict[str, Ro
 
 
 @contextlib.contextmanager
-def on_meta():
+def meta_device():
     """Run module code on the meta device: tensors it makes without a device are made there, and
     ``torch.autocast(device_type=x.device.type, ...)`` (a norm computing in float32, common in
     plain-PyTorch code) takes ``"meta"`` as ``"cpu"``: torch keeps no autocast state for meta and
@@ -511,7 +511,7 @@ def trace_local(module: nn.Module, inputs, roles: dict[str, Role], names: tuple[
     try:
         if real:
             return build_graph(_export(local, args, kwargs, real_values=True))
-        with torch.no_grad(), on_meta():
+        with torch.no_grad(), meta_device():
             graph = build_graph(torch.export.export(local, args, kwargs, strict=False))
         graph.graph["module_alone"] = True  # a module's parameters handed in come as inputs (table_lookup)
         return graph
