@@ -10,8 +10,8 @@ autotp), so both sides plan the same modules. A case that raises records its err
 Prints the cases that differ (keys only on one side, styles that differ) and writes
 ``results/plan_equality.json``. Exit status 1 when any case differs.
 
-    git archive <commit> | tar -x -C /tmp/autotp-base
-    python benchmarks/plan_equality.py --base /tmp/autotp-base [--new .]
+    mkdir ../autotp-base && git archive <commit> | tar -x -C ../autotp-base
+    python benchmarks/plan_equality.py --base ../autotp-base [--new .]
 """
 
 from __future__ import annotations
