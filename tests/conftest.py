@@ -65,7 +65,8 @@ SLOW_TESTS = {
         "test_selection::test_tied_weights_sharded_two_ways_fall_through_to_a_plan_that_verifies, "
         "test_cli::test_a_tp_size_no_source_can_serve_is_one_short_line_with_one_tp_list",
     "tests/test_handwritten_more.py::test_qwen3_5_synthesized_plan_with_a_padded_batch[sp]":
-        "test_qwen3_5_plan_equals_the_synthesized_one[sp], test_qwen3_5_plan_survives_a_padded_batch[2-sp]",
+        "test_qwen3_5_plan_survives_a_padded_batch[2-sp] (the mixer's masked input), "
+        "test_joined_shards::test_joined_delta_mixer_is_sharded_and_exact[2-sp] (the synthesized mixer)",
     "tests/test_check.py::test_synthesized_plans_have_no_finding[phi3]": "the [llama] and [gemma3] cases",
     "tests/test_check.py::test_synthesized_plans_have_no_finding[olmo2]": "the [llama] and [gemma3] cases",
     "tests/test_check.py::test_synthesized_plans_have_no_finding[qwen3]": "the [llama] and [gemma3] cases",
@@ -78,6 +79,17 @@ SLOW_TESTS = {
     "tests/test_cli.py::test_console_script_prints_json":
         "test_cli's in-process --json tests, test_module_entry_point_reports_errors_without_traceback (a real "
         "subprocess entry)",
+    "tests/test_handwritten_more.py::test_qwen3_5_plan_equals_the_synthesized_one[sp]":
+        "test_joined_shards::test_joined_delta_mixer_is_sharded_and_exact[2-sp] (a delta-rule mixer sharded by "
+        "heads), test_handwritten_more's qwen3_5 cases (the handwritten plan, exact, with a padded batch)",
+    "tests/test_synth_plans.py::test_gemma3_both_plans_exact_and_synthesized_shards_more":
+        "test_synth_matrix[gemma3-2-sp] (the synthesized plan: exact, fractions, collectives), "
+        "test_handwritten[gemma3] (the handwritten plan)",
+    "tests/test_cli.py::test_a_closed_pipe_ends_quietly":
+        "test_cli::test_a_closed_pipe_inside_a_command_is_its_exit_status (the handler, in process), "
+        "test_module_entry_point_reports_errors_without_traceback (the entry point in a subprocess)",
+    "tests/test_cli.py::test_verify_auto_source_on_tiny_qwen3":
+        "test_check_kv_heads::test_cli_verifies_gemma3_with_its_one_kv_head (verify, auto source, through main)",
 }
 
 TP_PARAMS = ("tp", "tp_size")

@@ -337,6 +337,36 @@ def test_a_closed_pipe_ends_quietly():
     assert "Traceback" not in err and "BrokenPipeError" not in err
 
 
+class _ClosedPipe:
+    """A stdout whose reader is gone: every write and flush raises ``BrokenPipeError``."""
+
+    def __init__(self, fd: int):
+        self.fd = fd
+
+    def write(self, text: str) -> int:
+        raise BrokenPipeError(32, "Broken pipe")
+
+    def flush(self) -> None:
+        raise BrokenPipeError(32, "Broken pipe")
+
+    def fileno(self) -> int:
+        return self.fd
+
+
+def test_a_closed_pipe_inside_a_command_is_its_exit_status(monkeypatch, tmp_path, capsys):
+    """The handler ``autotp plan ... | head`` meets: the command's first write raises, ``main``
+    returns EXIT_BROKEN_PIPE with stdout pointed at /dev/null (a second flush at exit would raise
+    again) and prints nothing on stderr. Would catch the error escaping as a traceback, or the
+    one-line error path (exit 2) taking it."""
+    with open(tmp_path / "stdout", "w") as target:
+        monkeypatch.setattr(sys, "stdout", _ClosedPipe(target.fileno()))
+        status = main(["plan", "llama", "--source", "handwritten"])
+        monkeypatch.undo()
+    assert status == cli.EXIT_BROKEN_PIPE
+    assert capsys.readouterr().err == ""
+    assert (tmp_path / "stdout").read_text() == ""  # /dev/null was put under the closed stream
+
+
 _EMBEDDING_ONLY = '''
 from torch.distributed.tensor import Replicate
 from autotp.styles import VocabParallelEmbedding

@@ -119,12 +119,13 @@ def test_loop_over_every_head_is_sharded_by_heads(tp, sequence_parallel):
     assert all(abs(f - 1 / tp) < 0.03 for f in report.param_fraction), report.param_fraction
 
 
-def test_loop_joined_by_cat_along_the_features_is_sharded():
+@pytest.mark.parametrize("sequence_parallel", [False, True], ids=["plain", "sp"])
+@pytest.mark.parametrize("tp", [2, 4])
+def test_loop_joined_by_cat_along_the_features_is_sharded(tp, sequence_parallel):
     """The heads joined by ``cat`` along their features, not ``stack`` on a new dim."""
-    for tp, sequence_parallel in ((2, False), (4, True)):
-        plan, report = _run(HeadLoopLM("cat"), tp, sequence_parallel)
-        assert isinstance(plan["layers.*.mixer.in_proj"], ColwiseParallel), plan
-        assert all(abs(f - 1 / tp) < 0.03 for f in report.param_fraction), report.param_fraction
+    plan, report = _run(HeadLoopLM("cat"), tp, sequence_parallel)
+    assert isinstance(plan["layers.*.mixer.in_proj"], ColwiseParallel), plan
+    assert all(abs(f - 1 / tp) < 0.03 for f in report.param_fraction), report.param_fraction
 
 
 @pytest.mark.parametrize("variant", ["first", "mix", "uneven", "constant"])

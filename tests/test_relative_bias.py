@@ -31,6 +31,7 @@ from torch.distributed.tensor.parallel import ColwiseParallel
 import autotp
 from autotp import styles
 from autotp.synth import explain
+from autotp.synth.api import plan_with_analysis
 from autotp.verifier import verify
 from tests.synth_toy import DIM, HEADS, VOCAB, example_tokens
 from tests.test_loop_experts import LoopExperts, MoE, megatron_bound
@@ -194,9 +195,9 @@ def test_gather_along_the_sharded_dim_stays_whole():
     for layer in model.layers:
         layer.attn.bias = HeadPicking()
     inputs = _inputs()
-    reasons = {r.key: r.reason for r in explain(model, example_inputs=inputs, tp_size=2)}
+    plan, analysis = plan_with_analysis(model, example_inputs=inputs, tp_size=2)  # traced once
+    reasons = {r.key: r.reason for r in explain(analysis=analysis)}
     assert "picks along the sharded dim" in reasons.get("layers.*.attn.r", ""), reasons.get("layers.*.attn.r")
-    plan = autotp.synthesize(model, example_inputs=inputs, tp_size=2, verify=False)
     assert "layers.*.attn.r" not in plan
     report = verify(model, plan, tp_size=2, example_inputs=inputs)
     assert report.ok, str(report)
