@@ -8,8 +8,8 @@ tables, JSON and plan comparison), and the per-module difference of two plans.
 from __future__ import annotations
 
 import difflib
+import functools
 import re
-from fnmatch import fnmatch
 
 from torch import nn
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
@@ -36,8 +36,34 @@ def key_matches(key: str, fqn: str) -> bool:
     >>> key_matches("model.*.up_proj", "model.layers.3.mlp.up_proj")
     False
     """
-    key_atoms, fqn_atoms = key.split("."), fqn.split(".")
-    return len(key_atoms) == len(fqn_atoms) and all(fnmatch(f, k) for k, f in zip(key_atoms, fqn_atoms))
+    return _key_pattern(key).fullmatch(fqn) is not None
+
+
+@functools.lru_cache(maxsize=4096)
+def _key_pattern(key: str) -> re.Pattern:
+    """``key`` as one regular expression over a whole FQN: its atoms fnmatch patterns (``*`` and
+    ``?`` stay inside an atom, ``[...]`` is a class of one character), joined by literal dots."""
+    atoms = []
+    for atom in key.split("."):
+        out, i = [], 0
+        while i < len(atom):
+            c = atom[i]
+            end = atom.find("]", i + 2) if c == "[" else -1
+            if c == "*":
+                out.append("[^.]*")
+            elif c == "?":
+                out.append("[^.]")
+            elif end > 0:  # fnmatch's class: [!...] negates, the rest is literal
+                body = atom[i + 1:end]
+                negate = body.startswith("!")
+                body = re.escape(body[1:] if negate else body).replace("\\-", "-")
+                out.append(f"[^.{body}]" if negate else f"(?!\\.)[{body}]")
+                i = end
+            else:
+                out.append(re.escape(c))
+            i += 1
+        atoms.append("".join(out))
+    return re.compile("\\.".join(atoms), re.DOTALL)
 
 
 def matched_modules(model: nn.Module, key: str) -> list[str]:

@@ -113,3 +113,25 @@ def test_head_counts_are_checked_only_when_the_plan_shards_heads():
     with simulated_mesh(2) as mesh:
         with pytest.raises(MeshError, match="num_key_value_heads=1 cannot be split over tp=2"):
             apply_plan(copy.deepcopy(model), mesh, attention)
+
+
+def test_plan_keys_select_modules_as_parallelize_module_does():
+    """``key_matches`` (one compiled pattern per key) against torch's own rule: the key and the FQN
+    split on dots, then fnmatch atom by atom. Would catch ``*`` crossing a dot, or a class or ``?``
+    read differently."""
+    from fnmatch import fnmatch
+
+    from autotp.plan import key_matches
+
+    keys = ["model.layers.*.mlp.up_proj", "model.*.up_proj", "*", "*.*", "model.layers.?.mlp",
+            "model.layers.[0-2].self_attn", "model.layers.[!0].self_attn", "h.*.attn.c_*", "lm_head",
+            "model.layers.1*.mlp", "model.layers.*", "a+b.(c)", "model.layers.[13].x"]
+    fqns = ["model.layers.3.mlp.up_proj", "model.layers.12.mlp.up_proj", "model.up_proj", "model",
+            "model.layers.3.mlp", "model.layers.1.self_attn", "model.layers.0.self_attn", "h.0.attn.c_attn",
+            "h.0.attn.c_proj", "lm_head", "model.layers.10.mlp", "model.layers.1", "model.layers.", "a+b.(c)",
+            "model.layers.3.x", "model.layers.2.x", "model.layers..x"]
+    for key in keys:
+        for fqn in fqns:
+            k, f = key.split("."), fqn.split(".")
+            expected = len(k) == len(f) and all(fnmatch(b, a) for a, b in zip(k, f))
+            assert key_matches(key, fqn) == expected, (key, fqn)
