@@ -8,6 +8,10 @@ says what the plan must do: a row-parallel Linear to close it, a packed style wh
 cut into parts, an exact style for a norm that reduces over it or whose gradient becomes partial.
 Each :class:`Finding` names the module, the problem and the fix.
 
+The checker knows styles only by what they declare (:mod:`autotp.styles.declared`: a column or a
+row, packed parts, per-head parameters, reduced gradients, divided counts, sliced entries): a new
+style is checked once its ``declares()`` says what it shards, with no change here.
+
 Where tp exceeds the kv heads, a k/v projection under :class:`~autotp.styles.ReplicatedKVColwise`
 is read as the synthesizer reads it: its shard may view off one head, and each rank holds the kv
 head its query heads read (its ``kv_heads`` must be the heads its output reaches attention with).
@@ -27,17 +31,13 @@ from dataclasses import dataclass
 from functools import partial
 
 from torch import nn
-from torch.distributed.tensor import Replicate, Shard
-from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 from torch.distributed.tensor.parallel.style import ParallelStyle
 
-from autotp import styles
 from autotp.apply import check_divisible, check_tied_styles
 from autotp.check_cache import cached_findings
 from autotp.copying import deep_copy
-from autotp.styles.raw_linear import LinearParams
+from autotp.styles.declared import NOTHING, Shards, chain_declaration, declaration
 from autotp.styles.group_copies import Copies, expand_module
-from autotp.styles.params import HeadParams
 from autotp.errors import AutoTPError
 from autotp.hf_plans import as_styles
 from autotp.plan import Plan, base_style, describe_plan, describe_style, key_matches
@@ -47,30 +47,30 @@ from autotp.synth.assign import expert_roles, norm_roles
 from autotp.synth.copies import expanded_sizes
 from autotp.synth.graph import build_graph
 from autotp.synth.groups import _materialized, _random_like
-from autotp.synth.local_run import capture_inputs
-from autotp.synth.localize import candidate_names, inner_roles, with_width_view
+from autotp.synth.local_run import capture_inputs, inner_roles
+from autotp.synth.localize import candidate_names, with_width_view
 from autotp.synth.param_roles import param_roles
-from autotp.synth.params import reading_module
+from autotp.synth.queries import reading_module
 from autotp.synth.roles import Role
 from autotp.synth.shape_proof import head_names, runs_into_other_shapes, shape_proof, shaped_roots, shaped_sizes
 from autotp.synth.trace import LayerGroups, collapsed, example_args, on_meta, trace
 
 log = logging.getLogger(__name__)
 
-# What each role the graph demands needs from the plan: (acceptable style classes, fix).
+# What each role the graph demands needs from the plan: (whether a style's declaration meets it, fix).
 _REQUIRED = {
     "head_norm": (
-        (styles.ReplicatedWithGradAllReduce, HeadParams),
+        lambda shards: shards.head_params,
         "its weight gradient is a per-rank partial sum over the heads each rank holds; "
         "use HeadShardedNorm() (replicated weight, gradient all-reduced)",
     ),
     "width_norm": (
-        (styles.WidthShardedNorm,),
+        lambda shards: shards.width_norm,
         "it reduces over the sharded width (a norm over the full projected features); "
         "use WidthShardedNorm() or leave the projection before it replicated",
     ),
     "experts": (
-        (styles.ExpertsParallel,),
+        lambda shards: shards.experts is not None,
         "its experts read sharded activations; use ExpertsParallel()",
     ),
 }
@@ -121,32 +121,33 @@ def _size_findings(model: nn.Module, plan: Plan, tp_size: int) -> list[Finding]:
     return findings
 
 
-def _raw_kind(g, node: str, style: ParallelStyle | None) -> str | None:
-    """``"column"`` / ``"row"`` when ``style`` (a :class:`LinearParams`) shards the raw weight of
-    Linear-like node ``node`` so; None otherwise."""
-    if not isinstance(style, LinearParams) or not raw_weight(g, node):
+def _raw_kind(g, node: str, shards: Shards) -> str | None:
+    """``"column"`` / ``"row"`` when a style declaring ``shards`` (raw weights multiplied like a
+    Linear's) shards the raw weight of Linear-like node ``node`` so; None otherwise."""
+    if shards.raw_linear is None or not raw_weight(g, node):
         return None
     leaf = reading_module(g, linear_weight(g, node))[1]  # a child's weight read here is dotted
-    return "column" if leaf in style.columns else "row" if leaf in style.rows else None
+    columns, rows = shards.raw_linear
+    return "column" if leaf in columns else "row" if leaf in rows else None
 
 
-def _experts_kind(g, node: str, style: ParallelStyle | None) -> str | None:
-    """``"column"`` / ``"row"`` when ``style`` (an :class:`~autotp.styles.ExpertsParallel`) shards
-    the 3-D per-expert weight that node ``node`` multiplies by on its output / input features (the
+def _experts_kind(g, node: str, shards: Shards) -> str | None:
+    """``"column"`` / ``"row"`` when a style declaring ``shards`` (per-expert weights) shards the
+    3-D per-expert weight that node ``node`` multiplies by on its output / input features (the
     rank's share of every expert's FFN); None otherwise."""
     weight = weight_of(g, node)
-    if not isinstance(style, styles.ExpertsParallel) or weight is None or len(g.nodes[weight.node]["shape"]) != 3:
+    if shards.experts is None or weight is None or len(g.nodes[weight.node]["shape"]) != 3:
         return None
-    dim = style.shard_dims.get(reading_module(g, weight.node)[1])
+    dim = shards.experts.get(reading_module(g, weight.node)[1])
     return "column" if dim == weight.out_dim else "row" if dim == weight.in_dim else None
 
 
-def _experts_parts(g, node: str, style, sizes: tuple[int, ...]) -> Finding | None:
+def _experts_parts(g, node: str, shards: Shards, sizes: tuple[int, ...]) -> Finding | None:
     """A finding when experts columns (node ``node``) whose output the graph cuts into the parts
-    ``sizes`` are not packed alike by their :class:`~autotp.styles.ExpertsParallel` style (which
-    packs equal parts only: the rank's share of each)."""
+    ``sizes`` are not packed alike by their per-expert style (which packs equal parts only: the
+    rank's share of each)."""
     module, name = reading_module(g, linear_weight(g, node))
-    given = style.packed.get(name, 1)
+    given = shards.experts_packed.get(name, 1)
     if len(set(sizes)) == 1 and given == len(sizes):
         return None
     if len(set(sizes)) == 1:
@@ -157,23 +158,14 @@ def _experts_parts(g, node: str, style, sizes: tuple[int, ...]) -> Finding | Non
                    "cannot pack", "keep this module's experts whole", "fused_sizes")
 
 
-def _slices_entries(style: ParallelStyle | None) -> bool:
-    """Whether ``style`` (or a style it wraps) is :class:`~autotp.styles.ShardedInputs`."""
-    while style is not None:
-        if isinstance(style, styles.ShardedInputs):
-            return True
-        style = getattr(style, "wrapped", None)
-    return False
-
-
-def _starts_shard(style: ParallelStyle | None) -> bool:
+def _starts_shard(shards: Shards) -> bool:
     """Column styles whose output stays sharded (a gathered output ends the shard at once)."""
-    return isinstance(style, ColwiseParallel) and tuple(style.output_layouts) != (Replicate(),)
+    return shards.linear == "column" and shards.output_sharded
 
 
-def _scatters_heads(style: ParallelStyle | None) -> bool:
+def _scatters_heads(shards: Shards) -> bool:
     """Row styles whose reduced output is scattered onto its last dim (one value per head)."""
-    return isinstance(style, RowwiseParallel) and tuple(style.output_layouts) == (Shard(-1),)
+    return shards.linear == "row" and shards.scatters_heads
 
 
 def _held_whole(style: ParallelStyle | None) -> tuple[tuple[int, int], ...]:
@@ -181,22 +173,23 @@ def _held_whole(style: ParallelStyle | None) -> tuple[tuple[int, int], ...]:
     every rank (parts of one group: the one kv head of a fused multi-query qkv) around a column
     style; empty for any other style, or for copies of several groups (which the graph of the
     unexpanded model cannot place)."""
-    if not isinstance(style, styles.GroupCopies) or not isinstance(style.base, ColwiseParallel):
+    copies = declaration(style).copies
+    if copies is None or declaration(copies.base).linear != "column":
         return ()
-    parts = style.rows.get("weight", (0, 0, ()))[2]
+    parts = copies.rows.get("weight", (0, 0, ()))[2]
     if not parts or any(part[2] != 1 or len(part) > 3 for part in parts):
         return ()
     return tuple(sorted((part[0], part[1]) for part in parts))
 
 
-def _expanded_copies(resolved: dict) -> dict[str, styles.GroupCopies]:
+def _expanded_copies(resolved: dict) -> dict[str, ParallelStyle]:
     """The :class:`~autotp.styles.GroupCopies` of a plan (by module FQN) that the graph of the
     unexpanded model cannot place: copies of several groups, of a module's parameters, or with
     attribute values, and every copy under a module that has one. Their plan is read on the
     expanded model (where the copies are groups like the others), as the synthesizer analyses it
     (:mod:`autotp.synth.groups`); copies of one group of a Linear alone are read as parts held whole
     (:func:`_held_whole`)."""
-    copies = {fqn: style for fqn, (_, style) in resolved.items() if isinstance(style, styles.GroupCopies)}
+    copies = {fqn: style for fqn, (_, style) in resolved.items() if declaration(style).copies is not None}
     unplaced = {fqn for fqn, style in copies.items() if style.values or not _held_whole(style)}
     return {fqn: style for fqn, style in copies.items()
             if any(fqn == top or fqn.startswith(top + ".") for top in unplaced)}
@@ -316,36 +309,44 @@ def _graph_findings(model: nn.Module, resolved: dict, example_inputs, tp_size: i
     else:
         program, groups = trace(model, example_inputs)
         g = build_graph(program)
+    # What each module's style declares: the style that places its parameters (``base``), and the
+    # whole wrapper chain (``chain``: boundary hooks such as sliced entries, divided counts).
     style_of = {fqn: base_style(style) for fqn, (_, style) in resolved.items()}
     held = {fqn: _held_whole(style) for fqn, style in style_of.items()}
     held = {fqn: spans for fqn, spans in held.items() if spans}
     style_of.update({fqn: style_of[fqn].base for fqn in held})
+    base = {fqn: declaration(style) for fqn, style in style_of.items()}
+    chain = {fqn: chain_declaration(style) for fqn, (_, style) in resolved.items()}
+
+    def of(module) -> Shards:
+        return base.get(module, NOTHING)
+
     linears = {n: g.nodes[n]["module"] for n in g.nodes if is_linear(g, n)}
     active = {n for n, module in linears.items()
-              if _starts_shard(style_of.get(module)) or _raw_kind(g, n, style_of.get(module)) == "column"
-              or _experts_kind(g, n, style_of.get(module)) == "column" or _scatters_heads(style_of.get(module))}
-    packed = {n for n in active if getattr(style_of.get(linears[n]), "sizes", None)}
+              if _starts_shard(of(module)) or _raw_kind(g, n, of(module)) == "column"
+              or _experts_kind(g, n, of(module)) == "column" or _scatters_heads(of(module))}
+    packed = {n for n in active if of(linears[n]).sizes}
     copied = {n: frozenset(held[linears[n]]) for n in active if linears[n] in held}
-    scattered = frozenset(n for n in active if _scatters_heads(style_of.get(linears[n])))
-    kv = frozenset(n for n in active if isinstance(style_of.get(linears[n]), styles.ReplicatedKVColwise))
+    scattered = frozenset(n for n in active if _scatters_heads(of(linears[n])))
+    kv = frozenset(n for n in active if of(linears[n]).kv_repeat is not None)
     flow = propagate_packed(g, active, packed, unit_heads=kv, copied=copied, head_scatters=scattered)
     findings = []
 
     def where(node):
         return f"{g.nodes[node]['op']} in {g.nodes[node]['module'] or 'the root'}"
 
-    findings += _kv_findings(g, flow, kv, {n: style_of[linears[n]] for n in kv}, tp_size)
+    findings += _kv_findings(g, flow, kv, {n: of(linears[n]).kv_repeat for n in kv}, tp_size)
     for root, (reason, node) in flow.broken.items():
         findings.append(Finding(linears[root], f"its column-sharded output meets {where(node)}: {reason}",
                                 "replicate this Linear, gather its output, or shard what follows it exactly",
                                 "breaks_shard"))
     for source, module in sorted(flow.entry_shards):
-        if not _slices_entries(resolved.get(module, (None, None))[1]):
+        if not chain.get(module, NOTHING).slices_entries:
             findings.append(Finding(module, f"its sharded heads meet a value made outside it that holds every head "
                                     f"({g.nodes[source]['shape']}), handed over whole",
                                     "slice that argument to the module's heads at entry (ShardedInputs), or "
                                     "replicate the head projections", "entry_not_sliced"))
-    for row in sorted(n for n in active if _scatters_heads(style_of.get(linears[n])) and n not in flow.scatters):
+    for row in sorted(n for n in active if _scatters_heads(of(linears[n])) and n not in flow.scatters):
         findings.append(Finding(linears[row], "its output is scattered onto its last dim, but it does not make one "
                                 "value per head of a sharded input (a row whose output features number its heads)",
                                 "use RowwiseParallel() (output reduced whole)", "scatter_not_per_head"))
@@ -355,14 +356,13 @@ def _graph_findings(model: nn.Module, resolved: dict, example_inputs, tp_size: i
         findings.append(Finding(linears[root], f"column-sharded, but {reason}",
                                 "pair it with a row-parallel Linear or gather its output", "unclosed_column"))
     for root, ranges in flow.splits.items():
-        module, style = linears[root], style_of.get(linears[root])
+        module, shards = linears[root], of(linears[root])
         sizes = part_sizes(ranges, g.nodes[root]["shape"][-1])
         if root in copied:  # the style's sizes count each part held whole tp times
             sizes = expanded_sizes(sizes, tuple(copied[root]), tp_size)
-        packed = getattr(style, "sizes", None) if isinstance(
-            style, (styles.PackedColwiseParallel, styles.ColwiseParallelInOut)) else None
-        if isinstance(style, styles.ExpertsParallel):  # one finding per module, not per expert's product
-            found = _experts_parts(g, root, style, sizes)
+        packed = shards.sizes if shards.linear == "column" else None
+        if shards.experts is not None:  # one finding per module, not per expert's product
+            found = _experts_parts(g, root, shards, sizes)
             findings += [found] if found is not None and found not in findings else []
             continue
         if not packed:
@@ -370,11 +370,11 @@ def _graph_findings(model: nn.Module, resolved: dict, example_inputs, tp_size: i
                                     "contiguously, so ranks get mixed parts and the logits are wrong",
                                     f"use PackedColwiseParallel(sizes={sizes})", "fused_contiguous"))
         elif packed != sizes:
-            findings.append(Finding(module, f"PackedColwiseParallel sizes {style.sizes} differ from the parts "
+            findings.append(Finding(module, f"PackedColwiseParallel sizes {packed} differ from the parts "
                                     f"{sizes} the graph cuts", f"use sizes={sizes}", "fused_sizes"))
     for row in flow.rows:
-        style, sizes = style_of.get(linears[row]), flow.row_packs.get(row)
-        given = getattr(style, "sizes", None) if isinstance(style, RowwiseParallel) else sizes
+        shards, sizes = of(linears[row]), flow.row_packs.get(row)
+        given = shards.sizes if shards.linear == "row" else sizes
         if given != sizes:  # its weight's columns would not be the features each rank holds
             held = f"hold parts {sizes} with a share of each on every rank" if sizes else "are one contiguous block"
             findings.append(Finding(linears[row], f"its input features {held}, but its style takes them as "
@@ -382,16 +382,16 @@ def _graph_findings(model: nn.Module, resolved: dict, example_inputs, tp_size: i
                                     "its features by other features' weights",
                                     f"use sizes={sizes}" if sizes else "drop its sizes", "packed_row"))
     reached_rows = {linears[r] for r in flow.rows}
-    rowwise = {linears[r] for r in flow.rows if isinstance(style_of.get(linears[r]), RowwiseParallel)
-               or "row" in (_raw_kind(g, r, style_of.get(linears[r])), _experts_kind(g, r, style_of.get(linears[r])))}
+    rowwise = {linears[r] for r in flow.rows if of(linears[r]).linear == "row"
+               or "row" in (_raw_kind(g, r, of(linears[r])), _experts_kind(g, r, of(linears[r])))}
     for row in reached_rows:
         if row not in rowwise:
             findings.append(Finding(row, "receives a column-sharded input but is not row-parallel, so it "
                                     "reads a slice of the features as if it were all of them",
                                     "make it RowwiseParallel() (or gather the producer's output)", "missing_row"))
-    for module, style in style_of.items():
+    for module, shards in base.items():
         linear_modules = set(linears.values())
-        expects_shard = isinstance(style, RowwiseParallel) and tuple(style.input_layouts) != (Replicate(),)
+        expects_shard = shards.linear == "row" and shards.input_sharded
         if expects_shard and module in linear_modules and module not in reached_rows:
             findings.append(Finding(module, "row-parallel, but its input is not column-sharded by the plan",
                                     "shard the Linear that produces its input column-wise, or use "
@@ -401,23 +401,23 @@ def _graph_findings(model: nn.Module, resolved: dict, example_inputs, tp_size: i
     demanded = {**norm_roles(g, flow, set(linears.values())), **expert_roles(g, flow, {}, reached)}
     for module, role in demanded.items():
         need = _REQUIRED.get(role.kind)
-        if need and not isinstance(style_of.get(module), need[0]):
+        if need and not need[0](of(module)):
             problem, _, fix = need[1].partition("; ")
             findings.append(Finding(module, problem, fix, f"{role.kind}_style"))
     for module in flow.width_stats:
-        if not _wraps(resolved[module][1] if module in resolved else None, styles.ShardedStatistics):
+        if not chain.get(module, NOTHING).statistics:
             findings.append(Finding(module, "its code takes statistics (a mean, a std) over the width its column "
                                     "Linears shard, so each rank would read only its own slice",
                                     "use ShardedStatistics() on it and ColwiseParallel(use_local_output=False) on "
                                     "its columns, or leave those columns replicated", "width_stats_style"))
-    findings += _param_findings(g, flow, style_of, {**{m: None for m in linears.values()}, **demanded})
-    roles = _plan_roles(style_of, set(linears.values()))
-    views = {fqn: view for fqn, (_, style) in resolved.items() if (view := _width_view(style)) is not None}
-    findings += _reshape_findings(model, g, flow, roles, style_of, (groups, example_inputs), tp_size, views)
+    findings += _param_findings(g, flow, base, {**{m: None for m in linears.values()}, **demanded})
+    roles = _plan_roles(base, set(linears.values()))
+    views = {fqn: shards.width_view for fqn, shards in chain.items() if shards.width_view is not None}
+    findings += _reshape_findings(model, g, flow, roles, base, (groups, example_inputs), tp_size, views)
     return findings
 
 
-def _kv_findings(g, flow, roots: frozenset, style_of: dict, tp_size: int) -> list[Finding]:
+def _kv_findings(g, flow, roots: frozenset, repeats: dict, tp_size: int) -> list[Finding]:
     """k/v projections a :class:`~autotp.styles.ReplicatedKVColwise` repeats over the ranks whose
     heads do not reach attention as that style says: it must be the k or v of an attention with more
     query heads than its kv heads (:func:`~autotp.synth.analysis.wider_attention`), and its
@@ -426,16 +426,16 @@ def _kv_findings(g, flow, roots: frozenset, style_of: dict, tp_size: int) -> lis
     rows that are not the head its query heads read."""
     findings = []
     for root in sorted(roots, key=lambda n: g.nodes[n]["order"]):
-        style, module = style_of[root], g.nodes[root]["module"]
+        (kv_heads, head_dim), module = repeats[root], g.nodes[root]["module"]
         if root in flow.broken:
             continue  # its shard breaks: that finding says more
         width, heads = g.nodes[root]["shape"][-1], flow.extent.get(root, 0)
-        declared = f"ReplicatedKVColwise(kv_heads={style.kv_heads}, head_dim={style.head_dim})"
+        declared = f"ReplicatedKVColwise(kv_heads={kv_heads}, head_dim={head_dim})"
         if wider_attention(flow, root) is None:
             findings.append(Finding(module, f"{declared}, but its output is not the keys or values of an attention "
                                     "with more query heads than its heads, so no rank's query heads read the head "
                                     "it is given", "use ColwiseParallel() (or keep it whole)", "kv_not_grouped"))
-        elif (style.kv_heads, style.head_dim) != (heads, width // max(heads, 1)) or tp_size % style.kv_heads:
+        elif (kv_heads, head_dim) != (heads, width // max(heads, 1)) or tp_size % kv_heads:
             fix = (f"use ReplicatedKVColwise(kv_heads={heads}, head_dim={width // heads})" if heads and
                    tp_size % heads == 0 else f"use tp a multiple of its {heads} kv heads")
             findings.append(Finding(module, f"{declared}, but its {width} output features reach attention as "
@@ -444,29 +444,28 @@ def _kv_findings(g, flow, roots: frozenset, style_of: dict, tp_size: int) -> lis
     return findings
 
 
-def _param_findings(g, flow, style_of: dict, taken: dict) -> list[Finding]:
+def _param_findings(g, flow, declared: dict, taken: dict) -> list[Finding]:
     """Parameters of a module that meet a sharded activation without a style that shards them with
     the heads or reduces their gradient (:func:`autotp.synth.params.param_roles`)."""
     findings = []
     roles = {m: r if r is not None else Role("column", "") for m, r in taken.items()}
     for module, role in param_roles(g, flow, roles).items():
-        style = style_of.get(module)
-        shard_dims = style.shard_dims if isinstance(style, HeadParams) else {}
+        shards = declared.get(module, NOTHING)
+        shard_dims = shards.param_dims or {}
         for name, dim in role.param_dims:
             if shard_dims.get(name) != dim:
                 findings.append(Finding(
                     module, f"its parameter {name} meets the sharded heads along its dim {dim} but is not "
                     "sharded with them, so each rank reads entries of other ranks' heads or fails on the shape",
                     f"use HeadParams(shard_dims={dict(role.param_dims)}, reduce={role.grad_reduced})", "head_params_style"))
-        packed = style.packed if isinstance(style, HeadParams) else {}
+        packed = shards.param_packed or {}
         for name, sizes in role.param_packed:
             if packed.get(name) != sizes:
                 findings.append(Finding(
                     module, f"its parameter {name} is sharded with the parts {sizes} of a packed Linear but not "
                     "packed like them, so each rank reads entries of other parts",
                     f"use HeadParams(..., packed={dict(role.param_packed)})", "packed_params_style"))
-        reduced = isinstance(style, styles.ReplicatedWithGradAllReduce) or (
-            isinstance(style, HeadParams) and set(role.grad_reduced) <= set(style.reduce))
+        reduced = shards.reduces(role.grad_reduced)
         if role.grad_reduced and not reduced:
             findings.append(Finding(
                 module, f"its parameters {', '.join(role.grad_reduced)} meet a sharded activation, so each "
@@ -475,58 +474,29 @@ def _param_findings(g, flow, style_of: dict, taken: dict) -> list[Finding]:
     return findings
 
 
-def _plan_roles(style_of: dict, linear_modules: set[str]) -> dict:
-    """The roles ``style_of`` gives the traced modules, as the per-rank shape proof reads them."""
+def _plan_roles(declared: dict, linear_modules: set[str]) -> dict:
+    """The roles the styles' declarations (``declared``, by module) give the traced modules, as the
+    per-rank shape proof reads them."""
     roles = {}
-    for module, style in style_of.items():
-        in_out = isinstance(style, (styles.ColwiseParallelInOut, styles.RowwiseParallelInOut))
-        sizes = getattr(style, "sizes", None)
-        if module in linear_modules and isinstance(style, styles.ReplicatedKVColwise):
-            roles[module] = Role("kv_column", "", head_dim=style.head_dim)
-        elif module in linear_modules and _starts_shard(style):
+    for module, shards in declared.items():
+        in_out, sizes = shards.weight_in_out, shards.sizes
+        if module in linear_modules and shards.kv_repeat is not None:
+            roles[module] = Role("kv_column", "", head_dim=shards.kv_repeat[1])
+        elif module in linear_modules and _starts_shard(shards):
             roles[module] = Role("packed_column" if sizes else "column", "", sizes=sizes, weight_in_out=in_out)
-        elif module in linear_modules and isinstance(style, RowwiseParallel):
-            roles[module] = Role("row", "", weight_in_out=in_out, scatter_heads=_scatters_heads(style))
-        elif isinstance(style, styles.WidthShardedNorm):
+        elif module in linear_modules and shards.linear == "row":
+            roles[module] = Role("row", "", weight_in_out=in_out, scatter_heads=_scatters_heads(shards))
+        elif shards.width_norm:
             roles[module] = Role("width_norm", "")
-        elif isinstance(style, LinearParams):
-            roles[module] = Role("linear_params", "", param_dims=tuple(style.shard_dims.items()),
-                                 columns=style.columns, rows=style.rows)
-        elif isinstance(style, HeadParams):
-            roles[module] = Role("head_params", "", param_dims=tuple(style.shard_dims.items()))
+        elif shards.raw_linear is not None:
+            roles[module] = Role("linear_params", "", param_dims=tuple(shards.param_dims.items()),
+                                 columns=shards.raw_linear[0], rows=shards.raw_linear[1])
+        elif shards.param_dims is not None:
+            roles[module] = Role("head_params", "", param_dims=tuple(shards.param_dims.items()))
     return roles
 
 
-def _wraps(style: ParallelStyle | None, kind: type) -> bool:
-    """Whether ``style`` is, or wraps, a ``kind`` style."""
-    while style is not None:
-        if isinstance(style, kind):
-            return True
-        style = getattr(style, "wrapped", None)
-    return False
-
-
-def _divided_counts(style: ParallelStyle | None) -> tuple[str, ...]:
-    """The attributes ``style`` (or a style it wraps) divides by tp."""
-    while style is not None:
-        if isinstance(style, styles.ShardCounts):
-            return style.names
-        if isinstance(style, HeadParams):
-            return style.counts
-        style = getattr(style, "wrapped", None)
-    return ()
-
-
-def _width_view(style: ParallelStyle | None) -> tuple | None:
-    """``(inputs, readers)`` of the :class:`~autotp.styles.LocalWidthInputs` ``style`` is or wraps."""
-    while style is not None:
-        if isinstance(style, styles.LocalWidthInputs):
-            return style.inputs, style.readers
-        style = getattr(style, "wrapped", None)
-    return None
-
-
-def _reshape_findings(model: nn.Module, g, flow, roles: dict, style_of: dict, context, tp_size: int,
+def _reshape_findings(model: nn.Module, g, flow, roles: dict, declared: dict, context, tp_size: int,
                       views: dict | None = None) -> list[Finding]:
     """Modules that, run alone at per-rank widths with the attributes the plan divides, reshape a
     column shard into other shapes than the global ones with the heads divided (a fixed head count
@@ -535,17 +505,17 @@ def _reshape_findings(model: nn.Module, g, flow, roles: dict, style_of: dict, co
     views = views or {}
     groups, example_inputs = context
     by_module = {m: r for m, r in shaped_roots(g, flow, roles).items()
-                 if m and not isinstance(style_of.get(m), styles.KVHeadCounts)}
+                 if m and not declared.get(m, NOTHING).kv_counts}
     if not by_module:
         return []
     findings = []
     captured = capture_inputs(model, example_inputs, set(by_module), groups)
     for fqn, roots in by_module.items():
-        style, sizes = style_of.get(fqn), shaped_sizes(g, flow, roots)
+        sizes = shaped_sizes(g, flow, roots)
         if fqn not in captured or any(v % tp_size for v in sizes):
             continue
         view = views.get(fqn)
-        names = _divided_counts(style)
+        names = declared.get(fqn, NOTHING).counts or ()
         inner = inner_roles(roles, fqn) if view is None else with_width_view(inner_roles(roles, fqn), view)
         with collapsed(model, groups):
             module = model.get_submodule(fqn)

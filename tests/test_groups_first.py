@@ -18,7 +18,7 @@ from torch import nn
 
 from autotp.styles import GroupCopies
 from autotp.synth import explain, synthesize
-from autotp.synth.groups import copy_index
+from autotp.styles.group_copies import copy_index
 from autotp.verifier import verify
 from synth_toy import DIM, example_tokens
 from test_ssm_mixer import SSMStack

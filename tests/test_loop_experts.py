@@ -264,7 +264,7 @@ def test_partial_sum_rule_on_a_hand_built_loop():
 def test_selected_weight_needs_every_read_to_be_a_product():
     """Would catch ``W[e]`` read as a Linear weight while ``W`` is also read whole (sharding it would
     hand that reader a slice)."""
-    from autotp.synth.experts import selected_weight
+    from autotp.synth.queries import selected_weight
 
     assert selected_weight(_loop_graph(), "w0") == ("W", False)
     assert selected_weight(_loop_graph(read_weight=True), "w0") is None

@@ -18,7 +18,9 @@ from autotp._simulate import mesh_coordinate
 from autotp.errors import MeshError, PlanError
 from autotp.plan import sharded_param_dims
 from autotp.styles.base import WrapperStyle, to_local
+from autotp.styles.declared import Shards, torch_shards
 from autotp.styles.group_copies import _cut_groups
+
 
 class RotaryEmbedParallel(ParallelStyle):
     """Make a rotary-embedding module return plain, full-sequence tensors under sequence parallel.
@@ -97,6 +99,9 @@ class ShardCounts(ParallelStyle):
     def __repr__(self) -> str:
         base = f", base={self.base!r}" if self.base is not None else ""
         return f"{self.__class__.__name__}(names={self.names}{base})"
+
+    def declares(self) -> Shards:
+        return Shards(counts=self.names)
 
 
 def count_holder(module: nn.Module, name: str, copied: set[str] | None = None) -> tuple[object, str]:
@@ -187,6 +192,9 @@ class LocalWidthInputs(WrapperStyle):
     def __repr__(self) -> str:
         extra = f", style={self.style!r}" if self.style is not None else ""
         return f"{self.__class__.__name__}(inputs={self.inputs!r}, readers={self.readers!r}{extra})"
+
+    def declares(self) -> Shards:
+        return Shards(width_view=(self.inputs, self.readers))
 
 
 def width_view(module: nn.Module, inputs: tuple, readers: tuple[str, ...], tp: int, *, guard: bool = False) -> None:
@@ -319,6 +327,10 @@ class ReplicatedKVColwise(ColwiseParallel):
         gather = ", gather=True" if self.gather else ""
         return super().__repr__()[:-1] + f", kv_heads={self.kv_heads}, head_dim={self.head_dim}{gather})"
 
+    def declares(self) -> Shards:
+        """A k / v column whose ranks each hold one whole kv head."""
+        return torch_shards(self, kv_repeat=(self.kv_heads, self.head_dim))
+
 
 def sum_kv_copies(grad: DTensor, *, kv_heads: int, head_dim: int) -> DTensor:
     """Give every copy of a kv head the sum of all copies' gradients.
@@ -396,3 +408,6 @@ class KVHeadCounts(ParallelStyle):
                                                     ("head_attributes", self.head_attributes),
                                                     ("base", self.base)) if v)
         return f"{self.__class__.__name__}(heads={self.heads}, attribute={self.attribute!r}{extra})"
+
+    def declares(self) -> Shards:
+        return Shards(kv_counts=True)

@@ -20,10 +20,12 @@ from torch.distributed.tensor.placement_types import Placement
 from torch.utils._pytree import tree_leaves
 
 from autotp.errors import PlanError
+from autotp.styles.declared import Shards
 from autotp.styles.embedding import VocabParallelEmbedding  # noqa: F401 (doctest)
 from autotp.styles.norms import ReplicatedWithGradAllReduce
 from autotp.styles.base import (LocalParamsStyle, ReduceBeforeLiveDropout, WrapperStyle, all_reduce_backward,
                                 all_reduce_forward, scale_grad, mode_during_forward, reduce_feature_grads, to_local)
+
 
 class SequenceParallelAllGather(SequenceParallel):
     """A sequence-parallel norm whose output is all-gathered once, for column-parallel consumers.
@@ -816,6 +818,9 @@ class ShardedInputs(WrapperStyle):
     def __repr__(self) -> str:
         extra = f", style={self.style!r}" if self.style is not None else ""
         return f"{self.__class__.__name__}(inputs={self.inputs!r}{extra})"
+
+    def declares(self) -> Shards:
+        return Shards(slices_entries=True)
 
 
 class AllReduceOutput(ParallelStyle):

@@ -14,6 +14,8 @@ from autotp.errors import PlanError
 from autotp.styles.boundaries import GatherSequenceInput
 from autotp.styles.base import (LocalParamsStyle, all_reduce_backward, all_reduce_forward, packed_row_order, permute_rows,
                                 scale_grad)
+from autotp.styles.declared import Shards
+
 
 class ExpertsParallel(LocalParamsStyle):
     """Shard every expert of a grouped-experts module on its FFN dimension (transformers 5 MoE).
@@ -212,6 +214,9 @@ class ExpertsParallel(LocalParamsStyle):
         extra += f", once={self.once}" if self.once else ""
         extra += f", scale_rows={self.scale_rows}" if self.scale_rows else ""
         return f"{self.__class__.__name__}(shard_dims={self.shard_dims}, packed={self.packed}{extra})"
+
+    def declares(self) -> Shards:
+        return Shards(experts=dict(self.shard_dims), experts_packed=dict(self.packed))
 
 
 class PartialGradRouter(LocalParamsStyle):

@@ -13,13 +13,13 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_module, distribute_tensor
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 from torch.distributed.tensor.parallel.style import ParallelStyle
-from torch.overrides import TorchFunctionMode
 
 from autotp._simulate import mesh_coordinate
 from autotp.errors import PlanError
 from autotp.plan import sharded_param_dims
 from autotp.styles.base import (DROPOUTS, ReduceBeforeLiveDropout, WrapperStyle, is_partial, mode_during_forward,
                                 packed_row_order, permute_rows, reduce_feature_grads)
+from autotp.styles.declared import Shards, torch_shards
 from autotp.styles.group_copies import Copies, _cut_groups, _groups_whole, copy_index, expand_module, expanded_width
 from autotp.styles.params import HeadParams
 
@@ -121,6 +121,7 @@ class BroadcastRowwiseParallel(_GradSpans, _PackedInput, RowwiseParallel):
 
     def __repr__(self) -> str:
         return self._sizes_repr(super().__repr__())
+
 
 class PartialRowwiseParallel(_PackedInput, RowwiseParallel):
     """A row-parallel Linear whose output stays a ``Partial()`` DTensor (one branch of a parallel
@@ -336,6 +337,9 @@ class ColwiseParallelInOut(ColwiseParallel):
     def __repr__(self) -> str:
         return super().__repr__()[:-1] + (f", sizes={self.sizes})" if self.sizes else ")")
 
+    def declares(self) -> Shards:
+        return torch_shards(self, weight_in_out=True)
+
 
 class RowwiseParallelInOut(_GradSpans, RowwiseParallel):
     """:class:`RowwiseParallel` for a Linear-like module whose weight is stored ``(in, out)``: the
@@ -367,6 +371,9 @@ class RowwiseParallelInOut(_GradSpans, RowwiseParallel):
             partial(self._prepare_output_fn, self.output_layouts, self.use_local_output),
         )
         return self._with_grad_spans(module, device_mesh)
+
+    def declares(self) -> Shards:
+        return torch_shards(self, weight_in_out=True)
 
 
 def copy_rows(tensor: torch.Tensor, *, index: torch.Tensor) -> torch.Tensor:
@@ -432,7 +439,7 @@ class GroupCopies(ParallelStyle):
     Keyword Args:
         base (ParallelStyle | None): the style applied after the expansion (None: none).
         rows (dict[str, tuple]): parameter / buffer path -> ``(dim, width, ((start, end, groups), ...))``,
-            the grouped parts along its ``dim`` (0 for a parameter; see :func:`autotp.synth.groups.copy_index`).
+            the grouped parts along its ``dim`` (0 for a parameter; see :func:`autotp.styles.group_copies.copy_index`).
             A part ``(start, end, groups, ((width, divided), ...))`` tiles each group with pieces:
             the ``tp / groups`` ranks sharing a group each hold a share of its divided pieces (its
             query heads) and the others whole (its k and v, a fused qkv viewed groups first).
@@ -536,6 +543,9 @@ class GroupCopies(ParallelStyle):
     def __repr__(self) -> str:
         gather = ", gather=True" if self.gather else ""
         return f"{self.__class__.__name__}(base={self.base!r}, rows={self.rows}, values={self.values}{gather})"
+
+    def declares(self) -> Shards:
+        return Shards(copies=self)
 
 
 def gathered_sizes(style: GroupCopies) -> tuple[tuple[int, ...], dict[int, int]] | None:

@@ -14,6 +14,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_leaves
 
 from autotp.styles.base import LocalParamsStyle, mode_during_forward
+from autotp.styles.declared import Shards
 
 
 class ReplicatedWithGradAllReduce(LocalParamsStyle):
@@ -32,6 +33,9 @@ class ReplicatedWithGradAllReduce(LocalParamsStyle):
 
     def _grad_placement(self, name, param):
         return [Partial()]
+
+    def declares(self) -> Shards:
+        return Shards(grads_reduced=("*",))
 
 
 class HeadShardedNorm(ReplicatedWithGradAllReduce):
@@ -119,6 +123,9 @@ class WidthShardedNorm(ParallelStyle):
 
     def __repr__(self) -> str:
         return f"{self.__class__.__name__}(shard_dim={self.shard_dim})"
+
+    def declares(self) -> Shards:
+        return Shards(width_norm=True)
 
 
 class _ReduceStatistics(TorchFunctionMode):

@@ -28,6 +28,7 @@ from torch.utils._pytree import tree_map
 from autotp.errors import PlanError
 from autotp.styles.attention import ShardCounts
 from autotp.styles.base import LocalParamsStyle, all_reduce_backward, packed_row_order, permute_rows, to_local
+from autotp.styles.declared import Shards
 
 __all__ = ["HeadParams"]
 
@@ -175,6 +176,10 @@ class HeadParams(LocalParamsStyle):
                                               ("gather_inputs", self.gather_inputs),
                                               ("partial_grad_inputs", self.partial_grad_inputs)) if v]
         return f"{self.__class__.__name__}({', '.join(options)})"
+
+    def declares(self) -> Shards:
+        return Shards(param_dims=dict(self.shard_dims), param_packed=dict(self.packed), grads_reduced=self.reduce,
+                      counts=self.counts)
 
 
 def _partial_grad_input(value, *, device_mesh: DeviceMesh):

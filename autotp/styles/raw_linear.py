@@ -20,6 +20,8 @@ reads one of the weights (or a transpose, view or cast of it) is a product when 
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -30,6 +32,7 @@ from torch.utils._pytree import tree_map
 
 from autotp.errors import PlanError
 from autotp.styles.base import all_reduce_backward, all_reduce_forward, to_local
+from autotp.styles.declared import Shards
 from autotp.styles.params import HeadParams
 
 __all__ = ["LinearParams"]
@@ -160,3 +163,7 @@ class LinearParams(HeadParams):
 
     def __repr__(self) -> str:
         return f"{super().__repr__()[:-1]}, columns={self.columns!r}, rows={self.rows!r}, seq_output={self.seq_output})"
+
+    def declares(self) -> Shards:
+        """Per-head parameters, and the raw weights it multiplies like a Linear's, by role."""
+        return replace(super().declares(), raw_linear=(self.columns, self.rows))

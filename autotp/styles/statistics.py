@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import math
 
-import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate
@@ -12,6 +11,7 @@ from torch.distributed.tensor.parallel.style import ParallelStyle
 from torch.overrides import TorchFunctionMode
 
 from autotp.styles.base import WrapperStyle, mode_during_forward
+from autotp.styles.declared import Shards
 from autotp.styles.norms import _AllReduceGrad
 
 # Sum-based statistics the block's code may take over its sharded width (``autotp.synth.ops.STATISTICS``).
@@ -54,6 +54,9 @@ class ShardedStatistics(WrapperStyle):
 
     def __repr__(self) -> str:
         return f"{self.__class__.__name__}(style={self.style!r})"
+
+    def declares(self) -> Shards:
+        return Shards(statistics=True)
 
 
 class _WholeStatistics(TorchFunctionMode):

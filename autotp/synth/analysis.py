@@ -32,9 +32,9 @@ from autotp.synth.ops import (ATTENTION, ELEMENTWISE, MATMULS, SINKS, VIEW_LIKE,
                               Split, apply_rule)
 # The graph queries and the shard value live below the analysis (and the idioms it calls); the names
 # stay importable from here.
-from autotp.synth.queries import (Weight, _grad_inputs, _only_params_behind, _only_reader, _selects_expert,
-                                  _value_inputs, is_linear, linear_weight, module_of, module_outputs, param_source,
-                                  part_sizes, raw_like, raw_weight, upstream_linears, weight_of)
+from autotp.synth.queries import (_only_params_behind, _value_inputs, is_linear, linear_weight, module_of,
+                                  module_outputs, param_source, part_sizes, raw_like, raw_weight, upstream_linears,
+                                  weight_of)
 from autotp.synth.shard import Shard
 from autotp.synth.head_mixers import mixer_module
 

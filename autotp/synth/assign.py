@@ -15,7 +15,7 @@ from autotp.synth.graph import Ref, param_modules, refs
 from autotp.synth.ops import ALIASING, SINKS
 from autotp.synth.head_mixers import mixer_roles
 from autotp.synth.param_roles import broadcast_roles, param_roles
-from autotp.synth.params import reading_module
+from autotp.synth.queries import reading_module
 from autotp.synth.roles import WEIGHT_DIMS, Role, kind_of
 
 

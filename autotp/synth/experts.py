@@ -30,7 +30,7 @@ import networkx as nx
 from autotp.synth.graph import Ref, refs
 from autotp.synth.ops import INDEX_ADDS, SUMS, ZEROS
 from autotp.synth.ops import PASSTHROUGH, SINKS, VIEW_LIKE
-from autotp.synth.queries import _readers, linear_weight, module_of, part_sizes, raw_weight, selected_weight
+from autotp.synth.queries import _readers, linear_weight, module_of, part_sizes, raw_weight
 
 
 # Ops that gather or view rows of a partial sum, or scale it: linear in their first argument when

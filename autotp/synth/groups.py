@@ -43,14 +43,14 @@ from torch import nn
 from autotp.copying import deep_copy
 from autotp.errors import AutoTPError
 from autotp.logits import model_logits
-from autotp.styles.group_copies import Copies, copy_index, expand_module, expanded_width
+from autotp.styles.group_copies import Copies, expand_module, expanded_width
 from autotp.synth.analysis import Shard, is_linear, module_of, propagate
 from autotp.synth.graph import Ref, refs
 from autotp.synth.groups_first import GroupedPart, groups_first_parts
 from autotp.synth.local_run import capture_inputs
 from autotp.synth.localize import candidate_names, cutting_module
 from autotp.synth.ops import ELEMENTWISE, PASSTHROUGH, VIEW_LIKE
-from autotp.synth.params import reading_module
+from autotp.synth.queries import reading_module
 from autotp.synth.trace import LayerGroups, example_args
 
 log = logging.getLogger(__name__)

@@ -7,7 +7,7 @@ k and one v head, and ``split((q_per_kv, 1, 1))`` of that dim cuts them apart; k
 reading). With fewer groups (``tp`` a multiple of ``G``; one group is multi-query attention),
 rank r holds group ``r * G // tp``'s k and v whole, a copy shared by ``tp / G`` ranks, and its
 share of that group's query heads. That is the plain reading of an equivalent model with ``tp``
-groups, each ``[its share of q | k | v]`` of an original group (:func:`~autotp.synth.groups.copy_index`
+groups, each ``[its share of q | k | v]`` of an original group (:func:`~autotp.styles.group_copies.copy_index`
 with ``pieces``), which :mod:`autotp.synth.groups` builds, proves equal on the module's real
 inputs and analyses; until then the projection is kept whole (:func:`fewer_groups_than_tp`).
 

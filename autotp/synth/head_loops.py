@@ -82,7 +82,6 @@ def reads_head(flow, data) -> bool:
 def head_step(flow, name: str, data, dims: dict[str, int]) -> None:
     """An op that reads a head's value: a join of every head (a shard again), an op within one
     head (that head's value), or a break of every shard involved."""
-    g = flow.g
     inputs = refs(data["args"], data["kwargs"])
     values = [flow.per_head[r.name] for r in inputs if r.name in flow.per_head]
     origins = frozenset().union(*(v.origins for v in values), *(flow.state[s].origins for s in dims))

@@ -22,8 +22,8 @@ from autotp.errors import MeshError
 from autotp.kv import check_kv_replication
 from autotp.synth.analysis import Flow, Shard, module_of, wider_attention
 from autotp.synth.graph import refs
-from autotp.synth.local_run import capture_inputs, run_local
-from autotp.synth.localize import is_count, cutting_module, inner_roles
+from autotp.synth.local_run import capture_inputs, inner_roles, run_local
+from autotp.synth.localize import cutting_module, is_count
 from autotp.synth.roles import Role, kind_of
 from autotp.synth.trace import LayerGroups, collapsed
 

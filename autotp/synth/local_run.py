@@ -19,7 +19,7 @@ from collections.abc import MutableMapping
 import networkx as nx
 import torch
 from torch import nn
-from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+from torch._subclasses.fake_tensor import FakeTensor
 from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -31,9 +31,10 @@ from autotp.synth.graph import build_graph
 from autotp.synth.head_loops import later_iterations
 from autotp.synth.ops import FIXED_SIZE_CUTS
 from autotp.synth.ops import ELEMENTWISE, PASSTHROUGH, REORDERS, VIEW_LIKE
-from autotp.synth.params import chain_dims, reading_module
+from autotp.synth.params import chain_dims
+from autotp.synth.queries import reading_module
 from autotp.synth.roles import WEIGHT_DIMS, Role, kind_of
-from autotp.synth.trace import LayerGroups, _as_traced, _export, _fake_forward, collapsed, data_dependent
+from autotp.synth.trace import LayerGroups, _export, _fake_forward, collapsed, data_dependent
 from autotp.synth.trace import example_args, on_meta
 
 log = logging.getLogger(__name__)

@@ -38,7 +38,7 @@ from autotp.synth.entries import keys_of_shape
 from autotp.synth.graph import Ref, common_module
 from autotp.synth.ops import FIXED_SIZE_CUTS
 from autotp.synth.local_run import argument_roles, capture_inputs, outputs_match, run_local, shapes_are_local
-from autotp.synth.local_run import inner_roles, trace_local  # inner_roles: re-exported
+from autotp.synth.local_run import trace_local
 from autotp.synth.ops import VIEW_LIKE
 from autotp.synth.params import value_refs
 from autotp.synth.ops import SINKS

@@ -35,7 +35,7 @@ import networkx as nx
 from autotp.synth.graph import Ref, made_from_params, refs
 from autotp.synth.ops import CONSTANT_FACTORIES, SPLITS
 from autotp.synth.ops import ELEMENTWISE, PASSTHROUGH, SINKS, VIEW_LIKE
-from autotp.synth.queries import _grad_inputs, reading_module, upstream_linears
+from autotp.synth.queries import _grad_inputs, upstream_linears
 
 # One-tensor ops through which a parameter's dims can be followed back from a consumer.
 SINGLE_INPUT = PASSTHROUGH | VIEW_LIKE | ELEMENTWISE | {"unsqueeze", "squeeze", "expand", "transpose", "permute", "t", "slice",

@@ -17,8 +17,7 @@ import networkx as nx
 from autotp.synth.analysis import Flow, Shard, is_linear, linear_weight, module_of, param_source
 from autotp.synth.assign import reads_model_input
 from autotp.synth.graph import common_module, param_modules, refs
-from autotp.synth.params import reading_module
-from autotp.synth.queries import module_outputs
+from autotp.synth.queries import module_outputs, reading_module
 from autotp.synth.ops import DISPATCH, LINEAR_CARRY, MASKING, PRODUCTS, SUMS, WEIGHT_PRODUCTS
 from autotp.synth.ops import ATTENTION, CONVOLUTIONS, ELEMENTWISE, MATMULS, PASSTHROUGH, RESHAPES, SINKS
 from autotp.synth.roles import Kind, Role, kind_of

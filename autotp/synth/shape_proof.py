@@ -25,10 +25,10 @@ from autotp.synth.analysis import Flow, Shard, module_of
 from autotp.synth.carried import carried_arguments, module_arguments, with_carried
 from autotp.synth.entries import with_entries
 from autotp.synth.ops import FIXED_SIZE_CUTS
-from autotp.synth.local_run import argument_roles, capture_inputs, outputs_match, run_local, shapes_are_local
-from autotp.synth.local_run import trace_local
+from autotp.synth.local_run import (argument_roles, capture_inputs, inner_roles, outputs_match, run_local,
+                                    shapes_are_local, trace_local)
 from autotp.synth.localize import MAX_NAMES, Localization, candidate_names, cutting_module, find_names, fixed_size_roots
-from autotp.synth.localize import inner_roles, part_numbers, resolve_entries, width_view_of, with_width_view
+from autotp.synth.localize import part_numbers, resolve_entries, width_view_of, with_width_view
 from autotp.synth.ops import NEW_LIKE, VIEW_LIKE
 from autotp.synth.roles import Role, kind_of
 from autotp.synth.trace import LayerGroups, collapsed
