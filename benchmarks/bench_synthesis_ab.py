@@ -11,7 +11,7 @@ Each child runs in its side's tree and checks that ``autotp`` was imported from 
 puts the working directory first on ``sys.path``, so a child started from this checkout would
 otherwise time this checkout's code on both sides (and the editable install points here too).
 
-    git worktree add ../autotp-base <commit>
+    git worktree add ../autotp-base <commit>     # or: git archive <commit> | tar -x -C DIR; echo <commit> > DIR/COMMIT
     python benchmarks/bench_synthesis_ab.py --base ../autotp-base [--new ../autotp-head] [--rounds 3 --repeats 3]
 """
 
@@ -69,7 +69,13 @@ def run_side(tree: Path, repeats: int) -> dict[str, float]:
 
 
 def _git(tree: Path, *args: str) -> str:
-    return subprocess.run(["git", "-C", str(tree), *args], capture_output=True, text=True, check=True).stdout.strip()
+    """``git args`` in ``tree``; for a tree that is no checkout (``git archive`` output), the text of
+    its ``COMMIT`` file if it has one, else its folder name."""
+    done = subprocess.run(["git", "-C", str(tree), *args], capture_output=True, text=True)
+    if done.returncode == 0:
+        return done.stdout.strip()
+    marker = Path(tree) / "COMMIT"
+    return marker.read_text().strip() if marker.exists() else Path(tree).name
 
 
 def main() -> None:
