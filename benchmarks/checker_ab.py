@@ -139,6 +139,8 @@ def main() -> None:
         print(case, json.dumps(pair, indent=1))
     (HERE / "results" / "checker_ab.json").write_text(json.dumps(
         {"command": " ".join(["python", "benchmarks/checker_ab.py", *sys.argv[1:]]), "base": commit,
+         "tree": subprocess.run(["git", "describe", "--always", "--dirty"], cwd=ROOT, capture_output=True,
+                                text=True).stdout.strip(),
          "summary": summary, "seconds": seconds, "differ": differ,
          "findings": {case: after[case] for case in after}}, indent=1))
 
