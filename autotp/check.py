@@ -310,7 +310,8 @@ def _graph_findings(model: nn.Module, resolved: dict, example_inputs, tp_size: i
         program, groups = trace(model, example_inputs)
         g = build_graph(program)
     # What each module's style declares: the style that places its parameters (``base``), and the
-    # whole wrapper chain (``chain``: boundary hooks such as sliced entries, divided counts).
+    # whole wrapper chain (``chain``: what wrappers add at the boundary: sliced entries, width views,
+    # reduced statistics).
     style_of = {fqn: base_style(style) for fqn, (_, style) in resolved.items()}
     held = {fqn: _held_whole(style) for fqn, style in style_of.items()}
     held = {fqn: spans for fqn, spans in held.items() if spans}
@@ -322,6 +323,7 @@ def _graph_findings(model: nn.Module, resolved: dict, example_inputs, tp_size: i
         return base.get(module, NOTHING)
 
     linears = {n: g.nodes[n]["module"] for n in g.nodes if is_linear(g, n)}
+    linear_modules = set(linears.values())
     active = {n for n, module in linears.items()
               if _starts_shard(of(module)) or _raw_kind(g, n, of(module)) == "column"
               or _experts_kind(g, n, of(module)) == "column" or _scatters_heads(of(module))}
@@ -390,7 +392,6 @@ def _graph_findings(model: nn.Module, resolved: dict, example_inputs, tp_size: i
                                     "reads a slice of the features as if it were all of them",
                                     "make it RowwiseParallel() (or gather the producer's output)", "missing_row"))
     for module, shards in base.items():
-        linear_modules = set(linears.values())
         expects_shard = shards.linear == "row" and shards.input_sharded
         if expects_shard and module in linear_modules and module not in reached_rows:
             findings.append(Finding(module, "row-parallel, but its input is not column-sharded by the plan",
@@ -398,7 +399,7 @@ def _graph_findings(model: nn.Module, resolved: dict, example_inputs, tp_size: i
                                     "RowwiseParallel(input_layouts=Replicate())", "row_without_shard"))
     # Every experts module reached is the plan's own (its evidence unused here).
     reached = defaultdict(lambda: Role("experts", ""))
-    demanded = {**norm_roles(g, flow, set(linears.values())), **expert_roles(g, flow, {}, reached)}
+    demanded = {**norm_roles(g, flow, linear_modules), **expert_roles(g, flow, {}, reached)}
     for module, role in demanded.items():
         need = _REQUIRED.get(role.kind)
         if need and not need[0](of(module)):
@@ -411,7 +412,7 @@ def _graph_findings(model: nn.Module, resolved: dict, example_inputs, tp_size: i
                                     "use ShardedStatistics() on it and ColwiseParallel(use_local_output=False) on "
                                     "its columns, or leave those columns replicated", "width_stats_style"))
     findings += _param_findings(g, flow, base, {**{m: None for m in linears.values()}, **demanded})
-    roles = _plan_roles(base, set(linears.values()))
+    roles = _plan_roles(base, linear_modules)
     views = {fqn: shards.width_view for fqn, shards in chain.items() if shards.width_view is not None}
     findings += _reshape_findings(model, g, flow, roles, base, (groups, example_inputs), tp_size, views)
     return findings

@@ -8,8 +8,8 @@ extracted commit: ``PYTHONPATH`` set to it); the new side runs this checkout. Pr
 writes ``results/selection_changes.json`` and ``results/selection_changes.md``; where the new side
 says which sources it considered (``PlanChoice.considered``), the table shows that too.
 
-    git archive <commit> | tar -x -C /tmp/autotp-base
-    python benchmarks/selection_changes.py --base /tmp/autotp-base [--tp 2] [--only llama mixtral]
+    git archive <commit> | tar -x -C ../autotp-base
+    python benchmarks/selection_changes.py --base ../autotp-base [--tp 2] [--only llama mixtral]
 """
 
 from __future__ import annotations

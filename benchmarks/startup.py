@@ -19,8 +19,8 @@ Prints the table and writes ``results/startup.json`` and ``results/startup.md``.
 a shared machine carry its load: the CPU time of the process (``cpu`` columns, which leave out the
 self-check's child) is printed beside them.
 
-    git archive <commit> | tar -x -C /tmp/autotp-base
-    python benchmarks/startup.py [--base /tmp/autotp-base] [--runs 3] [--models llama olmo2] [--tp 2 8]
+    git archive <commit> | tar -x -C ../autotp-base
+    python benchmarks/startup.py [--base ../autotp-base] [--runs 3] [--models llama olmo2] [--tp 2 8]
 """
 
 from __future__ import annotations
