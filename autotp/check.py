@@ -62,7 +62,7 @@ _REQUIRED = {
     "head_norm": (
         lambda shards: shards.head_params,
         "its weight gradient is a per-rank partial sum over the heads each rank holds; "
-        "use HeadShardedNorm() (replicated weight, gradient all-reduced)",
+        "use ReplicatedWithGradAllReduce() (replicated weight, gradient all-reduced)",
     ),
     "width_norm": (
         lambda shards: shards.width_norm,
@@ -370,9 +370,9 @@ def _graph_findings(model: nn.Module, resolved: dict, example_inputs, tp_size: i
         if not packed:
             findings.append(Finding(module, f"its output is split into parts {sizes} but it is sharded "
                                     "contiguously, so ranks get mixed parts and the logits are wrong",
-                                    f"use PackedColwiseParallel(sizes={sizes})", "fused_contiguous"))
+                                    f"use Colwise(sizes={sizes})", "fused_contiguous"))
         elif packed != sizes:
-            findings.append(Finding(module, f"PackedColwiseParallel sizes {packed} differ from the parts "
+            findings.append(Finding(module, f"Colwise sizes {packed} differ from the parts "
                                     f"{sizes} the graph cuts", f"use sizes={sizes}", "fused_sizes"))
     for row in flow.rows:
         shards, sizes = of(linears[row]), flow.row_packs.get(row)

@@ -2,7 +2,7 @@
 
 A checkpoint is a ``torch.distributed.checkpoint`` (DCP) directory written by every rank, each
 its own shards. It holds the model's weights in the **model's own order**, not in the order a
-style stores them: :class:`~autotp.styles.PackedColwiseParallel` (and the packed ``InOut`` and
+style stores them: :class:`~autotp.styles.Colwise` (and the packed ``InOut`` and
 expert styles) permute the rows of a fused ``[q | k | v]`` weight so that a contiguous shard holds
 a slice of every part, and :class:`~autotp.styles.ReplicatedKVColwise` repeats each kv head's rows
 ``tp / kv_heads`` times. Both depend on tp, so the stored tensor is mapped back first (the
@@ -110,7 +110,7 @@ def _uncopy_rows(tensor: torch.Tensor, *, index: torch.Tensor) -> torch.Tensor:
 # The row maps styles store as ``_autotp_to_layout`` (a functools.partial of one of these keys),
 # and the map that undoes each. A style with a new row map must add its inverse here.
 _INVERSES: dict[Callable, Callable] = {
-    permute_rows: _unpermute_rows,  # PackedColwiseParallel, ColwiseParallelInOut(sizes), ExpertsParallel
+    permute_rows: _unpermute_rows,  # Colwise(sizes=...), Rowwise(sizes=...), ExpertsParallel
     expand_kv_rows: _collapse_kv_rows,  # ReplicatedKVColwise
     copy_rows: _uncopy_rows,  # GroupCopies
 }

@@ -145,7 +145,7 @@ def plan_rows(plan) -> list[list[str]]:
     for key, style in plan.items():
         # describe_style leaves out desired_input_layouts (RowwiseParallel rewrites it when
         # applied), but for PrepareModuleInput it is the point of the style: read it here.
-        base = base_style(style)  # a wrapper (OwnedOutput) shows the layouts of the style it wraps
+        base = base_style(style)  # a wrapper (Boundary(style=...)) shows the layouts of the style it wraps
         desc = {**describe_style(base), **{k: _as_data(getattr(base, k, None)) for k in _DESIRED_INPUT}}
         if base is not style:
             desc["style"] = f"{type(style).__name__}({desc['style']})"

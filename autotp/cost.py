@@ -9,13 +9,13 @@ boundaries are known (each module a key matches, so every layer counts):
 
 - a row-parallel Linear or a vocabulary-parallel embedding reduces its output in the forward: an
   all-reduce of the output width (2 units per element: reduce-scatter + all-gather), or a
-  reduce-scatter under sequence parallelism (1); a :class:`~autotp.styles.PartialRowwiseParallel`
+  reduce-scatter under sequence parallelism (1); a :class:`~autotp.styles.Rowwise` with ``output_layouts=Partial()``
   shares its reduction with its sibling (half each); grouped experts (``ExpertsParallel``) reduce
   their output the same way;
 - a column-parallel Linear gathers its output when the plan asks for it whole (1 unit), gathers its
   input under sequence parallelism (1 forward, 1 backward), and otherwise all-reduces its input's
   gradient in the backward (2), unless an ancestor holds a module whose output the plan makes a
-  ``Replicate()`` DTensor (:class:`~autotp.styles.ReplicatedOutput` on the block's norm): then the
+  ``Replicate()`` DTensor (:class:`~autotp.styles.Boundary` with ``outputs="replicate"`` on the block's norm): then the
   projections reading it reduce their gradients once, counted at that module (2 x its width);
   grouped experts reduce their input's gradient the same way unless the block shares it;
 - every other style counts nothing (an estimate, not a measurement: :func:`autotp.verify` counts
@@ -29,12 +29,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from torch import nn
-from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor import Partial, Replicate, Shard
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
 from autotp.memory import param_bytes_per_rank
 from autotp.plan import Plan, base_style, resolve
-from autotp.styles import ExpertsParallel, PartialRowwiseParallel, ReplicatedOutput
+from autotp.styles import Boundary, ExpertsParallel, Rowwise
 
 
 @dataclass(frozen=True)
@@ -73,7 +73,7 @@ def collective_bytes_per_token(model: nn.Module, plan: Plan) -> int:
     """
     resolved = {fqn: base_style(style) for fqn, (_, style) in resolve(model, plan).items()}
     modules = dict(model.named_modules())
-    shared = {_parent(fqn) for fqn, style in resolved.items() if type(style) is ReplicatedOutput}
+    shared = {_parent(fqn) for fqn, style in resolved.items() if _shares_output(style)}
     hidden = _hidden_size(model)
     units = 0.0  # elements moved, counted as described in the module docstring
     for fqn, style in resolved.items():
@@ -81,7 +81,7 @@ def collective_bytes_per_token(model: nn.Module, plan: Plan) -> int:
         width_in, width_out = _widths(module, hidden)
         ancestors_share = any(fqn.startswith(f"{p}.") or not p for p in shared)
         if isinstance(style, RowwiseParallel):
-            factor = 0.5 if isinstance(style, PartialRowwiseParallel) else 1.0
+            factor = 0.5 if isinstance(style, Rowwise) and tuple(style.output_layouts) == (Partial(),) else 1.0
             units += factor * _reduce_units(getattr(style, "output_layouts", None)) * width_out
         elif isinstance(style, ColwiseParallel):
             if _is(getattr(style, "output_layouts", None), Replicate):
@@ -92,9 +92,14 @@ def collective_bytes_per_token(model: nn.Module, plan: Plan) -> int:
                 units += 2 * width_in
         elif isinstance(style, ExpertsParallel):
             units += 2 * hidden + (0 if ancestors_share else 2 * hidden)
-        elif type(style) is ReplicatedOutput:
+        elif _shares_output(style):
             units += 2 * width_out
     return int(units * _element_size(model))
+
+
+def _shares_output(style) -> bool:
+    """A module (a norm) handing its output to its column readers as one value reduced once."""
+    return isinstance(style, Boundary) and (style.outputs == "replicate" or style.output_grad == "partial")
 
 
 def _reduce_units(layouts) -> int:

@@ -23,7 +23,7 @@ from autotp.plan import Plan, key_matches
 def _packed_colwise(module: nn.Module, config) -> ParallelStyle | None:
     if isinstance(module, nn.Linear):
         half = module.out_features // 2
-        return styles.PackedColwiseParallel(sizes=(half, half))
+        return styles.Colwise(sizes=(half, half))
     return None  # a 3-D expert parameter: folded into ExpertsParallel on its owner
 
 
@@ -39,7 +39,11 @@ def _mla_kv_a_proj(module: nn.Module, config) -> ParallelStyle:
             f"{type(module).__name__}: style 'mla_kv_a_proj' needs the rotary width "
             "(config.qk_rope_head_dim); the model's config has none. Use autotp.synthesize instead."
         )
-    return styles.GradAllReduceOutputSlice(width=width)
+    features = getattr(module, "out_features", None)  # the rotary part is the last ``width`` of them
+    if features is None:
+        raise PlanError(f"{type(module).__name__}: style 'mla_kv_a_proj' expects a Linear (out_features); "
+                        "use autotp.synthesize instead.")
+    return styles.Boundary(reduce_grad_features=((features - width, features),))
 
 
 # style string -> factory(module, text config) -> ParallelStyle, or None for "leave replicated".
@@ -61,7 +65,7 @@ STYLE_FACTORIES: dict[str, Callable[[nn.Module], ParallelStyle | None]] = {
     "sequence_parallel": lambda m, c: SequenceParallel(use_local_output=True),
     "replicated_with_grad_allreduce": lambda m, c: styles.ReplicatedWithGradAllReduce(),
     "mla_kv_a_proj": _mla_kv_a_proj,
-    "all_reduce": lambda m, c: styles.AllReduceOutput(),
+    "all_reduce": lambda m, c: styles.Boundary(outputs="sum"),
     "moe_tp_experts": lambda m, c: styles.ExpertsParallel(),
     # transformers pre-divides an identity expert's input by tp to cancel the all-reduce of the experts'
     # sum; autotp's ExpertsParallel reduces only the experts' own output, so none is needed.

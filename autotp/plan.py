@@ -116,14 +116,15 @@ def _close_names(key: str, names: list[str], limit: int = 3) -> list[str]:
 
 
 def describe_style(style: ParallelStyle) -> dict:
-    """A plain-data description of ``style``: its class and every layout option.
+    """A plain-data description of ``style``: its class and every layout option (a wrapper's own
+    ``style`` option as ``wrapped``, since ``style`` names the class).
 
     >>> from torch.distributed.tensor.parallel import ColwiseParallel
     >>> describe_style(ColwiseParallel())["style"]
     'ColwiseParallel'
     """
     options = {
-        name: _plain(value)
+        "wrapped" if name == "style" else name: _plain(value)
         for name, value in sorted(vars(style).items())
         if name not in _VOLATILE_OPTIONS and not name.startswith("_")
     }

@@ -33,8 +33,8 @@ import torch
 import torch.distributed as dist
 import transformers
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.tensor import Replicate, Shard
-from torch.distributed.tensor.parallel import PrepareModuleOutput, RowwiseParallel
+from torch.distributed.tensor import Partial, Shard
+from torch.distributed.tensor.parallel import RowwiseParallel
 from transformers import AutoConfig
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -128,18 +128,16 @@ def previous_layout(plan: dict, *, sequence_parallel: bool) -> dict:
     """
     old = {}
     for key, style in plan.items():
-        if isinstance(style, (styles.ReplicatedOutput, styles.ReplicatedStream)):
+        if isinstance(style, styles.ReplicatedStream) or (
+                isinstance(style, styles.Boundary) and (style.outputs == "replicate" or style.output_grad == "partial")):
             continue
         if isinstance(style, styles.ReplicatedParams) and not sequence_parallel:
             continue  # a parallel block's norm on its DTensor stream
-        if isinstance(style, styles.ReplicatedModule):
-            if style.output_layouts is not None:
-                old[key] = PrepareModuleOutput(output_layouts=Replicate(), desired_output_layouts=style.output_layouts,
-                                               use_local_output=False)
+        if isinstance(style, styles.Boundary) and style.inputs == "whole":
             continue
         if isinstance(style, styles.SequenceParallelAllGather):
             style = styles.SequenceParallelAllGather()
-        elif isinstance(style, styles.PartialRowwiseParallel):
+        elif isinstance(style, styles.Rowwise) and tuple(style.output_layouts) == (Partial(),):
             style = (RowwiseParallel(output_layouts=Shard(1), use_local_output=False) if sequence_parallel
                      else RowwiseParallel())
         old[key] = style

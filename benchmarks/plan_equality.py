@@ -7,6 +7,11 @@ sequence parallel, and writes each plan as ``{key: repr(style)}``; a style's rep
 class and every option. The models come from this checkout's ``tests/`` (they import nothing of
 autotp), so both sides plan the same modules. A case that raises records its error.
 
+Styles are compared as :func:`style_renames.canonical` writes them: the base's old spellings of the
+styles issue 40 folded (``PackedColwiseParallel(sizes=...)``, ``ReplicatedOutput()``, ...) in the new
+names (``Colwise(sizes=...)``, ``Boundary(outputs='replicate')``), options sorted; a style whose
+options or layouts differ still differs.
+
 Prints the cases that differ (keys only on one side, styles that differ) and writes
 ``results/plan_equality.json``. Exit status 1 when any case differs.
 
@@ -23,6 +28,8 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+
+from style_renames import canonical
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
@@ -65,12 +72,22 @@ def plans_of(tree: Path) -> dict:
 def differences(base: dict, new: dict) -> dict:
     out = {}
     for case in sorted(set(base) | set(new)):
-        old, now = base.get(case, {}), new.get(case, {})
+        old, now = _canonical(base.get(case, {})), _canonical(new.get(case, {}))
         diff = {key: {"base": old.get(key), "new": now.get(key)}
                 for key in sorted(set(old) | set(now)) if old.get(key) != now.get(key)}
         if diff:
             out[case] = diff
     return out
+
+
+def _canonical(plan: dict) -> dict:
+    return {key: canonical(text) if key != "<error>" else text for key, text in plan.items()}
+
+
+def _tree_name(tree: Path) -> str:
+    """A tree as the commit its ``COMMIT`` file names (``git archive`` exports), else its folder name."""
+    marker = tree / "COMMIT"
+    return marker.read_text().strip() if marker.exists() else tree.resolve().name
 
 
 def main() -> None:
@@ -91,7 +108,7 @@ def main() -> None:
             print(f"  {key}\n    base: {sides['base']}\n    new:  {sides['new']}")
     print(summary)
     args.out.parent.mkdir(exist_ok=True)
-    args.out.write_text(json.dumps({"command": " ".join(sys.argv), "base": str(args.base), "new": str(args.new),
+    args.out.write_text(json.dumps({"command": " ".join(sys.argv), "base": _tree_name(args.base), "new": _tree_name(args.new),
                                     "seconds": round(time.time() - start, 1), "summary": summary,
                                     "differences": diff, "new_plans": new}, indent=2))
     sys.exit(1 if diff else 0)

@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor import Partial, Replicate, Shard
 from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel
 
-from autotp.styles import PartialRowwiseParallel, ReplicatedOutput, SequenceParallelAllGather, VocabParallelEmbedding
+from autotp.styles import Boundary, Rowwise, SequenceParallelAllGather, VocabParallelEmbedding
 
 
 def vocab_embedding(*, sequence_parallel: bool) -> ParallelStyle:
@@ -27,7 +27,7 @@ def partial_row() -> ParallelStyle:
     """Row-parallel Linear of one branch of a parallel block: its output stays a ``Partial()``
     DTensor, summed with the other branch's before the residual add reduces both at once (an
     all-reduce, or a reduce-scatter onto the ``Shard(1)`` stream under SP)."""
-    return PartialRowwiseParallel()
+    return Rowwise(output_layouts=Partial(), use_local_output=False)
 
 
 def vocab_head(*, sequence_parallel: bool) -> ParallelStyle:
@@ -44,4 +44,4 @@ def shared_input(*, sequence_parallel: bool) -> ParallelStyle:
     gradient once per branch (an all-reduce; a reduce-scatter under SP), not once per projection."""
     if sequence_parallel:
         return SequenceParallelAllGather(use_local_output=False)
-    return ReplicatedOutput()
+    return Boundary(outputs="replicate")

@@ -16,7 +16,7 @@ from torch import nn
 from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle
 
 from autotp.errors import PlanError
-from autotp.styles import ReplicatedModule
+from autotp.styles import Boundary
 from handwritten_plans._blocks import row_output, shared_input, vocab_embedding, vocab_head
 
 
@@ -41,7 +41,7 @@ def parallelize_falcon_h1(model: nn.Module, sequence_parallel: bool = False) -> 
         # local), one for gate/up: each branch's input gradient is reduced once.
         f"{layer}.input_layernorm": shared_input(sequence_parallel=False),
         f"{layer}.pre_ff_layernorm": shared_input(sequence_parallel=False),
-        f"{layer}.mamba": ReplicatedModule(),
+        f"{layer}.mamba": Boundary(inputs="whole"),
         **{f"{layer}.self_attn.{p}_proj": ColwiseParallel() for p in "qkv"},
         f"{layer}.self_attn.o_proj": row_output(sequence_parallel=False),
         f"{layer}.feed_forward.gate_proj": ColwiseParallel(),

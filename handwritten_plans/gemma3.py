@@ -19,7 +19,7 @@ from torch.distributed.tensor.parallel import (
     SequenceParallel,
 )
 
-from autotp.styles import HeadShardedNorm, RotaryEmbedParallel
+from autotp.styles import ReplicatedWithGradAllReduce, RotaryEmbedParallel
 from handwritten_plans._blocks import row_output, shared_input
 
 _PRE_NORMS = ("input_layernorm", "pre_feedforward_layernorm")  # read by the column projections
@@ -38,8 +38,8 @@ def parallelize_gemma3(model: nn.Module, sequence_parallel: bool = False) -> dic
     plan: dict[str, ParallelStyle] = {
         **{f"{layer}.self_attn.{p}_proj": ColwiseParallel() for p in "qkv"},
         f"{layer}.self_attn.o_proj": row_output(sequence_parallel=sequence_parallel),
-        f"{layer}.self_attn.q_norm": HeadShardedNorm(),
-        f"{layer}.self_attn.k_norm": HeadShardedNorm(),
+        f"{layer}.self_attn.q_norm": ReplicatedWithGradAllReduce(),
+        f"{layer}.self_attn.k_norm": ReplicatedWithGradAllReduce(),
         f"{layer}.mlp.gate_proj": ColwiseParallel(),
         f"{layer}.mlp.up_proj": ColwiseParallel(),
         f"{layer}.mlp.down_proj": row_output(sequence_parallel=sequence_parallel),

@@ -22,7 +22,7 @@ from torch.distributed.tensor import Replicate
 from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle
 
 from autotp.errors import PlanError
-from autotp.styles import HeadShardedNorm, VocabParallelEmbedding
+from autotp.styles import ReplicatedWithGradAllReduce, VocabParallelEmbedding
 from handwritten_plans._blocks import row_output, shared_input, vocab_embedding, vocab_head
 from handwritten_plans.gemma3 import text_prefix
 
@@ -52,8 +52,8 @@ def parallelize_gemma4(model: nn.Module, sequence_parallel: bool = False) -> dic
     plan: dict[str, ParallelStyle] = {
         **{f"{layer}.self_attn.{p}_proj": ColwiseParallel() for p in "qkv"},
         f"{layer}.self_attn.o_proj": row_output(sequence_parallel=False),
-        f"{layer}.self_attn.q_norm": HeadShardedNorm(),
-        f"{layer}.self_attn.k_norm": HeadShardedNorm(),
+        f"{layer}.self_attn.q_norm": ReplicatedWithGradAllReduce(),
+        f"{layer}.self_attn.k_norm": ReplicatedWithGradAllReduce(),
         f"{layer}.mlp.gate_proj": ColwiseParallel(),
         f"{layer}.mlp.up_proj": ColwiseParallel(),
         f"{layer}.mlp.down_proj": row_output(sequence_parallel=False),

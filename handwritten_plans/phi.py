@@ -12,7 +12,7 @@ from __future__ import annotations
 from torch import nn
 from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, SequenceParallel
 
-from autotp.styles import HeadShardedNorm, JoinPartialSums, ReplicatedParams, ReplicatedStream, RotaryEmbedParallel
+from autotp.styles import ReplicatedWithGradAllReduce, JoinPartialSums, ReplicatedParams, ReplicatedStream, RotaryEmbedParallel
 from handwritten_plans._blocks import partial_row, shared_input, vocab_embedding, vocab_head
 
 
@@ -34,7 +34,7 @@ def parallelize_phi(model: nn.Module, sequence_parallel: bool = False) -> dict[s
         "lm_head": vocab_head(sequence_parallel=sequence_parallel),
     }
     if getattr(model.config, "qk_layernorm", False):  # LayerNorm over head_dim, on sharded heads
-        plan |= {f"{layer}.self_attn.{n}": HeadShardedNorm() for n in ("q_layernorm", "k_layernorm")}
+        plan |= {f"{layer}.self_attn.{n}": ReplicatedWithGradAllReduce() for n in ("q_layernorm", "k_layernorm")}
     if sequence_parallel:
         # Each branch passes through ``resid_dropout`` before the sum: in training each then gets its
         # own sequence-sharded gradient from the add, gathered once for both by the layer's join

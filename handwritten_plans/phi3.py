@@ -1,6 +1,6 @@
 """Phi3: fused ``qkv_proj`` ([q | k | v], unequal under GQA) and ``gate_up_proj`` ([gate | up]).
 
-Both fused projections are sharded part by part (:class:`PackedColwiseParallel`): a contiguous
+Both fused projections are sharded part by part (:class:`Colwise`): a contiguous
 column split would hand one rank all of q and another k and v, with wrong logits and no error.
 The attention slices qkv with sizes computed from its head counts, so :class:`ShardCounts` gives
 the attention module per-rank counts.
@@ -11,7 +11,7 @@ from __future__ import annotations
 from torch import nn
 from torch.distributed.tensor.parallel import ParallelStyle, SequenceParallel
 
-from autotp.styles import PackedColwiseParallel, RotaryEmbedParallel, ShardCounts
+from autotp.styles import Colwise, RotaryEmbedParallel, ShardCounts
 from handwritten_plans._blocks import row_output, shared_input, vocab_embedding, vocab_head
 
 
@@ -24,9 +24,9 @@ def parallelize_phi3(model: nn.Module, sequence_parallel: bool = False) -> dict[
     plan: dict[str, ParallelStyle] = {
         "model.embed_tokens": vocab_embedding(sequence_parallel=sequence_parallel),
         f"{layer}.self_attn": ShardCounts(names=("num_key_value_heads", "config.num_attention_heads")),
-        f"{layer}.self_attn.qkv_proj": PackedColwiseParallel(sizes=(q, kv, kv)),
+        f"{layer}.self_attn.qkv_proj": Colwise(sizes=(q, kv, kv)),
         f"{layer}.self_attn.o_proj": row_output(sequence_parallel=sequence_parallel),
-        f"{layer}.mlp.gate_up_proj": PackedColwiseParallel(sizes=(config.intermediate_size,) * 2),
+        f"{layer}.mlp.gate_up_proj": Colwise(sizes=(config.intermediate_size,) * 2),
         f"{layer}.mlp.down_proj": row_output(sequence_parallel=sequence_parallel),
         "lm_head": vocab_head(sequence_parallel=sequence_parallel),
     }

@@ -26,8 +26,8 @@ from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle
 
 from autotp.styles import (
     HeadParams,
-    HeadShardedNorm,
-    PackedColwiseParallel,
+    ReplicatedWithGradAllReduce,
+    Colwise,
     SequenceParallelAllGather,
     SharedReplicatedInput,
 )
@@ -47,9 +47,9 @@ def linear_attention(layer: str, model: nn.Module, *, sequence_parallel: bool) -
     # the norm's output as a plain tensor (whole sequence under SP); the layer shares one wrapper
     # of the masked value among the columns (see parallelize_qwen3_5).
     return {
-        f"{mixer}.in_proj_qkv": PackedColwiseParallel(sizes=parts),
+        f"{mixer}.in_proj_qkv": Colwise(sizes=parts),
         **{f"{mixer}.in_proj_{p}": ColwiseParallel() for p in "zba"},
-        f"{mixer}.norm": HeadShardedNorm(),
+        f"{mixer}.norm": ReplicatedWithGradAllReduce(),
         f"{mixer}.out_proj": row_output(sequence_parallel=sequence_parallel),
         mixer: HeadParams(shard_dims={"A_log": 0, "conv1d.weight": 0, "dt_bias": 0}, counts=("key_dim", "value_dim"),
                           packed={"conv1d.weight": parts}),
@@ -67,8 +67,8 @@ def parallelize_qwen3_5(model: nn.Module, sequence_parallel: bool = False) -> di
     prefix = text_prefix(model)
     layer = f"{prefix}.layers.*"
     plan = decoder_plan(prefix, sequence_parallel=sequence_parallel) | {
-        f"{layer}.self_attn.q_norm": HeadShardedNorm(),
-        f"{layer}.self_attn.k_norm": HeadShardedNorm(),
+        f"{layer}.self_attn.q_norm": ReplicatedWithGradAllReduce(),
+        f"{layer}.self_attn.k_norm": ReplicatedWithGradAllReduce(),
         "lm_head": vocab_head(sequence_parallel=sequence_parallel),
     } | linear_attention(layer, model, sequence_parallel=sequence_parallel)
     # Only the full-attention layers' pre-norm hands its readers (q/k/v) one shared DTensor; the

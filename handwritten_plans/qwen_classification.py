@@ -11,7 +11,7 @@ from __future__ import annotations
 from torch import nn
 from torch.distributed.tensor.parallel import ParallelStyle
 
-from autotp.styles import GatherSequenceInput, HeadShardedNorm
+from autotp.styles import Boundary, ReplicatedWithGradAllReduce
 from handwritten_plans.llama import decoder_plan
 
 
@@ -23,7 +23,7 @@ def parallelize_qwen_classification(model: nn.Module, sequence_parallel: bool = 
     """
     plan = decoder_plan("model", sequence_parallel=sequence_parallel)
     if hasattr(model.model.layers[0].self_attn, "q_norm"):
-        plan |= {f"model.layers.*.self_attn.{n}": HeadShardedNorm() for n in ("q_norm", "k_norm")}
+        plan |= {f"model.layers.*.self_attn.{n}": ReplicatedWithGradAllReduce() for n in ("q_norm", "k_norm")}
     if sequence_parallel:
-        plan["score"] = GatherSequenceInput()  # the stream arrives as a Shard(1) DTensor
+        plan["score"] = Boundary(inputs="gather")  # the stream arrives as a Shard(1) DTensor
     return plan

@@ -6,7 +6,6 @@ import pytest
 from torch.distributed.device_mesh import init_device_mesh
 
 import handwritten_plans
-from autotp import parallelize
 from autotp._simulate import simulated_mesh
 from autotp.apply import apply_plan, validate_tp_mesh
 from autotp.errors import MeshError, PlanError

@@ -168,6 +168,6 @@ def test_learned_shared_rope_part_stays_whole_with_its_gradient_reduced(tp_size,
     plan = autotp.synthesize(model, example_inputs=(tokens,), tp_size=tp_size, sequence_parallel=sequence_parallel, verify=False)
     assert all(f"layers.*.mixer.{name}" in plan for name in ("q", "k", "v", "o")), sorted(plan)
     rope = plan["layers.*.mixer.rope"]
-    assert isinstance(rope, styles.ReplicatedModule) and rope.reduce_grad_features == ((0, ROPE),), rope
+    assert isinstance(rope, styles.Boundary) and rope.inputs == "whole" and rope.reduce_grad_features == ((0, ROPE),), rope
     report = verify(model, plan, tp_size=tp_size, example_inputs=(tokens,))
     assert report.ok, str(report)

@@ -5,7 +5,7 @@ by every head, expanded and concatenated to each head's key; a gate of one value
 multiplied into every head) gets, on each rank, the gradient of that rank's heads only. Before
 this rule a gate computed by a Linear kept whole was accepted as is: logits exact, the gate's
 gradients a per-rank partial sum (1.6e-4 off in float64). Now the Linear it is cut from all-reduces
-that span of its output gradient (``ReplicatedModule(reduce_grad_features=...)``), or, where
+that span of its output gradient (``Boundary(inputs="whole", reduce_grad_features=...)``), or, where
 something else reads the span, the shard is refused and the attention stays whole.
 
 The toy attentions are plain PyTorch named after the pattern, verified on logits and every

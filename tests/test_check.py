@@ -66,7 +66,7 @@ def test_fused_gate_up_sharded_contiguously(models):
     plan["model.layers.*.mlp.gate_up_proj"] = ColwiseParallel()
     findings = check_plan(models["phi3"], plan, tp_size=2)
     assert [(f.module, f.kind) for f in findings] == [("model.layers.0.mlp.gate_up_proj", "fused_contiguous")]
-    assert "PackedColwiseParallel(sizes=" in findings[0].fix
+    assert "Colwise(sizes=" in findings[0].fix
 
 
 def test_reduction_over_sharded_width_olmo2_under_llama_plan(models):

@@ -19,7 +19,7 @@ from autotp import get_plan, styles
 from autotp.check import check_plan
 from autotp.cli import main
 from autotp.models import build_model, load_config, shrink_config
-from autotp.styles import GroupCopies, HeadParams, PackedColwiseParallel
+from autotp.styles import GroupCopies, HeadParams, Colwise
 from autotp.verifier import verify
 
 ATTENTION = "model.layers.*.self_attn"
@@ -98,7 +98,7 @@ def bamba_plan(values: dict) -> dict:
     return {
         "lm_head": ColwiseParallel(use_local_output=False),
         "model.embed_tokens": styles.VocabParallelEmbedding(input_layouts=Replicate()),
-        "model.layers.*.mamba.in_proj": GroupCopies(base=PackedColwiseParallel(sizes=(256, 256, 32, 32, 8)),
+        "model.layers.*.mamba.in_proj": GroupCopies(base=Colwise(sizes=(256, 256, 32, 32, 8)),
                                                     rows=BAMBA_IN_ROWS, gather=True),
         "model.layers.*.mamba.out_proj": RowwiseParallel(),
         "model.layers.*.mamba.norm": styles.WidthShardedNorm(),
@@ -106,7 +106,7 @@ def bamba_plan(values: dict) -> dict:
         "model.layers.*.feed_forward.gate_proj": ColwiseParallel(),
         "model.layers.*.feed_forward.up_proj": ColwiseParallel(),
         "model.layers.*.feed_forward.down_proj": RowwiseParallel(),
-        "model.layers.*.pre_ff_layernorm": styles.ReplicatedOutput(),
+        "model.layers.*.pre_ff_layernorm": styles.Boundary(outputs="replicate"),
     }
 
 

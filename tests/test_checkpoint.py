@@ -1,7 +1,7 @@
 """Checkpoints (DCP) and full safetensors export of TP (+ FSDP2) models, against unsharded models.
 
 The fused-projection model is tiny Phi-3: its ``qkv_proj`` / ``gate_up_proj`` are stored with
-rows permuted (``PackedColwiseParallel``), so a checkpoint or export that skipped the inverse map
+rows permuted (``Colwise``), so a checkpoint or export that skipped the inverse map
 would hold the wrong rows. The gloo tests spawn two processes once (a module fixture) and do every
 round trip in them; each test then checks the figures it is about.
 """
@@ -35,7 +35,7 @@ from autotp.models import build_model
 from gloo_launch import run_on_ranks
 
 TOLERANCE = 1e-5
-FUSED = "phi3"  # fused qkv_proj and gate_up_proj: PackedColwiseParallel in its plan
+FUSED = "phi3"  # fused qkv_proj and gate_up_proj: Colwise in its plan
 ADAMW = dict(lr=1e-2, eps=1e-3, weight_decay=0.1)  # eps as in test_training: a smooth first step
 
 

@@ -236,7 +236,7 @@ def test_check_names_a_contiguously_split_fused_projection_and_its_fix(capsys, p
     assert main(["check", "phi3", "--plan", f"{plans_file}:CONTIGUOUS_GATE_UP"]) == 1
     out = capsys.readouterr().out
     assert "model.layers.0.mlp.gate_up_proj | fused_contiguous" in out
-    assert "use PackedColwiseParallel(sizes=(8192, 8192))" in out
+    assert "use Colwise(sizes=(8192, 8192))" in out
 
 
 def test_check_json_reports_an_unmatched_key_once_and_nothing_spurious(capsys, plans_file):
@@ -428,9 +428,9 @@ def test_verify_at_tp_3_suggests_the_real_models_tp_sizes(capsys):
 
 _HARD_CODED = '''
 from torch.distributed.tensor.parallel import RowwiseParallel
-from autotp.styles import PackedColwiseParallel
+from autotp.styles import Colwise
 
-PHI3_MLP = {"model.layers.*.mlp.gate_up_proj": PackedColwiseParallel(sizes=(8192, 8192)),
+PHI3_MLP = {"model.layers.*.mlp.gate_up_proj": Colwise(sizes=(8192, 8192)),
             "model.layers.*.mlp.down_proj": RowwiseParallel()}
 
 

@@ -23,13 +23,13 @@ def test_torch_styles_are_read_from_their_layouts():
 
 
 def test_autotp_styles_declare_their_own_layouts():
-    assert declaration(styles.PackedColwiseParallel(sizes=(8, 4, 4))).sizes == (8, 4, 4)
-    assert declaration(styles.ColwiseParallelInOut()).weight_in_out
+    assert declaration(styles.Colwise(sizes=(8, 4, 4))).sizes == (8, 4, 4)
+    assert declaration(styles.Colwise(weight_in_out=True)).weight_in_out
     assert declaration(styles.ReplicatedKVColwise(kv_heads=1, head_dim=16)).kv_repeat == (1, 16)
     head = declaration(styles.HeadParams(shard_dims={"scale": 0}, reduce=("bias",), counts=("n_heads",)))
     assert (head.param_dims, head.grads_reduced, head.counts) == ({"scale": 0}, ("bias",), ("n_heads",))
     assert head.head_params and head.reduces(["bias"]) and not head.reduces(["scale"])
-    norm = declaration(styles.HeadShardedNorm())
+    norm = declaration(styles.ReplicatedWithGradAllReduce())
     assert norm.head_params and norm.reduces(["weight", "bias"]) and norm.param_dims is None
     experts = declaration(styles.ExpertsParallel())
     assert experts.experts == {"gate_up_proj": 1, "down_proj": 2} and experts.experts_packed == {"gate_up_proj": 2}

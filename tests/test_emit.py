@@ -28,7 +28,7 @@ _OPTIONAL = {
     "input_layouts": Shard(1), "output_layouts": Partial(), "desired_input_layouts": Replicate(),
     "input_kwarg_layouts": {"hidden": Shard(1)}, "desired_input_kwarg_layouts": {"hidden": Replicate()},
     "sequence_dim": 0, "shard_dim": 1, "shard_dims": {"w1": 0}, "packed": {"w1": 3}, "attribute": "groups",
-    "reshard_output": True, "sizes": (3, 3, 2), "stream": "hidden_states",
+    "sizes": (3, 3, 2), "stream": "hidden_states",
     "reduce": ("lam",), "counts": ("n_heads",), "columns": ("w1",), "rows": ("w2",),
     "reduce_grad_features": ((4, 8),), "once": ("b2",), "style": ColwiseParallel(),
     "kv_attributes": ("n_kv_heads",), "head_attributes": ("n_heads",), "replicated_outputs": True,
@@ -36,14 +36,17 @@ _OPTIONAL = {
 }
 # Where one option name means another thing in another style: its sample there.
 _PER_CLASS = {"HeadParams": {"packed": {"w1": (3, 3)}}, "LinearParams": {"packed": {"w1": (3, 3)}},
-              "ShardCounts": {"base": styles.GatherSequenceInput(reshard_output=True)},
+              # A gathered block sliced back; the gradient options keep their defaults there (each
+              # is tied to another side: test_fronts and test_partial_inputs build those).
+              "Boundary": {"inputs": "gather", "outputs": "shard", "input_grad": "whole", "output_grad": "whole"},
+              "ShardCounts": {"base": styles.Boundary(inputs="gather", outputs="shard")},
               "KVHeadCounts": {"base": styles.HeadParams(shard_dims={"temperature": 0})},
               "GroupCopies": {"rows": {"weight": (0, 10, ((8, 10, 1),))}, "values": {"n_groups": 2}},
               # scale_rows counts whole terms once in place of ``once``: the two do not go together; a
               # module of one side (``side``) takes neither with partial-gradient inputs (test_split_experts
               # round-trips those; partial_grad_plain, a module of columns only, test_partial_inputs).
               **{name: {"scale_rows": ("w1",), "once": (), "side": "both", "partial_grad_plain": False}
-                 for name in ("ExpertsParallel", "PartialExpertsParallel")}}
+                 for name in ("ExpertsParallel",)}}
 
 
 def _style_classes() -> list[type]:
@@ -89,7 +92,7 @@ def test_every_style_round_trips(cls):
 
 def test_style_classes_cover_both_modules():
     names = {c.__name__ for c in _style_classes()}
-    assert {"ColwiseParallel", "PrepareModuleInputOutput", "PackedColwiseParallel", "GatherSequenceInput"} <= names
+    assert {"ColwiseParallel", "PrepareModuleInputOutput", "Colwise", "Boundary"} <= names
 
 
 def test_emitted_sizes_are_expressions_of_the_model():

@@ -5,7 +5,7 @@ attribute to divide), each group holding its own ``[q | v | k]`` for ``heads / G
 read, rank r would hold whole groups, which that code cannot take at per-rank widths. The expert
 layout holds, on every rank, its share of every group's heads: the fused Linear is packed in
 ``G * 3`` parts, the head count attribute is divided by tp, ``G`` stays, and the output Linear
-reads its heads as ``G`` parts (:class:`~autotp.styles.PackedRowwiseParallel`). Each plan is checked
+reads its heads as ``G`` parts (:class:`~autotp.styles.Rowwise` with ``sizes``). Each plan is checked
 against the unsharded model on the logits and every gradient, at tp 2 and 4, plain and sequence
 parallel, and must hold about ``1/tp`` of the parameters; layouts the per-rank shape proof cannot
 make local stay whole, with the plan still exact.
@@ -20,7 +20,7 @@ from torch import nn
 from autotp import check_plan
 from torch.distributed.tensor.parallel import RowwiseParallel
 
-from autotp.styles import PackedColwiseParallel
+from autotp.styles import Colwise
 from autotp.synth import synthesize
 from autotp.synth.api import analyse_model
 from autotp.verifier import verify
@@ -135,4 +135,4 @@ def test_a_contiguous_row_after_grouped_heads_is_flagged_and_wrong():
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         assert not verify(model, wrong, tp_size=2, example_inputs=(tokens(),)).ok
-    assert isinstance(plan["layers.*.attn.qkv"], PackedColwiseParallel)
+    assert isinstance(plan["layers.*.attn.qkv"], Colwise)

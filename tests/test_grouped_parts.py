@@ -174,10 +174,10 @@ def test_gathered_part_that_tp_cannot_cut_is_held_as_copies():
     catch the plan failing at apply, or rows cut unevenly (a piece of a head per rank)."""
     from autotp._simulate import simulated_mesh
     from autotp.apply import apply_plan
-    from autotp.styles import PackedColwiseParallel
+    from autotp.styles import Colwise
 
     rows = (0, 36, ((24, 30, 1), (30, 36, 1)))
-    style = GroupCopies(base=PackedColwiseParallel(sizes=(24, 24, 24)), rows={"weight": rows, "bias": rows},
+    style = GroupCopies(base=Colwise(sizes=(24, 24, 24)), rows={"weight": rows, "bias": rows},
                         gather=True)
     assert style.expanded_sizes(4) == {"weight": 72, "bias": 72} and style.expanded_sizes(2) == {}
     model = nn.Sequential(nn.Linear(DIM, 36))

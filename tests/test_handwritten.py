@@ -58,8 +58,8 @@ def test_phi3_plan_shards_the_fused_projections(tiny_models):
     """The fused qkv_proj and gate_up_proj hold 1/tp of their rows on each rank, not a replica."""
     model = tiny_models["phi3"]
     plan = handwritten_plans.plan_for(model)
-    assert type(plan["model.layers.*.self_attn.qkv_proj"]).__name__ == "PackedColwiseParallel"
-    assert type(plan["model.layers.*.mlp.gate_up_proj"]).__name__ == "PackedColwiseParallel"
+    assert type(plan["model.layers.*.self_attn.qkv_proj"]).__name__ == "Colwise"
+    assert type(plan["model.layers.*.mlp.gate_up_proj"]).__name__ == "Colwise"
 
 
 def test_registry_is_keyed_by_module_and_qualname(tiny_models):

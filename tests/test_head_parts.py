@@ -93,11 +93,11 @@ def test_heads_chunked_in_equal_parts_shard_each_part(tp_size, sequence_parallel
     sharded by heads: about 1/tp of the parameters per rank. Would catch the value projection kept
     whole (the chunk read as a cut of a contiguous shard), or a contiguous shard of the values, whose
     halves would then pair each rank's queries with another rank's values."""
-    from autotp.styles import PackedColwiseParallel
+    from autotp.styles import Colwise
 
     model, plan, report = _synthesize_and_verify(HalvedValues, tp_size, sequence_parallel)
     assert all(f"layers.*.mixer.{name}" in plan for name in ("q", "k", "v", "o")), sorted(plan)
-    assert isinstance(plan["layers.*.mixer.v"], PackedColwiseParallel), plan["layers.*.mixer.v"]
+    assert isinstance(plan["layers.*.mixer.v"], Colwise), plan["layers.*.mixer.v"]
     assert max(report.param_fraction) <= megatron_fraction(model, tp_size) + 0.1, (report.param_fraction, plan)
 
 
@@ -129,7 +129,7 @@ def test_heads_parts_near_misses_stay_exact(mixer, sequence_parallel):
     """A per-head parameter over the heads of both parts, or the parts joined back out of order:
     the values are not sharded per part (the plan stays exact at tp=4). Would catch the parameter
     sharded contiguously, or queries paired with another rank's values."""
-    from autotp.styles import PackedColwiseParallel
+    from autotp.styles import Colwise
 
     _, plan, _ = _synthesize_and_verify(mixer, 4, sequence_parallel)
-    assert not isinstance(plan.get("layers.*.mixer.v"), PackedColwiseParallel), plan.get("layers.*.mixer.v")
+    assert not isinstance(plan.get("layers.*.mixer.v"), Colwise), plan.get("layers.*.mixer.v")

@@ -16,11 +16,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-import autotp
 from autotp import styles
 from autotp.errors import PlanError
-from autotp.verifier import verify
-from tests.synth_toy import DIM, VOCAB, example_tokens
+from tests.synth_toy import DIM
 from tests.test_loop_experts import megatron_bound, synthesize_and_verify
 
 REAL, ZERO, TOP_K, FFN = 4, 2, 2, 32

@@ -4,7 +4,7 @@ The block routes each token to ``top_k`` experts, runs every expert on its token
 weighted outputs into one result (``index_add_``, or ``out[idx] += ...``). Each expert is a
 column / row pair; left to themselves the rows would each reduce their own tokens: one collective
 per expert and ``top_k`` times the bytes of the block's output, in each direction. The plan instead
-leaves the rows' partial sums local (``PartialRowwiseParallel(local=True)``), reduces the block's
+leaves the rows' partial sums local (``Rowwise(output_layouts=Partial())``), reduces the block's
 result once (``PartialSumBlock``), and its input gradient once at entry; the router's weight
 gradient is all-reduced. Every plan is verified on logits and every gradient against the unsharded
 model at tp 2 and 4, plain and sequence-parallel; the counts of collectives are asserted, forward
@@ -104,7 +104,7 @@ def test_loop_experts_reduce_once_per_block_each_way(accumulate, tp, sequence_pa
     or counted tp times, or an input gradient reduced twice."""
     plan, report = _run(LoopMoELM(accumulate), tp, sequence_parallel)
     assert isinstance(plan["layers.*.moe"], styles.PartialSumBlock), plan
-    assert plan["layers.*.moe.experts.0.w2"].local and isinstance(plan["layers.*.moe.gate"], styles.ReplicatedWithGradAllReduce)
+    assert plan["layers.*.moe.experts.0.w2"].use_local_output and isinstance(plan["layers.*.moe.gate"], styles.ReplicatedWithGradAllReduce)
     if sequence_parallel:  # per layer: attention and MoE, one reduce-scatter and one all-gather each
         expected = {"reduce_scatter_tensor": 5, "all_gather_into_tensor": 5}
     else:  # the embedding's, then attention and MoE per layer

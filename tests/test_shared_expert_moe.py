@@ -21,6 +21,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.tensor import Partial
 from torch.distributed.tensor.parallel import ColwiseParallel
 
 import autotp
@@ -156,7 +157,7 @@ def test_shared_expert_moe_is_exact_and_sharded(routing, sequence_parallel, tp_s
     model, plan = model_and_plan(routing, tp_size, sequence_parallel)
     assert isinstance(plan["blocks.*.ffn"], styles.PartialSumBlock), plan
     assert isinstance(plan["blocks.*.ffn.experts.0.w1"], ColwiseParallel), plan
-    assert isinstance(plan["blocks.*.ffn.shared.w2"], styles.PartialRowwiseParallel), plan
+    assert isinstance(plan["blocks.*.ffn.shared.w2"], styles.Rowwise) and plan["blocks.*.ffn.shared.w2"].output_layouts == (Partial(),), plan
     report = verify(model, plan, tp_size=tp_size, inputs=(_tokens(),))
     assert report.ok, str(report)
     assert max(report.param_fraction) <= _bound(model, tp_size) + 0.01, (report.param_fraction, plan)

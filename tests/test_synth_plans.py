@@ -83,7 +83,7 @@ def test_gemma3_shards_tied_embedding_and_head_together_and_gathers_prenorms():
                                                             use_local_output=False),
         "model.rotary_emb": styles.RotaryEmbedParallel(),
         **{f"{layer}.self_attn.{p}_proj": ColwiseParallel() for p in "qkv"},
-        **{f"{layer}.self_attn.{n}": styles.HeadShardedNorm() for n in ("q_norm", "k_norm")},
+        **{f"{layer}.self_attn.{n}": styles.ReplicatedWithGradAllReduce() for n in ("q_norm", "k_norm")},
         f"{layer}.self_attn.o_proj": RowwiseParallel(output_layouts=Shard(1), use_local_output=False),
         f"{layer}.mlp.gate_proj": ColwiseParallel(),
         f"{layer}.mlp.up_proj": ColwiseParallel(),
@@ -125,7 +125,7 @@ def test_loss_parallel_off_gathers_the_logits():
 
 def test_torchtitan_names_get_the_llama_plan():
     plan = synthesize(TitanLlama(), example_inputs=(example_tokens(),), verify=False)
-    kinds = {k: type(v).__name__ for k, v in plan.items()}
+    kinds = {k: type(v).__name__ + (f"({v.outputs})" if isinstance(v, styles.Boundary) else "") for k, v in plan.items()}
     assert kinds == {
         "tok_embeddings": "VocabParallelEmbedding", "output": "ColwiseParallel",
         **{f"layers.*.attention.{w}": "ColwiseParallel" for w in ("wq", "wk", "wv")},
@@ -133,7 +133,7 @@ def test_torchtitan_names_get_the_llama_plan():
         "layers.*.feed_forward.w1": "ColwiseParallel", "layers.*.feed_forward.w3": "ColwiseParallel",
         "layers.*.feed_forward.w2": "RowwiseParallel",
         # the pre-norms hand each branch's column projections one replicated DTensor
-        "layers.*.attention_norm": "ReplicatedOutput", "layers.*.ffn_norm": "ReplicatedOutput",
+        "layers.*.attention_norm": "Boundary(replicate)", "layers.*.ffn_norm": "Boundary(replicate)",
     }
 
 

@@ -8,14 +8,12 @@ projection whole when its cuts cannot be made per-rank.
 import warnings
 
 import pytest
-import torch
 
 from autotp import styles
 from autotp.errors import MeshError
 from autotp.synth import synthesize
 from autotp.verifier import verify
 from synth_models import tiny_model
-from synth_toy import NanoGPT, example_tokens
 
 # 8 query heads of 16, so tp 4 and 8 split them; kv heads fewer than tp.
 WIDE = dict(hidden_size=128, num_attention_heads=8, head_dim=16)

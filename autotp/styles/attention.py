@@ -69,7 +69,7 @@ class ShardCounts(ParallelStyle):
     Keyword Args:
         names (tuple[str, ...]): attribute paths relative to the module.
         base (ParallelStyle | None): the module's own style, applied after the division (a
-            :class:`~autotp.styles.GatherSequenceInput` of a block gathered whole under sequence
+            :class:`~autotp.styles.Boundary` (``inputs="gather"``) of a block gathered whole under sequence
             parallel). Default: None.
 
     Example::

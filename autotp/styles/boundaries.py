@@ -7,6 +7,7 @@ layout between sharded regions (shared DTensors, gathers, whole modules, output 
 
 from __future__ import annotations
 
+import inspect
 import weakref
 from functools import partial
 
@@ -16,7 +17,6 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_module
 from torch.distributed.tensor.parallel import SequenceParallel
 from torch.distributed.tensor.parallel.style import ParallelStyle
-from torch.distributed.tensor.placement_types import Placement
 from torch.utils._pytree import tree_leaves
 
 from autotp.errors import PlanError
@@ -83,66 +83,12 @@ class SequenceParallelAllGather(SequenceParallel):
         return f"{self.__class__.__name__}({flags})"
 
 
-class ReplicatedOutput(ParallelStyle):
-    """Return a module's (replicated) output as a ``Replicate()`` DTensor, so that the column
-    projections reading it reduce their input gradient once.
-
-    Under plain TP a norm's output feeds several column-parallel Linears (q, k, v; gate, up; or
-    both branches of a parallel block). Each ``ColwiseParallel`` turns a plain input into a
-    ``Replicate()`` DTensor itself, and in backward all-reduces the ``Partial()`` input gradient
-    it gets from ``x @ W_shard^T``: one all-reduce per projection. Wrapping the output here instead
-    lets autograd sum the projections' ``Partial()`` gradients as DTensors (addition is linear, so
-    a sum of partial sums is a partial sum), and ``from_local``'s backward all-reduces that sum
-    once. The forward costs nothing: the value is already the same on every rank.
-
-    The module's own parameters stay plain tensors. Only use it where every reader of the output
-    accepts a DTensor (torch's Linear styles do; a replicated Linear with plain weights does not).
-    Of a tuple output (``nn.MultiheadAttention``'s ``(output, weights)``), the first element is
-    the output.
-
-    With ``partial_grad`` the output stays a plain tensor whose gradient is taken as this rank's
-    partial sum and all-reduced: for readers that run their backward on partial gradients (modules
-    kept whole with ``Partial()`` parameter gradients, :class:`~autotp.styles.ReplicatedWithGradAllReduce`,
-    on the way to column projections that hand theirs back unreduced, :class:`SharedReplicatedInput`
-    with ``partial_grad``). The plain-TP twin of :class:`SequenceParallelAllGather` with ``partial_grad``.
-
-    Keyword Args:
-        partial_grad (bool): a plain output whose gradient is a partial sum, all-reduced. Default: False.
-
-    Example::
-        >>> plan = {"model.layers.*.input_layernorm": ReplicatedOutput()}
-    """
-
-    def __init__(self, *, partial_grad: bool = False):
-        super().__init__()
-        self.partial_grad = partial_grad
-
-    @staticmethod
-    def _prepare_output_fn(mod, inputs, outputs, device_mesh, partial_grad=False):
-        if isinstance(outputs, tuple) and outputs:
-            return (ReplicatedOutput._prepare_output_fn(mod, inputs, outputs[0], device_mesh, partial_grad),
-                    *outputs[1:])
-        if isinstance(outputs, torch.Tensor) and not isinstance(outputs, DTensor):
-            if partial_grad:
-                return all_reduce_backward(outputs, device_mesh) if outputs.is_floating_point() else outputs
-            return DTensor.from_local(outputs, device_mesh, (Replicate(),), run_check=False)
-        return outputs
-
-    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
-        module.register_forward_hook(partial(self._prepare_output_fn, device_mesh=device_mesh,
-                                             partial_grad=self.partial_grad))
-        return module
-
-    def __repr__(self) -> str:
-        return f"{self.__class__.__name__}({'partial_grad=True' if self.partial_grad else ''})"
-
-
 class OwnPositionsOutput(LocalParamsStyle):
     """A module computed whole on every rank (a learned position table looked up by positions)
     hands on only this rank's positions of its output, as a ``Shard(sequence_dim)`` DTensor.
 
     Under sequence parallel, a table ``wpe(positions)`` added to the ``Shard(1)`` stream is cut to
-    each rank's positions. Wrapped as a ``Replicate()`` DTensor (:class:`ReplicatedOutput`) the cut
+    each rank's positions. Wrapped as a ``Replicate()`` DTensor (:class:`Boundary` with ``outputs="replicate"``) the cut
     is free forward, but its backward all-gathers the output's gradient (a ``(1, t, d)`` tensor per
     step that the forward never moved). Here the cut is an ``index_select`` of this rank's
     positions, whose backward scatters into zeros: no communication. Each rank's parameter gradients
@@ -175,7 +121,7 @@ class OwnPositionsOutput(LocalParamsStyle):
         if children:
             raise PlanError(f"{type(module).__name__}: OwnPositionsOutput leaves the gradients of the module's own "
                             f"parameters partial, but {children[0]} belongs to a child; apply it to the child "
-                            "that holds the parameters, or keep this module whole (ReplicatedOutput)")
+                            "that holds the parameters, or keep this module whole (Boundary(outputs='replicate'))")
         return super()._apply(module, device_mesh)
 
     def _prepare_output(self, output, device_mesh):
@@ -203,7 +149,7 @@ class SharedReplicatedInput(WrapperStyle):
 
     Without a norm before them (OLMo2 normalises after attention and MLP), q, k and v read the
     residual stream as it enters their module, and no producer can return a DTensor
-    (:class:`ReplicatedOutput`): the residual add reads the same tensor. Each ``ColwiseParallel``
+    (:class:`Boundary` with ``outputs="replicate"``): the residual add reads the same tensor. Each ``ColwiseParallel``
     would wrap it itself and all-reduce its own ``Partial()`` input gradient. Here the first of
     ``columns`` to read a tensor during one call of the module wraps it (a pre-hook that runs
     before the Linear's style), and the others reading the same tensor get that DTensor: their
@@ -241,46 +187,6 @@ class SharedReplicatedInput(WrapperStyle):
         flag = ", partial_grad=True" if self.partial_grad else ""
         inner = f", style={self.style!r}" if self.style is not None else ""
         return f"{self.__class__.__name__}(columns={self.columns!r}{flag}{inner})"
-
-
-class PartialGradInput(WrapperStyle):
-    """A column Linear takes its plain input as a ``Replicate()`` DTensor and hands its input gradient
-    back unreduced, as this rank's partial sum.
-
-    ``ColwiseParallel`` wraps a plain input itself and all-reduces the ``Partial()`` gradient of
-    ``x @ W_shard^T``. Where the input is computed whole from a value whose gradient is reduced
-    further back, by modules that run their backward on partial gradients (a head's dense Linear
-    and norm kept whole after a sequence-parallel gather), that all-reduce is one too many: the
-    reduction happens once, where the value was gathered. The column's own module is the wrapping
-    point here, where no module above it has a pre-hook free to share the input
-    (:class:`SharedReplicatedInput` with ``partial_grad``, the same wrapper per call of a scope).
-
-    Keyword Args:
-        style (ParallelStyle): the column's own style (``ColwiseParallel``), applied first.
-
-    Example::
-        >>> from torch.distributed.tensor.parallel import ColwiseParallel
-        >>> plan = {"decoder": PartialGradInput(style=ColwiseParallel())}
-    """
-
-    def __init__(self, *, style: ParallelStyle):
-        super().__init__()
-        self.style = style
-
-    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
-        module = self._apply_wrapped(module, device_mesh)
-
-        def wrap(mod, args):
-            value = args[0] if args else None
-            if not isinstance(value, torch.Tensor) or isinstance(value, DTensor):
-                return None
-            return (_ReplicatedWithPartialGrad.apply(value, device_mesh), *args[1:])
-
-        module.register_forward_pre_hook(wrap, prepend=True)  # before the style's own input hook
-        return module
-
-    def __repr__(self) -> str:
-        return f"{self.__class__.__name__}(style={self.style!r})"
 
 
 class ReducedInputGrads(ParallelStyle):
@@ -399,7 +305,7 @@ class PartialSumBlock(ParallelStyle):
     A MoE written as a loop over ``nn.Linear`` experts scales each expert's output by its routing
     weight and adds it into one result (``out.index_add_(0, idx, w[idx, k, None] * expert(x[idx]))``).
     With the experts' down projections leaving their per-rank partial sums
-    (:class:`~autotp.styles.PartialRowwiseParallel` with ``local=True``) that result is a partial sum
+    (:class:`~autotp.styles.Rowwise` with ``output_layouts=Partial()``) that result is a partial sum
     too, reduced here once: an all-reduce, or under sequence parallel a reduce-scatter onto the
     ``Shard(1)`` stream, where each expert would reduce its own tokens (``top_k`` times the bytes).
 
@@ -415,9 +321,10 @@ class PartialSumBlock(ParallelStyle):
         sequence_parallel (bool): the stream is sequence-sharded (``Shard(1)``). Default: False.
 
     Example::
-        >>> from autotp.styles import PartialRowwiseParallel
+        >>> from torch.distributed.tensor import Partial
+        >>> from autotp.styles import Rowwise
         >>> plan = {"layers.*.moe": PartialSumBlock(columns=("experts.0.w1", "experts.0.w3")),
-        ...         "layers.*.moe.experts.0.w2": PartialRowwiseParallel(local=True)}
+        ...         "layers.*.moe.experts.0.w2": Rowwise(output_layouts=Partial())}
     """
 
     def __init__(self, *, columns: tuple[str, ...] = (), sequence_parallel: bool = False):
@@ -508,83 +415,6 @@ class _ReplicatedWithPartialGrad(torch.autograd.Function):
         return grad, None
 
 
-class ReplicatedModule(ParallelStyle):
-    """A module kept whole on every rank, in a plan that hands it DTensors: it runs on plain tensors.
-
-    Where a norm returns its output as a ``Replicate()`` DTensor for the column projections of a
-    branch (:class:`ReplicatedOutput`, :class:`SequenceParallelAllGather`), a module beside them
-    that is not sharded (a Mamba mixer or linear-attention block kept whole) reads the same DTensor
-    and would mix it with its plain weights. Its DTensor inputs are made whole and local at entry:
-    ``to_local()`` of a replica is free, and its gradient comes back ``Replicate()`` (every rank
-    computes the same one), which autograd adds to the projections' ``Partial()`` gradients with no
-    extra collective. Sequence-sharded inputs are all-gathered.
-
-    With ``reduce_grad_features``, spans of the output's features (of a tuple, the first element
-    with a gradient) are read by sharded
-    computation through a broadcast (a rope key cut from this Linear and expanded to every head
-    of a head-sharded attention): each rank's gradient of them covers its own heads only, so it
-    is all-reduced on the way back, and the module's weight and input gradients are whole again.
-
-    Keyword Args:
-        output_layouts (Placement, optional): return the (first) output as a DTensor with this
-            placement, taken from the replicated value: ``Shard(1)`` slices it back to this rank's
-            positions for a sequence-sharded residual stream. Default: a plain tensor.
-        reduce_grad_features (tuple[tuple[int, int], ...]): ``(start, stop)`` spans of the output's
-            last dim whose gradient is all-reduced.
-
-    Example::
-        >>> plan = {"model.layers.*.mamba": ReplicatedModule(),
-        ...         "model.layers.*.self_attn.kv_a_proj": ReplicatedModule(reduce_grad_features=((512, 576),))}
-    """
-
-    def __init__(self, *, output_layouts: Placement | None = None,
-                 reduce_grad_features: tuple[tuple[int, int], ...] = ()):
-        super().__init__()
-        self.output_layouts = output_layouts
-        self.reduce_grad_features = tuple((int(a), int(b)) for a, b in reduce_grad_features)
-
-    @staticmethod
-    def _whole(value):
-        return to_local(value) if isinstance(value, DTensor) else value
-
-    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
-        def pre_hook(mod, args, kwargs):
-            return tuple(self._whole(a) for a in args), {k: self._whole(v) for k, v in kwargs.items()}
-
-        module.register_forward_pre_hook(pre_hook, with_kwargs=True)
-        if self.reduce_grad_features:
-            spans = self.reduce_grad_features
-
-            def reduce_hook(mod, args, out):
-                if type(out) not in (tuple, list):
-                    return reduce_feature_grads(out, spans, device_mesh)
-                # The output with a gradient (a mask handed out beside it has none); else the first.
-                at = next((i for i, v in enumerate(out) if isinstance(v, torch.Tensor) and v.requires_grad), 0)
-                return type(out)([*out[:at], reduce_feature_grads(out[at], spans, device_mesh), *out[at + 1:]])
-
-            module.register_forward_hook(reduce_hook)
-        if self.output_layouts is not None:
-            def to_layout(value):
-                if isinstance(value, torch.Tensor) and not isinstance(value, DTensor):
-                    whole = DTensor.from_local(value, device_mesh, (Replicate(),), run_check=False)
-                    return whole.redistribute(placements=(self.output_layouts,))
-                return value
-
-            def hook(mod, args, out):
-                if type(out) in (tuple, list) and out:
-                    return type(out)([to_layout(out[0]), *out[1:]])
-                return to_layout(out)
-
-            module.register_forward_hook(hook)
-        return module
-
-    def __repr__(self) -> str:
-        extra = [f"output_layouts={self.output_layouts}"] if self.output_layouts is not None else []
-        if self.reduce_grad_features:
-            extra.append(f"reduce_grad_features={self.reduce_grad_features}")
-        return f"{self.__class__.__name__}({', '.join(extra)})"
-
-
 class ReplicatedStream(ParallelStyle):
     """Run a block on the residual stream as a ``Replicate()`` DTensor, so that partial sums from
     several row-parallel branches are added before one reduction (a parallel block).
@@ -651,52 +481,6 @@ class ReplicatedStream(ParallelStyle):
         return f"{self.__class__.__name__}(stream={self.stream!r})"
 
 
-class ReplicatedInputs(ParallelStyle):
-    """Take a module's plain floating inputs as ``Replicate()`` DTensors and return its outputs
-    plain: its children's ``Partial()`` input gradients are summed before one all-reduce.
-
-    A MoE block whose input no norm can return as a DTensor (:class:`ReplicatedOutput`), because
-    the residual reads the norm's output too or the block reads the stream itself, would hand its
-    router and experts a plain tensor: the experts all-reduce the gradients of their input and of
-    the routing weights apart, the backward one collective per layer more than the forward. Wrapped
-    here (free: every rank holds the value), the experts (``ExpertsParallel(partial_grad_inputs=
-    True)``), the router (:class:`~autotp.styles.PartialGradRouter`) and a shared expert's column
-    Linears take the DTensor and leave partial gradients, modules kept whole
-    (:class:`ReplicatedModule`) whole ones; autograd adds them and ``from_local``'s backward
-    all-reduces the sum once.
-
-    Only for a module whose floating arguments are all that one value (a padding mask wrapped too
-    would meet plain tensors inside). DTensor outputs are made replicated and local.
-
-    Example::
-        >>> from autotp.styles import ExpertsParallel, PartialGradRouter
-        >>> plan = {"model.layers.*.mlp": ReplicatedInputs(),
-        ...         "model.layers.*.mlp.gate": PartialGradRouter(),
-        ...         "model.layers.*.mlp.experts": ExpertsParallel(partial_grad_inputs=True)}
-    """
-
-    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
-        def wrap(value):
-            if isinstance(value, torch.Tensor) and not isinstance(value, DTensor) and value.is_floating_point():
-                return DTensor.from_local(value, device_mesh, (Replicate(),), run_check=False)
-            return value
-
-        def pre_hook(mod, args, kwargs):
-            return tuple(wrap(a) for a in args), {k: wrap(v) for k, v in kwargs.items()}
-
-        def hook(mod, args, out):
-            if type(out) in (tuple, list) and out:
-                return type(out)([to_local(out[0]), *out[1:]])
-            return to_local(out)
-
-        module.register_forward_pre_hook(pre_hook, with_kwargs=True)
-        module.register_forward_hook(hook)
-        return module
-
-    def __repr__(self) -> str:
-        return f"{self.__class__.__name__}()"
-
-
 class ReplicatedParams(ParallelStyle):
     """Make a module's own parameters (not its children's) replicated DTensors; no hooks.
 
@@ -718,32 +502,6 @@ class ReplicatedParams(ParallelStyle):
 
     def __repr__(self) -> str:
         return f"{self.__class__.__name__}()"
-
-
-class OwnedOutput(ParallelStyle):
-    """Apply ``style``, then hand the caller a copy of the module's plain-tensor output.
-
-    Styles with ``use_local_output=True`` return ``DTensor.to_local()``, which autograd treats as a
-    view made inside a custom Function; code that then writes the output in place (``x *= scale``
-    after an embedding, ``out.add_(routed)`` after a shared expert) fails with "Output 0 of
-    _ToTorchTensor is a view and is being modified inplace". One copy of the activation avoids it;
-    the synthesizer adds this wrapper only where the traced graph shows such a write.
-
-    Example::
-        >>> plan = {"transformer.w": OwnedOutput(VocabParallelEmbedding())}
-    """
-
-    def __init__(self, wrapped: ParallelStyle):
-        super().__init__()
-        self.wrapped = wrapped  # styles with a ``wrapped`` style shard parameters as that one does
-
-    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
-        module = self.wrapped._apply(module, device_mesh)
-        module.register_forward_hook(lambda mod, args, out: _owned(out))  # runs after the style's hooks
-        return module
-
-    def __repr__(self) -> str:
-        return f"{self.__class__.__name__}({self.wrapped!r})"
 
 
 def _owned(out):
@@ -823,196 +581,319 @@ class ShardedInputs(WrapperStyle):
         return Shards(slices_entries=True)
 
 
-class AllReduceOutput(ParallelStyle):
-    """Sum a module's per-rank partial output over ranks (e.g. shared experts run on shards).
-
-    Example::
-        >>> plan = {"model.layers.*.mlp.shared_experts": AllReduceOutput()}
-    """
-
-    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
-        module.register_forward_hook(lambda mod, args, out: all_reduce_forward(out, device_mesh))
-        return module
-
-    def __repr__(self) -> str:
-        return f"{self.__class__.__name__}()"
+_INPUTS = (None, "replicate", "gather", "slice", "whole")
+_OUTPUTS = (None, "replicate", "local", "sum", "shard", "shard_all", "sum_shard")
+_GRADS = ("whole", "partial")
 
 
-class GradAllReduceOutputSlice(ParallelStyle):
-    """All-reduce, in backward, the gradient of the last ``width`` features of a replicated output.
+class Boundary(WrapperStyle):
+    """Convert a module's inputs and outputs between plain tensors and DTensors at the edge of a
+    sharded region, choosing how gradients cross the edge each way.
 
-    MLA's ``kv_a_proj_with_mqa`` output splits into a part that feeds a column-parallel Linear
-    (whose input gradient is already reduced) and a rotary part that reaches head-sharded attention
-    directly, whose gradient is partial per rank.
+    Every place a plan changes layout between regions is one of a few conversions; each side is
+    chosen by name:
+
+    ``inputs`` (the module's floating arguments, positional or keyword, at entry):
+
+    - ``"replicate"``: plain ones become ``Replicate()`` DTensors (free: every rank holds the
+      value), so the column Linears inside that read them return ``Partial()`` input gradients
+      which autograd sums as DTensors before one all-reduce. With ``input_grad="partial"`` that
+      sum is handed back unreduced, as this rank's partial sum, for a value reduced once further
+      back (where it was gathered).
+    - ``"gather"``: ``Shard(sequence_dim)`` DTensors are all-gathered once (one tensor passed several
+      times, ``attn(h, h, h)``, once), handed on plain, or as ``Replicate()`` DTensors with
+      ``local_inputs=False`` (every reader a column Linear: the gather's backward then
+      reduce-scatters their summed gradients once).
+    - ``"slice"``: the stream input (the first positional tensor, else ``forward``'s first
+      parameter by keyword), if it arrives plain, becomes this rank's ``Shard(sequence_dim)`` slice
+      (a stream combined with plain tensors at the root starts sharding at its first block); a
+      DTensor passes.
+    - ``"whole"``: DTensors are made whole and plain (a module kept whole, a Mamba mixer beside
+      sharded projections): ``to_local()`` of a replica is free and its gradient comes back
+      ``Replicate()``; sequence-sharded ones are all-gathered.
+
+    ``outputs`` (the module's output, or the first element of a tuple):
+
+    - ``"replicate"``: a plain output becomes a ``Replicate()`` DTensor, so the column projections
+      reading it (q, k, v after a norm) reduce their input gradients once, summed as DTensors.
+    - ``"local"``: a DTensor output is made replicated and plain.
+    - ``"sum"``: the per-rank partial output is all-reduced (shared experts run on shards).
+    - ``"shard"``: the output is the residual stream (a block kept whole under sequence parallel):
+      handed on as this rank's ``Shard(sequence_dim)`` slice of the whole-sequence result (a
+      transformers ``ModelOutput``: its first field); ``"shard_all"``: every output whose batch
+      and sequence sizes are the stream's (a hyper-connection's branch input and its weights).
+    - ``"sum_shard"``: the output is this rank's partial sum (experts with ``partial_output``),
+      reduce-scattered onto the ``Shard(sequence_dim)`` stream; children's ``Partial()`` DTensor
+      outputs are taken local, so the block's own code adds them into the one reduce-scatter.
+
+    ``output_grad="partial"``: a plain output's gradient is this rank's partial sum (its readers
+    run their backward on partial gradients, down to column Linears that hand theirs back
+    unreduced) and is all-reduced on the way back. ``reduce_grad_features``: only ``(start, stop)``
+    spans of the output's last dim have their gradient all-reduced (of a tuple, the first element
+    with a gradient): spans read through a broadcast by sharded computation (a rope key cut from
+    a Linear and expanded to every head). ``copy_output``: hand the caller a copy of a plain
+    output, for code that writes it in place (``x *= scale`` after an embedding), which a
+    ``to_local()`` view cannot take.
 
     Keyword Args:
-        width (int): features at the end of the output whose gradient is partial.
-    """
-
-    def __init__(self, *, width: int):
-        super().__init__()
-        self.width = width
-
-    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
-        def hook(mod, args, out):
-            keep, rope = out.split([out.shape[-1] - self.width, self.width], dim=-1)
-            return torch.cat([keep, all_reduce_backward(rope, device_mesh)], dim=-1)
-
-        module.register_forward_hook(hook)
-        return module
-
-    def __repr__(self) -> str:
-        return f"{self.__class__.__name__}(width={self.width})"
-
-
-class GatherSequenceInput(ParallelStyle):
-    """All-gather a module's sequence-sharded inputs once, for the column Linears inside it.
-
-    Without a norm before them (OLMo2 normalises after attention and MLP), q, k and v read the
-    ``Shard(1)`` residual stream directly, and ``ColwiseParallel(input_layouts=Shard(1))`` on each
-    would all-gather the same tensor three times. Here every DTensor argument sharded on the
-    sequence is redistributed to ``Replicate()`` once, at the module's entry, and passed on as a
-    plain tensor; positional or keyword, whatever the caller used.
-
-    Keyword Args:
-        sequence_dim (int): the sequence dimension of the sharded inputs. Default: 1.
-        reshard_output (bool | str): the module's (first) output is the residual stream itself (a
-            whole decoder block kept replicated): return it as a ``Shard(sequence_dim)`` DTensor,
-            this rank's slice of the whole-sequence result; ``"all"``: every output whose batch
-            and sequence sizes are the stream's (a hyper-connection's branch input and its output
-            weights). Default: False.
-        use_local_output (bool): pass the gathered inputs on as plain tensors; ``False`` keeps
-            them ``Replicate()`` DTensors (only where every reader is a column Linear). Default: True.
+        inputs (str | None): ``"replicate"``, ``"gather"``, ``"slice"``, ``"whole"`` or None. Default: None.
+        outputs (str | None): ``"replicate"``, ``"local"``, ``"sum"``, ``"shard"``, ``"shard_all"``,
+            ``"sum_shard"`` or None. Default: None.
+        input_grad (str): ``"whole"`` or ``"partial"`` (with ``inputs="replicate"``). Default: ``"whole"``.
+        output_grad (str): ``"whole"`` or ``"partial"``. Default: ``"whole"``.
+        local_inputs (bool): with ``inputs="gather"``, hand the gathered inputs on plain. Default: True.
+        reduce_grad_features (tuple[tuple[int, int], ...]): output spans whose gradient is all-reduced.
+        copy_output (bool): return a copy of a plain output. Default: False.
+        sequence_dim (int): the sequence dim of the stream. Default: 1.
+        style (ParallelStyle, optional): the module's own style, applied first.
 
     Example::
-        >>> plan = {"model.layers.*.self_attn": GatherSequenceInput()}
+        >>> plan = {"model.layers.*.input_layernorm": Boundary(outputs="replicate"),
+        ...         "model.layers.*.self_attn": Boundary(inputs="gather"),
+        ...         "model.layers.*.mamba": Boundary(inputs="whole"),
+        ...         "transformer.wte": Boundary(copy_output=True, style=VocabParallelEmbedding())}
     """
 
-    def __init__(self, *, sequence_dim: int = 1, reshard_output: bool = False, use_local_output: bool = True):
+    def __init__(self, *, inputs: str | None = None, outputs: str | None = None, input_grad: str = "whole",
+                 output_grad: str = "whole", local_inputs: bool = True,
+                 reduce_grad_features: tuple[tuple[int, int], ...] = (), copy_output: bool = False,
+                 sequence_dim: int = 1, style: ParallelStyle | None = None):
         super().__init__()
+        for name, value, allowed in (("inputs", inputs, _INPUTS), ("outputs", outputs, _OUTPUTS),
+                                     ("input_grad", input_grad, _GRADS), ("output_grad", output_grad, _GRADS)):
+            if value not in allowed:
+                raise PlanError(f"Boundary: {name}={value!r}; use one of {', '.join(map(repr, allowed))}")
+        if input_grad == "partial" and inputs != "replicate":
+            raise PlanError(f"Boundary(input_grad='partial') with inputs={inputs!r}: only inputs taken as "
+                            "'replicate' hand back a partial gradient; set inputs='replicate'")
+        if output_grad == "partial" and outputs is not None:
+            raise PlanError(f"Boundary(output_grad='partial') with outputs={outputs!r}: a plain output's "
+                            "gradient is what gets reduced; drop outputs")
+        if outputs in ("shard", "shard_all", "sum_shard") and inputs != "gather":
+            raise PlanError(f"Boundary(outputs={outputs!r}) needs inputs='gather': the module runs on the whole "
+                            "sequence and hands back this rank's slice")
+        self.inputs, self.outputs = inputs, outputs
+        self.input_grad, self.output_grad = input_grad, output_grad
+        self.local_inputs = local_inputs
+        self.reduce_grad_features = tuple((int(a), int(b)) for a, b in reduce_grad_features)
+        self.copy_output = copy_output
         self.sequence_dim = sequence_dim
-        self.reshard_output = reshard_output
-        self.use_local_output = use_local_output
+        self.style = style
 
-    @staticmethod
-    def _gather(sequence_dim, use_local_output, whole, value):
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        module = self._apply_wrapped(module, device_mesh)
+        prepend = self.style is not None  # before the wrapped style's own input hook
+        dim = self.sequence_dim
+        if self.inputs == "replicate":
+            wrap = _replicated_with_partial_grad if self.input_grad == "partial" else _replicated
+            _on_floating_inputs(module, partial(wrap, device_mesh=device_mesh), prepend)
+        elif self.inputs == "gather":
+            _gather_inputs(module, dim, self.local_inputs, self.outputs in ("shard", "shard_all"), prepend)
+        elif self.inputs == "slice":
+            _slice_stream_input(module, dim, device_mesh, prepend)
+        elif self.inputs == "whole":
+            def whole(mod, args, kwargs):
+                return tuple(_whole(a) for a in args), {k: _whole(v) for k, v in kwargs.items()}
+            module.register_forward_pre_hook(whole, with_kwargs=True, prepend=prepend)
+        if self.reduce_grad_features:
+            spans = self.reduce_grad_features
+
+            def reduce_hook(mod, args, out):
+                if type(out) not in (tuple, list):
+                    return reduce_feature_grads(out, spans, device_mesh)
+                # The output with a gradient (a mask handed out beside it has none); else the first.
+                at = next((i for i, v in enumerate(out) if isinstance(v, torch.Tensor) and v.requires_grad), 0)
+                return type(out)([*out[:at], reduce_feature_grads(out[at], spans, device_mesh), *out[at + 1:]])
+            module.register_forward_hook(reduce_hook)
+        if self.outputs in ("shard", "shard_all"):
+            _slice_back_outputs(module, dim, device_mesh, every=self.outputs == "shard_all")
+        elif self.outputs == "sum_shard":
+            _reduce_scatter_output(module, dim, device_mesh)
+        elif self.outputs is not None or self.output_grad == "partial":
+            convert = {"replicate": _as_replicated, "local": _local, "sum": _summed, None: _reduced_grad}[self.outputs]
+            module.register_forward_hook(lambda mod, args, out: _on_first_output(out, convert, device_mesh))
+        if self.copy_output:
+            module.register_forward_hook(lambda mod, args, out: _owned(out))  # after every other hook
+        return module
+
+    def __repr__(self) -> str:
+        defaults = {"inputs": None, "outputs": None, "input_grad": "whole", "output_grad": "whole",
+                    "local_inputs": True, "reduce_grad_features": (), "copy_output": False, "sequence_dim": 1,
+                    "style": None}
+        options = ", ".join(f"{name}={getattr(self, name)!r}" for name, default in defaults.items()
+                            if getattr(self, name) != default)
+        return f"{self.__class__.__name__}({options})"
+
+
+def _on_floating_inputs(module: nn.Module, wrap, prepend: bool) -> None:
+    """``wrap`` every plain floating argument of each call of ``module``."""
+    def take(value):
+        if isinstance(value, torch.Tensor) and not isinstance(value, DTensor) and value.is_floating_point():
+            return wrap(value)
+        return value
+
+    def pre_hook(mod, args, kwargs):
+        return tuple(take(a) for a in args), {k: take(v) for k, v in kwargs.items()}
+    module.register_forward_pre_hook(pre_hook, with_kwargs=True, prepend=prepend)
+
+
+def _replicated(value: torch.Tensor, device_mesh: DeviceMesh) -> DTensor:
+    return DTensor.from_local(value, device_mesh, (Replicate(),), run_check=False)
+
+
+def _replicated_with_partial_grad(value: torch.Tensor, device_mesh: DeviceMesh) -> DTensor:
+    return _ReplicatedWithPartialGrad.apply(value, device_mesh)
+
+
+def _whole(value):
+    return to_local(value) if isinstance(value, DTensor) else value
+
+
+def _on_first_output(out, convert, device_mesh):
+    """``convert`` applied to ``out``, or to the first element of a tuple (a namedtuple too) or list."""
+    if isinstance(out, (tuple, list)) and out:
+        items = [convert(out[0], device_mesh), *out[1:]]
+        return type(out)(*items) if hasattr(out, "_fields") else type(out)(items)
+    return convert(out, device_mesh)
+
+
+def _as_replicated(value, device_mesh):
+    if isinstance(value, torch.Tensor) and not isinstance(value, DTensor):
+        return DTensor.from_local(value, device_mesh, (Replicate(),), run_check=False)
+    return value
+
+
+def _summed(value, device_mesh):
+    return all_reduce_forward(value, device_mesh) if isinstance(value, torch.Tensor) else value
+
+
+def _local(value, device_mesh):
+    return to_local(value)
+
+
+def _reduced_grad(value, device_mesh):
+    if isinstance(value, torch.Tensor) and not isinstance(value, DTensor) and value.is_floating_point():
+        return all_reduce_backward(value, device_mesh)
+    return value
+
+
+def _gather_inputs(module: nn.Module, sequence_dim: int, use_local_output: bool, whole: bool, prepend: bool) -> None:
+    """``inputs="gather"``: each ``Shard(sequence_dim)`` DTensor argument all-gathered once per call.
+    ``whole``: the module runs whole and its output is sliced back, so an input that arrives whole
+    already (a ``Replicate()`` DTensor, a module's output wrapped to meet the stream) is made plain
+    like the rest."""
+    def gather(value):
         if isinstance(value, DTensor) and value.placements == (Shard(sequence_dim),):
             value = value.redistribute(placements=[Replicate()])
             # Kept a DTensor, the column Linears' Partial() input gradients are summed and the
             # all-gather's backward reduce-scatters them once.
             return value.to_local() if use_local_output else value
         if whole and isinstance(value, DTensor) and value.placements == (Replicate(),) and use_local_output:
-            # A module run whole, its output sliced back: an input that is whole already (a
-            # module's output wrapped to meet the stream) is plain like the rest.
             return value.to_local()
         return value
 
-    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
-        gather = partial(self._gather, self.sequence_dim, self.use_local_output, bool(self.reshard_output))
+    def pre_hook(mod, args, kwargs):
+        done: dict[int, object] = {}  # one tensor passed several times (attn(h, h, h)) is gathered once
 
-        def pre_hook(mod, args, kwargs):
-            done: dict[int, object] = {}  # one tensor passed several times (attn(h, h, h)) is gathered once
-
-            def once(value):
-                if isinstance(value, DTensor):
-                    if id(value) not in done:
-                        done[id(value)] = gather(value)
-                    return done[id(value)]
-                return value
-
-            return tuple(once(a) for a in args), {k: once(v) for k, v in kwargs.items()}
-
-        module.register_forward_pre_hook(pre_hook, with_kwargs=True)
-        if self.reshard_output:
-            def slice_back(value):
-                if isinstance(value, torch.Tensor) and not isinstance(value, DTensor):
-                    value = DTensor.from_local(value, device_mesh, [Replicate()], run_check=False)
-                if isinstance(value, DTensor) and value.placements == (Replicate(),):
-                    # A Replicate() DTensor too (an inner module's output wrapped to meet the stream).
-                    return value.redistribute(placements=[Shard(self.sequence_dim)])
-                return value
-
-            leading: list = []  # (batch, sequence) sizes of the gathered stream, per call
-
-            def record(mod, args, kwargs):
-                values = [v for v in (*args, *kwargs.values()) if isinstance(v, torch.Tensor)]
-                if values:
-                    leading[:] = [tuple(values[0].shape[: self.sequence_dim + 1])]
-
-            def per_position(value):
-                return isinstance(value, torch.Tensor) and leading and \
-                    tuple(value.shape[: self.sequence_dim + 1]) == leading[0]
-
-            def hook(mod, args, out):
-                if type(out) in (tuple, list) and out:  # (hidden, attentions...), as a tuple or a list
-                    if self.reshard_output == "all":
-                        return type(out)([slice_back(v) if per_position(v) else v for v in out])
-                    return type(out)([slice_back(out[0]), *out[1:]])
-                if isinstance(out, dict) and out:  # a transformers ModelOutput: its first field
-                    for key in list(out) if self.reshard_output == "all" else list(out)[:1]:
-                        if self.reshard_output != "all" or per_position(out[key]):
-                            out[key] = slice_back(out[key])
-                    return out
-                return slice_back(out)
-
-            if self.reshard_output == "all":
-                module.register_forward_pre_hook(record, with_kwargs=True, prepend=True)
-
-            module.register_forward_hook(hook)
-        return module
-
-    def __repr__(self) -> str:
-        extra = f", reshard_output={self.reshard_output!r}" if self.reshard_output else ""
-        extra += "" if self.use_local_output else ", use_local_output=False"
-        return f"{self.__class__.__name__}(sequence_dim={self.sequence_dim}{extra})"
-
-
-class SliceSequenceInput(ParallelStyle):
-    """Start the sequence-sharded stream at a block's entry: its stream input, if it arrives as a
-    plain (replicated) tensor, becomes this rank's ``Shard(sequence_dim)`` slice; a DTensor passes.
-
-    For models that combine the embedding with plain tensors in their own code before the first
-    block (a position table indexed at the root, ``embeds + pos_table[ids]``): the stream cannot be
-    a DTensor there, so it is replicated up to the first block, which slices it locally (no
-    communication forward; its backward all-gathers the gradient). Later blocks receive the
-    stream already sharded and pass it on unchanged, so one style serves every layer.
-
-    The stream input is the block's first positional tensor argument, or, called with keywords
-    only, the keyword of ``forward``'s first parameter.
-
-    Keyword Args:
-        sequence_dim (int): the sequence dimension of the stream. Default: 1.
-
-    Example::
-        >>> plan = {"transformer.h.*": SliceSequenceInput()}
-    """
-
-    def __init__(self, *, sequence_dim: int = 1):
-        super().__init__()
-        self.sequence_dim = sequence_dim
-
-    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
-        import inspect
-
-        dim = self.sequence_dim
-        first = next(iter(inspect.signature(module.forward).parameters), None)
-
-        def shard(value):
-            if isinstance(value, torch.Tensor) and not isinstance(value, DTensor) and value.is_floating_point():
-                whole = DTensor.from_local(value, device_mesh, [Replicate()], run_check=False)
-                return whole.redistribute(placements=[Shard(dim)])
+        def once(value):
+            if isinstance(value, DTensor):
+                if id(value) not in done:
+                    done[id(value)] = gather(value)
+                return done[id(value)]
             return value
+        return tuple(once(a) for a in args), {k: once(v) for k, v in kwargs.items()}
+    module.register_forward_pre_hook(pre_hook, with_kwargs=True, prepend=prepend)
 
-        def pre_hook(mod, args, kwargs):
-            for i, arg in enumerate(args):
-                if isinstance(arg, torch.Tensor):
-                    return (*args[:i], shard(arg), *args[i + 1:]), kwargs
-            if first in kwargs:
-                kwargs = {**kwargs, first: shard(kwargs[first])}
-            return args, kwargs
 
-        module.register_forward_pre_hook(pre_hook, with_kwargs=True)
-        return module
+def _slice_back_outputs(module: nn.Module, sequence_dim: int, device_mesh: DeviceMesh, *, every: bool) -> None:
+    """``outputs="shard"``: the (first) output, the whole-sequence stream, handed on as this rank's
+    ``Shard(sequence_dim)`` slice; ``every``: each output whose leading (batch, sequence) sizes are
+    the gathered input's."""
+    def slice_back(value):
+        if isinstance(value, torch.Tensor) and not isinstance(value, DTensor):
+            value = DTensor.from_local(value, device_mesh, [Replicate()], run_check=False)
+        if isinstance(value, DTensor) and value.placements == (Replicate(),):
+            # A Replicate() DTensor too (an inner module's output wrapped to meet the stream).
+            return value.redistribute(placements=[Shard(sequence_dim)])
+        return value
 
-    def __repr__(self) -> str:
-        return f"{self.__class__.__name__}(sequence_dim={self.sequence_dim})"
+    leading: list = []  # (batch, sequence) sizes of the gathered stream, per call
+
+    def record(mod, args, kwargs):
+        values = [v for v in (*args, *kwargs.values()) if isinstance(v, torch.Tensor)]
+        if values:
+            leading[:] = [tuple(values[0].shape[: sequence_dim + 1])]
+
+    def per_position(value):
+        return isinstance(value, torch.Tensor) and leading and tuple(value.shape[: sequence_dim + 1]) == leading[0]
+
+    def hook(mod, args, out):
+        if type(out) in (tuple, list) and out:  # (hidden, attentions...), as a tuple or a list
+            if every:
+                return type(out)([slice_back(v) if per_position(v) else v for v in out])
+            return type(out)([slice_back(out[0]), *out[1:]])
+        if isinstance(out, dict) and out:  # a transformers ModelOutput: its first field
+            for key in list(out) if every else list(out)[:1]:
+                if not every or per_position(out[key]):
+                    out[key] = slice_back(out[key])
+            return out
+        return slice_back(out)
+
+    if every:
+        module.register_forward_pre_hook(record, with_kwargs=True, prepend=True)
+    module.register_forward_hook(hook)
+
+
+def _reduce_scatter_output(module: nn.Module, sequence_dim: int, device_mesh: DeviceMesh) -> None:
+    """``outputs="sum_shard"``: the (first) output, this rank's partial sum of every token (experts
+    sharded on their FFN dim), reduce-scattered onto the ``Shard(sequence_dim)`` stream; children's
+    ``Partial()`` DTensor outputs (a shared expert's row) taken local, with ``Replicate()``
+    gradients (the all-gathered one of the block's output), so the block's own code adds them into
+    the partial sum and one reduce-scatter covers both."""
+    def reduce_scatter(value):
+        if isinstance(value, torch.Tensor) and not isinstance(value, DTensor):
+            partial_sum = DTensor.from_local(value, device_mesh, [Partial()], run_check=False)
+            return partial_sum.redistribute(placements=[Shard(sequence_dim)])
+        return value
+
+    def hook(mod, args, out):
+        if type(out) in (tuple, list) and out:  # (hidden, router logits...): the first is the stream
+            return type(out)([reduce_scatter(out[0]), *out[1:]])
+        return reduce_scatter(out)
+
+    module.register_forward_hook(hook)
+    for child in module.children():
+        child.register_forward_hook(_partial_outputs_local)
+
+
+def _partial_outputs_local(module, args, output):
+    """A child's ``Partial()`` DTensor outputs as local partial sums with ``Replicate()`` gradients."""
+    def local(value):
+        if isinstance(value, DTensor) and all(p.is_partial() for p in value.placements):
+            return value.to_local(grad_placements=[Replicate()])
+        return value
+
+    if type(output) in (tuple, list):
+        return type(output)(local(o) for o in output)
+    return local(output)
+
+
+def _slice_stream_input(module: nn.Module, sequence_dim: int, device_mesh: DeviceMesh, prepend: bool) -> None:
+    """``inputs="slice"``: the stream input, if plain, cut to this rank's ``Shard(sequence_dim)``
+    slice (no communication forward; its backward all-gathers the gradient)."""
+    first = next(iter(inspect.signature(module.forward).parameters), None)
+
+    def shard(value):
+        if isinstance(value, torch.Tensor) and not isinstance(value, DTensor) and value.is_floating_point():
+            whole = DTensor.from_local(value, device_mesh, [Replicate()], run_check=False)
+            return whole.redistribute(placements=[Shard(sequence_dim)])
+        return value
+
+    def pre_hook(mod, args, kwargs):
+        for i, arg in enumerate(args):
+            if isinstance(arg, torch.Tensor):
+                return (*args[:i], shard(arg), *args[i + 1:]), kwargs
+        if first in kwargs:
+            kwargs = {**kwargs, first: shard(kwargs[first])}
+        return args, kwargs
+    module.register_forward_pre_hook(pre_hook, with_kwargs=True, prepend=prepend)

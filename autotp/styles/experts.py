@@ -11,7 +11,6 @@ from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distrib
 
 from autotp._simulate import mesh_coordinate
 from autotp.errors import PlanError
-from autotp.styles.boundaries import GatherSequenceInput
 from autotp.styles.base import (LocalParamsStyle, all_reduce_backward, all_reduce_forward, packed_row_order, permute_rows,
                                 scale_grad)
 from autotp.styles.declared import Shards
@@ -70,7 +69,11 @@ class ExpertsParallel(LocalParamsStyle):
             Default: ``"both"``.
         partial_grad_plain (bool): with ``side="columns"``, plain floating inputs are handed back
             their gradient unreduced, as this rank's partial sum: a value reduced once further back
-            (``ReplicatedOutput(partial_grad=True)``) with every other reader's share. Default: False.
+            (``Boundary(output_grad="partial")``) with every other reader's share. Default: False.
+        partial_output (bool): leave the output this rank's partial sum, for the block to reduce:
+            under sequence parallel a reduce-scatter onto the ``Shard(1)`` stream moves half the
+            bytes of an all-reduce followed by a slice. The inputs' gradients are still reduced.
+            Default: False.
 
     Example::
         >>> plan = {"model.layers.*.mlp.experts": ExpertsParallel()}
@@ -81,8 +84,9 @@ class ExpertsParallel(LocalParamsStyle):
 
     def __init__(self, *, shard_dims: dict[str, int] | None = None, packed: dict[str, int] | None = None,
                  partial_grad_inputs: bool = False, once: tuple[str, ...] = (), scale_rows: tuple[str, ...] = (),
-                 side: str = "both", partial_grad_plain: bool = False):
+                 side: str = "both", partial_grad_plain: bool = False, partial_output: bool = False):
         super().__init__()
+        self.partial_output = partial_output
         if partial_grad_plain and (side != "columns" or partial_grad_inputs):
             raise PlanError(f"ExpertsParallel(partial_grad_plain=True) with side={side!r}, partial_grad_inputs="
                             f"{partial_grad_inputs}: only a module of columns (side='columns') hands its plain "
@@ -191,7 +195,7 @@ class ExpertsParallel(LocalParamsStyle):
             if not any(isinstance(v, DTensor) for v in (*args, *kwargs.values())):
                 raise PlanError(
                     "ExpertsParallel(partial_grad_inputs=True) got no DTensor input: the MoE block's input "
-                    "must arrive as the Replicate() DTensor its norm returns (ReplicatedOutput, or "
+                    "must arrive as the Replicate() DTensor its norm returns (Boundary(outputs='replicate'), or "
                     "SequenceParallelAllGather(use_local_output=False)); else drop partial_grad_inputs.")
             # From a PartialGradRouter, which divides its outputs' gradients by tp: times tp here
             # keeps this partial sum whole, while a full gradient from elsewhere counts once.
@@ -205,7 +209,8 @@ class ExpertsParallel(LocalParamsStyle):
     def _prepare_output(self, output, device_mesh):
         if self.side == "columns":
             return output  # this rank's FFN features, for the rows of another module
-        return all_reduce_forward(self._scaled_output(output, device_mesh), device_mesh)
+        output = self._scaled_output(output, device_mesh)
+        return output if self.partial_output else all_reduce_forward(output, device_mesh)
 
     def __repr__(self) -> str:
         extra = ", partial_grad_inputs=True" if self.partial_grad_inputs else ""
@@ -213,6 +218,7 @@ class ExpertsParallel(LocalParamsStyle):
         extra += ", partial_grad_plain=True" if self.partial_grad_plain else ""
         extra += f", once={self.once}" if self.once else ""
         extra += f", scale_rows={self.scale_rows}" if self.scale_rows else ""
+        extra += ", partial_output=True" if self.partial_output else ""
         return f"{self.__class__.__name__}(shard_dims={self.shard_dims}, packed={self.packed}{extra})"
 
     def declares(self) -> Shards:
@@ -237,7 +243,7 @@ class PartialGradRouter(LocalParamsStyle):
 
     With ``partial_grad_plain`` plain floating inputs are taken as they are: their gradient, a share
     of the whole (the outputs' gradients divided by tp), is added to other readers' shares and
-    reduced once where the value was made (``ReplicatedOutput(partial_grad=True)``). Right only
+    reduced once where the value was made (``Boundary(output_grad="partial")``). Right only
     where the outputs' gradients are whole on every rank (no output reaches a reader that hands
     back a partial gradient).
 
@@ -245,8 +251,8 @@ class PartialGradRouter(LocalParamsStyle):
         partial_grad_plain (bool): leave plain inputs' gradients unreduced shares. Default: False.
 
     Example::
-        >>> from autotp.styles import ReplicatedOutput
-        >>> plan = {"model.layers.*.post_attention_layernorm": ReplicatedOutput(),
+        >>> from autotp.styles import Boundary
+        >>> plan = {"model.layers.*.post_attention_layernorm": Boundary(outputs="replicate"),
         ...         "model.layers.*.mlp.gate": PartialGradRouter(),
         ...         "model.layers.*.mlp.experts": ExpertsParallel(partial_grad_inputs=True)}
     """
@@ -323,98 +329,3 @@ def _partial_grad_input(value, *, scale, device_mesh=None):
     if scale is None:
         return all_reduce_backward(value, device_mesh)
     return scale_grad(value, scale)
-
-
-class PartialExpertsParallel(ExpertsParallel):
-    """Experts sharded on their FFN dim whose output stays a per-rank partial sum (no all-reduce).
-
-    Under sequence parallel the MoE block's output goes back to the ``Shard(1)`` residual stream.
-    :class:`~autotp.styles.ExpertsParallel` would all-reduce the partial sum and the block would
-    then drop all but its own sequence slice: a reduce-scatter does the same with half the traffic.
-    So the reduction is left to the block: ``PrepareModuleOutput(output_layouts=Partial(),
-    desired_output_layouts=Shard(1))``. The inputs' gradients are still all-reduced (each rank's
-    slice of every expert contributes to them), as in the parent style.
-
-    Keyword Args:
-        shard_dims, packed, once, scale_rows: as for :class:`~autotp.styles.ExpertsParallel`.
-
-    Example::
-        >>> from torch.distributed.tensor import Partial, Shard
-        >>> from torch.distributed.tensor.parallel import PrepareModuleOutput
-        >>> plan = {"model.layers.*.mlp.experts": PartialExpertsParallel(),
-        ...         "model.layers.*.mlp": PrepareModuleOutput(output_layouts=Partial(),
-        ...                                                   desired_output_layouts=Shard(1))}
-    """
-
-    def _prepare_output(self, output, device_mesh):
-        return self._scaled_output(output, device_mesh)
-
-
-class SequenceParallelMoEBlock(GatherSequenceInput):
-    """A MoE block (router, experts, the combine) on the sequence-sharded residual stream.
-
-    The block's dispatch indexes tokens with plain ids (``y[token_idx]``, a scatter of routed
-    rows), which a ``Shard(1)`` DTensor cannot take: any input still sharded on the sequence is
-    all-gathered once at the block's entry (a norm before it usually did that already, and then
-    nothing happens here), so router and experts see every token as plain ``(tokens, C)`` rows.
-    The experts (:class:`PartialExpertsParallel`) leave per-rank partial sums, so the block's output
-    is a ``Partial()`` DTensor reduce-scattered to ``Shard(1)``: one collective out, as a row
-    Linear's under sequence parallel.
-
-    A shared expert whose down projection is a :class:`~autotp.styles.PartialRowwiseParallel`
-    returns a ``Partial()`` DTensor; the block takes its children's ``Partial()`` outputs local
-    (their gradient, the all-gathered one of the block's output, is ``Replicate()``), so the
-    block's own ``experts(x).view(shape) + shared_experts(x)`` adds two partial sums and the one
-    reduce-scatter covers both.
-
-    Keyword Args:
-        sequence_dim (int): the sequence dimension of the stream. Default: 1.
-        use_local_output (bool): pass the gathered input on as a plain tensor; ``False`` keeps it a
-            ``Replicate()`` DTensor, for experts with ``partial_grad_inputs``, a
-            :class:`PartialGradRouter` and column Linears, whose partial input gradients the gather's
-            backward then reduce-scatters once. Default: True.
-
-    Example::
-        >>> plan = {"model.layers.*.mlp": SequenceParallelMoEBlock(),
-        ...         "model.layers.*.mlp.experts": PartialExpertsParallel()}
-    """
-
-    def __init__(self, *, sequence_dim: int = 1, use_local_output: bool = True):
-        super().__init__(sequence_dim=sequence_dim, use_local_output=use_local_output)
-
-    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
-        super()._apply(module, device_mesh)
-        sequence_dim = self.sequence_dim
-
-        def reduce_scatter(value):
-            # The experts' output on each rank is its shard's share of every token: a partial sum.
-            if isinstance(value, torch.Tensor) and not isinstance(value, DTensor):
-                partial_sum = DTensor.from_local(value, device_mesh, [Partial()], run_check=False)
-                return partial_sum.redistribute(placements=[Shard(sequence_dim)])
-            return value
-
-        def hook(mod, args, out):
-            if type(out) in (tuple, list) and out:  # (hidden, router logits...): the first is the stream
-                return type(out)([reduce_scatter(out[0]), *out[1:]])
-            return reduce_scatter(out)
-
-        module.register_forward_hook(hook)
-        for child in module.children():
-            child.register_forward_hook(_partial_outputs_local)
-        return module
-
-    def __repr__(self) -> str:
-        extra = "" if self.use_local_output else ", use_local_output=False"
-        return f"{self.__class__.__name__}(sequence_dim={self.sequence_dim}{extra})"
-
-
-def _partial_outputs_local(module, args, output):
-    """A child's ``Partial()`` DTensor outputs as local partial sums with ``Replicate()`` gradients."""
-    def local(value):
-        if isinstance(value, DTensor) and all(p.is_partial() for p in value.placements):
-            return value.to_local(grad_placements=[Replicate()])
-        return value
-
-    if type(output) in (tuple, list):
-        return type(output)(local(o) for o in output)
-    return local(output)

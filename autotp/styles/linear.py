@@ -24,15 +24,129 @@ from autotp.styles.group_copies import Copies, _cut_groups, _groups_whole, copy_
 from autotp.styles.params import HeadParams
 
 
-class _PackedInput:
-    """``sizes``: the row's input features are parts side by side, each rank holding its share of
-    every part (heads folded behind a fixed group count, ``(groups, heads / groups, head_dim)``
-    merged). The weight's columns are permuted by :func:`packed_row_order` before the usual
-    ``Shard(1)``, as :class:`PackedColwiseParallel` permutes a fused output's rows, so rank r's
-    contiguous block of columns is its share of each part, in order. The parameter keeps the
-    permuted order; ``_autotp_to_layout`` maps an unsharded weight to it."""
+def _sizes(sizes) -> tuple[int, ...] | None:
+    return tuple(int(s) for s in sizes) if sizes else None
 
-    sizes: tuple[int, ...] | None = None
+
+class Colwise(ColwiseParallel):
+    """torch's :class:`ColwiseParallel` with the two layouts LLM checkpoints add: a fused output cut
+    part by part, and a weight stored ``(in, out)``.
+
+    ``sizes``: the output is a concatenation of parts (a fused ``[q | k | v]`` or ``[gate | up]``).
+    Plain ``ColwiseParallel`` would hand rank 0 all of q and rank 1 the rest of q plus k and v, and
+    the split after it would mix parts with no error. Here the rows (and bias) are first permuted
+    by :func:`packed_row_order`, then sharded ``Shard(0)``: each rank holds ``size / tp`` rows of
+    every part. Parts may be unequal (GQA: ``sizes=(heads * d, kv * d, kv * d)``). The parameter
+    keeps the permuted order; its ``_autotp_to_layout`` attribute maps an unsharded tensor to that
+    order, for checkpoint conversion and for :func:`autotp.verify`.
+
+    ``weight_in_out``: a Linear-like module whose weight is stored ``(in, out)`` (transformers'
+    ``Conv1D``: ``addmm(bias, x, weight)``): the weight is sharded on dim 1, the bias on dim 0. The
+    module runs on DTensors (its code reshapes with global sizes, ``view(..., self.nf)``); the
+    output is turned local after it returns.
+
+    Keyword Args:
+        sizes (tuple[int, ...] | None): widths of the output's parts, summing to its features.
+        weight_in_out (bool): the weight is stored ``(in, out)``. Default: False.
+        input_layouts, output_layouts, use_local_output: as for :class:`ColwiseParallel`.
+
+    Example::
+        >>> plan = {"model.layers.*.mlp.gate_up_proj": Colwise(sizes=(8192, 8192)),
+        ...         "transformer.h.*.mlp.c_fc": Colwise(weight_in_out=True)}
+    """
+
+    def __init__(self, *, sizes: tuple[int, ...] | None = None, weight_in_out: bool = False, **kwargs):
+        super().__init__(**kwargs)
+        self.sizes = _sizes(sizes)
+        self.weight_in_out = weight_in_out
+
+    def _partition_linear_fn(self, name, module, device_mesh):
+        if self.sizes is None:
+            return super()._partition_linear_fn(name, module, device_mesh)
+        self._partition_fn(name, module, device_mesh)
+
+    def _partition_fn(self, name, module, device_mesh):
+        """Each parameter sharded on its output-feature dim (an ``(in, out)`` weight: dim 1), part by part."""
+        order = packed_row_order(self.sizes, device_mesh.size()) if self.sizes else None
+        for pname, param in list(module.named_parameters(recurse=False)):
+            dim = param.ndim - 1 if self.weight_in_out else 0
+            with torch.no_grad():
+                value = param if order is None else param.index_select(dim, order.to(param.device))
+            dist = distribute_tensor(value, device_mesh, [Shard(dim)], src_data_rank=self.src_data_rank)
+            new = nn.Parameter(dist, requires_grad=param.requires_grad)
+            if order is not None:
+                new._autotp_to_layout = partial(permute_rows, dim=dim, order=order)
+            module.register_parameter(pname, new)
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        if not self.weight_in_out:
+            return super()._apply(module, device_mesh)
+        return distribute_module(
+            module, device_mesh, self._partition_fn,
+            partial(self._prepare_input_fn, self.input_layouts, self.desired_input_layouts),
+            partial(self._prepare_output_fn, self.output_layouts, self.use_local_output),
+        )
+
+    def sharded_param_dims(self, module: nn.Module) -> dict[str, int]:
+        if self.weight_in_out:
+            return {n: p.ndim - 1 for n, p in module.named_parameters(recurse=False)}
+        if isinstance(module, nn.Embedding):
+            return {"weight": 1}
+        return {n: 0 for n in ("weight", "bias") if getattr(module, n, None) is not None}
+
+    def __repr__(self) -> str:
+        return _with_options(super().__repr__(), sizes=self.sizes, weight_in_out=self.weight_in_out)
+
+    def declares(self) -> Shards:
+        return torch_shards(self, weight_in_out=self.weight_in_out)
+
+
+class Rowwise(RowwiseParallel):
+    """torch's :class:`RowwiseParallel` with the options LLM plans need: input features in parts, a
+    partial output, spans of the output whose gradient is reduced, a weight stored ``(in, out)``.
+
+    ``sizes``: the input features are parts side by side, each rank holding its share of every
+    part (an attention that views its fused qkv as a fixed number of groups, ``reshape(b, t, G,
+    -1)``, is sharded within each group, so after the merge back its heads are ``G`` blocks with a
+    slice of each on every rank). The weight's columns are permuted by :func:`packed_row_order`
+    before the usual ``Shard(1)``; plain ``RowwiseParallel`` would multiply them by the wrong
+    columns with no error.
+
+    ``output_layouts=Partial()``: the output stays a partial sum (one branch of a parallel block),
+    for the caller to add to the other branch before one reduction: a ``Partial()`` DTensor, or
+    with ``use_local_output=True`` the plain per-rank partial sum (code that adds it up in plain
+    tensors, :class:`~autotp.styles.PartialSumBlock`). Its gradient is taken ``Replicate()``: when
+    the sum is reduce-scattered onto the ``Shard(1)`` stream (SP), the gradient comes back
+    sequence-sharded and is all-gathered once here; the branches that the add joins share that one
+    gather (by the gradient's identity), mirroring the block's one reduce-scatter.
+
+    ``reduce_grad_features``: ``(start, stop)`` spans of the (whole, reduced) output whose gradient
+    is all-reduced on the way back: they are broadcast along a sharded dim downstream (the same
+    state projection for every channel of a channel-sharded scan), so each rank's gradient of them
+    is its own channels' share.
+
+    ``weight_in_out``: the weight is stored ``(in, out)`` (transformers' ``Conv1D``): sharded on
+    dim 0, the contracted input features; the bias kept whole.
+
+    Keyword Args:
+        sizes (tuple[int, ...] | None): widths of the input's parts, summing to ``in_features``.
+        reduce_grad_features (tuple[tuple[int, int], ...]): output spans whose gradient is all-reduced.
+        weight_in_out (bool): the weight is stored ``(in, out)``. Default: False.
+        input_layouts, output_layouts, use_local_output: as for :class:`RowwiseParallel`.
+
+    Example::
+        >>> from torch.distributed.tensor import Partial
+        >>> plan = {"layers.*.attn.out_proj": Rowwise(sizes=(1024, 1024, 1024, 1024)),
+        ...         "model.layers.*.mlp.fc2": Rowwise(output_layouts=Partial(), use_local_output=False),
+        ...         "backbone.layers.*.mixer.x_proj": Rowwise(reduce_grad_features=((8, 24),))}
+    """
+
+    def __init__(self, *, sizes: tuple[int, ...] | None = None, reduce_grad_features: tuple[tuple[int, int], ...] = (),
+                 weight_in_out: bool = False, **kwargs):
+        super().__init__(**kwargs)
+        self.sizes = _sizes(sizes)
+        self.reduce_grad_features = tuple((int(a), int(b)) for a, b in reduce_grad_features)
+        self.weight_in_out = weight_in_out
 
     def _partition_linear_fn(self, name, module, device_mesh):
         order = packed_row_order(self.sizes, device_mesh.size()) if self.sizes else None
@@ -45,120 +159,53 @@ class _PackedInput:
         if order is not None:
             module.weight._autotp_to_layout = partial(permute_rows, dim=1, order=order)
 
-    def _sizes_repr(self, text: str) -> str:
-        if not self.sizes:
-            return text
-        return text[:-1] + ("" if text.endswith("()") else ", ") + f"sizes={self.sizes})"
+    def _partition_in_out_fn(self, name, module, device_mesh):
+        for pname, param in list(module.named_parameters(recurse=False)):
+            placement = Shard(0) if param.ndim == 2 else Replicate()
+            dist = distribute_tensor(param, device_mesh, [placement], src_data_rank=self.src_data_rank)
+            module.register_parameter(pname, nn.Parameter(dist, requires_grad=param.requires_grad))
 
+    def _prepare_output_fn(self, output_layouts, use_local_output, mod, outputs, device_mesh):
+        if tuple(output_layouts) != (Partial(),):
+            return RowwiseParallel._prepare_output_fn(output_layouts, use_local_output, mod, outputs, device_mesh)
+        local = outputs.to_local(grad_placements=(Replicate(),))
+        return local if use_local_output else _PartialFromLocal.apply(local, device_mesh)
 
-def _sizes(sizes) -> tuple[int, ...] | None:
-    return tuple(int(s) for s in sizes) if sizes else None
-
-
-class PackedRowwiseParallel(_PackedInput, RowwiseParallel):
-    """Row-parallel Linear whose input features are parts, each rank holding its share of every part.
-
-    An attention that views its fused qkv as a fixed number of groups (``reshape(b, t, G, -1)``,
-    each group its own ``[q | v | k]``) is sharded within each group: rank r holds the r-th slice
-    of every group's heads. After the merge back, its heads are ``G`` blocks of features with a
-    slice of each on every rank, not one contiguous block: plain ``RowwiseParallel`` would
-    multiply them by the wrong weight columns with no error. Here the columns are permuted
-    part by part first (see :class:`_PackedInput`).
-
-    Keyword Args:
-        sizes (tuple[int, ...]): widths of the input's parts, summing to ``in_features``.
-        input_layouts, output_layouts, use_local_output: as for :class:`RowwiseParallel`.
-
-    Example::
-        >>> plan = {"layers.*.attn.out_proj": PackedRowwiseParallel(sizes=(1024, 1024, 1024, 1024))}
-    """
-
-    def __init__(self, *, sizes: tuple[int, ...], **kwargs):
-        super().__init__(**kwargs)
-        self.sizes = _sizes(sizes)
-
-    def __repr__(self) -> str:
-        return self._sizes_repr(super().__repr__())
-
-
-class _GradSpans:
-    """``reduce_grad_features``: ``(start, stop)`` spans of the row's (whole, reduced) output whose
-    gradient is all-reduced on the way back: they are broadcast along a sharded dim downstream
-    (the same state projection for every channel of a channel-sharded scan), so each rank's
-    gradient of them is its own channels' share. The other features' gradients come back whole."""
-
-    reduce_grad_features: tuple[tuple[int, int], ...] = ()
-
-    def _with_grad_spans(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        if self.weight_in_out:
+            self.desired_input_layouts = (Shard(-1),)
+            module = distribute_module(
+                module, device_mesh, self._partition_in_out_fn,
+                partial(self._prepare_input_fn, self.input_layouts, self.desired_input_layouts),
+                partial(self._prepare_output_fn, self.output_layouts, self.use_local_output),
+            )
+        else:
+            module = super()._apply(module, device_mesh)
         if self.reduce_grad_features:
             spans = self.reduce_grad_features
             module.register_forward_hook(lambda mod, args, out: reduce_feature_grads(out, spans, device_mesh))
         return module
 
-    def __repr__(self) -> str:
-        text = super().__repr__()
-        if not self.reduce_grad_features:
-            return text
-        return text[:-1] + ("" if text.endswith("()") else ", ") + f"reduce_grad_features={self.reduce_grad_features})"
-
-
-class BroadcastRowwiseParallel(_GradSpans, _PackedInput, RowwiseParallel):
-    """:class:`RowwiseParallel` (output reduced, whole on every rank) whose output spans
-    ``reduce_grad_features`` have their gradient all-reduced (see :class:`_GradSpans`); with
-    ``sizes``, its input features are parts (see :class:`PackedRowwiseParallel`).
-
-    Example::
-        >>> plan = {"backbone.layers.*.mixer.x_proj": BroadcastRowwiseParallel(reduce_grad_features=((8, 24),))}
-    """
-
-    def __init__(self, *, reduce_grad_features: tuple[tuple[int, int], ...] = (), sizes: tuple[int, ...] | None = None):
-        super().__init__()
-        self.reduce_grad_features = tuple((int(a), int(b)) for a, b in reduce_grad_features)
-        self.sizes = _sizes(sizes)
-
-    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
-        return self._with_grad_spans(super()._apply(module, device_mesh), device_mesh)
+    def sharded_param_dims(self, module: nn.Module) -> dict[str, int]:
+        if self.weight_in_out:
+            return {n: 0 for n, p in module.named_parameters(recurse=False) if p.ndim == 2}
+        return {"weight": 0 if isinstance(module, nn.Embedding) else 1}
 
     def __repr__(self) -> str:
-        return self._sizes_repr(super().__repr__())
+        return _with_options(super().__repr__(), sizes=self.sizes, reduce_grad_features=self.reduce_grad_features,
+                             weight_in_out=self.weight_in_out)
+
+    def declares(self) -> Shards:
+        return torch_shards(self, weight_in_out=self.weight_in_out)
 
 
-class PartialRowwiseParallel(_PackedInput, RowwiseParallel):
-    """A row-parallel Linear whose output stays a ``Partial()`` DTensor (one branch of a parallel
-    block), for the caller to add to the other branch before one reduction.
+def _with_options(text: str, **options) -> str:
+    """``Name(a=1)`` with the options that are set appended: ``Name(a=1, sizes=(4, 4))``."""
+    extra = ", ".join(f"{name}={value!r}" for name, value in options.items() if value)
+    if not extra:
+        return text
+    return text[:-1] + ("" if text.endswith("()") else ", ") + extra + ")"
 
-    Its gradient is taken ``Replicate()``: when the sum is reduce-scattered onto the ``Shard(1)``
-    stream (SP), the gradient comes back sequence-sharded and is all-gathered once here, instead of
-    once for the input gradient and again for the weight gradient inside the Linear's backward.
-    The add that joins the branches hands both the same sequence-sharded gradient: the first
-    branch to gather it keeps the result for the other (by identity, for the backward pass), so the
-    block all-gathers once per layer, mirroring its one reduce-scatter.
-
-    With ``local`` the output is the plain per-rank partial sum (its gradient taken ``Replicate()``),
-    for code that adds it up in plain tensors before one reduction
-    (:class:`~autotp.styles.PartialSumBlock`).
-
-    Keyword Args:
-        local (bool): return the local partial sum, not a ``Partial()`` DTensor. Default: False.
-        sizes (tuple[int, ...] | None): widths of the input's parts when each rank holds a share of
-            every part (see :class:`PackedRowwiseParallel`). Default: None (one contiguous block).
-
-    Example::
-        >>> plan = {"model.layers.*.mlp.fc2": PartialRowwiseParallel()}
-    """
-
-    def __init__(self, *, local: bool = False, sizes: tuple[int, ...] | None = None):
-        super().__init__(output_layouts=Partial(), use_local_output=local)
-        self.local = local
-        self.sizes = _sizes(sizes)
-
-    @staticmethod
-    def _prepare_output_fn(output_layouts, use_local_output, mod, outputs, device_mesh):
-        local = outputs.to_local(grad_placements=(Replicate(),))
-        return local if use_local_output else _PartialFromLocal.apply(local, device_mesh)
-
-    def __repr__(self) -> str:
-        return self._sizes_repr(f"{self.__class__.__name__}({'local=True' if self.local else ''})")
 
 
 # Sequence-sharded gradients already all-gathered, by the gradient's id while it lives (a weak
@@ -197,7 +244,7 @@ class JoinPartialSums(WrapperStyle):
     DTensor reduce-scatters ``residual + (attn * a + mixer * b)`` correctly on its own, but its add
     hands the gradient back to the partial operand still ``Shard(1)``: each branch scaled by its own
     constant then holds a different sequence-sharded gradient, and each
-    :class:`PartialRowwiseParallel` all-gathers its own (two all-gathers per layer where the forward
+    :class:`Rowwise` with ``output_layouts=Partial()`` all-gathers its own (two all-gathers per layer where the forward
     made one reduce-scatter). While this module's forward runs, an add or subtraction of a
     ``Partial()`` DTensor and a sharded one redistributes the partial operand explicitly first, so
     that the redistribution's backward gathers the gradient whole (``Replicate()``) once; the scaled
@@ -209,8 +256,8 @@ class JoinPartialSums(WrapperStyle):
 
     Example::
         >>> plan = {"model.layers.*": JoinPartialSums(),
-        ...         "model.layers.*.self_attn.o_proj": PartialRowwiseParallel(),
-        ...         "model.layers.*.mamba.out_proj": PartialRowwiseParallel()}
+        ...         "model.layers.*.self_attn.o_proj": Rowwise(output_layouts=Partial(), use_local_output=False),
+        ...         "model.layers.*.mamba.out_proj": Rowwise(output_layouts=Partial(), use_local_output=False)}
     """
 
     def __init__(self, *, style: ParallelStyle | None = None):
@@ -251,129 +298,6 @@ _is_partial = is_partial
 
 def _is_sharded(x) -> bool:
     return isinstance(x, DTensor) and any(p.is_shard() for p in x.placements) and not _is_partial(x)
-
-
-class PackedColwiseParallel(ColwiseParallel):
-    """Column-parallel Linear whose output is a concatenation of parts, sharded part by part.
-
-    Plain ``ColwiseParallel`` on a fused ``[q | k | v]`` or ``[gate | up]`` weight hands rank 0 all
-    of q and rank 1 the rest of q plus k and v: the split after it then mixes parts and the logits
-    are wrong with no error. Here the weight rows (and bias) are first permuted by
-    :func:`packed_row_order`, then sharded ``Shard(0)``: each rank holds ``size / tp`` rows of every
-    part. Parts may be unequal (GQA: ``sizes=(heads * d, kv * d, kv * d)``). The parameter keeps the
-    permuted order; its ``_autotp_to_layout`` attribute maps an unsharded tensor to that order, for checkpoint
-    conversion and for :func:`autotp.verify`.
-
-    Keyword Args:
-        sizes (tuple[int, ...]): widths of the parts, summing to ``out_features``.
-        input_layouts, output_layouts, use_local_output: as for :class:`ColwiseParallel`.
-
-    Example::
-        >>> plan = {"model.layers.*.mlp.gate_up_proj": PackedColwiseParallel(sizes=(8192, 8192))}
-    """
-
-    def __init__(self, *, sizes: tuple[int, ...], **kwargs):
-        super().__init__(**kwargs)
-        self.sizes = tuple(int(s) for s in sizes)
-
-    def _partition_linear_fn(self, name, module, device_mesh):
-        tp = device_mesh.size()
-        order = packed_row_order(self.sizes, tp)
-        for pname, param in list(module.named_parameters(recurse=False)):
-            with torch.no_grad():
-                permuted = param[order]
-            dist = distribute_tensor(permuted, device_mesh, [Shard(0)], src_data_rank=self.src_data_rank)
-            new = nn.Parameter(dist, requires_grad=param.requires_grad)
-            new._autotp_to_layout = partial(permute_rows, dim=0, order=order)
-            module.register_parameter(pname, new)
-
-    def __repr__(self) -> str:
-        return super().__repr__()[:-1] + f", sizes={self.sizes})"
-
-
-class ColwiseParallelInOut(ColwiseParallel):
-    """:class:`ColwiseParallel` for a Linear-like module whose weight is stored ``(in, out)``
-    (transformers' ``Conv1D``: ``addmm(bias, x, weight)``): the weight is sharded on dim 1, the bias
-    on dim 0. With ``sizes`` the output is a concatenation of parts sharded part by part, as
-    :class:`PackedColwiseParallel` does (GPT-2's fused ``c_attn``).
-
-    The module runs on DTensors (its code reshapes with global sizes, ``view(..., self.nf)``); the
-    output is turned local after it returns.
-
-    Keyword Args:
-        sizes (tuple[int, ...] | None): widths of the parts of a fused output, or None.
-        input_layouts, output_layouts, use_local_output: as for :class:`ColwiseParallel`.
-
-    Example::
-        >>> plan = {"transformer.h.*.mlp.c_fc": ColwiseParallelInOut()}
-    """
-
-    def __init__(self, *, sizes: tuple[int, ...] | None = None, **kwargs):
-        super().__init__(**kwargs)
-        self.sizes = tuple(int(s) for s in sizes) if sizes else None
-
-    def _partition_in_out_fn(self, name, module, device_mesh):
-        order = packed_row_order(self.sizes, device_mesh.size()) if self.sizes else None
-        for pname, param in list(module.named_parameters(recurse=False)):
-            dim = param.ndim - 1  # the out features: weight (in, out) dim 1, bias (out,) dim 0
-            with torch.no_grad():
-                value = param if order is None else param.index_select(dim, order.to(param.device))
-            dist = distribute_tensor(value, device_mesh, [Shard(dim)], src_data_rank=self.src_data_rank)
-            new = nn.Parameter(dist, requires_grad=param.requires_grad)
-            if order is not None:
-                new._autotp_to_layout = partial(permute_rows, dim=dim, order=order)
-            module.register_parameter(pname, new)
-
-    def sharded_param_dims(self, module: nn.Module) -> dict[str, int]:
-        return {n: p.ndim - 1 for n, p in module.named_parameters(recurse=False)}
-
-    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
-        return distribute_module(
-            module, device_mesh, self._partition_in_out_fn,
-            partial(self._prepare_input_fn, self.input_layouts, self.desired_input_layouts),
-            partial(self._prepare_output_fn, self.output_layouts, self.use_local_output),
-        )
-
-    def __repr__(self) -> str:
-        return super().__repr__()[:-1] + (f", sizes={self.sizes})" if self.sizes else ")")
-
-    def declares(self) -> Shards:
-        return torch_shards(self, weight_in_out=True)
-
-
-class RowwiseParallelInOut(_GradSpans, RowwiseParallel):
-    """:class:`RowwiseParallel` for a Linear-like module whose weight is stored ``(in, out)``: the
-    weight is sharded on dim 0 (the contracted input features), the bias kept whole. With
-    ``reduce_grad_features``, as :class:`BroadcastRowwiseParallel`.
-
-    Example::
-        >>> plan = {"transformer.h.*.mlp.c_proj": RowwiseParallelInOut()}
-    """
-
-    def __init__(self, *, reduce_grad_features: tuple[tuple[int, int], ...] = (), **kwargs):
-        super().__init__(**kwargs)
-        self.reduce_grad_features = tuple((int(a), int(b)) for a, b in reduce_grad_features)
-
-    def _partition_in_out_fn(self, name, module, device_mesh):
-        for pname, param in list(module.named_parameters(recurse=False)):
-            placement = Shard(0) if param.ndim == 2 else Replicate()
-            dist = distribute_tensor(param, device_mesh, [placement], src_data_rank=self.src_data_rank)
-            module.register_parameter(pname, nn.Parameter(dist, requires_grad=param.requires_grad))
-
-    def sharded_param_dims(self, module: nn.Module) -> dict[str, int]:
-        return {n: 0 for n, p in module.named_parameters(recurse=False) if p.ndim == 2}
-
-    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
-        self.desired_input_layouts = (Shard(-1),)
-        module = distribute_module(
-            module, device_mesh, self._partition_in_out_fn,
-            partial(self._prepare_input_fn, self.input_layouts, self.desired_input_layouts),
-            partial(self._prepare_output_fn, self.output_layouts, self.use_local_output),
-        )
-        return self._with_grad_spans(module, device_mesh)
-
-    def declares(self) -> Shards:
-        return torch_shards(self, weight_in_out=True)
 
 
 def copy_rows(tensor: torch.Tensor, *, index: torch.Tensor) -> torch.Tensor:
@@ -432,7 +356,7 @@ class GroupCopies(ParallelStyle):
     ranks. It is expanded to ``tp`` groups, group j a copy of group ``j * G // tp``: the rows of
     the named parameters and buffers (dim 0) and the integer attributes that size the part are
     set to their expanded values, and ``base`` (the style of the expanded model, e.g.
-    :class:`PackedColwiseParallel` or :class:`~autotp.styles.HeadParams`) shards the result, so
+    :class:`Colwise` or :class:`~autotp.styles.HeadParams`) shards the result, so
     rank r holds exactly the group its heads read. The copies' gradients are summed by a hook
     (:func:`sum_row_copies`), so they stay identical after an optimizer step.
 
@@ -457,7 +381,7 @@ class GroupCopies(ParallelStyle):
             forward collective: the serving choice).
 
     Example::
-        >>> plan = {"layers.*.mixer.in_proj": GroupCopies(base=PackedColwiseParallel(sizes=(64, 64, 8, 8, 8)),
+        >>> plan = {"layers.*.mixer.in_proj": GroupCopies(base=Colwise(sizes=(64, 64, 8, 8, 8)),
         ...                                               rows={"weight": (0, 140, ((132, 136, 1), (136, 140, 1)))})}
     """
 
@@ -504,7 +428,7 @@ class GroupCopies(ParallelStyle):
         tp = device_mesh.size()
         if self.gather and gathered_sizes(self) is None and gathered_param_sizes(self) is None:
             raise PlanError(f"{type(module).__name__}: GroupCopies(gather=True) takes a column style "
-                            "(ColwiseParallel or PackedColwiseParallel, local output sharded on its last dim) "
+                            "(ColwiseParallel or Colwise, local output sharded on its last dim) "
                             "over a Linear's whole-group parts, each one part of the packed output, or "
                             "HeadParams sharding the named parameters packed on dim 0; got "
                             f"base={self.base!r}, rows={self.rows}: use gather=False (copies with summed gradients)")
@@ -556,8 +480,8 @@ def gathered_sizes(style: GroupCopies) -> tuple[tuple[int, ...], dict[int, int]]
     its last dim, parts with pieces (a fused qkv viewed groups first), parameters other than a
     Linear's weight and bias, or a copied part that is not one part of the packed output.
 
-    >>> from autotp.styles import PackedColwiseParallel
-    >>> gathered_sizes(GroupCopies(base=PackedColwiseParallel(sizes=(64, 32, 32)),
+    >>> from autotp.styles import Colwise
+    >>> gathered_sizes(GroupCopies(base=Colwise(sizes=(64, 32, 32)),
     ...                            rows={"weight": (0, 80, ((64, 72, 1), (72, 80, 1)))}))
     ((64, 8, 8), {1: 1, 2: 1})
     """
@@ -634,12 +558,12 @@ def _unexpanded_sizes(expanded: tuple[int, ...], dim: int, width: int, parts) ->
 
 def _gather_groups(module: nn.Module, device_mesh: DeviceMesh, sizes: tuple[int, ...], grouped: dict[int, int],
                    base: ColwiseParallel) -> nn.Module:
-    """``GroupCopies(gather=True)``: every part of the Linear sharded by :class:`PackedColwiseParallel`
+    """``GroupCopies(gather=True)``: every part of the Linear sharded by :class:`Colwise`
     (the grouped parts too, ``1/tp`` of their rows per rank), then each grouped part of the local
     output all-gathered and rank r's group ``r * G // tp`` cut from it. Rank r sees the output of
     the copies' layout; the gradient of the gathered part, each rank's heads' share, is
     reduce-scattered back onto the shards, so no weight gradient is summed."""
-    packed = PackedColwiseParallel(sizes=sizes, input_layouts=base.input_layouts[0], output_layouts=Shard(-1),
+    packed = Colwise(sizes=sizes, input_layouts=base.input_layouts[0], output_layouts=Shard(-1),
                                    use_local_output=True)
     module = packed._apply(module, device_mesh)
     module.register_forward_hook(partial(_cut_groups, sizes=sizes, grouped=grouped, mesh=device_mesh))

@@ -22,10 +22,14 @@ class ReplicatedWithGradAllReduce(LocalParamsStyle):
 
     For a module between a column- and a row-parallel Linear that sees only this rank's part of
     the activation: each rank's parameter gradient is a partial sum over its shard, and plain
-    replicated parameters would drift apart after one optimizer step, silently.
+    replicated parameters would drift apart after one optimizer step, silently. A per-head norm
+    (Qwen3's ``q_norm`` / ``k_norm``) on heads a column projection sharded is one: it reduces over
+    ``head_dim`` only, so its local result is exact, and its weight's gradient sums over this
+    rank's heads only.
 
     Example::
-        >>> plan = {"model.layers.*.mlp.gate_norm": ReplicatedWithGradAllReduce()}
+        >>> plan = {"model.layers.*.mlp.gate_norm": ReplicatedWithGradAllReduce(),
+        ...         "model.layers.*.self_attn.q_norm": ReplicatedWithGradAllReduce()}
     """
 
     def _placement(self, name, param):
@@ -36,18 +40,6 @@ class ReplicatedWithGradAllReduce(LocalParamsStyle):
 
     def declares(self) -> Shards:
         return Shards(grads_reduced=("*",))
-
-
-class HeadShardedNorm(ReplicatedWithGradAllReduce):
-    """A per-head norm (Qwen3 ``q_norm`` / ``k_norm``) on a tensor whose heads are sharded.
-
-    The input ``(..., heads / tp, head_dim)`` comes from a column-parallel projection; the norm
-    reduces over ``head_dim`` only, so the local result is exact. The weight (over ``head_dim``)
-    stays replicated; each rank's gradient sums over its own heads only, so it is all-reduced.
-
-    Example::
-        >>> plan = {"model.layers.*.self_attn.q_norm": HeadShardedNorm()}
-    """
 
 
 class WidthShardedNorm(ParallelStyle):

@@ -1,6 +1,6 @@
 """A style for a module's own parameters that meet a head-sharded activation.
 
-:class:`~autotp.styles.HeadShardedNorm` covers a norm whose weight is read by every head. The same
+:class:`~autotp.styles.ReplicatedWithGradAllReduce` covers a norm whose weight is read by every head. The same
 risk holds for any parameter read inside the head-sharded region: a per-head scale, a softmax
 sink, a gate bias, a differential-attention lambda vector. On each rank such a parameter's
 gradient covers only that rank's heads. :class:`HeadParams` makes every one of them exact:
@@ -51,7 +51,7 @@ class HeadParams(LocalParamsStyle):
         reduce (tuple[str, ...]): parameters kept whole whose gradient is all-reduced over tp.
         counts (tuple[str, ...]): integer attribute paths divided by tp (head counts).
         packed (dict[str, tuple[int, ...]]): parameter name -> widths of the parts along its sharded
-            dim, when it is sharded with a packed Linear's parts (``PackedColwiseParallel``): its
+            dim, when it is sharded with a packed Linear's parts (``Colwise``): its
             entries are permuted the same way, so each rank holds its share of every part.
         gather_inputs (bool): DTensor inputs (a sequence-sharded stream) are made whole plain tensors
             at entry, once, for a module whose own code reads the stream before its column Linears

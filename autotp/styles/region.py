@@ -39,7 +39,7 @@ class DTensorRegion(WrapperStyle):
     nobody reads) stays a DTensor, so that code reading it gets the right values or a clear error,
     never a shard taken for the whole. With ``partial_outputs`` a ``Partial()`` output stays a
     ``Partial()`` DTensor: one branch of a parallel block, added to the other branch's partial sum
-    before one reduction (as :class:`PartialRowwiseParallel` leaves a row's); its whole outputs then
+    before one reduction (as :class:`~autotp.styles.Rowwise` with ``output_layouts=Partial()`` leaves a row's); its whole outputs then
     stay ``Replicate()`` DTensors. Each parameter's gradient comes back in the parameter's
     placement (DTensor's gradient accumulation redistributes a replicated weight's partial one).
 

@@ -431,7 +431,7 @@ def mutated_outputs(g: nx.DiGraph) -> set[str]:
     """Modules whose output the calling code modifies in place (``x *= scale``, ``out.add_(y)``).
 
     A style that returns its output local hands back ``DTensor.to_local()``, a view autograd forbids
-    writing in place; those modules' styles return a copy instead (see :class:`OwnedOutput`).
+    writing in place; those modules' styles return a copy instead (see ``Boundary(copy_output=True)``).
 
     >>> from autotp.synth.graph import add_node
     >>> g = nx.DiGraph()

@@ -5,7 +5,7 @@ from __future__ import annotations
 import copy
 from collections.abc import Callable
 
-from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor import Partial, Replicate, Shard
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     PrepareModuleOutput,
@@ -29,7 +29,7 @@ def _seq_in(role: Role) -> dict:
 
 
 # Linear roles that wrap a plain input as a Replicate() DTensor themselves: with ``partial_grad`` they
-# take it with a partial gradient instead (:class:`~autotp.styles.PartialGradInput`).
+# take it with a partial gradient instead (``Boundary(inputs="replicate", input_grad="partial")``).
 _INPUT_COLUMNS = frozenset({"column", "packed_column", "kv_column", "head"})
 
 
@@ -38,10 +38,13 @@ def style_for(role: Role, *, loss_parallel: bool = True) -> ParallelStyle | None
     style = _style_for(role, loss_parallel=loss_parallel)
     if role.kv_counts and role.kind != "kv_head_counts":  # tp > kv heads, on a module with a style of its own
         style = _kv_head_counts(role, loss_parallel, base=style)
-    if style is not None and role.owned_output:
-        style = styles.OwnedOutput(style)
+    edges = {}
+    if style is not None and role.owned_output:  # the caller writes the output in place: a copy
+        edges["copy_output"] = True
     if role.partial_grad and role.kind in _INPUT_COLUMNS:
-        style = styles.PartialGradInput(style=style)
+        edges.update(inputs="replicate", input_grad="partial")
+    if edges:
+        style = styles.Boundary(**edges, style=style)
     if role.entry_inputs:
         style = styles.ShardedInputs(inputs=role.entry_inputs, style=style)
     if role.shared_columns:
@@ -71,15 +74,15 @@ def _row(role: Role, loss_parallel: bool) -> ParallelStyle:
     if role.scatter_heads:  # one value per head: the reduction scattered onto the heads each rank holds
         return RowwiseParallel(output_layouts=Shard(-1))
     if role.partial_output or role.partial_local:
-        return styles.PartialRowwiseParallel(local=role.partial_local, sizes=role.sizes)
+        return styles.Rowwise(output_layouts=Partial(), use_local_output=bool(role.partial_local), sizes=role.sizes)
     layouts = dict(output_layouts=Shard(1), use_local_output=False) if role.seq_output else {}
     if role.grad_spans and not role.seq_output:  # output spans broadcast along a sharded dim downstream
-        return styles.BroadcastRowwiseParallel(reduce_grad_features=role.grad_spans, sizes=role.sizes)
-    return styles.PackedRowwiseParallel(sizes=role.sizes, **layouts) if role.sizes else RowwiseParallel(**layouts)
+        return styles.Rowwise(reduce_grad_features=role.grad_spans, sizes=role.sizes)
+    return styles.Rowwise(sizes=role.sizes, **layouts) if role.sizes else RowwiseParallel(**layouts)
 
 
 def _packed_column(role: Role) -> ParallelStyle:
-    style = styles.PackedColwiseParallel(sizes=role.sizes, **_seq_in(role))
+    style = styles.Colwise(sizes=role.sizes, **_seq_in(role))
     if not role.copied:
         return style
     # Parts held whole on every rank: expanded to tp copies of one group, then packed-column
@@ -126,21 +129,18 @@ def _vocab_embedding(role: Role, loss_parallel: bool) -> ParallelStyle:
 
 
 def _seq_gather(role: Role, loss_parallel: bool) -> ParallelStyle:
-    if role.seq_output:
-        style = styles.GatherSequenceInput(reshard_output="all" if role.all_outputs else True,
-                                           use_local_output=not role.dtensor_output)
-    else:
-        style = styles.GatherSequenceInput(use_local_output=not role.dtensor_output)
+    outputs = ("shard_all" if role.all_outputs else "shard") if role.seq_output else None
+    style = styles.Boundary(inputs="gather", outputs=outputs, local_inputs=not role.dtensor_output)
     # Counts the block divides (a ``shard_counts`` role the sequence pass gathered): one style for both.
     return styles.ShardCounts(names=role.names, base=style) if role.names else style
 
 
 def _experts(role: Role, loss_parallel: bool) -> ParallelStyle:
-    experts = styles.PartialExpertsParallel if role.seq_output else styles.ExpertsParallel
-    return experts(shard_dims=dict(role.param_dims), packed=dict(role.param_parts),
+    return styles.ExpertsParallel(shard_dims=dict(role.param_dims), packed=dict(role.param_parts),
                    partial_grad_inputs=role.partial_grad_inputs, once=role.once,
                    scale_rows=role.scale_rows, **({"side": role.experts_side} if role.experts_side else {}),
-                   **({"partial_grad_plain": True} if role.partial_grad else {}))
+                   **({"partial_grad_plain": True} if role.partial_grad else {}),
+                   **({"partial_output": True} if role.seq_output else {}))
 
 
 # Role kind -> style, one entry per kind of ``ROLE_KINDS`` (``None``: the module stays replicated).
@@ -155,25 +155,27 @@ _STYLES: dict[str, Callable[[Role, bool], ParallelStyle | None]] = {
     "row": _row,
     "head": _head,
     "vocab_embedding": _vocab_embedding,
-    "head_norm": lambda role, lp: styles.HeadShardedNorm(),
+    "head_norm": lambda role, lp: styles.ReplicatedWithGradAllReduce(),
     "width_norm": lambda role, lp: styles.WidthShardedNorm(shard_dim=role.shard_dim),
     "seq_norm": lambda role, lp: SequenceParallel(),
     "seq_params": lambda role, lp: styles.ReplicatedParams(),
     "seq_norm_gather": lambda role, lp: styles.SequenceParallelAllGather(use_local_output=not role.dtensor_output,
                                                                          partial_grad=role.partial_grad),
-    "shared_input": lambda role, lp: styles.ReplicatedOutput(partial_grad=role.partial_grad),
-    "whole_module": lambda role, lp: styles.ReplicatedModule(),
-    "broadcast_source": lambda role, lp: styles.ReplicatedModule(reduce_grad_features=role.grad_spans),
+    "shared_input": lambda role, lp: styles.Boundary(**({"output_grad": "partial"} if role.partial_grad
+                                                        else {"outputs": "replicate"})),
+    "whole_module": lambda role, lp: styles.Boundary(inputs="whole"),
+    "broadcast_source": lambda role, lp: styles.Boundary(inputs="whole", reduce_grad_features=role.grad_spans),
     "router": lambda role, lp: styles.PartialGradRouter(partial_grad_plain=role.partial_grad),
     "shared_entry": lambda role, lp: styles.SharedReplicatedInput(columns=role.names, partial_grad=role.partial_grad),
     "stream_block": lambda role, lp: styles.ReplicatedStream(),
     "stream_params": lambda role, lp: styles.ReplicatedParams(),
     "experts": _experts,
     "seq_gather": _seq_gather,
-    "seq_slice": lambda role, lp: styles.SliceSequenceInput(),
+    "seq_slice": lambda role, lp: styles.Boundary(inputs="slice"),
     # Whole tokens in (the dispatch indexes them); the experts' partial sums reduce-scattered out.
-    "moe_block": lambda role, lp: styles.SequenceParallelMoEBlock(use_local_output=not role.dtensor_output),
-    "replicated_entry": lambda role, lp: styles.ReplicatedInputs(),
+    "moe_block": lambda role, lp: styles.Boundary(inputs="gather", outputs="sum_shard",
+                                                  local_inputs=not role.dtensor_output),
+    "replicated_entry": lambda role, lp: styles.Boundary(inputs="replicate", outputs="local"),
     "rotary": lambda role, lp: styles.RotaryEmbedParallel(),
     "shard_counts": lambda role, lp: styles.ShardCounts(names=role.names),
     "head_params": lambda role, lp: styles.HeadParams(
@@ -199,14 +201,14 @@ def _in_out_style(role: Role, loss_parallel: bool) -> ParallelStyle:
     """The styles of :func:`_style_for` for a weight stored ``(in, out)`` (transformers' Conv1D)."""
     if role.kind == "row":
         if role.seq_output:
-            return styles.RowwiseParallelInOut(output_layouts=Shard(1), use_local_output=False)
-        return styles.RowwiseParallelInOut(reduce_grad_features=role.grad_spans)
+            return styles.Rowwise(weight_in_out=True, output_layouts=Shard(1), use_local_output=False)
+        return styles.Rowwise(weight_in_out=True, reduce_grad_features=role.grad_spans)
     sizes = role.sizes if role.kind == "packed_column" else None
     if role.kind == "head":
         layout = dict(output_layouts=Shard(-1), use_local_output=False) if loss_parallel else dict(
             output_layouts=Replicate())
-        return styles.ColwiseParallelInOut(**_seq_in(role), **layout)
-    return styles.ColwiseParallelInOut(sizes=sizes, **_seq_in(role))
+        return styles.Colwise(weight_in_out=True, **_seq_in(role), **layout)
+    return styles.Colwise(weight_in_out=True, sizes=sizes, **_seq_in(role))
 
 
 def _replicated_at_sequence_edge(role: Role) -> ParallelStyle | None:
@@ -217,13 +219,13 @@ def _replicated_at_sequence_edge(role: Role) -> ParallelStyle | None:
     # Every sequence-sharded argument is gathered (a module called as ``attn(h, h, h)`` takes the
     # stream three times: a layout per argument would have to match each call's arity).
     if role.seq_join and role.seq_input:  # a whole Linear between two points of the stream
-        return styles.GatherSequenceInput(reshard_output=True)
+        return styles.Boundary(inputs="gather", outputs="shard")
     if role.seq_join and role.seq_cut is not None:  # its own positions only, gradients partial
         return styles.OwnPositionsOutput(sequence_dim=role.seq_cut)
     if role.seq_join:  # its (first) output a Replicate() DTensor that the sharded stream can meet
-        return styles.ReplicatedOutput()
+        return styles.Boundary(outputs="replicate")
     if role.seq_input:
-        return styles.GatherSequenceInput()
+        return styles.Boundary(inputs="gather")
     return None
 
 

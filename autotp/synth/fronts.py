@@ -22,7 +22,7 @@ output projection, with no norm before it to gather): the module takes the gathe
 partial gradient, reduce-scattered at its entry (:class:`~autotp.styles.HeadParams` with
 ``partial_grad_inputs``), its own parameters' gradients left ``Partial()``. Where no module above
 the columns can share their input (a head Linear at the model's root), each column takes its own
-with a partial gradient (:class:`~autotp.styles.PartialGradInput`): with nothing reduced there,
+with a partial gradient (:class:`~autotp.styles.Boundary` with ``input_grad="partial"``): with nothing reduced there,
 sharing it would save nothing.
 
 A front may also start at a module's inputs (:func:`_input_fronts`, plain TP): a block that

@@ -18,7 +18,7 @@ shared by every head (MLA's ``k_rot``, cut from a down-projection kept whole and
 heads before it is concatenated to them) gets, on each rank, the gradient of that rank's heads only.
 :func:`broadcast_source` finds the Linear and the span of its output features it comes from, when
 nothing else reads that span; :func:`broadcast_roles` has the Linear all-reduce the gradient of that
-span (:class:`~autotp.styles.ReplicatedModule` with ``reduce_grad_features``), one small collective
+span (:class:`~autotp.styles.Boundary` with ``inputs="whole"`` and ``reduce_grad_features``), one small collective
 of ``tokens x rope width`` per layer.
 
 Long because the three ways a replicated operand can meet a shard soundly (a parameter sharded with

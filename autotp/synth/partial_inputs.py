@@ -7,10 +7,10 @@ DTensor can run (``index`` with a plain index tensor), so the norm cannot hand t
 (:func:`~autotp.synth.shared.expert_inputs`): each column would all-reduce its own input gradient.
 
 Every reader's input gradient can be made this rank's share of the whole instead, and the norm's
-backward all-reduces their sum once (``ReplicatedOutput(partial_grad=True)``; under sequence
+backward all-reduces their sum once (``Boundary(output_grad="partial")``; under sequence
 parallel its all-gather reduce-scatters it, ``SequenceParallelAllGather(partial_grad=True)``):
 
-- a column Linear hands back its ``Partial()`` input gradient unreduced (``PartialGradInput``);
+- a column Linear hands back its ``Partial()`` input gradient unreduced (``Boundary(inputs="replicate", input_grad="partial")``);
 - experts columns do the same with their plain inputs (``ExpertsParallel(partial_grad_plain=True)``);
 - a module kept whole gets a full gradient at its outputs: it runs its backward on that gradient
   divided by tp (``PartialGradRouter(partial_grad_plain=True)``: its input gradient a share of the

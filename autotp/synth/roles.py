@@ -147,7 +147,7 @@ class Role:
             ``partial_grad_module`` modules, :mod:`autotp.synth.fronts`); of a column Linear
             (``column``, ``packed_column``, ``kv_column``, ``head``), it takes its plain input with
             a partial gradient, handed back unreduced, where no module above it can share the input
-            (:class:`~autotp.styles.PartialGradInput`); of ``experts`` (columns) and a ``router``,
+            (``Boundary(input_grad="partial")``); of ``experts`` (columns) and a ``router``,
             their plain inputs' gradients are handed back as this rank's share, reduced once by a
             ``shared_input`` norm (:mod:`autotp.synth.partial_inputs`).
         partial_params: of a ``reduced_inputs`` module, its own parameters run in the replicated

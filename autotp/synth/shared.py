@@ -11,8 +11,8 @@ This pass finds, from the graph:
 
 - :func:`shared_inputs` (plain TP): modules (norms) whose output is read only by column Linears,
   or by column Linears and modules kept whole beside them (a Mamba mixer next to attention). The
-  module returns a ``Replicate()`` DTensor (:class:`~autotp.styles.ReplicatedOutput`); the whole
-  modules take it local (:class:`~autotp.styles.ReplicatedModule`).
+  module returns a ``Replicate()`` DTensor (``Boundary(outputs="replicate")``); the whole
+  modules take it local (``Boundary(inputs="whole")``).
 - :func:`shared_entries` (plain TP): column Linears that read one tensor entering their module
   with no norm before them (OLMo2's q/k/v read the residual stream): the module shares one
   ``Replicate()`` DTensor of it among them (:class:`~autotp.styles.SharedReplicatedInput`).
@@ -25,7 +25,7 @@ This pass finds, from the graph:
   the routing weights (:class:`~autotp.styles.PartialGradRouter`): one reduction of the block
   input's gradient per layer, and none of the routing weights'. Where no norm can return the
   DTensor (the residual reads its output too, or no norm precedes the block), the block makes it at
-  entry (:class:`~autotp.styles.ReplicatedInputs`; under SP its own gather keeps a DTensor).
+  entry (``Boundary(inputs="replicate", outputs="local")``; under SP its own gather keeps a DTensor).
 - :func:`parallel_blocks`: two row Linears whose outputs are added before anything else reads
   them (attention and MLP side by side: GPT-J, Phi, Cohere) leave their outputs ``Partial()`` and
   the sum is reduced once per layer. Under plain TP the decoder layer then runs on a

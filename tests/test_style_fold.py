@@ -1,0 +1,87 @@
+"""The public styles after issue 40's fold: fewer names, each old spelling an option of a kept style.
+
+What each folded style shards and communicates is checked where plans use it (the synthesis
+matrix, the handwritten plans, test_backward_comm's collective counts); here: the surface itself.
+"""
+
+from __future__ import annotations
+
+import inspect
+
+import pytest
+import torch
+from torch import nn
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
+from torch.distributed.tensor.parallel import ParallelStyle
+
+from autotp import styles
+from autotp._simulate import simulated_mesh
+from autotp.errors import PlanError
+from autotp.styles.declared import declaration
+
+
+def _public_styles() -> list[str]:
+    return [n for n in styles.__all__ if inspect.isclass(getattr(styles, n))
+            and issubclass(getattr(styles, n), ParallelStyle)]
+
+
+def test_public_styles_are_28_and_every_one_is_exported():
+    names = _public_styles()
+    assert len(names) == 28, names
+    defined = {n for n, v in vars(styles).items() if inspect.isclass(v) and issubclass(v, ParallelStyle)}
+    assert defined == set(names), defined ^ set(names)
+
+
+@pytest.mark.parametrize("old", sorted(styles.RENAMED))
+def test_a_folded_name_says_its_new_spelling(old):
+    with pytest.raises(AttributeError, match=r"folded into another style's options: use \w+\("):
+        getattr(styles, old)
+    new = styles.RENAMED[old].split("(")[0]
+    assert new in styles.__all__, new
+
+
+@pytest.mark.parametrize("options, message", [
+    ({"inputs": "scatter"}, "inputs='scatter'; use one of"),
+    ({"inputs": "gather", "input_grad": "partial"}, "only inputs taken as 'replicate'"),
+    ({"outputs": "replicate", "output_grad": "partial"}, "drop outputs"),
+    ({"outputs": "shard"}, "needs inputs='gather'"),
+])
+def test_boundary_refuses_sides_that_do_not_go_together(options, message):
+    with pytest.raises(PlanError, match=message):
+        styles.Boundary(**options)
+
+
+def test_folded_linear_options_declare_what_the_old_classes_did():
+    assert declaration(styles.Colwise(sizes=(4, 2, 2))).sizes == (4, 2, 2)
+    assert declaration(styles.Colwise(weight_in_out=True)).weight_in_out
+    assert declaration(styles.Rowwise(weight_in_out=True)).weight_in_out
+    partial_row = declaration(styles.Rowwise(output_layouts=Partial(), use_local_output=False))
+    assert partial_row.linear == "row" and not partial_row.scatters_heads
+
+
+def test_boundary_sides_on_two_ranks():
+    """Each side converts as documented: a partial output summed, a plain one wrapped Replicate(),
+    a sequence-sharded input gathered and the whole result sliced back to this rank's positions."""
+    with simulated_mesh(2) as mesh:
+        summed = styles.Boundary(outputs="sum")._apply(nn.Identity(), mesh)
+        out = summed(torch.ones(2, 3))
+        assert not isinstance(out, DTensor) and torch.equal(out, torch.full((2, 3), 2.0))
+
+        shared = styles.Boundary(outputs="replicate")._apply(nn.Identity(), mesh)
+        out = shared(torch.ones(2, 3))
+        assert isinstance(out, DTensor) and out.placements == (Replicate(),)
+
+        seen = []
+
+        class Block(nn.Module):
+            def forward(self, x):
+                seen.append(x)
+                return x * 2
+
+        block = styles.Boundary(inputs="gather", outputs="shard")._apply(Block(), mesh)
+        stream = torch.arange(8.0).view(1, 4, 2)
+        sharded = DTensor.from_local(stream, mesh, [Replicate()], run_check=False).redistribute(placements=[Shard(1)])
+        out = block(sharded)
+        assert not isinstance(seen[0], DTensor) and seen[0].shape == (1, 4, 2)  # whole and plain inside
+        assert isinstance(out, DTensor) and out.placements == (Shard(1),)
+        assert torch.equal(out.full_tensor(), stream * 2)
