@@ -41,8 +41,9 @@ from autotp.styles.group_copies import Copies, expand_module
 from autotp.errors import AutoTPError
 from autotp.hf_plans import as_styles
 from autotp.plan import Plan, base_style, describe_plan, describe_style, key_matches
-from autotp.synth.analysis import (bad_packs, endless_shards, is_linear, linear_weight, mixed_parts, part_sizes,
-                                   propagate_packed, raw_weight, unmet_scatters, weight_of, wider_attention)
+from autotp.synth.fixpoint import bad_packs, endless_shards, mixed_parts, wider_attention
+from autotp.synth.propagation import propagate_packed, unmet_scatters
+from autotp.synth.queries import is_linear, linear_weight, part_sizes, raw_weight, weight_of
 from autotp.synth.assign import expert_roles, norm_roles
 from autotp.synth.copies import expanded_sizes
 from autotp.synth.graph import build_graph
@@ -421,7 +422,7 @@ def _graph_findings(model: nn.Module, resolved: dict, example_inputs, tp_size: i
 def _kv_findings(g, flow, roots: frozenset, repeats: dict, tp_size: int) -> list[Finding]:
     """k/v projections a :class:`~autotp.styles.ReplicatedKVColwise` repeats over the ranks whose
     heads do not reach attention as that style says: it must be the k or v of an attention with more
-    query heads than its kv heads (:func:`~autotp.synth.analysis.wider_attention`), and its
+    query heads than its kv heads (:func:`~autotp.synth.fixpoint.wider_attention`), and its
     ``kv_heads`` / ``head_dim`` must be the heads its output is viewed into there (the shard's
     extent), as the synthesizer reads them (:mod:`autotp.synth.kvheads`); else each rank copies
     rows that are not the head its query heads read."""

@@ -171,7 +171,7 @@ def _identity_graph(scale_param: bool = False, after: str | None = None):
 def test_whole_terms_on_a_hand_built_running_sum():
     """Would catch an identity term not found (the style would not scale: counted tp times), one
     that reads a module parameter taken as whole, or a nonlinear read after it passing."""
-    from autotp.synth.analysis import module_of
+    from autotp.synth.queries import module_of
     from autotp.synth.experts import partial_sum_breaks, whole_terms
 
     rows = {"y": frozenset({"h"})}

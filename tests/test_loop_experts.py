@@ -251,7 +251,7 @@ def _loop_graph(after_sum: str | None = None, read_weight: bool = False):
 def test_partial_sum_rule_on_a_hand_built_loop():
     """Would catch a running sum read nonlinearly (a clamp) passing as linear, or a per-expert down
     bias not collected to be added once."""
-    from autotp.synth.analysis import module_of
+    from autotp.synth.queries import module_of
     from autotp.synth.experts import once_params, partial_sum_breaks
 
     g = _loop_graph()

@@ -17,7 +17,8 @@ from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
 from autotp import styles
 from autotp.check import check_plan
-from autotp.synth.analysis import Flow, Shard
+from autotp.synth.flow import Flow
+from autotp.synth.shard import Shard
 from autotp.synth.graph import Ref, add_node
 from autotp.synth.ops import Break, Out, apply_rule
 from autotp.synth.params import param_dim, stray_param_reads

@@ -19,7 +19,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from autotp.synth import explain, synthesize
-from autotp.synth.analysis import analyse, part_sizes
+from autotp.synth.fixpoint import analyse
+from autotp.synth.queries import part_sizes
 from autotp.synth.graph import Ref, add_node
 from autotp.synth.ops import Break, _pad
 from autotp.verifier import verify

@@ -2,7 +2,7 @@
 
 import networkx as nx
 
-from autotp.synth.analysis import analyse
+from autotp.synth.fixpoint import analyse
 from autotp.synth.assign import assign_roles
 from autotp.synth.graph import Ref, add_node
 

@@ -19,7 +19,8 @@ from torch.distributed.tensor import Partial
 
 from autotp.errors import MeshError
 from autotp.synth import pipeline as pipeline_module
-from autotp.synth.analysis import Flow, analyse
+from autotp.synth.fixpoint import analyse
+from autotp.synth.flow import Flow
 from autotp.synth.assign import (
     assign_roles,
     foreign_reads,

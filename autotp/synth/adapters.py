@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import networkx as nx
 
-from autotp.synth.analysis import is_linear, module_of
+from autotp.synth.queries import is_linear, module_of
 from autotp.synth.ops import PASSTHROUGH
 from autotp.synth.ref import refs
 from autotp.synth.roles import Role, kind_of

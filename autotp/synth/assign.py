@@ -1,4 +1,4 @@
-"""Turn a converged :class:`~autotp.synth.analysis.Flow` into one :class:`Role` per module.
+"""Turn a converged :class:`~autotp.synth.flow.Flow` into one :class:`Role` per module.
 
 Long because each role family (Linears, experts, embeddings, norms, raw weights, tie and
 foreign-read constraints) is assigned here from the same converged flow.
@@ -8,8 +8,11 @@ from __future__ import annotations
 
 import networkx as nx
 
-from autotp.synth.analysis import (Flow, Shard, is_linear, linear_weight, module_of, param_source, part_sizes,
-                                   raw_weight, weight_of, weight_uses)
+from autotp.synth.flow import Flow, weight_uses
+
+from autotp.synth.queries import is_linear, linear_weight, module_of, param_source, part_sizes, raw_weight, weight_of
+
+from autotp.synth.shard import Shard
 from autotp.synth.experts import once_params, whole_terms
 from autotp.synth.graph import Ref, param_modules, refs
 from autotp.synth.ops import ALIASING, SINKS
@@ -274,7 +277,7 @@ def foreign_reads(g: nx.DiGraph) -> tuple[dict[str, str], dict[str, str]]:
 
     Returns:
         ``(linear node -> reason, embedding module -> reason)``, in the shapes
-        :func:`~autotp.synth.analysis.analyse` (``dropped``) and :func:`assign_roles` (``forced``) take.
+        :func:`~autotp.synth.fixpoint.analyse` (``dropped``) and :func:`assign_roles` (``forced``) take.
     """
     weight_users: dict[str, list[tuple[str, str]]] = {}  # placeholder -> (node, module) using it as a weight
     for name, weight in weight_uses(g):

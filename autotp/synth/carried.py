@@ -21,7 +21,7 @@ from __future__ import annotations
 import networkx as nx
 import torch
 
-from autotp.synth.analysis import Shard
+from autotp.synth.shard import Shard
 from autotp.synth.entries import keys_of_shape
 from autotp.synth.params import chain_dims, value_refs
 

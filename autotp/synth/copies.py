@@ -3,12 +3,12 @@
 A fused ``[q | k | v]`` projection of multi-query attention has one k head and one v head, read
 by every query head through a broadcast (``k.expand(b, heads, t, d)``, the grouped-query repeat,
 or a matmul that broadcasts over the heads). No tp splits one head; each rank holds the whole k
-and v parts next to its share of the query heads (:func:`~autotp.synth.analysis.copied_parts`
+and v parts next to its share of the query heads (:func:`~autotp.synth.fixpoint.copied_parts`
 finds them from the graph). That is :class:`~autotp.styles.GroupCopies` with one group: the
 parts' rows are expanded to tp copies and the result packed-column sharded, so rank r holds
 ``[q_r | k | v]``. Forward needs nothing more; backward, each rank's output gradient of a copied
 part is its heads' share (the analysis asks that the part meet the shard only as a broadcast,
-:func:`~autotp.synth.analysis.copy_leaks`): the column's all-reduced input gradient adds those
+:func:`~autotp.synth.fixpoint.copy_leaks`): the column's all-reduced input gradient adds those
 shares up, and the copies' weight and bias gradients are summed, so every gradient is the
 unsharded model's. By default the plan gathers instead (``GroupCopies(gather=True)``, see
 :func:`autotp.synth.build.build_plan`): the copied parts' rows are sharded like the others, and each
@@ -22,7 +22,9 @@ from dataclasses import replace
 
 import networkx as nx
 
-from autotp.synth.analysis import Flow, module_of
+from autotp.synth.flow import Flow
+
+from autotp.synth.queries import module_of
 from autotp.synth.roles import Role, kind_of
 
 

@@ -12,7 +12,7 @@ arguments (as meta tensors) and returns the traced shape, ``.default`` first.
 
 Refused (the shard stops, as before): ops with no strategy, ops whose size arguments DTensor rewrites
 into per-rank sizes (``new_zeros``, ``expand``: the model's code passes global ones), a replicated
-input whose gradient would stay a per-rank share (:meth:`~autotp.synth.analysis.Flow.broadcast_grad_ok`),
+input whose gradient would stay a per-rank share (:meth:`~autotp.synth.flow.Flow.broadcast_grad_ok`),
 outputs ``Replicate`` or ``Partial``, and any call the metadata cannot describe. Tensors are
 described as float32 (the other inputs as int64 where float32 is refused: an index).
 """

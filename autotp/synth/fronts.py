@@ -38,7 +38,7 @@ width), and one all-reduce takes both partial gradients, so the block's copy cos
 
 Sound only where (:func:`front`): every path from the branch input ends in a column Linear, or in a
 broadcast span of a Linear of the front whose gradient the analysis would have all-reduced
-(:meth:`~autotp.synth.analysis.Flow.broadcast_from`); every op on the way is replicated and
+(:meth:`~autotp.synth.flow.Flow.broadcast_from`); every op on the way is replicated and
 in place of nothing, and its other operands are front values, parameters of modules wholly inside
 the front, or values without a gradient (rope tables, masks). Anything else would add a whole
 gradient to partial ones.
@@ -57,7 +57,9 @@ from dataclasses import dataclass, field, replace
 
 import networkx as nx
 
-from autotp.synth.analysis import Flow, is_linear, module_of
+from autotp.synth.flow import Flow
+
+from autotp.synth.queries import is_linear, module_of
 from autotp.synth.graph import common_module, made_from_params, param_modules
 from autotp.synth.ops import FIRST_VALUE_ONLY, PASSTHROUGH, SINKS
 from autotp.synth.params import value_refs

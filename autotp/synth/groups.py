@@ -44,7 +44,9 @@ from autotp.copying import deep_copy
 from autotp.errors import AutoTPError
 from autotp.logits import model_logits
 from autotp.styles.group_copies import Copies, expand_module, expanded_width
-from autotp.synth.analysis import Shard, is_linear, module_of, propagate
+from autotp.synth.propagation import propagate
+from autotp.synth.queries import is_linear, module_of
+from autotp.synth.shard import Shard
 from autotp.synth.graph import Ref, refs
 from autotp.synth.groups_first import GroupedPart, groups_first_parts
 from autotp.synth.local_run import capture_inputs

@@ -24,7 +24,9 @@ from dataclasses import dataclass, field
 
 import networkx as nx
 
-from autotp.synth.analysis import Flow, Shard
+from autotp.synth.flow import Flow
+
+from autotp.synth.shard import Shard
 from autotp.synth.graph import Ref
 from autotp.synth.ops import PASSTHROUGH, SINKS, VIEW_LIKE
 

@@ -15,7 +15,7 @@ the global run's iterations of those heads, if every iteration is the same code 
 The joined result is then the rank's block of the heads, in order.
 
 So the analysis reads ``select(x, heads_dim, i)`` of a sharded ``x`` as *one head's value*
-(:class:`HeadValue`, not a :class:`~autotp.synth.analysis.Shard`: no dim of it is sharded), follows
+(:class:`HeadValue`, not a :class:`~autotp.synth.shard.Shard`: no dim of it is sharded), follows
 it through any op that meets only values of that same head, and lets a ``cat`` / ``stack`` of the
 values of heads ``0 .. H - 1``, in order, make a shard on the joined dim again. Per-head parameters
 the body selects with its index (``self.w[i]``, also as the weight of ``x @ self.w[i]``) are sharded
@@ -131,7 +131,7 @@ def _selected_operand(flow, other: str, value: HeadValue) -> bool:
     """Whether ``other`` is computed, with no Linear, model input or sharded value on the way, from
     parameters and constants of which at least one is selected by the head's index: ``select(p, d,
     i)``, ``p`` a parameter (or a pointwise tree of them) with the head count on ``d``. Each such
-    ``p`` is sharded on ``d`` with the heads (:meth:`~autotp.synth.analysis.Flow.shard_param`); the
+    ``p`` is sharded on ``d`` with the heads (:meth:`~autotp.synth.flow.Flow.shard_param`); the
     nodes from the selects to ``other`` are that head's (``flow.head_operands``), so the iteration
     comparison sees them and they may be read nowhere else (:func:`head_loop_breaks`)."""
     g, nodes, selects, todo = flow.g, set(), [], [other]

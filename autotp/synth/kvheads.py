@@ -20,7 +20,10 @@ from torch import nn
 
 from autotp.errors import MeshError
 from autotp.kv import check_kv_replication
-from autotp.synth.analysis import Flow, Shard, module_of, wider_attention
+from autotp.synth.fixpoint import wider_attention
+from autotp.synth.flow import Flow
+from autotp.synth.queries import module_of
+from autotp.synth.shard import Shard
 from autotp.synth.graph import refs
 from autotp.synth.local_run import capture_inputs, inner_roles, run_local
 from autotp.synth.localize import cutting_module, is_count

@@ -25,7 +25,9 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from autotp.copying import deep_copy
 from autotp.styles.attention import count_holder, sync_einops_lengths, width_view
-from autotp.synth.analysis import Shard, is_linear, linear_weight, module_of, propagate_packed, raw_weight, weight_of
+from autotp.synth.propagation import propagate_packed
+from autotp.synth.queries import is_linear, linear_weight, module_of, raw_weight, weight_of
+from autotp.synth.shard import Shard
 from autotp.synth.copies import local_point
 from autotp.synth.graph import build_graph
 from autotp.synth.head_loops import later_iterations
@@ -531,7 +533,7 @@ def _exportable(value) -> bool:
 def shapes_are_local(g: nx.DiGraph, local: nx.DiGraph, roles: dict[str, Role], tp: int) -> bool:
     """Whether graph ``local`` is ``g`` op for op, with each sharded dim divided by ``tp``.
 
-    The sharded dims are those of :func:`~autotp.synth.analysis.propagate` on ``g`` started from
+    The sharded dims are those of :func:`~autotp.synth.propagation.propagate` on ``g`` started from
     the Linears that ``roles`` shards; every other dim must keep its global size (parameters are
     per-rank by construction and not compared).
     """

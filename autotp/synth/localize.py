@@ -32,7 +32,11 @@ import networkx as nx
 import torch
 from torch import nn
 
-from autotp.synth.analysis import Flow, Shard, is_linear, module_of
+from autotp.synth.flow import Flow
+
+from autotp.synth.queries import is_linear, module_of
+
+from autotp.synth.shard import Shard
 from autotp.synth.copies import local_point
 from autotp.synth.entries import keys_of_shape
 from autotp.synth.graph import Ref, common_module
@@ -119,7 +123,7 @@ def with_width_view(roles: dict[str, Role], view: tuple) -> dict[str, Role]:
 def fixed_size_roots(g: nx.DiGraph, flow: Flow) -> dict[str, list[str]]:
     """Packed candidates whose output is cut by a fixed-size op: root -> the cutting nodes.
 
-    Outputs read per fixed group (:meth:`~autotp.synth.analysis.Flow.group_view`) are left to the
+    Outputs read per fixed group (:meth:`~autotp.synth.flow.Flow.group_view`) are left to the
     shape proof: their cuts are made in the groups' view, not on the output this pass watches."""
     found = {}
     for root, nodes in flow.split_nodes.items():

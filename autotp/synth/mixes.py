@@ -29,7 +29,9 @@ from dataclasses import replace
 
 import networkx as nx
 
-from autotp.synth.analysis import Flow, is_linear, module_of
+from autotp.synth.flow import Flow
+
+from autotp.synth.queries import is_linear, module_of
 from autotp.synth.fronts import Front, _numel, _operands
 from autotp.synth.graph import made_from_params
 from autotp.synth.ops import NO_VALUES, SINKS

@@ -932,7 +932,7 @@ def _matmul(g, name, dims, ctx):
     """A batch dim sharded on both sides (or broadcast on the replicated one) stays sharded; so do
     the rows of the first matrix and the columns of the second (``state @ c`` with the state's
     channels sharded), the other operand then read whole by every rank: its gradient is each
-    rank's share, which :meth:`~autotp.synth.analysis.Flow.broadcast_grad_ok` must accept."""
+    rank's share, which :meth:`~autotp.synth.flow.Flow.broadcast_grad_ok` must accept."""
     a, b = g.nodes[name]["args"][:2]
     return _product(g, name, dims, ctx, a, b)
 
@@ -1025,7 +1025,7 @@ def _conv(g, name, dims, ctx):
 
     A shard joined from pieces (``cat([q, k])``: each rank its share of every piece, one after
     another) keeps its groups when every piece is whole groups that tp divides
-    (:meth:`~autotp.synth.analysis.Flow.grouped`): a rank's local groups are then global groups, in
+    (:meth:`~autotp.synth.flow.Flow.grouped`): a rank's local groups are then global groups, in
     order, and the weight's rows are packed like the pieces. A group straddling two pieces breaks,
     and so does a convolution that changes the channel count of such a layout."""
     data = g.nodes[name]

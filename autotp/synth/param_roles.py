@@ -1,6 +1,6 @@
 """Roles for modules whose own parameters meet a sharded activation (:func:`param_roles`) or
 broadcast one (:func:`broadcast_roles`): given once the analysis has converged, from its
-:class:`~autotp.synth.analysis.Flow` (so above it; the per-node parameter rules the propagation
+:class:`~autotp.synth.flow.Flow` (so above it; the per-node parameter rules the propagation
 uses stay in :mod:`autotp.synth.params`)."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from dataclasses import replace
 import networkx as nx
 
 from autotp.errors import PlanError
-from autotp.synth.analysis import packed_params
+from autotp.synth.fixpoint import packed_params
 from autotp.synth.graph import refs
 from autotp.synth.queries import is_linear, module_of, reading_module
 from autotp.synth.roles import Role

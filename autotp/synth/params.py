@@ -129,7 +129,7 @@ def param_dim(g: nx.DiGraph, name: str, dim: int) -> tuple[str, int] | None:
 
 
 def stray_param_reads(flow) -> dict[str, str]:
-    """Candidates whose shard met a parameter (:meth:`~autotp.synth.analysis.Flow.shard_param`)
+    """Candidates whose shard met a parameter (:meth:`~autotp.synth.flow.Flow.shard_param`)
     that some reader reads whole: every read on the chains from the parameter to the operands that
     met the heads must be one of those meetings or the next link of a chain.
 
@@ -228,7 +228,7 @@ def tree_leaves(g: nx.DiGraph, name: str, dim: int, nodes: dict[str, int],
 
 def stray_tree_reads(flow) -> dict[str, str]:
     """Candidates whose shard met a pointwise tree over parameters and constants
-    (:meth:`~autotp.synth.analysis.Flow.shard_tree`) one of whose nodes some op reads whole: every
+    (:meth:`~autotp.synth.flow.Flow.shard_tree`) one of whose nodes some op reads whole: every
     reader of a tree node must be a node of a tree too or one of the meetings recorded for it."""
     g, bad = flow.g, {}
     for node in flow.tree_dims:
@@ -330,7 +330,7 @@ def broadcast_source(g: nx.DiGraph, name: str) -> tuple[str, tuple[int, int], st
     its features, and no parameter enters on the way to ``name`` (its gradient would be partial
     too); buffers and inputs may (rope's cos and sin). That every gradient reaching the span is a
     per-rank share, as ``name``'s is, is checked once the propagation is done, over all the
-    places the span meets the shard (:func:`~autotp.synth.analysis.broadcast_leaks`).
+    places the span meets the shard (:func:`~autotp.synth.fixpoint.broadcast_leaks`).
 
     >>> from autotp.synth.graph import add_node
     >>> g = nx.DiGraph()
@@ -389,7 +389,7 @@ def module_output_sources(g: nx.DiGraph, name: str) -> list[tuple[str, tuple[int
     branch and join (a rotary embedding: ``x * cos + rotate(x) * sin``) as long as every other
     value entering it carries no gradient (computed from inputs and buffers only: cos, sin); that
     no other reader of the way would count the reduced gradient twice is checked after the
-    propagation (:func:`~autotp.synth.analysis.broadcast_leaks`).
+    propagation (:func:`~autotp.synth.fixpoint.broadcast_leaks`).
 
     >>> from autotp.synth.graph import add_node
     >>> g = nx.DiGraph()

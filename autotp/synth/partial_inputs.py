@@ -30,7 +30,7 @@ from dataclasses import replace
 
 import networkx as nx
 
-from autotp.synth.analysis import module_of
+from autotp.synth.queries import module_of
 from autotp.synth.graph import Ref, made_from_params, param_modules, refs
 from autotp.synth.ops import NO_VALUES, RESHAPES, SELECTIONS, SELECTIONS_WITH_VALUES, SINKS
 from autotp.synth.roles import Role, kind_of

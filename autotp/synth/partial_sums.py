@@ -28,7 +28,9 @@ from dataclasses import replace
 
 import networkx as nx
 
-from autotp.synth.analysis import Flow, is_linear, module_of
+from autotp.synth.flow import Flow
+
+from autotp.synth.queries import is_linear, module_of
 from autotp.synth.experts import partial_sum_reach
 from autotp.synth.graph import Ref
 from autotp.synth.roles import Role, kind_of

@@ -27,7 +27,9 @@ import networkx as nx
 from torch import nn
 
 from autotp.errors import MeshError, working_tp_sizes
-from autotp.synth.analysis import Flow, analyse, module_of
+from autotp.synth.fixpoint import analyse
+from autotp.synth.flow import Flow
+from autotp.synth.queries import module_of
 from autotp.synth.assign import assign_roles, foreign_reads, mutated_outputs, tie_conflicts, tied_embedding_modules
 from autotp.synth.copies import copied_roles
 from autotp.synth.entries import with_entries
@@ -163,7 +165,7 @@ def constraint_fixpoint(g: nx.DiGraph, groups: LayerGroups, model: nn.Module, ex
 
 @dataclass
 class _PerGroup:
-    """Candidates read per fixed group (:meth:`~autotp.synth.analysis.Flow.group_view`), each
+    """Candidates read per fixed group (:meth:`~autotp.synth.flow.Flow.group_view`), each
     tried once: ``plain`` holds, for each read so now, why its plain reading fails; ``misfit``
     those whose plain reading failed only because tp does not divide their groups (it may still
     hold a group per rank, as a k / v replicated per kv head does); ``last`` the ones the last
@@ -201,7 +203,7 @@ class _PerGroup:
 
 
 def _misfit_groups(flow: Flow, tp_size: int | None) -> dict[str, str]:
-    """Candidates whose plain reading shards fixed groups (:meth:`~autotp.synth.analysis.Flow.group_view`)
+    """Candidates whose plain reading shards fixed groups (:meth:`~autotp.synth.flow.Flow.group_view`)
     that ``tp_size`` does not divide (a rank would hold part of a group), with that reason."""
     if not tp_size:
         return {}

@@ -2,7 +2,7 @@
 parameter each multiplies by, which module reads a parameter, what a value is computed from, what a
 module returns.
 
-They read the graph alone (no propagation state), so they sit below :mod:`autotp.synth.analysis`
+They read the graph alone (no propagation state), so they sit below :mod:`autotp.synth.fixpoint`
 and every module it calls; ``analysis`` re-exports them under their old names.
 """
 

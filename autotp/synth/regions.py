@@ -44,7 +44,7 @@ import torch
 from torch import nn
 
 from autotp.styles.base import identity_dropout
-from autotp.synth.analysis import is_linear, linear_weight, module_of
+from autotp.synth.queries import is_linear, linear_weight, module_of
 from autotp.synth.dtensor_rules import _overloads, _runs_as_traced
 from autotp.synth.graph import Ref, refs
 from autotp.synth.ops import ATTENTION, SINKS

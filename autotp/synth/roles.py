@@ -155,7 +155,7 @@ class Role:
             gradients are left ``Partial()`` (:mod:`autotp.synth.fronts`).
         scatter_heads: of a ``row``, its output holds one value per head of its input's shard and
             stays sharded on them (reduce-scattered onto its last dim), for the heads it meets again
-            (:func:`~autotp.synth.analysis.per_head_row`).
+            (:func:`~autotp.synth.propagation.per_head_row`).
         copied: of a ``packed_column``, the features ``[start, end)`` of its output held whole on
             every rank (:mod:`autotp.synth.copies`); ``sizes`` then holds each such part expanded
             to tp copies, as :class:`~autotp.styles.GroupCopies` lays them out before the shard.

@@ -14,7 +14,11 @@ from dataclasses import replace
 
 import networkx as nx
 
-from autotp.synth.analysis import Flow, Shard, is_linear, linear_weight, module_of, param_source
+from autotp.synth.flow import Flow
+
+from autotp.synth.queries import is_linear, linear_weight, module_of, param_source
+
+from autotp.synth.shard import Shard
 from autotp.synth.assign import reads_model_input
 from autotp.synth.graph import common_module, param_modules, refs
 from autotp.synth.queries import module_outputs, reading_module

@@ -21,7 +21,11 @@ import logging
 import networkx as nx
 from torch import nn
 
-from autotp.synth.analysis import Flow, Shard, module_of
+from autotp.synth.flow import Flow
+
+from autotp.synth.queries import module_of
+
+from autotp.synth.shard import Shard
 from autotp.synth.carried import carried_arguments, module_arguments, with_carried
 from autotp.synth.entries import with_entries
 from autotp.synth.ops import FIXED_SIZE_CUTS

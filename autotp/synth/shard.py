@@ -1,5 +1,5 @@
 """The sharded value the propagation records (:class:`Shard`), in a leaf module: the analysis
-(:mod:`autotp.synth.analysis`) and the idioms' propagation steps it calls (head loops) make them."""
+(:mod:`autotp.synth.fixpoint`) and the idioms' propagation steps it calls (head loops) make them."""
 
 from __future__ import annotations
 

@@ -44,7 +44,9 @@ from dataclasses import replace
 
 import networkx as nx
 
-from autotp.synth.analysis import Flow, is_linear, module_of
+from autotp.synth.flow import Flow
+
+from autotp.synth.queries import is_linear, module_of
 from autotp.synth.graph import common_module, made_from_params, param_modules, refs
 from autotp.synth.ops import RESHAPES, SELECTIONS, SELECTIONS_WITH_VALUES, SINKS
 from autotp.synth.ops import ELEMENTWISE, PASSTHROUGH

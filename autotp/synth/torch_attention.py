@@ -14,7 +14,8 @@ import networkx as nx
 from torch import nn
 
 from autotp.errors import working_tp_sizes
-from autotp.synth.analysis import Flow, Shard
+from autotp.synth.flow import Flow
+from autotp.synth.shard import Shard
 from autotp.synth.roles import Role
 from autotp.synth.sequence import module_inputs
 

@@ -18,7 +18,7 @@ import warnings
 import networkx as nx
 
 from autotp.errors import WholeAttentionWarning
-from autotp.synth.analysis import is_linear, module_of
+from autotp.synth.queries import is_linear, module_of
 from autotp.synth.ops import ATTENTION
 from autotp.synth.roles import Role
 from autotp.synth.trace import LayerGroups
