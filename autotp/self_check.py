@@ -30,7 +30,7 @@ from autotp.synth.api import plan_with_analysis
 from autotp.verifier import DEFAULT_TOLERANCE, VerifyReport, require_ok, verify
 
 if TYPE_CHECKING:
-    from autotp.synth.pipeline import Analysis
+    from autotp.synth.stages import Analysis
 
 log = logging.getLogger(__name__)
 

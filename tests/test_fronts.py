@@ -23,6 +23,7 @@ from autotp.synth import synthesize
 from autotp.synth import pipeline
 from autotp.synth.fronts import front
 from autotp.synth.graph import build_graph
+from autotp.synth.stages import post_passes
 from autotp.synth.trace import trace
 from autotp.verifier import verify
 from latent_toy import LatentModel
@@ -78,7 +79,8 @@ def test_front_ends_in_the_columns_and_the_rope_span():
     model, inputs = LatentModel(), (example_tokens(),)
     program, groups = trace(model, inputs)
     analysis = pipeline.constraint_fixpoint(build_graph(program), groups, model, inputs, 2)
-    for step in pipeline.POST_PASSES[:pipeline.POST_PASSES.index(pipeline.whole_fronts)]:
+    passes = post_passes()
+    for step in passes[:[p.__name__ for p in passes].index("whole_fronts")]:
         analysis = step(analysis)
     g = analysis.graph
     start = next(n for n, d in g.nodes(data=True) if d["stack"] and d["stack"][-1] == "layers.0.attn_norm"

@@ -5,7 +5,7 @@ projections, a parallel block whose branch outputs are summed, a tied embedding 
 weight read outside its module, one square weight read by a column and a row, grouped-query
 attention. Every step of :func:`~autotp.synth.pipeline.constraint_fixpoint` (foreign reads, tie
 conflicts, fused outputs cut with global sizes) and every pass of
-:data:`~autotp.synth.pipeline.POST_PASSES` has a test here. Each test names the failure it would catch.
+:func:`~autotp.synth.stages.post_passes` has a test here. Each test names the failure it would catch.
 """
 
 from dataclasses import replace
@@ -31,17 +31,10 @@ from autotp.synth.build import build_plan, style_for
 from autotp.synth.graph import Ref, add_node
 from autotp.synth.kvheads import kv_roots
 from autotp.synth.localize import Localization
-from autotp.synth.pipeline import (
-    POST_PASSES,
-    Analysis,
-    constraint_fixpoint,
-    divisibility,
-    kv_replication,
-    owned_outputs,
-    sequence_parallel,
-    shard_counts,
-    shared_inputs,
-)
+from autotp.synth.partial_inputs import shared_inputs
+from autotp.synth.pipeline import (constraint_fixpoint, divisibility, kv_replication, owned_outputs, sequence_parallel,
+                                   shard_counts)
+from autotp.synth.stages import Analysis, drop_checks, post_passes
 from autotp.synth.roles import ROLE_KINDS, Kind, Role
 from autotp.synth.sequence import gathers_before_masks, sequence_parallel_roles
 from autotp.synth.shared import shared_input_roles
@@ -217,11 +210,18 @@ def test_constraint_fixpoint_keeps_a_foreign_read_whole_in_one_round():
 
 
 def test_post_passes_run_in_the_documented_order():
-    assert [p.__name__ for p in POST_PASSES] == ["adapters", "shard_counts", "kv_replication", "torch_attention",
+    """The idioms register their passes where they are defined (stages.post_pass); the order is one list."""
+    assert [p.__name__ for p in post_passes()] == ["adapters", "shard_counts", "kv_replication", "torch_attention",
                                                   "sequence_parallel", "shared_inputs", "partial_sums", "whole_fronts",
                                                   "mixed_column_inputs", "width_statistics", "sliced_entries",
                                                   "dtensor_region_modules", "region_parallel_blocks", "divisibility", "owned_outputs", "untraced_linears",
                                                   "untraced_siblings"]
+
+
+def test_idioms_register_their_drop_checks_in_order():
+    assert [(c.__module__.rsplit(".", 1)[1], c.__name__) for c in drop_checks()] == [
+        ("experts", "partial_sum_drops"), ("experts", "bias_breaks"), ("params", "stray_param_reads"),
+        ("params", "stray_tree_reads"), ("entries", "stray_entry_reads"), ("head_loops", "head_loop_breaks")]
 
 
 def test_shard_counts_pass_gives_a_counting_role_or_extends_a_params_role():

@@ -1,14 +1,15 @@
 """Plan synthesis: trace a model, find how shards flow through it, and write the TP plan.
 
 The pipeline (:mod:`autotp.synth.pipeline`) is one :class:`Analysis` made by a constraint fixpoint
-and then passed through a literal list of passes::
+and then passed through the post-passes, in the order each registered with
+(:func:`~autotp.synth.stages.post_pass`: the idioms' modules register theirs)::
 
     program, groups = trace(model)            # torch.export, one block per distinct type
     g = build_graph(program)                   # networkx view of the program
     analysis = constraint_fixpoint(...)        # analyse (shard propagation) -> assign_roles ->
                                                # new constraints (foreign reads, tie conflicts,
                                                # fused outputs cut with global sizes), until none
-    for step in POST_PASSES:                   # adapters, shard_counts, kv_replication, torch_attention,
+    for step in post_passes():                 # adapters, shard_counts, kv_replication, torch_attention,
         analysis = step(analysis)              # sequence_parallel, shared_inputs, partial_sums,
                                                # whole_fronts, mixed_column_inputs,
                                                # width_statistics, sliced_entries,

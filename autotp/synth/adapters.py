@@ -12,6 +12,9 @@ kept Linear's input (through casts and dropout).
 
 from __future__ import annotations
 
+import logging
+from dataclasses import replace
+
 import networkx as nx
 
 from autotp.synth.queries import is_linear, module_of
@@ -19,6 +22,9 @@ from autotp.synth.ops import PASSTHROUGH
 from autotp.synth.ref import refs
 from autotp.synth.roles import Role, kind_of
 from autotp.synth.sequence import _behind_pointwise  # back through casts, copies and dropout
+from autotp.synth.stages import Analysis, post_pass
+
+log = logging.getLogger(__name__)
 
 _SCALINGS = frozenset({"mul", "div", "mul_", "div_"})
 _ADDS = frozenset({"add", "add_"})
@@ -69,3 +75,12 @@ def whole_adapters(g: nx.DiGraph, roles: dict[str, Role]) -> dict[str, Role]:
                 "replicate", f"a low-rank adapter beside {kept}, which is kept whole: kept whole with it "
                 "(sharded, it would reduce its output for nothing)", (kept, module_of(g, column), module_of(g, row)))
     return found
+
+
+@post_pass(order=10)
+def adapters(a: Analysis) -> Analysis:
+    """Low-rank adapters (LoRA) beside a Linear kept whole stay whole with it (:mod:`autotp.synth.adapters`)."""
+    found = whole_adapters(a.graph, a.roles)
+    if found:
+        log.info("adapters: %d adapter Linears kept whole with their base", len(found))
+    return replace(a, roles={**a.roles, **found})

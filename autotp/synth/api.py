@@ -13,7 +13,8 @@ from torch.distributed.tensor.parallel.style import ParallelStyle
 from autotp.plan import key_matches
 from autotp.synth.build import build_plan
 from autotp.synth.groups import group_copies
-from autotp.synth.pipeline import Analysis, run
+from autotp.synth.pipeline import run
+from autotp.synth.stages import Analysis
 from autotp.synth.trace import LayerGroups, restored_module_state
 from autotp.synth.whole_attention import warn_whole_attentions
 

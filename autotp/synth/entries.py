@@ -19,12 +19,15 @@ which must be that of no other argument. Anything else keeps the heads' Linears 
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import networkx as nx
 
 from autotp.synth.graph import Ref, made_from_params
 from autotp.synth.ops import SINKS
 from autotp.synth.params import SINGLE_INPUT, source_dim, value_refs
 from autotp.synth.roles import Role
+from autotp.synth.stages import Analysis, drop_check, post_pass
 
 
 def entry_source(g: nx.DiGraph, name: str, dim: int, deciding: str, *,
@@ -65,6 +68,7 @@ def _inside(g: nx.DiGraph, name: str, module: str) -> bool:
     return module in data["stack"]
 
 
+@drop_check(order=50)
 def stray_entry_reads(flow) -> dict[str, str]:
     """Candidates whose shard met a value sliced at a module's entry that some op inside the module
     reads whole (or on another dim): every read inside ``M`` of the value and of the chains from it
@@ -116,3 +120,10 @@ def with_entries(roles: dict[str, Role], entries: dict[str, tuple]) -> dict[str,
         else:
             out[module] = replace(role, entry_inputs=inputs, reason=f"{role.reason}; {note}")
     return out
+
+
+@post_pass(order=110)
+def sliced_entries(a: Analysis) -> Analysis:
+    """Modules that take a value made outside them (a per-head bias built at the root) sliced to
+    their heads on entry; after the passes that give those modules roles of their own."""
+    return replace(a, roles=with_entries(a.roles, a.entries))

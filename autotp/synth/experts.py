@@ -31,6 +31,7 @@ from autotp.synth.graph import Ref, refs
 from autotp.synth.ops import INDEX_ADDS, SUMS, ZEROS
 from autotp.synth.ops import PASSTHROUGH, SINKS, VIEW_LIKE
 from autotp.synth.queries import _readers, linear_weight, module_of, part_sizes, raw_weight
+from autotp.synth.stages import drop_check
 
 
 # Ops that gather or view rows of a partial sum, or scale it: linear in their first argument when
@@ -245,6 +246,13 @@ def partial_sum_breaks(g: nx.DiGraph, rows: dict[str, frozenset], module_of) -> 
     return bad
 
 
+@drop_check(order=10)
+def partial_sum_drops(flow) -> dict[str, str]:
+    """:func:`partial_sum_breaks` of a propagation round."""
+    return partial_sum_breaks(flow.g, flow.rows, module_of)
+
+
+@drop_check(order=20)
 def bias_breaks(flow) -> dict[str, str]:
     """Columns whose per-expert bias cannot be sharded with them: the columns a bias meets are cut
     into different numbers of parts (one packing for one parameter), or the bias is also added to

@@ -17,15 +17,12 @@ import math
 import networkx as nx
 
 from autotp.synth.graph import refs
-from autotp.synth.experts import bias_breaks, partial_sum_breaks
-from autotp.synth.entries import stray_entry_reads
-from autotp.synth.head_loops import head_loop_breaks
-from autotp.synth.params import stray_param_reads, stray_tree_reads
 from autotp.synth.ops import ATTENTION, ELEMENTWISE, MATMULS, SINKS
 from autotp.synth.queries import is_linear, linear_weight, module_of, part_sizes, raw_like, raw_weight, weight_of
 from autotp.synth.shard import Shard
 from autotp.synth.flow import Flow, _weight_numel
 from autotp.synth.propagation import propagate, unmet_scatters
+from autotp.synth.stages import drop_checks
 
 log = logging.getLogger(__name__)
 
@@ -478,6 +475,7 @@ def _fixpoint(g: nx.DiGraph, dropped: dict[str, str], unit_heads: frozenset, who
               per_group: frozenset = frozenset()) -> tuple[Flow, dict[str, str]]:
     active = {name for name in g.nodes if is_linear(g, name)} - set(dropped)
     rounds, yielded, retried = 0, {}, set()
+    idiom_checks = drop_checks()
     met_whole: dict[str, str] = {}  # dropped candidate -> the op where it broke, until revived once
     scattered: set[str] = set()  # rows asked to reduce-scatter onto the heads they feed (each once)
     while True:
@@ -505,12 +503,8 @@ def _fixpoint(g: nx.DiGraph, dropped: dict[str, str], unit_heads: frozenset, who
         bad.update({r: reason for r, reason in _raw_limits(flow).items() if r not in bad})
         bad.update({r: reason for r, reason in broadcast_leaks(flow).items() if r not in bad})
         bad.update({r: reason for r, reason in copy_leaks(flow).items() if r not in bad})
-        bad.update({r: reason for r, reason in partial_sum_breaks(g, flow.rows, module_of).items() if r not in bad})
-        bad.update({r: reason for r, reason in bias_breaks(flow).items() if r not in bad})
-        bad.update({r: reason for r, reason in stray_param_reads(flow).items() if r not in bad})
-        bad.update({r: reason for r, reason in stray_tree_reads(flow).items() if r not in bad})
-        bad.update({r: reason for r, reason in stray_entry_reads(flow).items() if r not in bad})
-        bad.update({r: reason for r, reason in head_loop_breaks(flow).items() if r not in bad})
+        for check in idiom_checks:  # what each idiom cannot carry (stages.drop_check), in their order
+            bad.update({r: reason for r, reason in check(flow).items() if r not in bad})
         bad.update({r: reason for r, reason in same_weight(g, bad, active).items() if r not in bad})
         yielded.update({r: mine for r, mine in flow.yielded.items() if r in bad})
         met_whole.update({r: node for r, (_, node) in flow.broken.items()

@@ -66,6 +66,7 @@ from autotp.synth.params import value_refs
 from autotp.synth.roles import Role, kind_of
 from autotp.synth.shared import column_reader, plain_producer, shared_columns, shared_entry, sharing_scope
 from autotp.synth.sequence import module_inputs, module_outputs
+from autotp.synth.stages import Analysis, post_pass
 
 log = logging.getLogger(__name__)
 
@@ -487,3 +488,13 @@ def _scope(g: nx.DiGraph, roles: dict[str, Role], branch: Front, found: dict[str
     if not scope or scope in branch.owners or not all(c.startswith(scope + ".") for c in branch.columns):
         return "", set()
     return scope, released - {scope}
+
+
+@post_pass(order=80)
+def whole_fronts(a: Analysis) -> Analysis:
+    """Modules kept whole between a norm and column Linears (MLA's low-rank down-projections) run
+    their backward on the columns' partial gradients, reduced once at the norm, where that moves
+    fewer bytes than reducing each column input and rope span."""
+    found = partial_fronts(a.graph, a.flow, a.roles, sequence_parallel=a.sequence_parallel, groups=a.groups)
+    roles = {m: r for m, r in {**a.roles, **found}.items() if r is not None}
+    return replace(a, roles=roles)

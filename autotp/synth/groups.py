@@ -383,7 +383,7 @@ def group_copies(analysis, run) -> object:
     ``analysis`` itself when there are none, the expansion is not proven, or it shards nothing more.
 
     Args:
-        analysis: a :class:`~autotp.synth.pipeline.Analysis` made with a tp size.
+        analysis: a :class:`~autotp.synth.stages.Analysis` made with a tp size.
         run: the pipeline (:func:`~autotp.synth.pipeline.run`), to analyse the expanded model.
     """
     a, tp = analysis, analysis.tp_size

@@ -47,6 +47,7 @@ from autotp.synth.ops import CONSTANT_FACTORIES, JOINS, SELECTING_PRODUCTS, SINK
 from autotp.synth.params import value_refs
 from autotp.synth.queries import _only_params_behind, is_linear
 from autotp.synth.shard import Shard
+from autotp.synth.stages import drop_check
 
 
 @dataclass(frozen=True)
@@ -267,6 +268,7 @@ def _supports(g: nx.DiGraph, region: set[str]) -> set[str]:
     return found
 
 
+@drop_check(order=60)
 def head_loop_breaks(flow) -> dict[str, str]:
     """Candidates whose shard reaches a per-head loop that is not one body run for every head:
     iterations that differ (other ops, other constants, other outside values) but for the index,

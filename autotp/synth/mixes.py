@@ -38,6 +38,7 @@ from autotp.synth.ops import NO_VALUES, SINKS
 from autotp.synth.roles import Role
 from autotp.synth.sequence import module_inputs
 from autotp.synth.shared import column_reader, shared_columns
+from autotp.synth.stages import Analysis, post_pass
 
 log = logging.getLogger(__name__)
 
@@ -200,3 +201,10 @@ def _released(roles: dict[str, Role], branch: Front, module: str) -> dict[str, R
             return None
         out[scope] = replace(role, shared_columns=()) if role.kind == "shard_counts" else None
     return out
+
+
+@post_pass(order=90)
+def mixed_column_inputs(a: Analysis) -> Analysis:
+    """Modules whose column Linears read learned mixes of their input (a token shift) run the mixes'
+    backward on the columns' partial gradients, reduced once at entry."""
+    return replace(a, roles=mixed_inputs(a.graph, a.flow, a.roles, sequence_parallel=a.sequence_parallel))

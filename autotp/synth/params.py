@@ -36,6 +36,7 @@ from autotp.synth.graph import Ref, made_from_params, refs
 from autotp.synth.ops import CONSTANT_FACTORIES, SPLITS
 from autotp.synth.ops import ELEMENTWISE, PASSTHROUGH, SINKS, VIEW_LIKE
 from autotp.synth.queries import _grad_inputs, upstream_linears
+from autotp.synth.stages import drop_check
 
 # One-tensor ops through which a parameter's dims can be followed back from a consumer.
 SINGLE_INPUT = PASSTHROUGH | VIEW_LIKE | ELEMENTWISE | {"unsqueeze", "squeeze", "expand", "transpose", "permute", "t", "slice",
@@ -128,6 +129,7 @@ def param_dim(g: nx.DiGraph, name: str, dim: int) -> tuple[str, int] | None:
     return found
 
 
+@drop_check(order=30)
 def stray_param_reads(flow) -> dict[str, str]:
     """Candidates whose shard met a parameter (:meth:`~autotp.synth.flow.Flow.shard_param`)
     that some reader reads whole: every read on the chains from the parameter to the operands that
@@ -226,6 +228,7 @@ def tree_leaves(g: nx.DiGraph, name: str, dim: int, nodes: dict[str, int],
     return found or None
 
 
+@drop_check(order=40)
 def stray_tree_reads(flow) -> dict[str, str]:
     """Candidates whose shard met a pointwise tree over parameters and constants
     (:meth:`~autotp.synth.flow.Flow.shard_tree`) one of whose nodes some op reads whole: every

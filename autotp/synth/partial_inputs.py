@@ -35,7 +35,9 @@ from autotp.synth.graph import Ref, made_from_params, param_modules, refs
 from autotp.synth.ops import NO_VALUES, RESHAPES, SELECTIONS, SELECTIONS_WITH_VALUES, SINKS
 from autotp.synth.roles import Role, kind_of
 from autotp.synth.sequence import module_inputs, module_outputs
-from autotp.synth.shared import _CARRY, _reads_other_state, column_reader, data_index, has_sharded, plain_producer
+from autotp.synth.shared import (_CARRY, _reads_other_state, column_reader, data_index, has_sharded, plain_producer,
+                                 shared_input_roles)
+from autotp.synth.stages import Analysis, post_pass
 
 log = logging.getLogger(__name__)
 
@@ -198,3 +200,11 @@ def _value_reach(g: nx.DiGraph, starts: list[str]) -> set[str]:
             reached.add(reader)
             todo.append(reader)
     return reached
+
+
+@post_pass(order=60)
+def shared_inputs(a: Analysis) -> Analysis:
+    """Inputs shared by several column projections (and parallel blocks) are reduced once; where
+    experts columns or routers read them too, each reader hands back its share of the gradient."""
+    roles = shared_input_roles(a.graph, a.flow, a.roles, sequence_parallel=a.sequence_parallel, groups=a.groups)
+    return replace(a, roles={**roles, **partial_input_roles(a.graph, roles, sequence_parallel=a.sequence_parallel)})

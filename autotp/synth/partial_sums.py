@@ -36,6 +36,7 @@ from autotp.synth.graph import Ref
 from autotp.synth.roles import Role, kind_of
 from autotp.synth.sequence import module_outputs
 from autotp.synth.shared import shared_columns
+from autotp.synth.stages import Analysis, post_pass
 
 log = logging.getLogger(__name__)
 
@@ -163,3 +164,10 @@ def _owns_params(g: nx.DiGraph, module: str) -> bool:
     """Whether ``module``'s forward reads a parameter it owns itself (not a child's)."""
     return any(d["kind"] == "param" and d["param"].rpartition(".")[0] == module and any(g.successors(n))
                for n, d in g.nodes(data=True))
+
+
+@post_pass(order=70)
+def partial_sums(a: Analysis) -> Analysis:
+    """Modules adding up row Linears' partial sums (a loop over ``nn.Linear`` experts) reduce them once."""
+    found = partial_sum_blocks(a.graph, a.flow, a.roles, sequence_parallel=a.sequence_parallel)
+    return replace(a, roles={m: r for m, r in {**a.roles, **found}.items() if r is not None})

@@ -1,11 +1,14 @@
-"""The synthesis pipeline: one :class:`Analysis`, a constraint fixpoint, then a list of passes.
+"""The synthesis pipeline: one :class:`~autotp.synth.stages.Analysis`, a constraint fixpoint, then
+the post-passes (:func:`~autotp.synth.stages.post_passes`: those of the idioms, registered in their
+own modules, and the pipeline's own below: shard counts, kv replication, sequence parallel,
+divisibility, owned outputs, untraced Linears and siblings).
 
 ::
 
     program, groups = trace(model)                 # torch.export, one block per distinct type
     g = build_graph(program)                        # networkx view of the program
     analysis = constraint_fixpoint(...)             # analyse -> roles -> constraints, until none is new
-    for step in POST_PASSES:                        # each Analysis -> Analysis, logging what it changed
+    for step in post_passes():                      # each Analysis -> Analysis, logging what it changed
         analysis = step(analysis)
 
 The fixpoint's constraints are facts that keep Linears whole and that only a converged analysis
@@ -32,75 +35,31 @@ from autotp.synth.flow import Flow
 from autotp.synth.queries import module_of
 from autotp.synth.assign import assign_roles, foreign_reads, mutated_outputs, tie_conflicts, tied_embedding_modules
 from autotp.synth.copies import copied_roles
-from autotp.synth.entries import with_entries
-from autotp.synth.fronts import partial_fronts
 from autotp.synth.graph import build_graph
 from autotp.synth.groups_first import fewer_groups_than_tp
-from autotp.synth.adapters import whole_adapters
 from autotp.synth.kvheads import replicate_kv
 from autotp.synth.shape_proof import localize
-from autotp.synth.mixes import mixed_inputs
 from autotp.synth.params import readers
 from autotp.synth.roles import Role
+from autotp.synth.stages import Analysis, post_pass, post_passes
 from autotp.synth.sequence import sequence_parallel_roles, unshardable_stream
-from autotp.synth.partial_inputs import partial_input_roles
-from autotp.synth.partial_sums import partial_sum_blocks
-from autotp.synth.regions import dtensor_regions
-from autotp.synth.shared import region_blocks, shared_input_roles
-from autotp.synth.statistics import statistics_roles
-from autotp.synth.torch_attention import multihead_attention_roles
 from autotp.synth.trace import LayerGroups, block_signature, trace
 from autotp.synth.validate import require_language_model
 
 log = logging.getLogger(__name__)
 
 
-@dataclass
-class Analysis:
-    """Everything synthesis found about a model, keyed by traced FQNs, and what it was asked.
-
-    Attributes:
-        graph: the traced program as a graph (:func:`~autotp.synth.graph.build_graph`).
-        flow: the converged shard propagation.
-        roles: one :class:`~autotp.synth.roles.Role` per module that needs a style, with its reason.
-        groups: which original layers each traced layer stands for.
-        model, example_inputs, tp_size, sequence_parallel: what the analysis was made for. Without a
-            tp size, fused outputs are checked at tp=2 (any tp that divides the parts behaves alike)
-            and nothing is checked for divisibility or replicated per kv head.
-        counts: per module, the integer attributes that size the cuts of a fused output.
-        kv_handled: k/v projection nodes replicated per kv head (not checked for divisibility).
-        copies: grouped parts held as one group's copy per rank, by traced module FQN
-            (:mod:`autotp.synth.groups`); the analysis is then that of the expanded model.
-        entries: per module, the arguments of its call (position or keyword, dim) made outside it
-            that meet its heads and are sliced to them on entry (:mod:`autotp.synth.entries`).
-        widths: per module, the arguments its code reads its widths from (``C = x.size(-1)``) and
-            the column Linears that read their values (:class:`~autotp.styles.LocalWidthInputs`).
-    """
-
-    graph: nx.DiGraph
-    flow: Flow
-    roles: dict[str, Role]
-    groups: LayerGroups
-    model: nn.Module | None = field(default=None, repr=False)
-    example_inputs: object = field(default=None, repr=False)
-    tp_size: int | None = None
-    sequence_parallel: bool = False
-    counts: dict[str, tuple[str, ...]] = field(default_factory=dict)
-    kv_handled: frozenset = frozenset()
-    copies: dict = field(default_factory=dict)
-    entries: dict = field(default_factory=dict)
-    widths: dict = field(default_factory=dict)
 
 
 def run(model: nn.Module, *, example_inputs=None, sequence_parallel: bool = False,
         tp_size: int | None = None) -> Analysis:
-    """The whole pipeline on ``model``: trace, graph, constraint fixpoint, then :data:`POST_PASSES`."""
+    """The whole pipeline on ``model``: trace, graph, constraint fixpoint, then the post-passes in order."""
     program, groups = trace(model, example_inputs)
     g = build_graph(program)
     require_language_model(model, g)
     analysis = constraint_fixpoint(g, groups, model, example_inputs, tp_size)
     analysis = replace(analysis, sequence_parallel=sequence_parallel)
-    for step in POST_PASSES:
+    for step in post_passes():
         analysis = _logged(step, analysis)
     log.info("synthesis: %d graph nodes, %d roles", g.number_of_nodes(), len(analysis.roles))
     return analysis
@@ -241,14 +200,7 @@ def _indivisible_parts(flow: Flow, tp_size: int | None) -> dict[str, str]:
 # --- post-passes: each Analysis -> Analysis -------------------------------------------------------
 
 
-def adapters(a: Analysis) -> Analysis:
-    """Low-rank adapters (LoRA) beside a Linear kept whole stay whole with it (:mod:`autotp.synth.adapters`)."""
-    found = whole_adapters(a.graph, a.roles)
-    if found:
-        log.info("adapters: %d adapter Linears kept whole with their base", len(found))
-    return replace(a, roles={**a.roles, **found})
-
-
+@post_pass(order=20)
 def shard_counts(a: Analysis) -> Analysis:
     """Modules whose integer attributes size the cuts of a fused output get them divided by tp."""
     roles = dict(a.roles)
@@ -269,6 +221,7 @@ def shard_counts(a: Analysis) -> Analysis:
     return replace(a, roles=roles)
 
 
+@post_pass(order=30)
 def kv_replication(a: Analysis) -> Analysis:
     """tp > kv heads: k/v projections hold the kv head their ranks' query heads read.
 
@@ -319,14 +272,7 @@ def _no_unhandled_unit_heads(a: Analysis, handled: set[str]) -> None:
                             "every rank cannot be written", fix="pass tp_size= (the tp you will shard with) to synthesize")
 
 
-def torch_attention(a: Analysis) -> Analysis:
-    """torch's ``nn.MultiheadAttention`` modules the analysis left whole on replicated inputs are
-    sharded by heads as one module (:mod:`autotp.synth.torch_attention`)."""
-    if a.model is None:
-        return a
-    return replace(a, roles=multihead_attention_roles(a.graph, a.flow, a.roles, a.model, a.tp_size))
-
-
+@post_pass(order=50)
 def sequence_parallel(a: Analysis) -> Analysis:
     """Under sequence parallel: the residual stream sharded on the sequence between blocks."""
     if not a.sequence_parallel:
@@ -352,61 +298,7 @@ def sequence_parallel(a: Analysis) -> Analysis:
     return replace(a, roles=roles)
 
 
-def partial_sums(a: Analysis) -> Analysis:
-    """Modules adding up row Linears' partial sums (a loop over ``nn.Linear`` experts) reduce them once."""
-    found = partial_sum_blocks(a.graph, a.flow, a.roles, sequence_parallel=a.sequence_parallel)
-    return replace(a, roles={m: r for m, r in {**a.roles, **found}.items() if r is not None})
-
-
-def shared_inputs(a: Analysis) -> Analysis:
-    """Inputs shared by several column projections (and parallel blocks) are reduced once; where
-    experts columns or routers read them too, each reader hands back its share of the gradient."""
-    roles = shared_input_roles(a.graph, a.flow, a.roles, sequence_parallel=a.sequence_parallel, groups=a.groups)
-    return replace(a, roles={**roles, **partial_input_roles(a.graph, roles, sequence_parallel=a.sequence_parallel)})
-
-
-def whole_fronts(a: Analysis) -> Analysis:
-    """Modules kept whole between a norm and column Linears (MLA's low-rank down-projections) run
-    their backward on the columns' partial gradients, reduced once at the norm, where that moves
-    fewer bytes than reducing each column input and rope span."""
-    found = partial_fronts(a.graph, a.flow, a.roles, sequence_parallel=a.sequence_parallel, groups=a.groups)
-    roles = {m: r for m, r in {**a.roles, **found}.items() if r is not None}
-    return replace(a, roles=roles)
-
-
-def mixed_column_inputs(a: Analysis) -> Analysis:
-    """Modules whose column Linears read learned mixes of their input (a token shift) run the mixes'
-    backward on the columns' partial gradients, reduced once at entry."""
-    return replace(a, roles=mixed_inputs(a.graph, a.flow, a.roles, sequence_parallel=a.sequence_parallel))
-
-
-def width_statistics(a: Analysis) -> Analysis:
-    """Blocks whose own code takes per-token statistics over their sharded width run on DTensors,
-    each statistic all-reduced (:mod:`autotp.synth.statistics`); their columns hand on DTensors."""
-    return replace(a, roles=statistics_roles(a.graph, a.flow, a.roles))
-
-
-def sliced_entries(a: Analysis) -> Analysis:
-    """Modules that take a value made outside them (a per-head bias built at the root) sliced to
-    their heads on entry; after the passes that give those modules roles of their own."""
-    return replace(a, roles=with_entries(a.roles, a.entries))
-
-
-def dtensor_region_modules(a: Analysis) -> Analysis:
-    """Modules left whole whose code can run on DTensors with some of their Linears sharded
-    (:mod:`autotp.synth.regions`); after every pass that gives roles, so only what stayed whole."""
-    if a.model is None:
-        return a
-    return replace(a, roles=dtensor_regions(a.graph, a.flow, a.roles, a.model, a.groups, a.tp_size,
-                                                    sequence_parallel=a.sequence_parallel))
-
-
-def region_parallel_blocks(a: Analysis) -> Analysis:
-    """Parallel blocks with a DTensor region for a branch reduce the two branches' sum once
-    (:func:`~autotp.synth.shared.region_blocks`); after the regions are planned."""
-    return replace(a, roles={**a.roles, **region_blocks(a.graph, a.flow, a.roles, sequence_parallel=a.sequence_parallel)})
-
-
+@post_pass(order=140)
 def divisibility(a: Analysis) -> Analysis:
     """With a tp size: every sharded extent must divide (else MeshError); vocab tables it does not
     divide stay whole."""
@@ -417,6 +309,7 @@ def divisibility(a: Analysis) -> Analysis:
     return replace(a, roles={**a.roles, **indivisible_tables(a.graph, a.roles, a.tp_size)})
 
 
+@post_pass(order=150)
 def owned_outputs(a: Analysis) -> Analysis:
     """Modules whose output the calling code modifies in place return a copy, not a shard's view."""
     roles = dict(a.roles)
@@ -425,6 +318,7 @@ def owned_outputs(a: Analysis) -> Analysis:
     return replace(a, roles=roles)
 
 
+@post_pass(order=160)
 def untraced_linears(a: Analysis) -> Analysis:
     """``nn.Linear`` modules the traced forward never calls (an image patch projection when the
     trace is text-only) are column-sharded with their output all-gathered: for any input the ranks
@@ -460,6 +354,7 @@ def untraced_linears(a: Analysis) -> Analysis:
     return replace(a, roles=roles)
 
 
+@post_pass(order=170)
 def untraced_siblings(a: Analysis) -> Analysis:
     """Entries of an ``nn.ModuleList`` inside a traced layer that the trace never calls, shaped like
     an entry it does call, get that entry's roles.
@@ -520,15 +415,6 @@ def untraced_siblings(a: Analysis) -> Analysis:
     return replace(a, roles=roles)
 
 
-# The passes after the fixpoint, in order.
-POST_PASSES: tuple[Callable[[Analysis], Analysis], ...] = (
-    adapters, shard_counts, kv_replication, torch_attention, sequence_parallel, shared_inputs, partial_sums, whole_fronts,
-    mixed_column_inputs, width_statistics, sliced_entries, dtensor_region_modules, region_parallel_blocks,
-    divisibility,
-    owned_outputs,
-    untraced_linears,
-    untraced_siblings,
-)
 
 
 def _logged(step: Callable[[Analysis], Analysis], a: Analysis) -> Analysis:

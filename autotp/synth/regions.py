@@ -50,6 +50,7 @@ from autotp.synth.graph import Ref, refs
 from autotp.synth.ops import ATTENTION, SINKS
 from autotp.synth.roles import Role
 from autotp.synth.sequence import module_outputs
+from autotp.synth.stages import Analysis, post_pass
 
 log = logging.getLogger(__name__)
 
@@ -525,3 +526,13 @@ def _overload(g, name, args, kwargs):
         if _runs_as_traced(overload, [meta(a) for a in args], {k: meta(v) for k, v in kwargs.items()}, data["shape"]):
             return overload
     return None
+
+
+@post_pass(order=120)
+def dtensor_region_modules(a: Analysis) -> Analysis:
+    """Modules left whole whose code can run on DTensors with some of their Linears sharded
+    (:mod:`autotp.synth.regions`); after every pass that gives roles, so only what stayed whole."""
+    if a.model is None:
+        return a
+    return replace(a, roles=dtensor_regions(a.graph, a.flow, a.roles, a.model, a.groups, a.tp_size,
+                                                    sequence_parallel=a.sequence_parallel))

@@ -53,6 +53,7 @@ from autotp.synth.ops import ELEMENTWISE, PASSTHROUGH
 from autotp.synth.roles import Role, kind_of
 from autotp.synth.sequence import (attention_returns, dispatch_blocks, expert_blocks, inner_rows, module_outputs, outermost,
                                    residual_region, routed_blocks)
+from autotp.synth.stages import Analysis, post_pass
 
 log = logging.getLogger(__name__)
 
@@ -803,3 +804,10 @@ def shared_input_roles(g: nx.DiGraph, flow: Flow, roles: dict[str, Role], *,
     out.update(changed)
     log.info("shared inputs: %d modules changed (%d parallel-block roles)", len(changed), len(blocks))
     return out
+
+
+@post_pass(order=130)
+def region_parallel_blocks(a: Analysis) -> Analysis:
+    """Parallel blocks with a DTensor region for a branch reduce the two branches' sum once
+    (:func:`~autotp.synth.shared.region_blocks`); after the regions are planned."""
+    return replace(a, roles={**a.roles, **region_blocks(a.graph, a.flow, a.roles, sequence_parallel=a.sequence_parallel)})

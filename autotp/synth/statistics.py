@@ -29,6 +29,7 @@ from autotp.errors import PlanError
 from autotp.synth.graph import Ref, refs
 from autotp.synth.ops import ELEMENTWISE, PASSTHROUGH, SINKS, STATISTICS, VIEW_LIKE
 from autotp.synth.roles import Role
+from autotp.synth.stages import Analysis, post_pass
 
 # Ops a statistic may pass through on its way to the shard: pointwise, and the reshapes that
 # broadcast a (b, t) value back against (b, t, width).
@@ -198,3 +199,10 @@ def statistics_roles(g: nx.DiGraph, flow, roles: dict[str, Role]) -> dict[str, R
                                          "hand its output on as a DTensor")
                 roles[owner] = replace(roles[owner], dtensor_output=True)
     return roles
+
+
+@post_pass(order=100)
+def width_statistics(a: Analysis) -> Analysis:
+    """Blocks whose own code takes per-token statistics over their sharded width run on DTensors,
+    each statistic all-reduced (:mod:`autotp.synth.statistics`); their columns hand on DTensors."""
+    return replace(a, roles=statistics_roles(a.graph, a.flow, a.roles))

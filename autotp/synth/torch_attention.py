@@ -10,6 +10,8 @@ converged analysis left it whole, its inputs replicated, and tp divides its head
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import networkx as nx
 from torch import nn
 
@@ -18,6 +20,7 @@ from autotp.synth.flow import Flow
 from autotp.synth.shard import Shard
 from autotp.synth.roles import Role
 from autotp.synth.sequence import module_inputs
+from autotp.synth.stages import Analysis, post_pass
 
 
 def multihead_attention_roles(g: nx.DiGraph, flow: Flow, roles: dict[str, Role], model: nn.Module,
@@ -66,3 +69,12 @@ def _whole_reason(g: nx.DiGraph, flow: Flow, roles: dict[str, Role], fqn: str, m
         return (f"its {module.num_heads} heads do not split over tp={tp_size} (tp in "
                 f"{working_tp_sizes([module.num_heads])} would)")
     return None
+
+
+@post_pass(order=40)
+def torch_attention(a: Analysis) -> Analysis:
+    """torch's ``nn.MultiheadAttention`` modules the analysis left whole on replicated inputs are
+    sharded by heads as one module (:mod:`autotp.synth.torch_attention`)."""
+    if a.model is None:
+        return a
+    return replace(a, roles=multihead_attention_roles(a.graph, a.flow, a.roles, a.model, a.tp_size))
