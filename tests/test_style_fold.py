@@ -40,13 +40,15 @@ def test_a_folded_name_says_its_new_spelling(old):
     assert new in styles.__all__, new
 
 
-@pytest.mark.parametrize("options, message", [
+@pytest.mark.parametrize("case", [
     ({"inputs": "scatter"}, "inputs='scatter'; use one of"),
     ({"inputs": "gather", "input_grad": "partial"}, "only inputs taken as 'replicate'"),
     ({"outputs": "replicate", "output_grad": "partial"}, "drop outputs"),
     ({"outputs": "shard"}, "needs inputs='gather'"),
 ])
-def test_boundary_refuses_sides_that_do_not_go_together(options, message):
+def test_boundary_refuses_sides_that_do_not_go_together(case):
+    options, message = case  # one parameter: every case runs in the default tier (conftest keeps a
+    # test with several parameters at its base case there)
     with pytest.raises(PlanError, match=message):
         styles.Boundary(**options)
 
@@ -85,3 +87,14 @@ def test_boundary_sides_on_two_ranks():
         assert not isinstance(seen[0], DTensor) and seen[0].shape == (1, 4, 2)  # whole and plain inside
         assert isinstance(out, DTensor) and out.placements == (Shard(1),)
         assert torch.equal(out.full_tensor(), stream * 2)
+
+
+def test_the_plan_table_shows_only_the_options_a_style_sets():
+    """A folded style carries many options at their defaults; the CLI table lists the ones set."""
+    from autotp.cli_text import plan_rows
+
+    rows = plan_rows({"norm": styles.Boundary(outputs="replicate"),
+                      "fused": styles.Colwise(sizes=(8, 4, 4)),
+                      "row": styles.Rowwise(output_layouts=Partial(), use_local_output=False)})
+    options = {row[0]: row[5] for row in rows}
+    assert options == {"norm": "outputs=replicate", "fused": "sizes=8,4,4", "row": ""}, options
