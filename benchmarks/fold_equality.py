@@ -19,11 +19,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import subprocess
 import sys
 import time
 from pathlib import Path
+
+from plan_equality import run_in_tree, tree_name
 
 HERE = Path(__file__).resolve().parent
 RESULTS = HERE / "results" / "fold_equality.json"
@@ -154,18 +154,7 @@ print(json.dumps(out))
 
 
 def records(tree: Path, side: str) -> dict:
-    env = {**os.environ, "PYTHONPATH": str(tree), "OMP_NUM_THREADS": "1", "AUTOTP_CACHE_DIR": "off"}
-    code = CHILD.format(tree=str(tree), pairs=json.dumps(PAIRS), side=side)
-    done = subprocess.run([sys.executable, "-c", code], cwd=tree, env=env, stdout=subprocess.PIPE, text=True)
-    if done.returncode:
-        raise SystemExit(f"{tree}: child failed (its stderr is above)")
-    return json.loads(done.stdout.strip().splitlines()[-1])
-
-
-def _tree_name(tree: Path) -> str:
-    """A tree as the commit its ``COMMIT`` file names (``git archive`` exports), else its folder name."""
-    marker = tree / "COMMIT"
-    return marker.read_text().strip() if marker.exists() else tree.resolve().name
+    return run_in_tree(tree, CHILD.format(tree=str(tree), pairs=json.dumps(PAIRS), side=side))
 
 
 def main() -> None:
@@ -188,7 +177,7 @@ def main() -> None:
     summary = f"{len(PAIRS)} folded spellings: {len(PAIRS) - len(differ)} equal, {len(differ)} differ"
     print(summary)
     RESULTS.parent.mkdir(exist_ok=True)
-    RESULTS.write_text(json.dumps({"command": " ".join(sys.argv), "base": _tree_name(args.base), "summary": summary,
+    RESULTS.write_text(json.dumps({"command": " ".join(sys.argv), "base": tree_name(args.base), "summary": summary,
                                    "seconds": round(time.time() - start, 1), "pairs": {
                                        name: {"old": p[2], "new": p[3], "record": new[name]} for name, p in PAIRS.items()},
                                    "differ": differ}, indent=1))

@@ -61,8 +61,12 @@ print(json.dumps(out))
 
 
 def plans_of(tree: Path) -> dict:
+    return run_in_tree(tree, CHILD.format(tree=str(tree), tests=str(ROOT / "tests")))
+
+
+def run_in_tree(tree: Path, code: str) -> dict:
+    """The JSON that ``code`` prints last, run by a child whose ``autotp`` is the one in ``tree``."""
     env = {**os.environ, "PYTHONPATH": str(tree), "OMP_NUM_THREADS": "1", "AUTOTP_CACHE_DIR": "off"}
-    code = CHILD.format(tree=str(tree), tests=str(ROOT / "tests"))
     done = subprocess.run([sys.executable, "-c", code], cwd=tree, env=env, stdout=subprocess.PIPE, text=True)
     if done.returncode:
         raise SystemExit(f"{tree}: child failed (its stderr is above)")
@@ -84,7 +88,7 @@ def _canonical(plan: dict) -> dict:
     return {key: canonical(text) if key != "<error>" else text for key, text in plan.items()}
 
 
-def _tree_name(tree: Path) -> str:
+def tree_name(tree: Path) -> str:
     """A tree as the commit its ``COMMIT`` file names (``git archive`` exports), else its folder name."""
     marker = tree / "COMMIT"
     return marker.read_text().strip() if marker.exists() else tree.resolve().name
@@ -108,7 +112,7 @@ def main() -> None:
             print(f"  {key}\n    base: {sides['base']}\n    new:  {sides['new']}")
     print(summary)
     args.out.parent.mkdir(exist_ok=True)
-    args.out.write_text(json.dumps({"command": " ".join(sys.argv), "base": _tree_name(args.base), "new": _tree_name(args.new),
+    args.out.write_text(json.dumps({"command": " ".join(sys.argv), "base": tree_name(args.base), "new": tree_name(args.new),
                                     "seconds": round(time.time() - start, 1), "summary": summary,
                                     "differences": diff, "new_plans": new}, indent=2))
     sys.exit(1 if diff else 0)
