@@ -139,6 +139,7 @@ def plan_rows(plan) -> list[list[str]]:
     >>> plan_rows({"model.layers.*.mlp.up_proj": ColwiseParallel()})
     [['model.layers.*.mlp.up_proj', 'ColwiseParallel', 'R', 'S(-1)', 'yes', '']]
     """
+    from autotp.emit import _parameters
     from autotp.plan import _plain, base_style, describe_style
 
     rows = []
@@ -150,7 +151,7 @@ def plan_rows(plan) -> list[list[str]]:
         if base is not style:
             desc["style"] = f"{type(style).__name__}({desc['style']})"
         local = desc.get("use_local_output")
-        defaults = {k: _plain(v) for k, v in _defaults(type(base)).items()}
+        defaults = {p.name: _plain(p.default) for p in _parameters(type(base)) if p.default is not p.empty}
         options = ", ".join(f"{k}={_short(v)}" for k, v in desc.items()
                             if k not in _SHOWN and v is not None and (k not in defaults or defaults[k] != v))
         rows.append([
@@ -162,17 +163,6 @@ def plan_rows(plan) -> list[list[str]]:
             options,
         ])
     return rows
-
-
-def _defaults(cls: type) -> dict:
-    """The keyword options of ``cls.__init__`` that have defaults (the table leaves those out)."""
-    import inspect
-
-    try:
-        params = inspect.signature(cls.__init__).parameters.values()
-    except (TypeError, ValueError):
-        return {}
-    return {p.name: p.default for p in params if p.default is not p.empty}
 
 
 def _as_data(value):

@@ -29,7 +29,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from torch import nn
-from torch.distributed.tensor import Partial, Replicate, Shard
+from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
 from autotp.memory import param_bytes_per_rank
@@ -73,7 +73,7 @@ def collective_bytes_per_token(model: nn.Module, plan: Plan) -> int:
     """
     resolved = {fqn: base_style(style) for fqn, (_, style) in resolve(model, plan).items()}
     modules = dict(model.named_modules())
-    shared = {_parent(fqn) for fqn, style in resolved.items() if _shares_output(style)}
+    shared = {_parent(fqn) for fqn, style in resolved.items() if isinstance(style, Boundary) and style.shares_output}
     hidden = _hidden_size(model)
     units = 0.0  # elements moved, counted as described in the module docstring
     for fqn, style in resolved.items():
@@ -81,7 +81,7 @@ def collective_bytes_per_token(model: nn.Module, plan: Plan) -> int:
         width_in, width_out = _widths(module, hidden)
         ancestors_share = any(fqn.startswith(f"{p}.") or not p for p in shared)
         if isinstance(style, RowwiseParallel):
-            factor = 0.5 if isinstance(style, Rowwise) and tuple(style.output_layouts) == (Partial(),) else 1.0
+            factor = 0.5 if isinstance(style, Rowwise) and style.partial_output else 1.0
             units += factor * _reduce_units(getattr(style, "output_layouts", None)) * width_out
         elif isinstance(style, ColwiseParallel):
             if _is(getattr(style, "output_layouts", None), Replicate):
@@ -92,14 +92,10 @@ def collective_bytes_per_token(model: nn.Module, plan: Plan) -> int:
                 units += 2 * width_in
         elif isinstance(style, ExpertsParallel):
             units += 2 * hidden + (0 if ancestors_share else 2 * hidden)
-        elif _shares_output(style):
+        elif isinstance(style, Boundary) and style.shares_output:
             units += 2 * width_out
     return int(units * _element_size(model))
 
-
-def _shares_output(style) -> bool:
-    """A module (a norm) handing its output to its column readers as one value reduced once."""
-    return isinstance(style, Boundary) and (style.outputs == "replicate" or style.output_grad == "partial")
 
 
 def _reduce_units(layouts) -> int:

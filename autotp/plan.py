@@ -181,8 +181,9 @@ def sharded_param_dims(module: nn.Module, style: ParallelStyle) -> dict[str, int
     """
     params = dict(module.named_parameters(recurse=False))
     style = base_style(style)
-    if hasattr(style, "sharded_param_dims"):  # styles that know their own layout (e.g. MoE)
-        return style.sharded_param_dims(module)
+    own = style.sharded_param_dims(module) if hasattr(style, "sharded_param_dims") else None
+    if own is not None:  # styles that know their own layout (e.g. MoE); None: as torch's layouts say
+        return own
     is_embedding = isinstance(module, nn.Embedding)
     if isinstance(style, ColwiseParallel):
         return {"weight": 1} if is_embedding else {n: 0 for n in ("weight", "bias") if params.get(n) is not None}

@@ -33,7 +33,7 @@ import torch
 import torch.distributed as dist
 import transformers
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.tensor import Partial, Shard
+from torch.distributed.tensor import Shard
 from torch.distributed.tensor.parallel import RowwiseParallel
 from transformers import AutoConfig
 
@@ -129,7 +129,7 @@ def previous_layout(plan: dict, *, sequence_parallel: bool) -> dict:
     old = {}
     for key, style in plan.items():
         if isinstance(style, styles.ReplicatedStream) or (
-                isinstance(style, styles.Boundary) and (style.outputs == "replicate" or style.output_grad == "partial")):
+                isinstance(style, styles.Boundary) and style.shares_output):
             continue
         if isinstance(style, styles.ReplicatedParams) and not sequence_parallel:
             continue  # a parallel block's norm on its DTensor stream
@@ -137,7 +137,7 @@ def previous_layout(plan: dict, *, sequence_parallel: bool) -> dict:
             continue
         if isinstance(style, styles.SequenceParallelAllGather):
             style = styles.SequenceParallelAllGather()
-        elif isinstance(style, styles.Rowwise) and tuple(style.output_layouts) == (Partial(),):
+        elif isinstance(style, styles.Rowwise) and style.partial_output:
             style = (RowwiseParallel(output_layouts=Shard(1), use_local_output=False) if sequence_parallel
                      else RowwiseParallel())
         old[key] = style

@@ -36,7 +36,6 @@ from _plans_common import build, plan_from  # noqa: E402
 
 from autotp.plan import resolve  # noqa: E402
 from autotp.styles import Rowwise  # noqa: E402
-from torch.distributed.tensor import Partial  # noqa: E402
 from torch.distributed.tensor.parallel import RowwiseParallel  # noqa: E402
 
 RESULTS = Path(__file__).parent / "results"
@@ -52,7 +51,7 @@ def branches(family: str, tp: int) -> float:
     for fqn, (_, style) in resolve(model, plan).items():
         if ".layers." not in fqn and ".h." not in fqn:
             continue
-        if isinstance(style, Rowwise) and tuple(style.output_layouts) == (Partial(),):
+        if isinstance(style, Rowwise) and style.partial_output:
             rows += 0.5
         elif isinstance(style, RowwiseParallel):
             rows += 1

@@ -10,7 +10,8 @@ An edge ``a -> b`` is any ``import``/``from ... import`` in file ``a`` that name
 ``from pkg import name`` read as the submodule ``pkg.name`` when that file exists. A name that a
 package's ``__init__`` exports lazily through an ``_EXPORTS = {"name": "module"}`` table (PEP 562,
 as ``autotp/__init__.py`` does) resolves to the module that defines it, since that is what the
-import runs. Imports under ``if TYPE_CHECKING:`` are skipped: they never run. Importing
+import runs. Imports under ``if TYPE_CHECKING:`` count too: they never run, but a layer that names
+a higher one's types for a type checker still reaches up (and a checker reading them sees the cycle). Importing
 ``a.b.c`` also runs ``a/__init__`` and ``a/b/__init__``; those implicit parent edges are not
 counted (as import-linter and pydeps do not).
 """
@@ -51,23 +52,14 @@ def project_modules(root: Path = ROOT) -> dict[str, Path]:
     return modules
 
 
-def _is_type_checking(test: ast.expr) -> bool:
-    return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
-        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING"
-    )
-
-
 def _imports(tree: ast.Module) -> Iterator[tuple[ast.Import | ast.ImportFrom, bool]]:
-    """Every import statement in ``tree`` outside ``if TYPE_CHECKING:``, and whether it is local
-    (inside a function)."""
+    """Every import statement in ``tree`` (``if TYPE_CHECKING:`` blocks included), and whether it is
+    local (inside a function)."""
 
     def walk(node: ast.AST, local: bool) -> Iterator[tuple[ast.Import | ast.ImportFrom, bool]]:
         for child in ast.iter_child_nodes(node):
             if isinstance(child, ast.Import | ast.ImportFrom):
                 yield child, local
-            elif isinstance(child, ast.If) and _is_type_checking(child.test):
-                for other in child.orelse:
-                    yield from walk(ast.Module(body=[other], type_ignores=[]), local)
             else:
                 yield from walk(child, local or isinstance(child, ast.FunctionDef | ast.AsyncFunctionDef | ast.Lambda))
 

@@ -1,7 +1,8 @@
 """The package's files import each other without cycles (read with ``ast``; nothing is imported).
 
 Every import counts: module level and function-local, relative, ``from pkg import submodule`` and
-names ``autotp/__init__`` exports lazily; only ``if TYPE_CHECKING:`` imports are left out. A cycle
+names ``autotp/__init__`` exports lazily, and ``if TYPE_CHECKING:`` imports (a type named from a higher
+layer is a reach up too). A cycle
 means some layer reaches back up (the layers: ``docs/README.md``); move what the lower layer needs
 down instead of importing it inside a function.
 """

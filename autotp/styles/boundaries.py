@@ -685,7 +685,7 @@ class Boundary(WrapperStyle):
         prepend = self.style is not None  # before the wrapped style's own input hook
         dim = self.sequence_dim
         if self.inputs == "replicate":
-            wrap = _replicated_with_partial_grad if self.input_grad == "partial" else _replicated
+            wrap = _replicated_with_partial_grad if self.input_grad == "partial" else _as_replicated
             _on_floating_inputs(module, partial(wrap, device_mesh=device_mesh), prepend)
         elif self.inputs == "gather":
             _gather_inputs(module, dim, self.local_inputs, self.outputs in ("shard", "shard_all"), prepend)
@@ -693,7 +693,7 @@ class Boundary(WrapperStyle):
             _slice_stream_input(module, dim, device_mesh, prepend)
         elif self.inputs == "whole":
             def whole(mod, args, kwargs):
-                return tuple(_whole(a) for a in args), {k: _whole(v) for k, v in kwargs.items()}
+                return tuple(to_local(a) for a in args), {k: to_local(v) for k, v in kwargs.items()}
             module.register_forward_pre_hook(whole, with_kwargs=True, prepend=prepend)
         if self.reduce_grad_features:
             spans = self.reduce_grad_features
@@ -716,12 +716,16 @@ class Boundary(WrapperStyle):
             module.register_forward_hook(lambda mod, args, out: _owned(out))  # after every other hook
         return module
 
+    @property
+    def shares_output(self) -> bool:
+        """The output's readers reduce their input gradients once, here: handed a ``Replicate()``
+        DTensor, or a plain output whose partial gradient this style all-reduces."""
+        return self.outputs == "replicate" or self.output_grad == "partial"
+
     def __repr__(self) -> str:
-        defaults = {"inputs": None, "outputs": None, "input_grad": "whole", "output_grad": "whole",
-                    "local_inputs": True, "reduce_grad_features": (), "copy_output": False, "sequence_dim": 1,
-                    "style": None}
-        options = ", ".join(f"{name}={getattr(self, name)!r}" for name, default in defaults.items()
-                            if getattr(self, name) != default)
+        options = ", ".join(f"{p.name}={getattr(self, p.name)!r}"
+                            for p in inspect.signature(Boundary.__init__).parameters.values()
+                            if p.default is not p.empty and getattr(self, p.name) != p.default)
         return f"{self.__class__.__name__}({options})"
 
 
@@ -737,16 +741,8 @@ def _on_floating_inputs(module: nn.Module, wrap, prepend: bool) -> None:
     module.register_forward_pre_hook(pre_hook, with_kwargs=True, prepend=prepend)
 
 
-def _replicated(value: torch.Tensor, device_mesh: DeviceMesh) -> DTensor:
-    return DTensor.from_local(value, device_mesh, (Replicate(),), run_check=False)
-
-
 def _replicated_with_partial_grad(value: torch.Tensor, device_mesh: DeviceMesh) -> DTensor:
     return _ReplicatedWithPartialGrad.apply(value, device_mesh)
-
-
-def _whole(value):
-    return to_local(value) if isinstance(value, DTensor) else value
 
 
 def _on_first_output(out, convert, device_mesh):

@@ -87,12 +87,10 @@ class Colwise(ColwiseParallel):
             partial(self._prepare_output_fn, self.output_layouts, self.use_local_output),
         )
 
-    def sharded_param_dims(self, module: nn.Module) -> dict[str, int]:
-        if self.weight_in_out:
+    def sharded_param_dims(self, module: nn.Module) -> dict[str, int] | None:
+        if self.weight_in_out:  # the output features are the weight's last dim
             return {n: p.ndim - 1 for n, p in module.named_parameters(recurse=False)}
-        if isinstance(module, nn.Embedding):
-            return {"weight": 1}
-        return {n: 0 for n in ("weight", "bias") if getattr(module, n, None) is not None}
+        return None  # as ColwiseParallel's layouts say
 
     def __repr__(self) -> str:
         return _with_options(super().__repr__(), sizes=self.sizes, weight_in_out=self.weight_in_out)
@@ -148,6 +146,11 @@ class Rowwise(RowwiseParallel):
         self.reduce_grad_features = tuple((int(a), int(b)) for a, b in reduce_grad_features)
         self.weight_in_out = weight_in_out
 
+    @property
+    def partial_output(self) -> bool:
+        """The output stays this rank's partial sum (``output_layouts=Partial()``)."""
+        return tuple(self.output_layouts) == (Partial(),)
+
     def _partition_linear_fn(self, name, module, device_mesh):
         order = packed_row_order(self.sizes, device_mesh.size()) if self.sizes else None
         if order is not None:
@@ -186,10 +189,10 @@ class Rowwise(RowwiseParallel):
             module.register_forward_hook(lambda mod, args, out: reduce_feature_grads(out, spans, device_mesh))
         return module
 
-    def sharded_param_dims(self, module: nn.Module) -> dict[str, int]:
-        if self.weight_in_out:
+    def sharded_param_dims(self, module: nn.Module) -> dict[str, int] | None:
+        if self.weight_in_out:  # the contracted input features are the weight's first dim
             return {n: 0 for n, p in module.named_parameters(recurse=False) if p.ndim == 2}
-        return {"weight": 0 if isinstance(module, nn.Embedding) else 1}
+        return None  # as RowwiseParallel's layouts say
 
     def __repr__(self) -> str:
         return _with_options(super().__repr__(), sizes=self.sizes, reduce_grad_features=self.reduce_grad_features,

@@ -11,7 +11,8 @@ module and sliced at its entry, statistics over a sharded width, ...) is one mod
 
 The idioms' modules are named in :data:`IDIOMS` and imported by :func:`load_idioms` before a
 stage is read, so adding an idiom touches its own module, :data:`IDIOMS`, its style if it needs a
-new one, and a test. This module imports nothing of the synthesizer: the idioms import it.
+new one, and a test. This module imports nothing of the synthesizer, not even for types: the
+idioms import it.
 """
 
 from __future__ import annotations
@@ -19,15 +20,10 @@ from __future__ import annotations
 import importlib
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import Any
 
-if TYPE_CHECKING:
-    import networkx as nx
-    from torch import nn
-
-    from autotp.synth.flow import Flow
-    from autotp.synth.roles import Role
-    from autotp.synth.trace import LayerGroups
+import networkx as nx
+from torch import nn
 
 # The modules that register drop checks or post-passes, imported (by name) before any stage runs.
 IDIOMS = (
@@ -69,10 +65,12 @@ class Analysis:
             the column Linears that read their values (:class:`~autotp.styles.LocalWidthInputs`).
     """
 
+    # The flow, roles and groups are typed loosely: their modules (flow.py, roles.py, trace.py) import
+    # the idioms, which import this registry, so naming their classes here would close a cycle.
     graph: nx.DiGraph
-    flow: Flow
-    roles: dict[str, Role]
-    groups: LayerGroups
+    flow: Any  # autotp.synth.flow.Flow
+    roles: dict[str, Any]  # values: autotp.synth.roles.Role
+    groups: Any  # autotp.synth.trace.LayerGroups
     model: nn.Module | None = field(default=None, repr=False)
     example_inputs: object = field(default=None, repr=False)
     tp_size: int | None = None
@@ -84,7 +82,7 @@ class Analysis:
     widths: dict = field(default_factory=dict)
 
 
-DropCheck = Callable[["Flow"], dict[str, str]]
+DropCheck = Callable[[Any], dict[str, str]]  # Flow -> {candidate: reason}
 PostPass = Callable[[Analysis], Analysis]
 
 _DROP_CHECKS: dict[str, tuple[float, DropCheck]] = {}
