@@ -49,7 +49,7 @@ from autotp.synth.copies import expanded_sizes
 from autotp.synth.graph import build_graph
 from autotp.synth.groups import _materialized, _random_like
 from autotp.synth.local_run import capture_inputs, inner_roles
-from autotp.synth.localize import candidate_names, with_width_view
+from autotp.synth.localize import candidate_names, with_rewrites, with_width_view
 from autotp.synth.param_roles import param_roles
 from autotp.synth.queries import reading_module
 from autotp.synth.roles import Role
@@ -415,7 +415,8 @@ def _graph_findings(model: nn.Module, resolved: dict, example_inputs, tp_size: i
     findings += _param_findings(g, flow, base, {**{m: None for m in linears.values()}, **demanded})
     roles = _plan_roles(base, linear_modules)
     views = {fqn: shards.width_view for fqn, shards in chain.items() if shards.width_view is not None}
-    findings += _reshape_findings(model, g, flow, roles, base, (groups, example_inputs), tp_size, views)
+    rewrites = {fqn: shards.rewrites for fqn, shards in chain.items() if shards.rewrites}
+    findings += _reshape_findings(model, g, flow, roles, base, (groups, example_inputs), tp_size, views, rewrites)
     return findings
 
 
@@ -499,12 +500,13 @@ def _plan_roles(declared: dict, linear_modules: set[str]) -> dict:
 
 
 def _reshape_findings(model: nn.Module, g, flow, roles: dict, declared: dict, context, tp_size: int,
-                      views: dict | None = None) -> list[Finding]:
+                      views: dict | None = None, rewrites: dict | None = None) -> list[Finding]:
     """Modules that, run alone at per-rank widths with the attributes the plan divides, reshape a
     column shard into other shapes than the global ones with the heads divided (a fixed head count
     with an inferred head size): the per-rank shape proof of :mod:`autotp.synth.localize`. ``views``:
-    per module, the arguments it sees at per-rank width and their readers (its ``LocalWidthInputs``)."""
-    views = views or {}
+    per module, the arguments it sees at per-rank width and their readers (its ``LocalWidthInputs``);
+    ``rewrites``: per module, the styles that rewrite its code (each replayed on the per-rank copy)."""
+    views, rewrites = views or {}, rewrites or {}
     groups, example_inputs = context
     by_module = {m: r for m, r in shaped_roots(g, flow, roles).items()
                  if m and not declared.get(m, NOTHING).kv_counts}
@@ -519,6 +521,7 @@ def _reshape_findings(model: nn.Module, g, flow, roles: dict, declared: dict, co
         view = views.get(fqn)
         names = declared.get(fqn, NOTHING).counts or ()
         inner = inner_roles(roles, fqn) if view is None else with_width_view(inner_roles(roles, fqn), view)
+        inner = with_rewrites(inner, rewrites[fqn]) if fqn in rewrites else inner
         with collapsed(model, groups):
             module = model.get_submodule(fqn)
             traces: dict = {}  # the block's global trace, exported once for the three steps

@@ -34,7 +34,7 @@ from autotp.synth.localize import Localization
 from autotp.synth.partial_inputs import shared_inputs
 from autotp.synth.pipeline import (constraint_fixpoint, divisibility, kv_replication, owned_outputs, sequence_parallel,
                                    shard_counts)
-from autotp.synth.stages import Analysis, drop_checks, post_passes
+from autotp.synth.stages import Analysis, drop_checks, idiom_kinds, post_passes
 from autotp.synth.roles import ROLE_KINDS, Kind, Role
 from autotp.synth.sequence import gathers_before_masks, sequence_parallel_roles
 from autotp.synth.shared import shared_input_roles
@@ -187,9 +187,23 @@ def test_role_kinds_are_checked_when_a_role_is_made():
     role = Role("column", "fine")
     assert role.kind is Kind.COLUMN and role.kind == "column"
     assert set(Kind) == set(ROLE_KINDS)
+    # A kind an idiom registers in its own module is known too, and stays a plain str.
+    assert Role("multihead_attention", "registered by torch_attention").kind == "multihead_attention"
+    with pytest.raises(ValueError, match="multihead_attention"):  # the message lists the registered kinds
+        Role("colum", "a typo")
 
 
-@pytest.mark.parametrize("kind", sorted(ROLE_KINDS))
+def test_idioms_register_their_own_role_kinds():
+    """A kind only one idiom assigns lives in that idiom's module, with its meaning and its style."""
+    kinds = idiom_kinds()
+    assert not set(kinds) & set(ROLE_KINDS)
+    owners = {kind: builder.__module__ for kind, (_, builder) in kinds.items()}
+    assert owners["multihead_attention"] == "autotp.synth.torch_attention"
+    assert owners["dtensor_region"] == owners["region_member"] == "autotp.synth.regions"
+    assert all(meaning for meaning, _ in kinds.values())
+
+
+@pytest.mark.parametrize("kind", sorted([*ROLE_KINDS, *idiom_kinds()]))
 def test_every_role_kind_builds_a_style_or_none(kind):
     """Every kind maps to a style (or to none: kept whole) without raising."""
     role = Role(kind, "test", sizes=(8, 8), names=("n_head",), kv_heads=1, head_dim=4, heads=2)

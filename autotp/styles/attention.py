@@ -81,6 +81,13 @@ class ShardCounts(ParallelStyle):
         self.names = tuple(names)
         self.base = base
 
+    @property
+    def wrapped(self) -> ParallelStyle:
+        """The base style, for code that reads what a chain of styles declares (absent: none)."""
+        if self.base is None:
+            raise AttributeError("wrapped")
+        return self.base
+
     def sharded_param_dims(self, module: nn.Module) -> dict[str, int]:
         return sharded_param_dims(module, self.base) if self.base is not None else {}
 

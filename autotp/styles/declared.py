@@ -47,6 +47,8 @@ class Shards:
         experts_packed: per-expert parameter -> number of equal parts fused along its sharded dim.
         counts: attributes divided by tp on each rank.
         width_view: ``(inputs, readers)``: arguments seen at per-rank width, and who reads them.
+        rewrites: styles that rewrite the module's code for per-rank shapes; the shape proof runs
+            each one's ``localize(module, tp)`` on its per-rank copy.
         slices_entries: whole arguments are sliced to the module's heads at entry.
         statistics: width statistics (a mean, a std) are reduced over the ranks.
         width_norm: a norm over the sharded width, reduced over the ranks.
@@ -69,6 +71,7 @@ class Shards:
     experts_packed: dict | None = None
     counts: tuple[str, ...] | None = None
     width_view: tuple | None = None
+    rewrites: tuple | None = None
     slices_entries: bool = False
     statistics: bool = False
     width_norm: bool = False

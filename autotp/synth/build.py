@@ -18,8 +18,8 @@ from autotp import styles
 from autotp.plan import describe_style
 from autotp.styles.linear import gathered_param_sizes, gathered_sizes
 from autotp.styles.raw_linear import LinearParams
-from autotp.synth.head_mixers import mixer_style
 from autotp.synth.roles import Role
+from autotp.synth.stages import idiom_kinds
 from autotp.synth.copies import row_copies
 from autotp.synth.trace import LayerGroups
 
@@ -38,6 +38,10 @@ def style_for(role: Role, *, loss_parallel: bool = True) -> ParallelStyle | None
     style = _style_for(role, loss_parallel=loss_parallel)
     if role.kv_counts and role.kind != "kv_head_counts":  # tp > kv heads, on a module with a style of its own
         style = _kv_head_counts(role, loss_parallel, base=style)
+    if role.rewrites and role.kind == "shard_counts" and not role.names:
+        style = None  # nothing divided: the rewrite stands alone
+    for rewrite in role.rewrites:  # its code rewritten for per-rank shapes (stages.shape_fix)
+        style = rewrite.around(style)
     edges = {}
     if style is not None and role.owned_output:  # the caller writes the output in place: a copy
         edges["copy_output"] = True
@@ -63,7 +67,8 @@ def _style_for(role: Role, *, loss_parallel: bool = True) -> ParallelStyle | Non
     """The ParallelStyle that realises ``role`` (``None``: leave the module replicated)."""
     if role.weight_in_out and role.kind in ("column", "packed_column", "row", "head"):
         return _in_out_style(role, loss_parallel)
-    return _STYLES[role.kind](role, loss_parallel)
+    builder = _STYLES.get(role.kind) or idiom_kinds()[role.kind][1]  # a kind one idiom registered
+    return builder(role, loss_parallel)
 
 
 def _row(role: Role, loss_parallel: bool) -> ParallelStyle:
@@ -143,7 +148,8 @@ def _experts(role: Role, loss_parallel: bool) -> ParallelStyle:
                    **({"partial_output": True} if role.seq_output else {}))
 
 
-# Role kind -> style, one entry per kind of ``ROLE_KINDS`` (``None``: the module stays replicated).
+# Role kind -> style, one entry per kind of ``ROLE_KINDS`` (``None``: the module stays replicated); a
+# kind one idiom registered (``stages.role_kind``) carries its style builder with it.
 # Column Linears shard weight rows (Shard(0), as Linear is x @ W^T + b).
 _STYLES: dict[str, Callable[[Role, bool], ParallelStyle | None]] = {
     "column": lambda role, lp: ColwiseParallel(**_seq_in(role), use_local_output=not role.dtensor_output),
@@ -184,15 +190,8 @@ _STYLES: dict[str, Callable[[Role, bool], ParallelStyle | None]] = {
     "linear_params": lambda role, lp: LinearParams(
         shard_dims=dict(role.param_dims), columns=role.columns, rows=role.rows, reduce=role.grad_reduced,
         counts=role.names, packed=dict(role.param_packed), seq_output=role.seq_output),
-    "partial_sum_block": lambda role, lp: styles.PartialSumBlock(columns=role.names, sequence_parallel=role.seq_output),
     "partial_grad_module": lambda role, lp: styles.ReplicatedWithGradAllReduce(),
     "reduced_inputs": lambda role, lp: styles.ReducedInputGrads(partial_params=role.partial_params),
-    "multihead_attention": lambda role, lp: styles.MultiheadAttentionParallel(sequence_parallel=role.seq_output),
-    "head_mixer": lambda role, lp: mixer_style(role),
-    "entry_shard": lambda role, lp: None,  # the ShardedInputs wrapper alone (see style_for)
-    "width_stats": lambda role, lp: None,  # the ShardedStatistics wrapper alone (see style_for)
-    "dtensor_region": lambda role, lp: None,  # the DTensorRegion wrapper alone (see style_for)
-    "region_member": lambda role, lp: None,  # placed by the DTensorRegion around it
     "replicate": lambda role, lp: _replicated_at_sequence_edge(role),
 }
 

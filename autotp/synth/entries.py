@@ -27,7 +27,15 @@ from autotp.synth.graph import Ref, made_from_params
 from autotp.synth.ops import SINKS
 from autotp.synth.params import SINGLE_INPUT, source_dim, value_refs
 from autotp.synth.roles import Role
-from autotp.synth.stages import Analysis, drop_check, post_pass
+from autotp.synth.stages import Analysis, drop_check, post_pass, role_kind
+
+
+# The role kind this idiom assigns (stages.role_kind): what it means and its style.
+ENTRY_SHARD = role_kind(
+    "entry_shard",
+    "module that takes a value made outside it (a per-head bias built at the root) sliced to its heads "
+    "on entry",
+    lambda role, lp: None)  # the ShardedInputs wrapper alone (build.style_for)
 
 
 def entry_source(g: nx.DiGraph, name: str, dim: int, deciding: str, *,

@@ -30,6 +30,14 @@ from torch.distributed.tensor.parallel import PrepareModuleInputOutput
 from autotp.synth.graph import Ref, refs
 from autotp.synth.ops import SINKS
 from autotp.synth.roles import Role
+from autotp.synth.stages import role_kind
+
+
+# The role kind this idiom assigns (stages.role_kind): what it means and its style.
+HEAD_MIXER = role_kind(
+    "head_mixer",
+    "module mixing the sharded heads: input all-gathered, run whole, output sliced to this rank's heads",
+    lambda role, lp: mixer_style(role))
 
 
 def mixer_module(g: nx.DiGraph, name: str, src: str) -> str | None:

@@ -97,7 +97,7 @@ def inner_roles(roles: dict[str, Role], fqn: str) -> dict[str, Role]:
     prefix = fqn + "." if fqn else ""
     found = {m[len(prefix):]: r for m, r in roles.items() if m.startswith(prefix) and r.kind != "replicate"}
     if fqn in roles and (roles[fqn].kind in ("head_params", "linear_params") or roles[fqn].entry_inputs
-                         or roles[fqn].width_view):
+                         or roles[fqn].width_view or roles[fqn].rewrites):
         found[""] = roles[fqn]  # its per-head parameters (or raw Linear weights, or sliced inputs) are per-rank too
     return found
 
@@ -315,6 +315,8 @@ def _local_copy(module: nn.Module, roles: dict[str, Role], names: tuple[str, ...
             _slice_entries(local.get_submodule(name), role.entry_inputs, tp)
         if role.width_view:  # at tp=1 too (LocalWidthInputs: the stand-in's ops in both traces)
             width_view(local.get_submodule(name), *role.width_view, tp)
+        for rewrite in role.rewrites:  # at tp=1 too (a rewrite at tp=1 changes no size)
+            rewrite.localize(local.get_submodule(name), tp)
     if tp > 1:
         _divide(local, names, tp)
     return local if inputs is None else (local, inputs)
@@ -537,18 +539,13 @@ def shapes_are_local(g: nx.DiGraph, local: nx.DiGraph, roles: dict[str, Role], t
     the Linears that ``roles`` shards; every other dim must keep its global size (parameters are
     per-rank by construction and not compared).
     """
-    active = {n for n in g.nodes if is_linear(g, n) and (kind_of(roles, module_of(g, n)) in _STARTS
-                                                          or _raw_column(g, n, roles) or _scatter(g, n, roles)
-                                                          or _expert_column(g, n, roles))}
-    copied = {n: frozenset(roles[module_of(g, n)].copied) for n in active if roles.get(module_of(g, n)) is not None
-              and roles[module_of(g, n)].copied}
-    packed = {n for n in active if kind_of(roles, module_of(g, n)) == "packed_column"}
-    scattered = frozenset(n for n in active if _scatter(g, n, roles))
-    flow = propagate_packed(g, active, packed, module_alone=True, copied=copied, head_scatters=scattered)
-    order = lambda graph: sorted(graph.nodes, key=lambda n: graph.nodes[n]["order"])  # noqa: E731
+    flow, expected = per_rank_shapes(g, roles, tp)
+    if flow is None:
+        return False
     # Copies may vanish at per-rank shapes (``contiguous`` of a tensor with one head is a no-op);
     # a loop over the heads runs only the rank's own heads' iterations (head_loops.py).
     skipped = later_iterations(flow, tp)
+    order = lambda graph: sorted(graph.nodes, key=lambda n: graph.nodes[n]["order"])  # noqa: E731
     nodes = [n for n in order(g) if g.nodes[n]["op"] not in PASSTHROUGH and n not in skipped]
     local_nodes = [n for n in order(local) if local.nodes[n]["op"] not in PASSTHROUGH]
     if [g.nodes[n]["op"] for n in nodes] != [local.nodes[n]["op"] for n in local_nodes]:
@@ -558,6 +555,31 @@ def shapes_are_local(g: nx.DiGraph, local: nx.DiGraph, roles: dict[str, Role], t
     # attribute) would change the math with every shape right.
     if any(_numbers(g.nodes[n]) != _numbers(local.nodes[m]) for n, m in zip(nodes, local_nodes)):
         return False
+    spread: set[str] = set()  # replicated tensors repeated to the per-rank heads
+    for name, local_name in zip(nodes, local_nodes):
+        shape, local_shape = expected.get(name, g.nodes[name]["shape"]), local.nodes[local_name]["shape"]
+        state = flow.state.get(name)
+        if shape != local_shape and not isinstance(state, tuple) and g.nodes[name]["kind"] == "call":
+            if not (_broadcast_to_heads(g, name, shape, local_shape, tp)
+                    or _spread_view(g, name, shape, local_shape, tp, spread)):
+                return False
+            spread.add(name)
+    return True
+
+
+def per_rank_shapes(g: nx.DiGraph, roles: dict[str, Role], tp: int):
+    """``(flow, {node: shape})``: the propagation on the module's global trace ``g`` from the
+    Linears ``roles`` shards, and each node's shape at per-rank widths (its sharded dim divided by
+    ``tp``; nodes with no sharded dim are not listed). ``(None, {})`` where a per-head input's
+    slicing path cannot be read."""
+    active = {n for n in g.nodes if is_linear(g, n) and (kind_of(roles, module_of(g, n)) in _STARTS
+                                                          or _raw_column(g, n, roles) or _scatter(g, n, roles)
+                                                          or _expert_column(g, n, roles))}
+    copied = {n: frozenset(roles[module_of(g, n)].copied) for n in active if roles.get(module_of(g, n)) is not None
+              and roles[module_of(g, n)].copied}
+    packed = {n for n in active if kind_of(roles, module_of(g, n)) == "packed_column"}
+    scattered = frozenset(n for n in active if _scatter(g, n, roles))
+    flow = propagate_packed(g, active, packed, module_alone=True, copied=copied, head_scatters=scattered)
     # Per-head parameters, viewed to meet the heads, and constant tensors sized to meet them.
     factories = {node: dim for node, (dim, _) in flow.factory_shards.items()}
     entries, cuts = {}, {}  # inputs sliced at entry; the ops that slice merged heads
@@ -565,7 +587,7 @@ def shapes_are_local(g: nx.DiGraph, local: nx.DiGraph, roles: dict[str, Role], t
         if isinstance(dim, tuple):  # unflatten -> narrow -> flatten (_slice_entries) of the heads
             path = _slicing_ops(g, node)
             if path is None:
-                return False
+                return None, {}
             cuts.update({path[1]: dim[0] + 1, path[2]: dim[0]})
             entries[path[2]] = dim[0]
         else:
@@ -573,20 +595,14 @@ def shapes_are_local(g: nx.DiGraph, local: nx.DiGraph, roles: dict[str, Role], t
     experts = _expert_params(g, roles)
     params = {**experts, **factories, **cuts, **chain_dims(g, {**flow.param_shards, **factories, **entries, **experts}),
               **flow.tree_dims}
-    spread: set[str] = set()  # replicated tensors repeated to the per-rank heads
-    for name, local_name in zip(nodes, local_nodes):
-        shape, local_shape = g.nodes[name]["shape"], local.nodes[local_name]["shape"]
-        state = flow.state.get(name)
+    expected = {}
+    for name in g.nodes:
+        shape, state = g.nodes[name]["shape"], flow.state.get(name)
         dim = state.dim if isinstance(state, Shard) else params.get(name)
         if dim is not None and shape is not None:
             width = _held_width(g, flow, roles, state, tp)
-            shape = tuple((s // tp if width is None else width) if d == dim else s for d, s in enumerate(shape))
-        if shape != local_shape and not isinstance(state, tuple) and g.nodes[name]["kind"] == "call":
-            if not (_broadcast_to_heads(g, name, shape, local_shape, tp) or _spread_view(g, name, shape, local_shape,
-                                                                                          tp, spread)):
-                return False
-            spread.add(name)
-    return True
+            expected[name] = tuple((s // tp if width is None else width) if d == dim else s for d, s in enumerate(shape))
+    return flow, expected
 
 
 def _held_width(g: nx.DiGraph, flow, roles: dict[str, Role], state, tp: int) -> int | None:

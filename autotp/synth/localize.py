@@ -66,6 +66,8 @@ class Localization:
     entries: dict[str, tuple] = field(default_factory=dict)
     # module -> ((argument, ...), (column Linear, ...)): arguments its code reads at per-rank width
     widths: dict[str, tuple] = field(default_factory=dict)
+    # module -> rewrites of its code a shape fix found (stages.shape_fix)
+    rewrites: dict[str, tuple] = field(default_factory=dict)
 
 
 # Roles of Linears that may read an argument the module's code sees at per-rank width: they take
@@ -118,6 +120,13 @@ def with_width_view(roles: dict[str, Role], view: tuple) -> dict[str, Role]:
     own = roles.get("")
     own = Role("shard_counts", "its code reads widths from its inputs") if own is None else own
     return {**roles, "": replace(own, width_view=view)}
+
+
+def with_rewrites(roles: dict[str, Role], rewrites: tuple) -> dict[str, Role]:
+    """Inner ``roles`` (relative names) with the module itself (``""``) running ``rewrites``."""
+    own = roles.get("")
+    own = Role("shard_counts", "its code is rewritten for per-rank shapes") if own is None else own
+    return {**roles, "": replace(own, rewrites=tuple(rewrites))}
 
 
 def fixed_size_roots(g: nx.DiGraph, flow: Flow) -> dict[str, list[str]]:

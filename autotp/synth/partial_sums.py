@@ -28,6 +28,7 @@ from dataclasses import replace
 
 import networkx as nx
 
+from autotp import styles
 from autotp.synth.flow import Flow
 
 from autotp.synth.queries import is_linear, module_of
@@ -36,7 +37,15 @@ from autotp.synth.graph import Ref
 from autotp.synth.roles import Role, kind_of
 from autotp.synth.sequence import module_outputs
 from autotp.synth.shared import shared_columns
-from autotp.synth.stages import Analysis, post_pass
+from autotp.synth.stages import Analysis, post_pass, role_kind
+
+
+# The role kind this idiom assigns (stages.role_kind): what it means and its style.
+PARTIAL_SUM_BLOCK = role_kind(
+    "partial_sum_block",
+    "module adding up row Linears' partial sums (a loop over nn.Linear experts): reduced once at its "
+    "output, its input gradient once at entry",
+    lambda role, lp: styles.PartialSumBlock(columns=role.names, sequence_parallel=role.seq_output))
 
 log = logging.getLogger(__name__)
 

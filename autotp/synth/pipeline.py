@@ -118,7 +118,7 @@ def constraint_fixpoint(g: nx.DiGraph, groups: LayerGroups, model: nn.Module, ex
             continue
         log.debug("constraints converged after %d rounds", round_)
         return Analysis(g, flow, roles, groups, model, example_inputs, tp_size, counts=dict(local.counts),
-                        entries=dict(local.entries), widths=dict(local.widths))
+                        entries=dict(local.entries), widths=dict(local.widths), rewrites=dict(local.rewrites))
     raise AssertionError("unreachable")  # itertools.count never ends
 
 
@@ -218,6 +218,11 @@ def shard_counts(a: Analysis) -> Analysis:
         current = roles.get(module) or Role("shard_counts", note, (module,))
         roles[module] = replace(current, width_view=view, reason=current.reason if current.reason == note
                                 else f"{current.reason}; {note}")
+    for module, rewrites in a.rewrites.items():
+        note = f"its code is rewritten to cut and shape its shard per rank ({'; '.join(map(repr, rewrites))})"
+        current = roles.get(module) or Role("shard_counts", note, (module,))
+        roles[module] = replace(current, rewrites=rewrites, reason=current.reason if current.reason == note
+                                else f"{current.reason}; {note}")
     return replace(a, roles=roles)
 
 
@@ -289,12 +294,14 @@ def sequence_parallel(a: Analysis) -> Analysis:
         # A block gathered whole at entry keeps its counts divided (one style does both); any
         # other role would drop them, and the module would cut its shards with global sizes.
         if after.kind != "seq_gather" or after.names:
-            reason = (f"{module} divides {', '.join(before.names)} by tp, and its sequence-parallel role "
-                      f"({after.kind}) cannot do that too")
+            reason = (f"{module} divides {', '.join(before.names) or 'the sizes in its code'} by tp, and its "
+                      f"sequence-parallel role ({after.kind}) cannot do that too")
             log.warning("sequence parallel: %s; planned without it", reason)
             return replace(a, sequence_parallel=False)
-        roles[module] = replace(after, names=before.names,
-                                reason=f"{after.reason}; its attributes {', '.join(before.names)} divided by tp")
+        why = [f"its attributes {', '.join(before.names)} divided by tp"] if before.names else []
+        why += ["its code rewritten for per-rank shapes"] if before.rewrites else []
+        roles[module] = replace(after, names=before.names, rewrites=before.rewrites,
+                                reason="; ".join([after.reason, *why]))
     return replace(a, roles=roles)
 
 

@@ -50,7 +50,19 @@ from autotp.synth.graph import Ref, refs
 from autotp.synth.ops import ATTENTION, SINKS
 from autotp.synth.roles import Role
 from autotp.synth.sequence import module_outputs
-from autotp.synth.stages import Analysis, post_pass
+from autotp.synth.stages import Analysis, post_pass, role_kind
+
+
+# The role kinds this idiom assigns (stages.role_kind): what each means and its style.
+DTENSOR_REGION = role_kind(
+    "dtensor_region",
+    "module whose code cannot run on per-rank tensors, run on DTensors with some of its Linears sharded: "
+    "DTensor all-reduces the partial sums its ops need",
+    lambda role, lp: None)  # the DTensorRegion wrapper alone (build.style_for)
+REGION_MEMBER = role_kind(
+    "region_member",
+    "Linear sharded by the DTensor region around it (no style of its own)",
+    lambda role, lp: None)  # placed by the DTensorRegion around it
 
 log = logging.getLogger(__name__)
 

@@ -5,7 +5,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from enum import StrEnum
 
-# Role kinds and what each means; ``build.style_for`` turns them into ParallelStyles.
+from autotp.synth.stages import idiom_kinds
+
+# The role kinds every idiom shares, and what each means; ``build.style_for`` turns them into
+# ParallelStyles. A kind only one idiom assigns is registered in that idiom's module
+# (:func:`~autotp.synth.stages.role_kind`, read through :func:`idiom_kinds`).
 ROLE_KINDS = {
     "column": "Linear whose output features are sharded; consumers keep the shard until a row",
     "packed_column": "column Linear whose output is split into parts (fused qkv / gate_up)",
@@ -16,8 +20,6 @@ ROLE_KINDS = {
     "vocab_embedding": "Embedding looked up by input ids, sharded over the vocabulary",
     "head_norm": "norm on a head-sharded tensor, reducing over unsharded dims only",
     "width_norm": "norm reducing over a sharded width; its statistic is all-reduced",
-    "width_stats": "block whose own code reduces its sharded width to per-token statistics (mean, std): "
-                   "run on DTensors, each statistic all-reduced",
     "seq_norm": "sequence-parallel norm on the residual stream (output stays sequence-sharded)",
     "seq_norm_gather": "sequence-parallel norm whose output is all-gathered once for column Linears",
     "experts": "grouped experts (3-D parameters) sharded on the FFN dim; output all-reduced after the module",
@@ -29,7 +31,6 @@ ROLE_KINDS = {
     "shard_counts": "module whose integer attributes size the cuts of a fused output; divided by tp",
     "seq_params": "module holding sharded children whose own parameters act on the sequence-sharded stream",
     "head_params": "module whose own parameters meet a sharded activation: sharded with it, or gradient all-reduced",
-    "head_mixer": "module mixing the sharded heads: input all-gathered, run whole, output sliced to this rank's heads",
     "linear_params": "module whose code uses its raw parameters as column / row Linear weights: sharded like them",
     "shared_input": "module whose output only column Linears read: a Replicate() DTensor, gradient reduced once "
                     "(with partial_grad: a plain output whose partial gradient is all-reduced once)",
@@ -46,20 +47,11 @@ ROLE_KINDS = {
                         "by all heads): that span's gradient is all-reduced",
     "gathered_column": "Linear the traced forward never calls (an image patch projection in a text run): "
                        "column-sharded with its output all-gathered, right for any input the ranks share",
-    "entry_shard": "module that takes a value made outside it (a per-head bias built at the root) sliced to its "
-                   "heads on entry",
-    "partial_sum_block": "module adding up row Linears' partial sums (a loop over nn.Linear experts): reduced "
-                         "once at its output, its input gradient once at entry",
     "partial_grad_module": "module kept whole whose backward runs on partial gradients (inside a partial-sum "
                            "block, or between a norm and column Linears): its parameters' gradients are partial "
                            "sums, left Partial()",
     "reduced_inputs": "module kept whole whose inputs feed column Linears through replicated computation only: "
                       "their partial gradients all-reduced at entry, an input shared by every layer once per step",
-    "multihead_attention": "torch's nn.MultiheadAttention sharded by heads: packed q/k/v projection column-parallel "
-                           "part by part, out_proj row-parallel, a per-rank forward",
-    "dtensor_region": "module whose code cannot run on per-rank tensors, run on DTensors with some of its Linears "
-                      "sharded: DTensor all-reduces the partial sums its ops need",
-    "region_member": "Linear sharded by the DTensor region around it (no style of its own)",
     "replicate": "kept whole on every rank",
 }
 
@@ -162,6 +154,10 @@ class Role:
         width_view: of any role, ``((argument position or keyword, ...), (reader, ...))``: the module's
             code reads its widths from those arguments' sizes (``C = x.size(-1)``), so it sees them at
             the per-rank width, and the column Linears ``reader`` (relative names) read the real ones.
+        rewrites: of any role, rewrites of the module's code that make it cut and shape its shard
+            per rank (found by a :func:`~autotp.synth.stages.shape_fix`): each a style with
+            ``localize(module, tp)``, replayed on the per-rank copies of the proofs, wrapped around
+            the module's own style in the plan.
         shared_columns: of a ``shard_counts``, column Linears inside it (relative names) that read one
             tensor and share one ``Replicate()`` DTensor of it, as a ``shared_entry``'s ``names`` do.
         statistics: of any role, the module's own code reduces its sharded width to per-token
@@ -215,6 +211,7 @@ class Role:
     entry_inputs: tuple = ()
     kv_counts: tuple = ()
     width_view: tuple = ()
+    rewrites: tuple = ()
     shared_columns: tuple[str, ...] = ()
     copied: tuple[tuple[int, int], ...] = ()
     scatter_heads: bool = False
@@ -223,9 +220,10 @@ class Role:
     region_partial: tuple[str, ...] = ()
 
     def __post_init__(self):
-        if self.kind not in ROLE_KINDS:
-            raise ValueError(f"unknown role kind {self.kind!r}; one of {', '.join(ROLE_KINDS)}")
-        object.__setattr__(self, "kind", Kind(self.kind))
+        if self.kind in ROLE_KINDS:
+            object.__setattr__(self, "kind", Kind(self.kind))
+        elif self.kind not in idiom_kinds():  # an idiom's own kind stays a plain str
+            raise ValueError(f"unknown role kind {self.kind!r}; one of {', '.join([*ROLE_KINDS, *idiom_kinds()])}")
 
 
 def kind_of(roles: dict[str, Role], module: str, default: Kind | None = None) -> Kind | None:

@@ -32,9 +32,10 @@ from autotp.synth.ops import FIXED_SIZE_CUTS
 from autotp.synth.local_run import (argument_roles, capture_inputs, inner_roles, outputs_match, run_local,
                                     shapes_are_local, trace_local)
 from autotp.synth.localize import MAX_NAMES, Localization, candidate_names, cutting_module, find_names, fixed_size_roots
-from autotp.synth.localize import part_numbers, resolve_entries, width_view_of, with_width_view
+from autotp.synth.localize import part_numbers, resolve_entries, width_view_of, with_rewrites, with_width_view
 from autotp.synth.ops import NEW_LIKE, VIEW_LIKE
 from autotp.synth.roles import Role, kind_of
+from autotp.synth.stages import ShapeProblem, shape_fixes
 from autotp.synth.trace import LayerGroups, collapsed
 
 log = logging.getLogger(__name__)
@@ -114,7 +115,7 @@ def localize_shapes(model: nn.Module, example_inputs, g: nx.DiGraph, flow: Flow,
     """
     # Modules localized by their fused cuts are proven there; roots kept whole there keep that reason.
     by_module = {m: [x for x in r if x not in result.unlocal] for m, r in shaped_roots(g, flow, roles).items()
-                 if m and m not in result.counts}
+                 if m and m not in result.counts and m not in result.rewrites}
     by_module = {m: r for m, r in by_module.items() if r}
     if not by_module:
         return
@@ -167,6 +168,11 @@ def localize_shapes(model: nn.Module, example_inputs, g: nx.DiGraph, flow: Flow,
                 names = head_names(module, inputs, widened, candidates, tp, verdict, known, {})
                 if names is not None:
                     result.widths[fqn] = view
+            if names is None and fqn not in captured.stateful:  # the last resort: a rewrite of its code
+                rewrites = first_fix(fqn, module, inputs, inner, tp, traces, lambda fixed: _fits(
+                    module, inputs, {**fixed, **argument_roles(inputs)}, known, tp, verdict, traces))
+                if rewrites:
+                    result.rewrites[fqn], names = rewrites, ()
         if names:
             result.counts[fqn] = names
         elif names is None and fqn in captured.stateful:
@@ -174,7 +180,7 @@ def localize_shapes(model: nn.Module, example_inputs, g: nx.DiGraph, flow: Flow,
             # earlier layer), seen here at their global sizes: not judged alone, as before the
             # state was captured; the verifier judges the numbers.
             log.debug("shape proof of %s: handed a filled state object and not proven; not judged", fqn)
-        elif names is None or fqn not in result.widths:
+        elif names is None or (fqn not in result.widths and fqn not in result.rewrites):
             tried = ", ".join(candidates) or "none found"
             for root in roots:
                 result.unlocal[root] = (
@@ -182,6 +188,20 @@ def localize_shapes(model: nn.Module, example_inputs, g: nx.DiGraph, flow: Flow,
                     f"integer attributes (tried: {tried}) divided by tp make its per-rank shapes the global "
                     "ones with the heads divided; kept whole")
         log.info("localize heads %s: %s", fqn, names)
+
+
+def first_fix(fqn: str, module: nn.Module, inputs, roles: dict[str, Role], tp: int, traces: dict,
+              proves) -> tuple:
+    """The rewrite of the first registered shape fix (:func:`~autotp.synth.stages.shape_fix`) that
+    ``proves(roles)`` with the rewrite on the module itself, as a 1-tuple; () if none does."""
+    problem = ShapeProblem(fqn, module, inputs, roles, tp, proves,
+                           traced=lambda: _global_trace(module, inputs, roles, traces))
+    for fix in shape_fixes():
+        rewrite = fix(problem)
+        if rewrite is not None and proves(with_rewrites(roles, (rewrite,))):
+            log.info("shape fix %s for %s: %s", fix.__name__, fqn or "the root", rewrite)
+            return (rewrite,)
+    return ()
 
 
 def _unjudged(module: nn.Module, fqn: str, roots: list[str], values: set[int], result: Localization, *,
@@ -278,19 +298,26 @@ def head_names(module: nn.Module, inputs, roles: dict[str, Role], candidates: li
     """The smallest set of ``candidates`` with which ``module`` runs at per-rank widths, keeps its
     main output's global shape, and has every intermediate shape the per-rank one; or None."""
     roles = {**roles, **argument_roles(inputs)}
-    traced = None
+    traces = {} if traces is None else traces
     # With no names the module was judged already; with an input seen at per-rank width, not yet.
     first = 0 if "" in roles and roles[""].width_view else 1
     for count in range(first, min(MAX_NAMES, len(candidates)) + 1):
         for names in itertools.combinations(candidates, count):
-            result = run_local(module, inputs, roles, [], known + names, tp)
-            if result is None or not outputs_match(_main(result[0]), main, tp):
-                continue
-            traced = traced or _global_trace(module, inputs, roles, {} if traces is None else traces)
-            local = trace_local(module, inputs, roles, known + names, tp)
-            if traced is not None and local is not None and shapes_are_local(traced, local, roles, tp):
+            if _fits(module, inputs, roles, known + names, tp, main, traces):
                 return names
     return None
+
+
+def _fits(module: nn.Module, inputs, roles: dict[str, Role], names: tuple[str, ...], tp: int, main: tuple,
+          traces: dict) -> bool:
+    """Whether ``module`` with ``names`` divided by tp runs at per-rank widths, keeps its main
+    output's global shape ``main``, and has every intermediate shape the per-rank one."""
+    result = run_local(module, inputs, roles, [], names, tp)
+    if result is None or not outputs_match(_main(result[0]), main, tp):
+        return False
+    traced = _global_trace(module, inputs, roles, traces)
+    local = trace_local(module, inputs, roles, names, tp)
+    return traced is not None and local is not None and shapes_are_local(traced, local, roles, tp)
 
 
 def localize(model: nn.Module, example_inputs, g: nx.DiGraph, flow: Flow, roles: dict[str, Role],
@@ -332,6 +359,12 @@ def localize(model: nn.Module, example_inputs, g: nx.DiGraph, flow: Flow, roles:
                     names = find_names(module, captured[fqn], with_width_view(inner, view), fused, candidates, tp)
                     if names is not None:
                         result.widths[fqn] = view
+                if names is None:  # the last resort: a rewrite of its code that cuts per rank
+                    inputs = captured[fqn]
+                    rewrites = first_fix(fqn, module, inputs, inner, tp, {},
+                                         lambda fixed: find_names(module, inputs, fixed, fused, [], tp) == ())
+                    if rewrites:
+                        result.rewrites[fqn], names = rewrites, ()
         if names is None:
             tried = ", ".join(candidates) or "none found"
             for root in roots:

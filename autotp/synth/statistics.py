@@ -29,7 +29,15 @@ from autotp.errors import PlanError
 from autotp.synth.graph import Ref, refs
 from autotp.synth.ops import ELEMENTWISE, PASSTHROUGH, SINKS, STATISTICS, VIEW_LIKE
 from autotp.synth.roles import Role
-from autotp.synth.stages import Analysis, post_pass
+from autotp.synth.stages import Analysis, post_pass, role_kind
+
+
+# The role kind this idiom assigns (stages.role_kind): what it means and its style.
+WIDTH_STATS = role_kind(
+    "width_stats",
+    "block whose own code reduces its sharded width to per-token statistics (mean, std): run on "
+    "DTensors, each statistic all-reduced",
+    lambda role, lp: None)  # the ShardedStatistics wrapper alone (build.style_for)
 
 # Ops a statistic may pass through on its way to the shard: pointwise, and the reshapes that
 # broadcast a (b, t) value back against (b, t, width).

@@ -16,11 +16,20 @@ import networkx as nx
 from torch import nn
 
 from autotp.errors import working_tp_sizes
+from autotp import styles
 from autotp.synth.flow import Flow
 from autotp.synth.shard import Shard
 from autotp.synth.roles import Role
 from autotp.synth.sequence import module_inputs
-from autotp.synth.stages import Analysis, post_pass
+from autotp.synth.stages import Analysis, post_pass, role_kind
+
+
+# The role kind this idiom assigns (stages.role_kind): what it means and its style.
+MULTIHEAD_ATTENTION = role_kind(
+    "multihead_attention",
+    "torch's nn.MultiheadAttention sharded by heads: packed q/k/v projection column-parallel part by "
+    "part, out_proj row-parallel, a per-rank forward",
+    lambda role, lp: styles.MultiheadAttentionParallel(sequence_parallel=role.seq_output))
 
 
 def multihead_attention_roles(g: nx.DiGraph, flow: Flow, roles: dict[str, Role], model: nn.Module,
