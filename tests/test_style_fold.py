@@ -98,3 +98,24 @@ def test_the_plan_table_shows_only_the_options_a_style_sets():
                       "row": styles.Rowwise(output_layouts=Partial(), use_local_output=False)})
     options = {row[0]: row[5] for row in rows}
     assert options == {"norm": "outputs=replicate", "fused": "sizes=8,4,4", "row": ""}, options
+
+
+def test_a_forward_that_raises_leaves_its_mode():
+    """``mode_during_forward`` leaves the mode it entered when the forward raises: a mode left on
+    the stack pops the wrong mode when an enclosing ``torch.device("meta")`` exits, so every tensor
+    made afterwards (a whole model) would land on meta."""
+    import torch
+    from torch import nn
+    from torch.overrides import TorchFunctionMode
+
+    from autotp.styles.base import mode_during_forward
+
+    class Raises(nn.Module):
+        def forward(self, x):
+            raise ValueError("a per-rank run that fails on a shape")
+
+    module = Raises()
+    mode_during_forward(module, TorchFunctionMode)
+    with torch.device("meta"), pytest.raises(ValueError):
+        module(torch.ones(1))
+    assert torch.ones(1).device.type == "cpu"

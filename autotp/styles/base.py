@@ -68,9 +68,11 @@ class WrapperStyle(ParallelStyle):
 
 
 def mode_during_forward(module: nn.Module, make_mode) -> None:
-    """Enter a fresh ``make_mode()`` (a ``TorchFunctionMode``) for each forward of ``module``,
-    inside the hooks registered before (a style's input hook runs first, so the mode sees the
-    DTensors it made) and left before the hooks that handle the output."""
+    """Enter a fresh ``make_mode()`` (a ``TorchFunctionMode`` or ``TorchDispatchMode``) for each
+    forward of ``module``, inside the hooks registered before (a style's input hook runs first, so
+    the mode sees the DTensors it made) and left before the hooks that handle the output, also when
+    the forward raises (a mode left on the stack would outlive the module, and pop the wrong mode
+    off the stack when an enclosing one, such as ``torch.device("meta")``, exits)."""
     modes = []
 
     def enter(mod, args):
@@ -81,7 +83,7 @@ def mode_during_forward(module: nn.Module, make_mode) -> None:
         modes.pop().__exit__(None, None, None)
 
     module.register_forward_pre_hook(enter)
-    module.register_forward_hook(leave, prepend=True)
+    module.register_forward_hook(leave, prepend=True, always_call=True)
 
 
 class LocalParamsStyle(ParallelStyle):
