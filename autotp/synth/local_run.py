@@ -570,7 +570,7 @@ def shapes_are_local(g: nx.DiGraph, local: nx.DiGraph, roles: dict[str, Role], t
 def per_rank_shapes(g: nx.DiGraph, roles: dict[str, Role], tp: int):
     """``(flow, {node: shape})``: the propagation on the module's global trace ``g`` from the
     Linears ``roles`` shards, and each node's shape at per-rank widths (its sharded dim divided by
-    ``tp``; nodes with no sharded dim are not listed). ``(None, {})`` where a per-head input's
+    ``tp``, sharded parameters included; nodes with no sharded dim are not listed). ``(None, {})`` where a per-head input's
     slicing path cannot be read."""
     active = {n for n in g.nodes if is_linear(g, n) and (kind_of(roles, module_of(g, n)) in _STARTS
                                                           or _raw_column(g, n, roles) or _scatter(g, n, roles)
@@ -593,8 +593,8 @@ def per_rank_shapes(g: nx.DiGraph, roles: dict[str, Role], tp: int):
         else:
             entries[node] = dim
     experts = _expert_params(g, roles)
-    params = {**experts, **factories, **cuts, **chain_dims(g, {**flow.param_shards, **factories, **entries, **experts}),
-              **flow.tree_dims}
+    params = {**flow.param_shards, **experts, **factories, **cuts,
+              **chain_dims(g, {**flow.param_shards, **factories, **entries, **experts}), **flow.tree_dims}
     expected = {}
     for name in g.nodes:
         shape, state = g.nodes[name]["shape"], flow.state.get(name)
