@@ -17,7 +17,14 @@ What varies is the attention:
 - ``talking_heads``: 1x1 convolutions mixing the heads before and after the softmax;
 - ``value_residual``: the first layer's values mixed into the later layers' by a learned lerp;
 - ``memory_tokens``: learned memory tokens ``Parameter(m, dim)`` prepended to the sequence before
-  the first block and cut off before the head (the attention itself is plain).
+  the first block and cut off before the head (the attention itself is plain);
+- ``literal_split`` / ``literal_unflatten`` / ``literal_slices`` / ``literal_inferred`` /
+  ``literal_heads``: attention sized by the module-level constants ``DIM, HEADS, DIM_HEAD`` rather
+  than attributes: a fused qkv ``split(DIM)`` and ``view(b, n, HEADS, DIM_HEAD)``;
+  ``unflatten(-1, (3, HEADS, -1))`` with a per-head sink logit (gpt-oss); ``qkv[..., DIM:2 * DIM]``
+  slices; a head size computed from the width, ``view(b, n, HEADS, q.shape[-1] // HEADS)``; and
+  ``view(b, n, HEADS, -1)`` merged back by ``reshape(b, n, -1)``, which at per-rank widths runs
+  without an error into heads of half the size.
 
 ``bound_fraction`` gives the parameter fraction per rank of a plan at the bound: every parameter
 sharded ``1/tp`` except the norms' weights (which tensor parallelism keeps whole).
@@ -266,6 +273,56 @@ class ValueResidualAttention(Attention):
         return out, ({"value_residual": first} if value_residual is None else {})
 
 
+class LiteralAttention(nn.Module):
+    """Attention written with the module-level constants for its sizes (no attribute holds them);
+    ``cut`` picks how the fused projection is cut into q, k, v and heads (see the module doc)."""
+
+    def __init__(self, cut: str = "split", layer: int = 0):
+        super().__init__()
+        self.cut = cut
+        if cut in ("inferred", "heads"):
+            self.to_q, self.to_k, self.to_v = (nn.Linear(DIM, DIM, bias=False) for _ in range(3))
+        else:
+            self.to_qkv = nn.Linear(DIM, 3 * DIM, bias=False)
+        if cut == "unflatten":
+            self.sinks = nn.Parameter(torch.linspace(-1.0, 1.0, HEADS))
+        self.to_out = nn.Linear(DIM, DIM, bias=False)
+
+    def heads(self, x):
+        b, n, _ = x.shape
+        if self.cut == "split":
+            q, k, v = self.to_qkv(x).split(DIM, dim=-1)
+            return (t.view(b, n, HEADS, DIM_HEAD).transpose(1, 2) for t in (q, k, v))
+        if self.cut == "unflatten":
+            return self.to_qkv(x).unflatten(-1, (3, HEADS, -1)).permute(2, 0, 3, 1, 4).unbind(0)
+        if self.cut == "slices":
+            qkv = self.to_qkv(x)
+            q, k, v = qkv[..., :DIM], qkv[..., DIM:2 * DIM], qkv[..., 2 * DIM:]
+            return (t.view(b, n, HEADS, -1).transpose(1, 2) for t in (q, k, v))
+        q, k, v = self.to_q(x), self.to_k(x), self.to_v(x)
+        if self.cut == "heads":
+            return (t.view(b, n, HEADS, -1).transpose(1, 2) for t in (q, k, v))
+        return (t.view(b, n, HEADS, t.shape[-1] // HEADS).transpose(1, 2) for t in (q, k, v))
+
+    def forward(self, x, **state):
+        b, n, _ = x.shape
+        q, k, v = self.heads(x)
+        sim = torch.matmul(q, k.transpose(-1, -2)) * DIM_HEAD ** -0.5
+        mask = torch.ones(n, n, dtype=torch.bool, device=x.device).triu(1)
+        sim = sim.masked_fill(mask, -torch.finfo(sim.dtype).max)
+        if self.cut == "unflatten":  # a per-head sink logit that takes some of each row's weight
+            sink = self.sinks.view(1, HEADS, 1, 1).expand(b, -1, n, 1)
+            attn = torch.cat((sim, sink), dim=-1).softmax(dim=-1)[..., :-1]
+        else:
+            attn = sim.softmax(dim=-1)
+        merged = torch.matmul(attn, v).transpose(1, 2)
+        return self.to_out(merged.reshape(b, n, -1 if self.cut == "heads" else DIM)), {}
+
+
+def _literal(cut: str):
+    return lambda layer=0: LiteralAttention(cut, layer)
+
+
 class GatedMLP(nn.Module):
     def __init__(self):
         super().__init__()
@@ -364,6 +421,11 @@ IDIOMS = {
     "talking_heads": lambda: LM(TalkingHeadsAttention),
     "value_residual": lambda: LM(ValueResidualAttention),
     "memory_tokens": MemoryTokensLM,
+    "literal_split": lambda: LM(_literal("split")),
+    "literal_unflatten": lambda: LM(_literal("unflatten")),
+    "literal_slices": lambda: LM(_literal("slices")),
+    "literal_inferred": lambda: LM(_literal("inferred")),
+    "literal_heads": lambda: LM(_literal("heads")),
 }
 
 

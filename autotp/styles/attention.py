@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Mapping, MutableMapping
+import math
+import sys
 from functools import partial
 
 import torch
@@ -13,11 +15,12 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.parallel import ColwiseParallel
 from torch.distributed.tensor.parallel.style import ParallelStyle
+from torch.overrides import TorchFunctionMode
 
 from autotp._simulate import mesh_coordinate
 from autotp.errors import MeshError, PlanError
 from autotp.plan import sharded_param_dims
-from autotp.styles.base import WrapperStyle, to_local
+from autotp.styles.base import WrapperStyle, mode_during_forward, to_local
 from autotp.styles.declared import Shards, torch_shards
 from autotp.styles.group_copies import _cut_groups
 
@@ -57,7 +60,8 @@ class RotaryEmbedParallel(ParallelStyle):
 
 
 class ShardCounts(ParallelStyle):
-    """Divide integer attributes of a module (head counts) by the tp size.
+    """Divide a module's head counts by the tp size: counts held in integer attributes, or written
+    as constants in its code.
 
     Attention code that slices a fused projection with sizes computed from its head counts
     (``qkv[..., : num_heads * head_dim]``) reads global counts while holding a local shard. After
@@ -66,8 +70,23 @@ class ShardCounts(ParallelStyle):
     model's shared config keeps the global numbers; a child module's (``"conv1d.groups"`` of a
     depthwise convolution over sharded channels) is set on the child.
 
+    Code that writes the sizes themselves (``qkv.split(D, -1)``, ``view(b, t, 3, H, D // H)`` with
+    module-level ``D, H``) has no attribute to divide: ``literals`` rewrites those calls instead.
+    Each rule names a call by what it is given, so only calls on the shard are changed: a view or
+    reshape (``"view"``) of a tensor whose ``in_dim`` holds ``in_size / tp`` (of ``in_rank`` dims)
+    into ``len(shape)`` dims with ``size`` at place ``at`` gets ``size / tp`` there (and where its
+    code inferred another dim from the per-rank width, that dim's global size back); a split
+    (``"split"``) or slice (``"slice"``) along ``in_dim`` of such a tensor at the global cut points
+    gets the per-rank ones. The rules are applied by a function mode during the module's forward,
+    at the calls the code makes (``view``, ``reshape``, ``unflatten``, ``split``, ``narrow``,
+    ``x[..., a:b]``).
+
     Keyword Args:
-        names (tuple[str, ...]): attribute paths relative to the module.
+        names (tuple[str, ...]): attribute paths relative to the module. Default: ().
+        literals (tuple): rules ``(op, in_rank, in_dim, in_size, at, size, shape)`` for sizes
+            written in the code (a view's ``at``: the place in its shape, ``shape``: its global
+            shape; a split's ``size``: its global split size; a slice's ``at, size``: its global
+            start and end). Default: ().
         base (ParallelStyle | None): the module's own style, applied after the division (a
             :class:`~autotp.styles.Boundary` (``inputs="gather"``) of a block gathered whole under sequence
             parallel). Default: None.
@@ -76,10 +95,21 @@ class ShardCounts(ParallelStyle):
         >>> plan = {"model.layers.*.self_attn": ShardCounts(names=("num_key_value_heads",))}
     """
 
-    def __init__(self, *, names: tuple[str, ...], base: ParallelStyle | None = None):
+    def __init__(self, *, names: tuple[str, ...] = (), literals: tuple = (), base: ParallelStyle | None = None):
         super().__init__()
         self.names = tuple(names)
+        self.literals = tuple(tuple(rule) for rule in literals)
         self.base = base
+
+    def localize(self, module: nn.Module, tp: int) -> None:
+        """Rewrite the sizes ``literals`` names in ``module``'s code for ``tp`` ranks (the shape
+        proof runs this on its per-rank copies; applying the style runs it on the module)."""
+        if self.literals:
+            mode_during_forward(module, partial(_LiteralSizes, self.literals, tp))
+
+    def around(self, style: ParallelStyle | None) -> ShardCounts:
+        """This rewrite around ``style``, the module's own (``None``: standing alone)."""
+        return ShardCounts(names=self.names, literals=self.literals, base=style)
 
     @property
     def wrapped(self) -> ParallelStyle:
@@ -101,14 +131,106 @@ class ShardCounts(ParallelStyle):
                 raise MeshError(f"{type(module).__name__}.{name}={value} cannot be split over tp={tp}")
             _write(owner, attr, value // tp)
         sync_einops_lengths(module)
+        self.localize(module, tp)
         return self.base._apply(module, device_mesh) if self.base is not None else module
 
     def __repr__(self) -> str:
+        literals = f", literals={self.literals}" if self.literals else ""
         base = f", base={self.base!r}" if self.base is not None else ""
-        return f"{self.__class__.__name__}(names={self.names}{base})"
+        return f"{self.__class__.__name__}(names={self.names}{literals}{base})"
 
     def declares(self) -> Shards:
-        return Shards(counts=self.names)
+        return Shards(counts=self.names or None, rewrites=(self,) if self.literals else None)
+
+
+class _LiteralSizes(TorchFunctionMode):
+    """The calls :class:`ShardCounts`'s ``literals`` name, given their per-rank sizes: caught where
+    the code makes them, before torch checks a shape against the per-rank input or clamps a slice
+    (``x[..., :D]`` on a narrower tensor is the whole of it, with no slice op to catch later)."""
+
+    def __init__(self, rules: tuple, tp: int):
+        super().__init__()
+        self.rules, self.tp = rules, tp
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        x = args[0] if args else None
+        if isinstance(x, torch.Tensor) and len(args) > 1:
+            if func in _VIEWS:
+                shape = args[1:] if isinstance(args[1], int) else args[1]
+                if all(isinstance(size, int) for size in shape):
+                    args = (x, self._view(x, list(shape)))
+            elif func in _UNFLATTENS and len(args) > 2:
+                dim, sizes = args[1] % x.dim(), list(args[2])
+                whole = self._view(x, [*x.shape[:dim], *sizes, *x.shape[dim + 1:]])
+                args = (x, args[1], whole[dim:dim + len(sizes)], *args[3:])
+            elif func in _SPLITS:
+                dim = args[2] if len(args) > 2 else kwargs.pop("dim", 0)
+                args = (x, self._split(x, args[1], dim), dim)
+            elif func is torch.Tensor.__getitem__:
+                args = (x, self._index(x, args[1]))
+            elif func in _NARROWS and len(args) > 3:
+                start, end = self._cut(x, args[1], args[2], args[2] + args[3])
+                args = (x, args[1], start, end - start)
+        return func(*args, **kwargs)
+
+    def _on_shard(self, x: torch.Tensor, rule: tuple, dim: int | None = None) -> bool:
+        _, in_rank, in_dim, in_size, *_ = rule
+        return x.dim() == in_rank and (dim is None or dim % in_rank == in_dim) and x.shape[in_dim] * self.tp == in_size
+
+    def _view(self, x: torch.Tensor, shape: list) -> list:
+        for rule in self.rules:
+            op, _, _, _, at, size, whole = rule
+            if op == "view" and len(shape) == len(whole) and shape[at] == size and self._on_shard(x, rule):
+                shape[at] = size // self.tp
+                if -1 not in shape and math.prod(shape) != x.numel():  # a dim its code inferred per rank
+                    for dim, extent in enumerate(shape):
+                        if dim != at and extent * self.tp == whole[dim]:
+                            shape[dim] = whole[dim]
+                            break
+                break
+        return shape
+
+    def _split(self, x: torch.Tensor, sizes, dim: int):
+        for rule in self.rules:
+            if rule[0] == "split" and self._on_shard(x, rule, dim):
+                if isinstance(sizes, int):
+                    return sizes // self.tp if sizes == rule[5] else sizes
+                if sum(sizes) == rule[3]:  # the global parts of the whole dim
+                    return [size // self.tp for size in sizes]
+        return sizes
+
+    def _cut(self, x: torch.Tensor, dim: int, start: int, end: int) -> tuple[int, int]:
+        """A slice ``[start, end)`` along ``dim``, at its per-rank place if a rule names it by both
+        ends (so a slice already per rank is not cut again)."""
+        for rule in self.rules:
+            if rule[0] == "slice" and (start, end) == rule[4:6] and self._on_shard(x, rule, dim):
+                return start // self.tp, end if end > rule[3] else end // self.tp
+        return start, end
+
+    def _index(self, x: torch.Tensor, index):
+        items = list(index) if isinstance(index, tuple) else [index]
+        if not all(item is None or item is Ellipsis or isinstance(item, (int, slice)) for item in items):
+            return index  # tensor or boolean indexing: not a cut
+        consumed = sum(item is not None and item is not Ellipsis for item in items)
+        dim = 0
+        for i, item in enumerate(items):
+            if item is Ellipsis:
+                dim += x.dim() - consumed
+            elif isinstance(item, slice):
+                if item.step in (None, 1):
+                    start, end = self._cut(x, dim, item.start or 0, sys.maxsize if item.stop is None else item.stop)
+                    items[i] = slice(start, None if end == sys.maxsize else end, item.step)
+                dim += 1
+            elif item is not None:
+                dim += 1
+        return tuple(items) if isinstance(index, tuple) else items[0]
+
+
+_VIEWS = frozenset({torch.Tensor.view, torch.Tensor.reshape, torch.reshape})
+_UNFLATTENS = frozenset({torch.Tensor.unflatten, torch.unflatten})
+_SPLITS = frozenset({torch.Tensor.split, torch.split, torch.Tensor.split_with_sizes})
+_NARROWS = frozenset({torch.Tensor.narrow, torch.narrow})
 
 
 def count_holder(module: nn.Module, name: str, copied: set[str] | None = None) -> tuple[object, str]:
