@@ -59,6 +59,37 @@ DEFAULT_MULTIPROCESS = (
 # Single default-tier cases in the slow tier (each over 5 s), with the default tests that hold the
 # same behaviour.
 SLOW_TESTS = {
+    "tests/test_outside_positions.py::test_hyper_connections[2-sp]":
+        "test_sp_stream::test_hyper_connections_run_on_the_sequence_shard[2-sp] (the same blocks, exact under SP)",
+    "tests/test_backward_comm.py::test_moe_block_input_reduced_once_at_tp4[sp]":
+        "test_backward_comm::test_moe_block_input_reduced_once[qwen3_moe-sp] (the same reduction at tp 2)",
+    "tests/test_grouped_parts.py::test_two_state_groups_at_tp4_are_copied_per_rank[sp]":
+        "test_grouped_parts::test_one_state_group_is_copied_per_rank[2-sp] (state groups copied per rank)",
+    "tests/test_loop_experts.py::test_router_inside_a_moe_block_reduces_the_block_input_once_under_sequence_parallel[2]":
+        "test_loop_experts::test_moe_block_beside_attention_reduces_their_shared_input_once[2-sp], "
+        "test_backward_comm::test_moe_block_input_reduced_once[qwen3_moe-sp]",
+    "tests/test_isolated.py::test_bad_plan_raises_in_the_caller_as_it_would_in_process":
+        "test_isolated::test_isolated_run_reports_what_the_in_process_run_does (the isolated run), "
+        "test_self_check::test_broken_plan_is_refused_by_default_naming_the_parameter (the refusal)",
+    "tests/test_check_kv_heads.py::test_one_kv_head_plans_have_no_finding_and_verify[gemma3-2]":
+        "test_check_kv_heads::test_cli_verifies_gemma3_with_its_one_kv_head (gemma3's one kv head through the "
+        "checker and the verifier)",
+    "tests/test_check.py::test_routed_query_left_replicated_beside_sharded_kv_is_flagged":
+        "test_check::test_experts_columns_packed_unlike_their_parts_are_flagged (a flagged plan), "
+        "test_check::test_verified_plan_with_routed_experts_columns_is_not_flagged[2-sp] (the routed model)",
+    "tests/test_recurrent_params.py::test_a_parameter_also_read_whole_is_not_sharded":
+        "test_recurrent_params::test_a_decayed_state_also_read_whole_keeps_the_mixer_exact (a parameter read "
+        "whole beside its per-step reads)",
+    "tests/test_literal_sizes.py::test_the_checker_replays_the_rewrite_and_the_plan_without_it_fails[literal_split]":
+        "its [literal_slices] (fails loudly without the rewrite) and [literal_heads] (silently) cases",
+    "tests/test_literal_sizes.py::test_the_checker_replays_the_rewrite_and_the_plan_without_it_fails[literal_unflatten]":
+        "its [literal_slices] and [literal_heads] cases",
+    "tests/test_literal_sizes.py::test_the_checker_replays_the_rewrite_and_the_plan_without_it_fails[literal_inferred]":
+        "its [literal_slices] and [literal_heads] cases",
+    "tests/test_literal_sizes.py::test_the_rewritten_plan_is_exact_at_shapes_it_was_not_traced_at[literal_unflatten]":
+        "its [literal_split] case (the same rules at one token and another batch)",
+    "tests/test_literal_sizes.py::test_the_rewritten_plan_is_exact_at_shapes_it_was_not_traced_at[literal_slices]":
+        "its [literal_split] case",
     "tests/test_hf_loading.py::test_emitted_hf_plan_and_autotp_plan_load_sharded_on_two_gloo_processes":
         "test_hf_loading (the loader on one process), test_emit (the strings), test_multiprocess (gloo)",
     "tests/test_selection.py::test_real_size_model_whose_transformers_plan_tp_does_not_divide_falls_through":
