@@ -32,6 +32,17 @@ def _plan_cache_per_test(monkeypatch, tmp_path_factory, request):
     monkeypatch.setenv("AUTOTP_CACHE_DIR", str(root / name))
 
 
+@pytest.fixture
+def no_shape_fixes(monkeypatch):
+    """Synthesis without the shape proof's last resort (``stages.shape_fix``: rewrites of sizes the
+    code writes as constants, :mod:`autotp.synth.literal_sizes`), for tests of what serves code no
+    rewrite localizes: DTensor regions, per-group readings, an attention kept whole and warned."""
+    from autotp.synth import stages
+
+    stages.load_idioms()  # registered first, so that nothing registers into the empty table later
+    monkeypatch.setattr(stages, "_SHAPE_FIXES", {})
+
+
 # ------------------------------------------------------------------------------------ test tiers
 #
 # The default run is the regression net: one case of every behaviour. The slow tier

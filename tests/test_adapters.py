@@ -103,7 +103,9 @@ def _roles(model, sequence_parallel):
 
 
 @pytest.mark.parametrize("sequence_parallel", [False, True], ids=["tp", "sp"])
-def test_adapter_beside_a_whole_linear_stays_whole(sequence_parallel):
+def test_adapter_beside_a_whole_linear_stays_whole(sequence_parallel, no_shape_fixes):
+    """The fixed head count keeps q / v whole once the literal rewrite is off (with it, the count is
+    rewritten per rank and they shard: test_literal_sizes)."""
     model = Decoder(fixed_heads=True)
     plan = autotp.synthesize(model, example_inputs=(_tokens(),), sequence_parallel=sequence_parallel, tp_size=2,
                              verify=False)

@@ -147,11 +147,12 @@ def test_head_summing_selector_runs_on_dtensors(mixer, tp_size, sequence_paralle
 
 @pytest.mark.parametrize("sequence_parallel", [False, True], ids=["plain", "sp"])
 @pytest.mark.parametrize("tp_size", [2, 4])
-def test_literal_group_count_runs_on_dtensors(tp_size, sequence_parallel):
+def test_literal_group_count_runs_on_dtensors(tp_size, sequence_parallel, no_shape_fixes):
     """Would catch the attention left whole (fraction ~0.6), a per-rank run of the literal
     ``view(b, t, 4, -1)`` (wrong q / k / v columns: logits off), and under SP the gather its whole
     Linear made not taken over at the region's entry (DTensor then gathers inside: right values,
-    but more bytes backward than forward)."""
+    but more bytes backward than forward). With the literal rewrite off: on, the literal group count
+    is rewritten per rank instead (``test_literal_group_count_is_rewritten_per_rank``)."""
     torch.manual_seed(0)
     model = Model(LiteralGroupAttention).eval()
     plan, report = synthesize_and_verify(model, tp_size, sequence_parallel)
@@ -160,6 +161,22 @@ def test_literal_group_count_runs_on_dtensors(tp_size, sequence_parallel):
     assert all(abs(f - expected) < 0.01 for f in report.param_fraction), (report.param_fraction, expected)
     assert report.comm_volume_backward <= report.comm_volume, (report.comm_volume, report.comm_volume_backward)
     if not sequence_parallel:  # the output projection's partial sum is all-reduced once, as a row's is
+        assert report.collectives["all_reduce"] == 1 + 2 * 2, report.collectives
+
+
+@pytest.mark.parametrize("sequence_parallel", [False, True], ids=["plain", "sp"])
+def test_literal_group_count_is_rewritten_per_rank(sequence_parallel):
+    """The same attention with the literal rewrite on: each rank holds whole groups, the literal
+    counts (``view(b, t, 4, -1)``, the merge-back width) rewritten per rank, no DTensor region; the
+    same collectives as the region's, at the bound, exact."""
+    torch.manual_seed(0)
+    model = Model(LiteralGroupAttention).eval()
+    plan, report = synthesize_and_verify(model, 2, sequence_parallel)
+    assert plan["layers.*.mixer"].literals and not any(isinstance(s, styles.DTensorRegion) for s in plan.values())
+    expected = fraction(model, 2, whole=())
+    assert all(abs(f - expected) < 0.01 for f in report.param_fraction), (report.param_fraction, expected)
+    assert report.comm_volume_backward <= report.comm_volume, (report.comm_volume, report.comm_volume_backward)
+    if not sequence_parallel:
         assert report.collectives["all_reduce"] == 1 + 2 * 2, report.collectives
 
 
@@ -195,8 +212,9 @@ def test_region_is_planned_from_the_graph_alone():
 
 class ParallelGroupBlock(nn.Module):
     """A parallel block (attention and MLP read one norm; both outputs summed into the residual)
-    whose attention reshapes by a literal group count, so it can only run as a DTensor region. With
-    ``dropout`` the MLP branch passes through one (live in training) before the sum."""
+    whose attention reshapes by a literal group count, so that with the literal rewrite off (the
+    tests below) it can only run as a DTensor region. With ``dropout`` the MLP branch passes through
+    one (live in training) before the sum."""
 
     def __init__(self, dropout: bool):
         super().__init__()
@@ -219,7 +237,8 @@ class ParallelGroupModel(Model):
 @pytest.mark.parametrize("dropout", [False, True], ids=["sum", "dropout"])
 @pytest.mark.parametrize("sequence_parallel", [False, True], ids=["plain", "sp"])
 @pytest.mark.parametrize("tp_size", [2, 4])
-def test_region_branch_of_a_parallel_block_is_reduced_with_the_other(tp_size, sequence_parallel, dropout):
+def test_region_branch_of_a_parallel_block_is_reduced_with_the_other(tp_size, sequence_parallel, dropout,
+                                                                    no_shape_fixes):
     """Would catch the region all-reducing its output on its own (two reductions per layer forward:
     5 all-reduces plain, an extra all-reduce per layer under SP) and, under SP, the region and the MLP
     each gathering the norm's output (two all-gathers per layer). Per layer one reduction forward and
@@ -255,7 +274,7 @@ class DroppedGroupAttention(LiteralGroupAttention):
 
 
 @pytest.mark.parametrize("sequence_parallel", [False, True], ids=["plain", "sp"])
-def test_region_reduces_before_its_own_live_dropout(sequence_parallel):
+def test_region_reduces_before_its_own_live_dropout(sequence_parallel, no_shape_fixes):
     """A region whose output passes through a dropout with ``p > 0`` inside it cannot hand on a
     partial sum (the mask must apply to the whole): it reduces at its output as before, the block
     keeps a reduction per branch, and a training step runs, every rank holding the same logits."""

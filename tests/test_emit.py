@@ -39,7 +39,8 @@ _PER_CLASS = {"HeadParams": {"packed": {"w1": (3, 3)}}, "LinearParams": {"packed
               # A gathered block sliced back; the gradient options keep their defaults there (each
               # is tied to another side: test_fronts and test_partial_inputs build those).
               "Boundary": {"inputs": "gather", "outputs": "shard", "input_grad": "whole", "output_grad": "whole"},
-              "ShardCounts": {"base": styles.Boundary(inputs="gather", outputs="shard")},
+              "ShardCounts": {"base": styles.Boundary(inputs="gather", outputs="shard"), "names": ("n_heads",),
+                              "literals": (("view", 3, 2, 16, 2, 4, (2, 5, 4, 4)), ("slice", 3, 2, 48, 16, 32, ()))},
               "KVHeadCounts": {"base": styles.HeadParams(shard_dims={"temperature": 0})},
               "GroupCopies": {"rows": {"weight": (0, 10, ((8, 10, 1),))}, "values": {"n_groups": 2}},
               # scale_rows counts whole terms once in place of ``once``: the two do not go together; a

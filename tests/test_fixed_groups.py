@@ -9,6 +9,12 @@ reads its heads as ``G`` parts (:class:`~autotp.styles.Rowwise` with ``sizes``).
 against the unsharded model on the logits and every gradient, at tp 2 and 4, plain and sequence
 parallel, and must hold about ``1/tp`` of the parameters; layouts the per-rank shape proof cannot
 make local stay whole, with the plan still exact.
+
+The group count is a constant of the code, so the literal rewrite (:mod:`autotp.synth.literal_sizes`)
+now reads these attentions first: where tp divides the groups, each rank holds whole groups and the
+count is rewritten per rank (``test_fixed_groups_whose_count_tp_divides_are_held_whole_per_rank``).
+The tests of the per-group reading run with that rewrite off (``no_shape_fixes``), as it still
+serves code the rewrite cannot localize.
 """
 
 import warnings
@@ -80,7 +86,7 @@ MODES = [pytest.param(False, id="plain"), pytest.param(True, id="sp")]
 @pytest.mark.parametrize("sequence_parallel", MODES)
 @pytest.mark.parametrize("tp", [2, 4])
 @pytest.mark.parametrize("attention", [TwoGroups, GroupedFusedQKV], ids=["2groups", "4groups"])
-def test_fixed_groups_are_sharded_within_each_group(attention, tp, sequence_parallel):
+def test_fixed_groups_are_sharded_within_each_group(attention, tp, sequence_parallel, no_shape_fixes):
     """Would catch: the fused Linear kept whole (fraction far above the bound), a rank given whole
     groups (the code's fixed group count then reads the wrong features), the output Linear's
     columns not permuted like the heads each rank holds, or the head count left global."""
@@ -99,7 +105,7 @@ def test_fixed_groups_are_sharded_within_each_group(attention, tp, sequence_para
         assert check_plan(model, plan, tp_size=tp, example_inputs=(tokens(),)) == []
 
 
-def test_a_literal_head_count_per_group_stays_whole():
+def test_a_literal_head_count_per_group_stays_whole(no_shape_fixes):
     """Per rank, ``reshape(b, t, 4, 4, hd)`` of a group's share fails or mixes heads whatever is
     divided: neither reading passes the shape proof, so the projection stays whole, plan exact."""
     model = Decoder(attention=LiteralHeadsPerGroup)
@@ -112,7 +118,7 @@ def test_a_literal_head_count_per_group_stays_whole():
 
 
 @pytest.mark.parametrize(("heads", "tp"), [(8, 4), (16, 8)], ids=["groups-divide-tp", "fewer-groups-than-tp"])
-def test_fewer_heads_per_group_than_ranks_stay_whole(heads, tp):
+def test_fewer_heads_per_group_than_ranks_stay_whole(heads, tp, no_shape_fixes):
     """Too few heads per group for tp: no rank can hold a share of every group's heads (and with
     fewer groups than ranks, none can hold whole groups either). The projection stays whole with
     the reason, not the whole plan refused (nor read as kv heads to replicate), and is exact."""
@@ -124,7 +130,7 @@ def test_fewer_heads_per_group_than_ranks_stay_whole(heads, tp):
     assert report.ok, str(report)
 
 
-def test_a_contiguous_row_after_grouped_heads_is_flagged_and_wrong():
+def test_a_contiguous_row_after_grouped_heads_is_flagged_and_wrong(no_shape_fixes):
     """The output Linear sharded as one block of features while each rank holds a share of every
     group's heads: the checker names it (``packed_row``) and the numbers disagree."""
     model = Decoder(attention=GroupedFusedQKV)
@@ -136,3 +142,28 @@ def test_a_contiguous_row_after_grouped_heads_is_flagged_and_wrong():
         warnings.simplefilter("ignore")
         assert not verify(model, wrong, tp_size=2, example_inputs=(tokens(),)).ok
     assert isinstance(plan["layers.*.attn.qkv"], Colwise)
+
+
+@pytest.mark.parametrize(("attention", "tp"), [(GroupedFusedQKV, 4), (TwoGroups, 2), (LiteralHeadsPerGroup, 2),
+                                               (lambda: GroupedFusedQKV(heads=8), 4)],
+                         ids=["4groups-4", "2groups-2", "literal-heads-per-group", "8heads-4"])
+def test_fixed_groups_whose_count_tp_divides_are_held_whole_per_rank(attention, tp):
+    """With the literal rewrite on, a group count tp divides is read plainly: each rank holds whole
+    groups, the code's group count (and a literal head count per group) rewritten per rank,
+    ``qkv`` and ``out`` plain column / row Linears. Exact, at the bound."""
+    model = Decoder(attention=attention)
+    plan, report = run(model, tp)
+    assert report.ok, str(report)
+    assert max(report.param_fraction) <= 1 / tp + 0.01, (report.param_fraction, plan)
+    style = plan["layers.*.attn"]
+    assert style.literals and type(plan["layers.*.attn.qkv"]).__name__ == "ColwiseParallel", plan
+
+
+def test_fewer_groups_than_ranks_still_read_per_group():
+    """Two groups at tp 4: no rank can hold a whole group, so the rewrite is not proven and the
+    per-group reading serves, as before."""
+    model = Decoder(attention=TwoGroups)
+    plan, report = run(model, 4)
+    assert report.ok, str(report)
+    assert plan["layers.*.attn.qkv"].sizes == (HEADS * HD // 2,) * 6, plan
+

@@ -60,9 +60,10 @@ class _LiteralCountsAttention(nn.Module):
         return self.wo(self.backend(q, k, v).transpose(1, 2).reshape(b, n, 64))
 
 
-def test_an_attention_kept_whole_is_warned_where_its_kernel_runs_in_a_child():
+def test_an_attention_kept_whole_is_warned_where_its_kernel_runs_in_a_child(no_shape_fixes):
     """The warning names the attention (the module with the projections), not the backend child that
-    runs the kernel; before, an attention whose kernel ran in a child was kept whole silently."""
+    runs the kernel; before, an attention whose kernel ran in a child was kept whole silently. (Its
+    literal counts keep it whole once the literal rewrite is off; with it, it shards.)"""
     model = Transformer(_LiteralCountsAttention)
     with pytest.warns(WholeAttentionWarning, match=r"^layers\.\*\.attention: attention kept whole"):
         plan = autotp.synthesize(model, example_inputs=(tokens(),), tp_size=2, verify=False)

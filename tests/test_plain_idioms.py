@@ -491,9 +491,19 @@ class RawParamConstantHeads(RawParamAttention):
         return F.linear(y.transpose(1, 2).reshape(b, t, -1), self.wo)
 
 
-def test_raw_weights_viewed_by_a_constant_stay_whole():
-    """Per rank, ``view(b, t, HEADS, HD)`` of a sharded raw projection fails or mixes heads: the
-    shape proof must keep the module's raw weights whole, and the plan must still be exact."""
+def test_raw_weights_viewed_by_a_constant_are_rewritten_per_rank():
+    """Per rank, ``view(b, t, HEADS, HD)`` of a sharded raw projection fails or mixes heads. No
+    attribute holds ``HEADS``: the literal rewrite divides it in that view, and the raw weights
+    shard (before, they were kept whole, 0.67 of the parameters per rank). Exact."""
+    model = Decoder(attention=RawParamConstantHeads)
+    role = analyse_model(model, example_inputs=(tokens(),), tp_size=2).roles["layers.0.attn"]
+    assert role.kind == "linear_params" and role.rewrites and role.rewrites[0].literals, role
+    plan, report = run(model, 2)
+    assert report.ok, str(report)
+    assert max(report.param_fraction) <= 0.51, report.param_fraction
+
+
+def test_raw_weights_viewed_by_a_constant_stay_whole_without_the_rewrite(no_shape_fixes):
     model = Decoder(attention=RawParamConstantHeads)
     roles = analyse_model(model, example_inputs=(tokens(),), tp_size=2).roles
     assert roles["layers.0.attn"].kind == "replicate" and "fixed sizes" in roles["layers.0.attn"].reason
@@ -518,14 +528,17 @@ def test_raw_weight_read_elsewhere_stays_whole():
     assert report.ok, str(report)
 
 
-def test_merge_back_to_the_inputs_width_stays_whole():
-    """``view(t, b, c)`` with ``c`` read from the input: per rank the attention's output holds
-    ``c / tp`` features, which no attribute can make ``c``; the attention stays whole, plan exact."""
+def test_merge_back_to_the_inputs_width_is_rewritten_per_rank():
+    """``view(t, b, c)`` with ``c`` read from the (replicated) input: per rank the attention's output
+    holds ``c / tp`` features, which no attribute can make ``c``. ``c`` is the global width on every
+    call, so the literal rewrite divides it in that view; the attention shards (before: kept whole).
+    Exact, also at a length it was not traced at."""
     model = Decoder(attention=lambda: MergedRowsAttention(input_width=True))
     roles = analyse_model(model, example_inputs=(tokens(),), tp_size=2).roles
-    assert roles["layers.0.attn.q"].kind == "replicate" and "fixed sizes" in roles["layers.0.attn.q"].reason
+    assert roles["layers.0.attn.q"].kind == "column" and roles["layers.0.attn"].rewrites, roles["layers.0.attn"]
     plan, report = run(model, 2)
     assert report.ok, str(report)
+    assert verify(model, plan, tp_size=2, example_inputs=(tokens()[:, :5],)).ok
 
 
 def test_head_counts_sizing_the_kv_repeat_take_their_per_rank_values():

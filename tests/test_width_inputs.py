@@ -104,16 +104,17 @@ def test_the_plan_names_the_input_and_its_reader_in_explain():
     assert "c_attn read the real value" in records["h.*.attn"].reason
 
 
-@pytest.mark.parametrize("attention,why", [(ResidualInsideAttention, "fixed sizes"),
-                                           (ScaleFromWidthAttention, "fixed sizes")],
+@pytest.mark.parametrize("attention", [ResidualInsideAttention, ScaleFromWidthAttention],
                          ids=["residual-inside", "scale-from-width"])
-def test_inputs_read_for_values_keep_the_attention_whole(attention, why):
+def test_inputs_read_for_values_get_no_stand_in_and_their_sizes_are_rewritten(attention):
     """Would catch a stand-in handed to code that reads it (a residual: NaN) or a scale computed
-    from the per-rank width (logits off with every shape right)."""
+    from the per-rank width (logits off with every shape right): the proof refuses the stand-in.
+    The width those modules read is the global one on every call, so the literal rewrite divides it
+    where it shapes the shard (before, the attention was kept whole): exact, no ``LocalWidthInputs``."""
     model, plan, _ = _plan_and_verify(attention, 2, False)
-    assert not any(key.startswith("h.*.attn") for key in plan)
+    assert plan["h.*.attn"].literals and not isinstance(plan["h.*.attn"], styles.LocalWidthInputs), plan
     records = {r.key: r for r in explain(model, example_inputs=(example_tokens(),), tp_size=2)}
-    assert why in records["h.*.attn.c_attn"].reason
+    assert "rewritten" in records["h.*.attn"].reason, records["h.*.attn"]
 
 
 def test_checker_flags_a_width_view_whose_head_count_is_not_divided():

@@ -21,8 +21,9 @@ options, a comment on the shard algebra, and :meth:`declares` saying what it sha
 - :class:`ShardedStatistics`: a block whose own code takes per-token statistics (mean, std) over its
   sharded width runs on DTensors, each statistic all-reduced where it is made.
 - :class:`DTensorRegion`: a module whose code cannot run on per-rank tensors (a sum over heads before a
-  top-k, a literal group count in a reshape) runs on DTensors with some Linears sharded.
-- :class:`ShardCounts`: divide a module's head counts by tp, for code that sizes slices from them.
+  top-k) runs on DTensors with some Linears sharded.
+- :class:`ShardCounts`: divide a module's head counts by tp, for code that sizes slices from them
+  (attributes), or rewrite the sizes its code writes as constants (``literals``).
 - :class:`LocalWidthInputs`: a module that reads its widths from an input's size (nanoGPT's ``C = x.size(-1)``)
   sees that input at its per-rank width; its column Linears read the real one.
 - :class:`ReplicatedKVColwise`, :class:`KVHeadCounts`: tp larger than the number of kv heads; each
