@@ -36,6 +36,7 @@ from autotp.plan import Plan
 from autotp.self_check import check_value_branches
 from autotp.synth.api import analyse_model
 from autotp.synth.build import build_plan
+from autotp.synth.local_run import shared_traces
 
 SOURCES = ("custom", "handwritten", "hf", "synthesized")
 # Two plans whose parameters per rank differ by at most this share of the model's hold the same:
@@ -291,25 +292,28 @@ def get_plan(
     graph = None  # the synthesizer's analysis: the graph every source's plan is checked on
     # Findings per plan, by its keys and styles: a plan two sources write alike is checked once.
     checked: dict[frozenset, list] = {}
-    # Synthesized first (its trace serves the other checks); ties are broken in SOURCES order.
-    for choice in _candidates(model, ("synthesized", "handwritten", "hf"), sequence_parallel, tp_size,
-                              errors=errors, example_inputs=example_inputs):
-        graph = choice.analysis if choice.analysis is not None else graph
-        reason = choice.detail if choice.plan is None else None
-        if choice.plan is not None and check:
-            same = frozenset((key, repr(style)) for key, style in choice.plan.items())
-            if same not in checked:
-                checked[same] = check_plan(model, choice.plan, tp_size=tp_size or 1, analysis=graph,
-                                           example_inputs=example_inputs)
-            findings = checked[same]
-            reason = _rejection_text(findings)
-            obstacles += [(choice.source, f) for f in findings[:1]]
-        if reason is None:
-            passed.append(choice)
-            continue
-        obstacles += [(choice.source, errors[choice.source])] if choice.source in errors else []
-        log.info("plan source %s rejected for %s: %s", choice.source, type(model).__name__, reason)
-        skipped.append((choice.source, reason))
+    # No module changes until the choice is made: the shape proofs' exports are made once and shared
+    # by the synthesizer and the checker of every source.
+    with shared_traces():
+        # Synthesized first (its trace serves the other checks); ties are broken in SOURCES order.
+        for choice in _candidates(model, ("synthesized", "handwritten", "hf"), sequence_parallel, tp_size,
+                                  errors=errors, example_inputs=example_inputs):
+            graph = choice.analysis if choice.analysis is not None else graph
+            reason = choice.detail if choice.plan is None else None
+            if choice.plan is not None and check:
+                same = frozenset((key, repr(style)) for key, style in choice.plan.items())
+                if same not in checked:
+                    checked[same] = check_plan(model, choice.plan, tp_size=tp_size or 1, analysis=graph,
+                                               example_inputs=example_inputs)
+                findings = checked[same]
+                reason = _rejection_text(findings)
+                obstacles += [(choice.source, f) for f in findings[:1]]
+            if reason is None:
+                passed.append(choice)
+                continue
+            obstacles += [(choice.source, errors[choice.source])] if choice.source in errors else []
+            log.info("plan source %s rejected for %s: %s", choice.source, type(model).__name__, reason)
+            skipped.append((choice.source, reason))
     skipped.sort(key=lambda item: SOURCES.index(item[0]))
     obstacles = [o for _, o in sorted(obstacles, key=lambda item: SOURCES.index(item[0]))]  # stable sort
     if not passed:

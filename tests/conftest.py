@@ -70,6 +70,17 @@ DEFAULT_MULTIPROCESS = (
 # Single default-tier cases in the slow tier (each over 5 s), with the default tests that hold the
 # same behaviour.
 SLOW_TESTS = {
+    **{f"tests/test_joined_shards.py::test_layouts_it_cannot_realise_keep_their_projections_whole[{case}]":
+       "its [JoinedIntoHeads] and [ConstantSizedState] cases (a layout it cannot realise, kept whole, exact)"
+       for case in ("JoinedIntoRow", "JoinedCutInside", "JoinedTimesContiguous", "FoldedRowsReduced")},
+    "tests/test_value_branches.py::test_value_dependent_expert_loop_is_sharded_and_exact[sp]":
+        "test_value_branches::test_value_dependent_expert_loop_is_traced_with_real_values_and_marked (the trace), "
+        "test_split_experts::test_routed_query_attention_is_proven_on_its_values_and_sharded[2-sp] (a plan "
+        "proven on real values, sharded and exact)",
+    "tests/test_partial_inputs.py::test_routed_query_input_gradient_is_reduced_once[2-sp]":
+        "test_backward_comm::test_moe_block_input_reduced_once[qwen3_moe-sp], "
+        "test_loop_experts::test_moe_block_beside_attention_reduces_their_shared_input_once[2-sp] (an input "
+        "gradient reduced once)",
     "tests/test_outside_positions.py::test_hyper_connections[2-sp]":
         "test_sp_stream::test_hyper_connections_run_on_the_sequence_shard[2-sp] (the same blocks, exact under SP)",
     "tests/test_backward_comm.py::test_moe_block_input_reduced_once_at_tp4[sp]":

@@ -106,3 +106,23 @@ def test_shape_proof_keeps_whole_what_a_failed_fake_forward_never_reached(monkey
     assert "layers.*.q" not in plan, plan
     reasons = {r.key: r.reason for r in explain(model, example_inputs=(ids,), tp_size=2)}
     assert "stopped before it (RuntimeError: no fake kernel)" in reasons["layers.*.q"], reasons["layers.*.q"]
+
+
+def test_shared_traces_export_a_module_once_per_roles_and_call():
+    """Inside ``shared_traces`` (a selection: synthesis, then the checker over each source) an
+    export of a module alone is made once for equal roles (their reasons aside) and an equal call,
+    and again for other roles, another tp or other input shapes; outside it, every call exports."""
+    from autotp.synth.local_run import shared_traces, trace_local
+
+    module = nn.Sequential(nn.Linear(8, 16), nn.GELU(), nn.Linear(16, 8))
+    call = ((torch.empty(2, 3, 8, device="meta"),), {})
+    roles = {"0": Role("column", "from the synthesizer"), "2": Role("row", "from the synthesizer")}
+    said_otherwise = {name: Role(role.kind, "read from a plan") for name, role in roles.items()}
+    with shared_traces():
+        first = trace_local(module, call, roles, (), 2)
+        assert first is not None and trace_local(module, call, said_otherwise, (), 2) is first
+        assert trace_local(module, call, roles, (), 1) is not first
+        assert trace_local(module, call, {"0": roles["0"]}, (), 2) is not first
+        other = ((torch.empty(2, 5, 8, device="meta"),), {})
+        assert tuple(trace_local(module, other, roles, (), 2).nodes["linear"]["shape"]) == (2, 5, 8)
+    assert trace_local(module, call, roles, (), 2) is not first

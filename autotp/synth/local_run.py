@@ -11,10 +11,12 @@ allocated: meta tensors have shapes only.
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import copy
 import functools
 import logging
 from collections.abc import MutableMapping
+from dataclasses import replace
 
 import networkx as nx
 import torch
@@ -501,9 +503,58 @@ def _shapes(out):
         return tuple(_shapes(o) for o in out)
     return None
 
+# Exports of modules alone kept for one block of work that changes no module (a selection: the
+# synthesizer's shape proofs, then the checker's over each source's plan, export the same modules
+# with the same roles); None outside such a block.
+_SHARED_TRACES: contextvars.ContextVar[dict | None] = contextvars.ContextVar("autotp_shared_traces", default=None)
+
+
+@contextlib.contextmanager
+def shared_traces():
+    """Within the block, :func:`trace_local` exports each module once per roles, divided names, tp
+    and call (shapes of meta inputs; inputs holding values by identity). Only for work that changes
+    no module in between: an export is the costly step of every shape proof."""
+    if _SHARED_TRACES.get() is not None:
+        yield
+        return
+    token = _SHARED_TRACES.set({})
+    try:
+        yield
+    finally:
+        _SHARED_TRACES.reset(token)
+
+
+def _call_key(inputs) -> tuple:
+    """What of a captured call decides an export: each leaf's shape and dtype (a tensor holding
+    values, and any other object, by identity), and the arguments carried in."""
+    def leaf(value):
+        if isinstance(value, torch.Tensor):
+            return ("tensor", tuple(value.shape), value.dtype, value.device.type,
+                    None if value.device.type == "meta" else id(value))
+        return value if value is None or isinstance(value, (int, float, bool, str)) else ("object", id(value))
+
+    leaves, spec = pytree.tree_flatten(inputs)
+    return (tuple(leaf(v) for v in leaves), str(spec), repr(getattr(inputs, "carried", ())),
+            tuple(id(m) for m in getattr(inputs, "modules", ())))
+
+
 def trace_local(module: nn.Module, inputs, roles: dict[str, Role], names: tuple[str, ...], tp: int):
     """The analysis graph of a meta copy of ``module`` at per-rank widths (``tp`` 1: global); of a
-    copy holding values, exported down the branches its values take, where the inputs hold values."""
+    copy holding values, exported down the branches its values take, where the inputs hold values.
+    Inside :func:`shared_traces`, each distinct export is made once."""
+    shared = _SHARED_TRACES.get()
+    if shared is None:
+        return _trace_local(module, inputs, roles, names, tp)
+    # A role's reason and evidence do not change the copy (the checker's roles, read from a plan,
+    # say other reasons than the synthesizer's).
+    plain = sorted((name, repr(replace(role, reason="", evidence=()))) for name, role in roles.items())
+    key = (id(module), tuple(plain), tuple(names), tp, _call_key(inputs))
+    if key not in shared:  # the module and inputs kept alive with it, so that no id is reused
+        shared[key] = (module, inputs, _trace_local(module, inputs, roles, names, tp))
+    return shared[key][2]
+
+
+def _trace_local(module: nn.Module, inputs, roles: dict[str, Role], names: tuple[str, ...], tp: int):
     real = _real_inputs(inputs)
     # Modules handed in (:class:`ModuleArgument`) join the copy as children, so that their
     # parameters and buffers are named in the trace, where the per-head ones meet the heads.
