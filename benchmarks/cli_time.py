@@ -7,9 +7,12 @@ answer), and the imports a first run cannot avoid, side by side, medians of ``--
 - ``imports``: ``python -c "import torch, transformers; from transformers import <Model>ForCausalLM;
   import torch.distributed.tensor, torch.export"``, what building and tracing the model needs.
 
+- ``base``: with ``--base DIR`` (another tree, e.g. ``git archive <commit>``), its first run too,
+  interleaved with this tree's, and the ratio of the medians.
+
 Prints the table and writes ``results/cli_time.json``. Run it on an idle machine:
 
-    python benchmarks/cli_time.py [--model llama] [--runs 3]
+    python benchmarks/cli_time.py [--model llama] [--runs 3] [--base ../autotp-base]
 """
 
 from __future__ import annotations
@@ -41,12 +44,18 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default="llama")
     parser.add_argument("--runs", type=int, default=3)
+    parser.add_argument("--base", help="another tree (its autotp imported through PYTHONPATH), timed alike")
     args = parser.parse_args()
     plan = [sys.executable, "-m", "autotp", "plan", args.model]
-    samples: dict[str, list[float]] = {"cold": [], "cached": [], "imports": []}
+    samples: dict[str, list[float]] = {"cold": [], "cached": [], "imports": [], **({"base": []} if args.base else {})}
     for _ in range(args.runs):  # interleaved, so a change in load hits every column alike
         cache = tempfile.mkdtemp(prefix="autotp-cli-time-")
         env = {**os.environ, "AUTOTP_CACHE_DIR": cache}
+        if args.base:
+            base_cache = tempfile.mkdtemp(prefix="autotp-cli-time-base-")
+            base_env = {**env, "AUTOTP_CACHE_DIR": base_cache, "PYTHONPATH": str(Path(args.base).resolve())}
+            samples["base"].append(timed(plan, base_env))
+            shutil.rmtree(base_cache)
         samples["cold"].append(timed(plan, env))
         samples["cached"].append(timed(plan, env))
         samples["imports"].append(timed([sys.executable, "-c", IMPORTS], env))
@@ -56,6 +65,9 @@ def main() -> None:
              f"| autotp plan {args.model} (first run) | {medians['cold']:.2f} |",
              f"| autotp plan {args.model} (again: kept answer) | {medians['cached']:.2f} |",
              f"| imports alone (torch, transformers, DTensor, export) | {medians['imports']:.2f} |"]
+    if args.base:
+        lines.append(f"| autotp plan {args.model} (first run) in {args.base} | {medians['base']:.2f} "
+                     f"(this tree / base: {medians['cold'] / medians['base']:.2f}) |")
     print("\n".join(lines))
     meta = {"command": " ".join(sys.argv), "cpus": os.cpu_count(), "load_average_at_end": os.getloadavg(),
             "python": platform.python_version()}
