@@ -19,7 +19,7 @@ from autotp.plan import describe_style
 from autotp.styles.linear import gathered_param_sizes, gathered_sizes
 from autotp.styles.raw_linear import LinearParams
 from autotp.synth.roles import Role
-from autotp.synth.stages import idiom_kinds
+from autotp.synth.stages import idiom_kind
 from autotp.synth.copies import row_copies
 from autotp.synth.trace import LayerGroups
 
@@ -67,7 +67,7 @@ def _style_for(role: Role, *, loss_parallel: bool = True) -> ParallelStyle | Non
     """The ParallelStyle that realises ``role`` (``None``: leave the module replicated)."""
     if role.weight_in_out and role.kind in ("column", "packed_column", "row", "head"):
         return _in_out_style(role, loss_parallel)
-    builder = _STYLES.get(role.kind) or idiom_kinds()[role.kind][1]  # a kind one idiom registered
+    builder = _STYLES.get(role.kind) or idiom_kind(role.kind)[1]  # a kind one idiom registered
     return builder(role, loss_parallel)
 
 

@@ -117,16 +117,18 @@ def width_view_of(g: nx.DiGraph, roles: dict[str, Role], fqn: str, call) -> tupl
 
 def with_width_view(roles: dict[str, Role], view: tuple) -> dict[str, Role]:
     """Inner ``roles`` (relative names) with the module itself (``""``) reading ``view``."""
-    own = roles.get("")
-    own = Role("shard_counts", "its code reads widths from its inputs") if own is None else own
-    return {**roles, "": replace(own, width_view=view)}
+    return _with_own(roles, "its code reads widths from its inputs", width_view=view)
 
 
 def with_rewrites(roles: dict[str, Role], rewrites: tuple) -> dict[str, Role]:
     """Inner ``roles`` (relative names) with the module itself (``""``) running ``rewrites``."""
-    own = roles.get("")
-    own = Role("shard_counts", "its code is rewritten for per-rank shapes") if own is None else own
-    return {**roles, "": replace(own, rewrites=tuple(rewrites))}
+    return _with_own(roles, "its code is rewritten for per-rank shapes", rewrites=tuple(rewrites))
+
+
+def _with_own(roles: dict[str, Role], reason: str, **changes) -> dict[str, Role]:
+    """``roles`` with the module's own role (``""``; a ``shard_counts`` one if it has none) changed."""
+    own = roles.get("") or Role("shard_counts", reason)
+    return {**roles, "": replace(own, **changes)}
 
 
 def fixed_size_roots(g: nx.DiGraph, flow: Flow) -> dict[str, list[str]]:

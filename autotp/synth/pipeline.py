@@ -213,17 +213,20 @@ def shard_counts(a: Analysis) -> Analysis:
         roles[module] = Role("shard_counts", f"its attributes {', '.join(names)} size the cuts of a fused "
                              "output; divided by tp, the cuts are the per-rank parts", (module,), names=names)
     for module, view in a.widths.items():
-        note = (f"its code reads widths from its argument(s) {', '.join(map(str, view[0]))}, which it sees at the "
-                f"per-rank width while {', '.join(view[1])} read the real value")
-        current = roles.get(module) or Role("shard_counts", note, (module,))
-        roles[module] = replace(current, width_view=view, reason=current.reason if current.reason == note
-                                else f"{current.reason}; {note}")
+        _noted(roles, module, f"its code reads widths from its argument(s) {', '.join(map(str, view[0]))}, which it "
+               f"sees at the per-rank width while {', '.join(view[1])} read the real value", width_view=view)
     for module, rewrites in a.rewrites.items():
-        note = f"its code is rewritten to cut and shape its shard per rank ({'; '.join(map(repr, rewrites))})"
-        current = roles.get(module) or Role("shard_counts", note, (module,))
-        roles[module] = replace(current, rewrites=rewrites, reason=current.reason if current.reason == note
-                                else f"{current.reason}; {note}")
+        _noted(roles, module, f"its code is rewritten to cut and shape its shard per rank "
+               f"({'; '.join(map(repr, rewrites))})", rewrites=rewrites)
     return replace(a, roles=roles)
+
+
+def _noted(roles: dict[str, Role], module: str, note: str, **changes) -> None:
+    """``module``'s role (a ``shard_counts`` one if it has none) with ``changes``, ``note`` added to
+    its reason."""
+    current = roles.get(module) or Role("shard_counts", note, (module,))
+    roles[module] = replace(current, **changes,
+                            reason=current.reason if current.reason == note else f"{current.reason}; {note}")
 
 
 @post_pass(order=30)

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from enum import StrEnum
 
-from autotp.synth.stages import idiom_kinds
+from autotp.synth.stages import idiom_kind, idiom_kinds
 
 # The role kinds every idiom shares, and what each means; ``build.style_for`` turns them into
 # ParallelStyles. A kind only one idiom assigns is registered in that idiom's module
@@ -222,7 +222,7 @@ class Role:
     def __post_init__(self):
         if self.kind in ROLE_KINDS:
             object.__setattr__(self, "kind", Kind(self.kind))
-        elif self.kind not in idiom_kinds():  # an idiom's own kind stays a plain str
+        elif idiom_kind(self.kind) is None:  # an idiom's own kind stays a plain str
             raise ValueError(f"unknown role kind {self.kind!r}; one of {', '.join([*ROLE_KINDS, *idiom_kinds()])}")
 
 

@@ -164,6 +164,13 @@ def idiom_kinds() -> dict[str, tuple[str, StyleBuilder]]:
     return dict(_ROLE_KINDS)
 
 
+def idiom_kind(kind: str) -> tuple[str, StyleBuilder] | None:
+    """``(meaning, style builder)`` of a kind an idiom registered, or None (read for every Role made
+    of such a kind: no copy of the table)."""
+    load_idioms()
+    return _ROLE_KINDS.get(kind)
+
+
 _loaded = False
 
 
@@ -173,10 +180,14 @@ def load_idioms() -> None:
     global _loaded
     if _loaded:
         return
-    _loaded = True
-    package = importlib.import_module("autotp.synth")
-    for module in pkgutil.iter_modules(package.__path__):
-        importlib.import_module(f"autotp.synth.{module.name}")
+    _loaded = True  # first: the idioms import this module, and may read a stage while importing
+    try:
+        package = importlib.import_module("autotp.synth")
+        for module in pkgutil.iter_modules(package.__path__):
+            importlib.import_module(f"autotp.synth.{module.name}")
+    except BaseException:
+        _loaded = False  # an idiom that failed to import is tried again, not skipped for good
+        raise
 
 
 def drop_checks() -> list[DropCheck]:
