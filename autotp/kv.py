@@ -4,7 +4,7 @@ transformers, DeepSpeed AutoTP and torchtitan refuse ``tp > num_key_value_heads`
 v projections become :class:`~autotp.styles.ReplicatedKVColwise` (each rank computes the kv head
 its query heads read: by default from sharded rows gathered each forward, the backward
 reduce-scattering as many bytes; with ``gather=False`` from a copy of the head's rows, the copies'
-gradients summed) and the attention module gets :class:`~autotp.styles.KVHeadCounts` so its
+gradients summed) and the attention module gets :class:`~autotp.styles.ShardCounts` (``query_heads``) so its
 grouped-query repeat is the local one.
 """
 
@@ -15,7 +15,7 @@ from torch.distributed.tensor.parallel import ColwiseParallel
 
 from autotp.errors import MeshError, working_tp_sizes
 from autotp.plan import Plan, describe_style, resolve
-from autotp.styles import KVHeadCounts, ReplicatedKVColwise
+from autotp.styles import ReplicatedKVColwise, ShardCounts
 
 
 def config_head_dim(config) -> int | None:
@@ -68,7 +68,7 @@ def replicate_kv_heads(model: nn.Module, plan: Plan, tp_size: int, *, gather: bo
     default_head_dim = config_head_dim(config)
     resolved = resolve(model, plan)
     kv_styles: dict[str, ReplicatedKVColwise] = {}
-    counts: dict[str, KVHeadCounts] = {}
+    counts: dict[str, ShardCounts] = {}
     for fqn, (key, style) in resolved.items():
         module, parent = modules[fqn], modules[fqn.rsplit(".", 1)[0]]
         head_dim = getattr(parent, "head_dim", None) or default_head_dim
@@ -79,10 +79,10 @@ def replicate_kv_heads(model: nn.Module, plan: Plan, tp_size: int, *, gather: bo
         if is_kv:
             check_kv_replication(fqn, local_kv, heads, tp_size)
             kv_styles[fqn] = ReplicatedKVColwise(kv_heads=local_kv, head_dim=head_dim, gather=gather)
-            counts[key.rsplit(".", 1)[0]] = KVHeadCounts(heads=heads)
+            counts[key.rsplit(".", 1)[0]] = ShardCounts(query_heads=heads)
     # An attention module with a style of its own keeps it, applied after the counts are set.
-    counts = {key: style if isinstance(plan.get(key), (type(None), KVHeadCounts)) else
-              KVHeadCounts(heads=style.heads, base=plan[key]) for key, style in counts.items()}
+    counts = {key: style if plan.get(key) is None or getattr(plan[key], "query_heads", None) is not None else
+              ShardCounts(query_heads=style.query_heads, base=plan[key]) for key, style in counts.items()}
     return {**_rewrite_keys(plan, resolved, kv_styles), **counts}
 
 

@@ -128,15 +128,14 @@ def previous_layout(plan: dict, *, sequence_parallel: bool) -> dict:
     """
     old = {}
     for key, style in plan.items():
-        if isinstance(style, styles.ReplicatedStream) or (
-                isinstance(style, styles.Boundary) and style.shares_output):
+        if isinstance(style, styles.Boundary) and (style.stream is not None or style.shares_output):
             continue
-        if isinstance(style, styles.ReplicatedParams) and not sequence_parallel:
+        if getattr(style, "dtensor", False) and not sequence_parallel:
             continue  # a parallel block's norm on its DTensor stream
         if isinstance(style, styles.Boundary) and style.inputs == "whole":
             continue
-        if isinstance(style, styles.SequenceParallelAllGather):
-            style = styles.SequenceParallelAllGather()
+        if isinstance(style, styles.Boundary) and style.outputs == "gather":
+            style = styles.Boundary(outputs="gather", style=style.style)
         elif isinstance(style, styles.Rowwise) and style.partial_output:
             style = (RowwiseParallel(output_layouts=Shard(1), use_local_output=False) if sequence_parallel
                      else RowwiseParallel())

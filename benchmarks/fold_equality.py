@@ -10,9 +10,15 @@ spelling (``Colwise(sizes=...)``, ``Boundary(outputs='replicate')``). The record
 values to the bit, counts exactly.
 
     mkdir ../autotp-base && git archive <commit before the fold> | tar -x -C ../autotp-base
-    python benchmarks/fold_equality.py --base ../autotp-base
+    python benchmarks/fold_equality.py --step 1 --base ../autotp-base
 
-Writes ``results/fold_equality.json``; exit status 1 when any pair differs.
+The second step (``--step 2``, the default: ``ReplicatedStream``, ``SequenceParallelAllGather``,
+``OwnPositionsOutput``, ``SharedReplicatedInput`` and ``ReducedInputGrads`` into ``Boundary``;
+``LinearParams``, ``KVHeadCounts`` and ``ReplicatedParams`` into options of ``HeadParams``,
+``ShardCounts`` and ``ReplicatedWithGradAllReduce``) is measured against the tree before it.
+
+Writes ``results/fold_equality.json`` (step 1) or ``results/fold_equality_step2.json``; exit status 1
+when any pair differs.
 """
 
 from __future__ import annotations
@@ -26,7 +32,6 @@ from pathlib import Path
 from plan_equality import run_in_tree, tree_name
 
 HERE = Path(__file__).resolve().parent
-RESULTS = HERE / "results" / "fold_equality.json"
 
 # name -> (module, input kind, old spelling, new spelling). Modules: a Linear, transformers' Conv1D,
 # a LayerNorm, a block around a Linear (whose Linear is ColwiseParallel in "block_columns", and
@@ -70,6 +75,41 @@ PAIRS = {
                                   "Boundary(inputs='whole', reduce_grad_features=((0, 4),))"),
 }
 
+# The second step (28 -> 20 styles), measured against the tree before it. Modules added: "raw" (a
+# module multiplying raw weights wq, wo), "counts" (a module whose output reads its head-count
+# attributes), "block_partial_columns" (the block's Linear a column handing back a partial input gradient).
+SECOND = {
+    "raw weights": ("raw", "plain", "LinearParams(shard_dims={'wq': 0, 'wo': 1}, columns=('wq',), rows=('wo',))",
+                    "HeadParams(shard_dims={'wq': 0, 'wo': 1}, columns=('wq',), rows=('wo',))"),
+    "raw weights, back to the stream": (
+        "raw", "plain", "LinearParams(shard_dims={'wq': 0, 'wo': 1}, columns=('wq',), rows=('wo',), seq_output=True)",
+        "HeadParams(shard_dims={'wq': 0, 'wo': 1}, columns=('wq',), rows=('wo',), seq_output=True)"),
+    "kv heads over the ranks": ("counts", "plain", "KVHeadCounts(heads=8, kv_attributes=('n_kv',), head_attributes=('n_heads',))",
+                                "ShardCounts(query_heads=8, kv_names=('n_kv',), head_names=('n_heads',))"),
+    "kv heads, ratio elsewhere": ("counts", "plain", "KVHeadCounts(heads=8, attribute='n_rep')",
+                                  "ShardCounts(query_heads=8, ratio='n_rep')"),
+    "own parameters as DTensors": ("norm", "seq", "ReplicatedParams()", "ReplicatedWithGradAllReduce(dtensor=True)"),
+    "stream as a DTensor": ("block_columns", "plain", "ReplicatedStream()",
+                            "Boundary(inputs='replicate', outputs='local', stream=0)"),
+    "norm all-gathered, plain": ("norm", "seq", "SequenceParallelAllGather()",
+                                 "Boundary(outputs='gather', style=SequenceParallel())"),
+    "norm all-gathered, DTensor": ("norm", "seq", "SequenceParallelAllGather(use_local_output=False)",
+                                   "Boundary(outputs='gather', local_outputs=False, style=SequenceParallel())"),
+    "norm all-gathered, partial gradient": ("norm", "seq", "SequenceParallelAllGather(partial_grad=True)",
+                                            "Boundary(outputs='gather', output_grad='partial', style=SequenceParallel())"),
+    "own positions": ("linear", "plain", "OwnPositionsOutput(sequence_dim=1)",
+                      "Boundary(outputs='slice', output_grad='partial', style=ReplicatedWithGradAllReduce())"),
+    "columns share their input": ("block_columns", "plain", "SharedReplicatedInput(columns=('proj',))",
+                                  "Boundary(inputs='replicate', columns=('proj',))"),
+    "columns share, partial gradient": ("block_columns", "plain", "SharedReplicatedInput(columns=('proj',), partial_grad=True)",
+                                        "Boundary(inputs='replicate', columns=('proj',), input_grad='partial')"),
+    "inputs' gradients reduced at entry": ("block_partial_columns", "plain", "ReducedInputGrads()",
+                                           "Boundary(inputs='reduce_grad')"),
+    "... with the module's parameters": ("block_partial_columns", "plain", "ReducedInputGrads(partial_params=True)",
+                                         "Boundary(inputs='reduce_grad', style=ReplicatedWithGradAllReduce())"),
+}
+STEPS = {1: (PAIRS, HERE / "results" / "fold_equality.json"), 2: (SECOND, HERE / "results" / "fold_equality_step2.json")}
+
 CHILD = r"""
 import json, sys, warnings
 from dataclasses import asdict
@@ -78,7 +118,7 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 from torch.distributed.tensor.debug import CommDebugMode
-from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, SequenceParallel
 from transformers.pytorch_utils import Conv1D
 import autotp
 assert autotp.__file__.startswith({tree!r}), autotp.__file__
@@ -99,13 +139,33 @@ class Block(nn.Module):
         return self.proj(x) * 2
 
 
+class Raw(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.wq, self.wo = nn.Parameter(torch.randn(16, 16) / 4), nn.Parameter(torch.randn(16, 16) / 4)
+
+    def forward(self, x):
+        return torch.relu(x @ self.wq.T) @ self.wo.T
+
+
+class Counts(nn.Linear):
+    def __init__(self):
+        super().__init__(16, 16)
+        self.n_heads, self.n_kv, self.num_key_value_groups, self.n_rep = 8, 2, 4, 4
+
+    def forward(self, x):
+        scale = self.n_heads + 10 * self.n_kv + 100 * self.num_key_value_groups + 1000 * self.n_rep
+        return super().forward(x) * scale
+
+
 def module(kind):
     torch.manual_seed(0)
-    return {{"linear": lambda: nn.Linear(16, 16), "conv1d": lambda: Conv1D(16, 16), "norm": lambda: nn.LayerNorm(16)}}.get(
-        kind, Block)()
+    return {{"linear": lambda: nn.Linear(16, 16), "conv1d": lambda: Conv1D(16, 16), "norm": lambda: nn.LayerNorm(16),
+             "raw": Raw, "counts": Counts}}.get(kind, Block)()
 
 
-INNER = {{"block_columns": ColwiseParallel(), "block_sequence": ColwiseParallel(input_layouts=Shard(1))}}
+INNER = {{"block_columns": ColwiseParallel(), "block_sequence": ColwiseParallel(input_layouts=Shard(1)),
+          "block_partial_columns": styles.Boundary(inputs="replicate", input_grad="partial", style=ColwiseParallel())}}
 
 
 def whole(value):
@@ -123,7 +183,7 @@ for name, (kind, inputs, old, new) in pairs.items():
     spelling = old if side == "old" else new
     try:
         namespace = {{**vars(styles), "ColwiseParallel": ColwiseParallel, "RowwiseParallel": RowwiseParallel,
-                      "Partial": Partial, "Replicate": Replicate, "Shard": Shard}}
+                      "SequenceParallel": SequenceParallel, "Partial": Partial, "Replicate": Replicate, "Shard": Shard}}
         style = eval(spelling, namespace)
         with simulated_mesh(2) as mesh:
             mod = module(kind)
@@ -153,19 +213,22 @@ print(json.dumps(out))
 """
 
 
-def records(tree: Path, side: str) -> dict:
-    return run_in_tree(tree, CHILD.format(tree=str(tree), pairs=json.dumps(PAIRS), side=side))
+def records(tree: Path, side: str, pairs: dict) -> dict:
+    return run_in_tree(tree, CHILD.format(tree=str(tree), pairs=json.dumps(pairs), side=side))
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--base", type=Path, required=True, help="the tree before the fold")
     parser.add_argument("--new", type=Path, default=HERE.parent, help="the tree after it (default: this checkout)")
+    parser.add_argument("--step", type=int, choices=sorted(STEPS), default=2,
+                        help="which fold: 1 (43 -> 28 styles, base 0a05dd8) or 2 (28 -> 20, base 1ee74df). Default: 2")
     args = parser.parse_args()
+    pairs, results = STEPS[args.step]
     start = time.time()
-    old, new = records(args.base.resolve(), "old"), records(args.new.resolve(), "new")
+    old, new = records(args.base.resolve(), "old", pairs), records(args.new.resolve(), "new", pairs)
     differ = {}
-    for name, (_, _, before, after) in PAIRS.items():
+    for name, (_, _, before, after) in pairs.items():
         a, b = old[name], new[name]
         fields = sorted(k for k in set(a) | set(b) if a.get(k) != b.get(k))
         if "error" in a or "error" in b:
@@ -174,12 +237,12 @@ def main() -> None:
         print(f"{name:34s} {before}  ->  {after}: {status}")
         if fields:
             differ[name] = {k: {"base": a.get(k), "new": b.get(k)} for k in fields}
-    summary = f"{len(PAIRS)} folded spellings: {len(PAIRS) - len(differ)} equal, {len(differ)} differ"
+    summary = f"{len(pairs)} folded spellings: {len(pairs) - len(differ)} equal, {len(differ)} differ"
     print(summary)
-    RESULTS.parent.mkdir(exist_ok=True)
-    RESULTS.write_text(json.dumps({"command": " ".join(sys.argv), "base": tree_name(args.base), "summary": summary,
+    results.parent.mkdir(exist_ok=True)
+    results.write_text(json.dumps({"command": " ".join(sys.argv), "base": tree_name(args.base), "summary": summary,
                                    "seconds": round(time.time() - start, 1), "pairs": {
-                                       name: {"old": p[2], "new": p[3], "record": new[name]} for name, p in PAIRS.items()},
+                                       name: {"old": p[2], "new": p[3], "record": new[name]} for name, p in pairs.items()},
                                    "differ": differ}, indent=1))
     sys.exit(1 if differ else 0)
 

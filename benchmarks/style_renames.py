@@ -1,4 +1,4 @@
-"""Read a style's repr written before issue 40's fold of the public styles (43 -> 28) in the new names.
+"""Read a style's repr written before issue 40's folds of the public styles (43 -> 28 -> 20) in the new names.
 
 The fold kept what each style shards and communicates and changed how it is spelled: 16 classes
 became options of 4 (``Colwise``, ``Rowwise``, ``Boundary``, ``ExpertsParallel``; a per-head
@@ -11,6 +11,10 @@ options sorted, so two trees' plans compare option by option whichever names the
 >>> canonical("PartialGradInput(style=OwnedOutput(ColwiseParallel()))") == canonical(
 ...     "Boundary(inputs='replicate', input_grad='partial', copy_output=True, style=ColwiseParallel())")
 True
+>>> canonical("SharedReplicatedInput(columns=('q', 'k'), partial_grad=True)")
+"Boundary(columns=('q', 'k'), input_grad='partial', inputs='replicate')"
+>>> canonical("SequenceParallelAllGather(use_local_output=False)")
+"Boundary(local_outputs=False, outputs='gather', style=SequenceParallel(sequence_dim=1, use_local_output=False))"
 """
 
 from __future__ import annotations
@@ -78,6 +82,14 @@ def _renamed(node):
         return "ReplicatedWithGradAllReduce", positional, kw
     if name == "PartialExpertsParallel":
         return "ExpertsParallel", positional, {**kw, "partial_output": "True"}
+    if name == "LinearParams":  # its raw-weight options always printed; HeadParams prints those set
+        return "HeadParams", positional, {k: v for k, v in kw.items() if v not in ("()", "False")}
+    if name == "KVHeadCounts":
+        renamed = {"heads": "query_heads", "attribute": "ratio", "kv_attributes": "kv_names",
+                   "head_attributes": "head_names"}
+        return "ShardCounts", positional, {renamed.get(k, k): v for k, v in kw.items()}
+    if name == "ReplicatedParams":
+        return "ReplicatedWithGradAllReduce", positional, {"dtensor": "True"}
     boundary = _boundary(name, positional, kw)
     return ("Boundary", [], boundary) if boundary is not None else (name, positional, kw)
 
@@ -107,6 +119,29 @@ def _boundary(name: str, positional: list, kw: dict) -> dict | None:
         return _merged({"copy_output": "True"}, positional[0])
     if name == "PartialGradInput":
         return _merged({"inputs": "'replicate'", "input_grad": "'partial'"}, kw["style"])
+    return _boundary_second_fold(name, kw, dim)
+
+
+_SEQUENCE_PARALLEL = "SequenceParallel(sequence_dim=1, use_local_output=False)"
+
+
+def _boundary_second_fold(name: str, kw: dict, dim: dict) -> dict | None:
+    """The boundary styles folded in the fold's second step (43 -> 28 -> 20 styles)."""
+    if name == "ReplicatedStream":
+        return {"inputs": "'replicate'", "outputs": "'local'", "stream": kw.get("stream", "0")}
+    if name == "SequenceParallelAllGather":
+        local = {"local_outputs": "False"} if kw.get("use_local_output") == "False" else {}
+        grad = {"output_grad": "'partial'"} if kw.get("partial_grad") == "True" else {}
+        return {"outputs": "'gather'", **local, **grad, "style": _SEQUENCE_PARALLEL}
+    if name == "OwnPositionsOutput":
+        return {"outputs": "'slice'", "output_grad": "'partial'", **dim, "style": "ReplicatedWithGradAllReduce()"}
+    if name == "SharedReplicatedInput":
+        grad = {"input_grad": "'partial'"} if kw.get("partial_grad") == "True" else {}
+        inner = {"style": kw["style"]} if "style" in kw else {}
+        return {"inputs": "'replicate'", "columns": kw["columns"], **grad, **inner}
+    if name == "ReducedInputGrads":
+        inner = {"style": "ReplicatedWithGradAllReduce()"} if kw.get("partial_params") == "True" else {}
+        return {"inputs": "'reduce_grad'", **inner}
     return None
 
 

@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 from torch.distributed.tensor import Partial, Replicate, Shard
-from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel
+from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel, SequenceParallel
 
-from autotp.styles import Boundary, Rowwise, SequenceParallelAllGather, VocabParallelEmbedding
+from autotp.styles import Boundary, Rowwise, VocabParallelEmbedding
 
 
 def vocab_embedding(*, sequence_parallel: bool) -> ParallelStyle:
@@ -43,5 +43,5 @@ def shared_input(*, sequence_parallel: bool) -> ParallelStyle:
     one ``Replicate()`` DTensor (all-gathered under SP), so backward reduces the summed input
     gradient once per branch (an all-reduce; a reduce-scatter under SP), not once per projection."""
     if sequence_parallel:
-        return SequenceParallelAllGather(use_local_output=False)
+        return Boundary(outputs="gather", local_outputs=False, style=SequenceParallel())
     return Boundary(outputs="replicate")

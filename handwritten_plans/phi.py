@@ -12,7 +12,7 @@ from __future__ import annotations
 from torch import nn
 from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, SequenceParallel
 
-from autotp.styles import ReplicatedWithGradAllReduce, JoinPartialSums, ReplicatedParams, ReplicatedStream, RotaryEmbedParallel
+from autotp.styles import Boundary, ReplicatedWithGradAllReduce, JoinPartialSums, RotaryEmbedParallel
 from handwritten_plans._blocks import partial_row, shared_input, vocab_embedding, vocab_head
 
 
@@ -38,11 +38,12 @@ def parallelize_phi(model: nn.Module, sequence_parallel: bool = False) -> dict[s
     if sequence_parallel:
         # Each branch passes through ``resid_dropout`` before the sum: in training each then gets its
         # own sequence-sharded gradient from the add, gathered once for both by the layer's join
-        # (which all-reduces a branch's partial sum before a live dropout, as ReplicatedStream does).
+        # (which all-reduces a branch's partial sum before a live dropout, as the stream's Boundary does without SP).
         plan |= {"model.rotary_emb": RotaryEmbedParallel(), "model.final_layernorm": SequenceParallel(),
                  layer: JoinPartialSums()}
     else:
         # The stream is a plain tensor between layers: a Replicate() DTensor inside each, so the
         # residual add reduces the branches' summed partial outputs (the norm's weights join it).
-        plan |= {layer: ReplicatedStream(), f"{layer}.input_layernorm": ReplicatedParams()}
+        plan |= {layer: Boundary(inputs="replicate", outputs="local", stream=0),
+                 f"{layer}.input_layernorm": ReplicatedWithGradAllReduce(dtensor=True)}
     return plan

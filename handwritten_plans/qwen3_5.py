@@ -22,15 +22,9 @@ SP ``out_proj`` reduce-scatters back onto the sequence-sharded stream.
 from __future__ import annotations
 
 from torch import nn
-from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle
+from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, SequenceParallel
 
-from autotp.styles import (
-    HeadParams,
-    ReplicatedWithGradAllReduce,
-    Colwise,
-    SequenceParallelAllGather,
-    SharedReplicatedInput,
-)
+from autotp.styles import Boundary, Colwise, HeadParams, ReplicatedWithGradAllReduce
 from handwritten_plans._blocks import row_output, shared_input, vocab_head
 from handwritten_plans.gemma3 import text_prefix
 from handwritten_plans.llama import decoder_plan
@@ -81,7 +75,9 @@ def parallelize_qwen3_5(model: nn.Module, sequence_parallel: bool = False) -> di
         if kind == "full_attention":
             plan[f"{prefix}.layers.{i}.input_layernorm"] = shared_input(sequence_parallel=sequence_parallel)
             continue
-        plan[f"{prefix}.layers.{i}"] = SharedReplicatedInput(columns=columns, partial_grad=sequence_parallel)
+        plan[f"{prefix}.layers.{i}"] = Boundary(inputs="replicate", columns=columns,
+                                                input_grad="partial" if sequence_parallel else "whole")
         if sequence_parallel:
-            plan[f"{prefix}.layers.{i}.input_layernorm"] = SequenceParallelAllGather(partial_grad=True)
+            plan[f"{prefix}.layers.{i}.input_layernorm"] = Boundary(outputs="gather", output_grad="partial",
+                                                                     style=SequenceParallel())
     return plan

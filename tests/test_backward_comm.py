@@ -146,7 +146,7 @@ def test_plain_pytorch_parallel_block_found_from_the_graph():
     ids = torch.randint(0, 128, (2, 8))
     plan = synthesize(model, example_inputs=(ids,), tp_size=2, verify=False)
     assert _partial_row(plan["blocks.*.down"])
-    assert type(plan["blocks.*"]).__name__ == "ReplicatedStream"
+    assert repr(plan["blocks.*"]) == "Boundary(inputs='replicate', outputs='local', stream=0)"
     report = _report(model, plan, inputs=(ids,))
     assert report.collectives == {"all_reduce": LAYERS + 1}
     assert report.collectives_backward == {"all_reduce": LAYERS + 1}  # + the head's input gradient
@@ -278,7 +278,7 @@ def test_columns_reading_the_stream_share_one_reduction(tp_size, sequence_parall
         assert report.collectives == {"all_gather_into_tensor": 2 * LAYERS + 1,
                                       "reduce_scatter_tensor": 2 * LAYERS + 1, "all_reduce": norms}
     else:
-        assert type(plan["model.layers.*.self_attn"]).__name__ == "SharedReplicatedInput"
+        assert plan["model.layers.*.self_attn"].columns == ("k_proj", "q_proj", "v_proj"), plan
         assert report.collectives == {"all_reduce": 2 * LAYERS + 1 + norms}
     assert report.collectives_backward == _mirrored(report.collectives)
     assert report.comm_volume_backward == report.comm_volume
@@ -369,8 +369,8 @@ def test_plain_pytorch_post_norm_columns_share_their_entry(tp_size):
     model.blocks = nn.ModuleList(_PostNormBlock(64, 4) for _ in range(LAYERS))
     ids = torch.randint(0, 128, (2, 8))
     plan = synthesize(model, example_inputs=(ids,), tp_size=tp_size, verify=False)
-    assert repr(plan["blocks.*.attn"]) == "SharedReplicatedInput(columns=('k', 'q', 'v'))"
-    assert repr(plan["blocks.*.mlp"]) == "SharedReplicatedInput(columns=('gate', 'up'))"
+    assert repr(plan["blocks.*.attn"]) == "Boundary(inputs='replicate', columns=('k', 'q', 'v'))"
+    assert repr(plan["blocks.*.mlp"]) == "Boundary(inputs='replicate', columns=('gate', 'up'))"
     report = _report(model, plan, tp_size=tp_size, inputs=(ids,))
     assert report.collectives == {"all_reduce": 2 * LAYERS + 1}
     assert report.collectives_backward == {"all_reduce": 2 * LAYERS + 1}
@@ -487,14 +487,16 @@ def _nano_gpt_with_positions(form: str):
 @pytest.mark.parametrize("form", ["(t, d)", "(1, t, d)"])
 def test_position_table_keeps_own_positions_under_sp(tp_size, form):
     """nanoGPT's learned positions ``wpe(arange(t))`` added to the sequence-sharded stream: each rank
-    keeps its own positions (``OwnPositionsOutput``), so the backward moves no more than the forward
+    keeps its own positions (``Boundary(outputs="slice", output_grad="partial")``), so the backward moves no more than the forward
     (was one all-gather of the table's ``(t, d)`` gradient per step, 1.05 times the forward's bytes
     on the GPT-2 family), and the table's gradient is exact once its partial sums are added."""
     from synth_toy import example_tokens
 
     model = _nano_gpt_with_positions(form)
     plan = synthesize(model, example_inputs=(example_tokens(),), sequence_parallel=True, tp_size=tp_size, verify=False)
-    assert repr(plan["wpe"]) == repr(styles.OwnPositionsOutput(sequence_dim=0 if form == "(t, d)" else 1))
+    assert repr(plan["wpe"]) == repr(styles.Boundary(outputs="slice", output_grad="partial",
+                                                     sequence_dim=0 if form == "(t, d)" else 1,
+                                                     style=styles.ReplicatedWithGradAllReduce()))
     report = _report(model, plan, tp_size=tp_size, inputs=(example_tokens(),))
     assert "wpe.weight" in report.grad_max_abs_diff
     assert report.collectives_backward == _mirrored(report.collectives)

@@ -145,7 +145,7 @@ def test_shared_rope_key_down_projection_reduces_that_span_and_the_heads_shard(t
     for name in ("q_up", "kv_up", "out"):
         assert f"blocks.*.attn.{name}" in plan, sorted(plan)
     assert isinstance(plan["blocks.*.attn.kv_down"], styles.ReplicatedWithGradAllReduce), plan["blocks.*.attn.kv_down"]
-    assert plan["blocks.*.attn"].partial_grad and plan["blocks.*.attn"].columns == ("kv_up", "q_up")
+    assert plan["blocks.*.attn"].input_grad == "partial" and plan["blocks.*.attn"].columns == ("kv_up", "q_up")
     # The low-rank query pair gave way to the heads (under SP q_down only gathers its input).
     assert not isinstance(plan.get("blocks.*.attn.q_down"), (ColwiseParallel, RowwiseParallel))
     bound = _fraction_keeping_whole(model, tp_size, ("q_down", "kv_down"))

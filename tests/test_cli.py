@@ -272,7 +272,8 @@ def test_synthesized_plan_at_tp_above_the_kv_heads_replicates_them(capsys):
     assert main(["plan", "llama-70b", "--tp", "16", "--source", "synth", "--json"]) == 0
     plan = json.loads(capsys.readouterr().out)["plan"]
     assert plan["model.layers.*.self_attn.k_proj"]["style"] == "ReplicatedKVColwise"
-    assert plan["model.layers.*.self_attn"]["style"] == "KVHeadCounts"
+    assert plan["model.layers.*.self_attn"]["style"] == "ShardCounts"
+    assert plan["model.layers.*.self_attn"]["query_heads"] == 64
 
 
 # --- rough edges: one-line errors, --version, fast --help, warnings ---------------------------------

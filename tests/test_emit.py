@@ -7,7 +7,7 @@ import json
 import pytest
 import torch.distributed.tensor.parallel as torch_styles
 from torch.distributed.tensor import Partial, Replicate, Shard
-from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle
+from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, SequenceParallel
 
 from autotp import emit, styles
 from autotp.cli import main
@@ -31,17 +31,17 @@ _OPTIONAL = {
     "sizes": (3, 3, 2), "stream": "hidden_states",
     "reduce": ("lam",), "counts": ("n_heads",), "columns": ("w1",), "rows": ("w2",),
     "reduce_grad_features": ((4, 8),), "once": ("b2",), "style": ColwiseParallel(),
-    "kv_attributes": ("n_kv_heads",), "head_attributes": ("n_heads",), "replicated_outputs": True,
+    "query_heads": 8, "ratio": "n_rep", "kv_names": ("n_kv_heads",), "head_names": ("n_heads",), "replicated_outputs": True,
     "partial_outputs": True,
 }
 # Where one option name means another thing in another style: its sample there.
-_PER_CLASS = {"HeadParams": {"packed": {"w1": (3, 3)}}, "LinearParams": {"packed": {"w1": (3, 3)}},
+_PER_CLASS = {"HeadParams": {"packed": {"w1": (3, 3)}},
               # A gathered block sliced back; the gradient options keep their defaults there (each
               # is tied to another side: test_fronts and test_partial_inputs build those).
-              "Boundary": {"inputs": "gather", "outputs": "shard", "input_grad": "whole", "output_grad": "whole"},
+              "Boundary": {"inputs": "gather", "outputs": "shard", "input_grad": "whole", "output_grad": "whole",
+                           "stream": None, "columns": ()},  # (both are of inputs="replicate": _FOLDED)
               "ShardCounts": {"base": styles.Boundary(inputs="gather", outputs="shard"), "names": ("n_heads",),
                               "literals": (("view", 3, 2, 16, 2, 4, (2, 5, 4, 4)), ("slice", 3, 2, 48, 16, 32, ()))},
-              "KVHeadCounts": {"base": styles.HeadParams(shard_dims={"temperature": 0})},
               "GroupCopies": {"rows": {"weight": (0, 10, ((8, 10, 1),))}, "values": {"n_groups": 2}},
               # scale_rows counts whole terms once in place of ``once``: the two do not go together; a
               # module of one side (``side``) takes neither with partial-gradient inputs (test_split_experts
@@ -89,6 +89,27 @@ def test_every_style_round_trips(cls):
         assert type(rebuilt) is cls
         assert describe_style(rebuilt) == describe_style(style)
         assert repr(rebuilt) == repr(style)
+
+
+# The spellings of the styles folded into options in issue 40's second step, each round-tripped too.
+_FOLDED = [
+    styles.Boundary(inputs="replicate", outputs="local", stream=0),
+    styles.Boundary(inputs="replicate", columns=("q", "k"), input_grad="partial", style=ColwiseParallel()),
+    styles.Boundary(outputs="gather", local_outputs=False, style=SequenceParallel()),
+    styles.Boundary(outputs="gather", output_grad="partial", style=SequenceParallel(sequence_dim=0)),
+    styles.Boundary(outputs="slice", output_grad="partial", sequence_dim=0, style=styles.ReplicatedWithGradAllReduce()),
+    styles.Boundary(inputs="reduce_grad", style=styles.ReplicatedWithGradAllReduce()),
+    styles.ReplicatedWithGradAllReduce(dtensor=True),
+    styles.ShardCounts(query_heads=8, kv_names=("n_kv",), base=styles.HeadParams(shard_dims={"t": 0})),
+    styles.HeadParams(shard_dims={"wq": 0, "wo": 1}, columns=("wq",), rows=("wo",), seq_output=True),
+]
+
+
+@pytest.mark.parametrize("style", _FOLDED, ids=repr)
+def test_folded_spellings_round_trip(style):
+    rebuilt = _rebuild(style)
+    assert type(rebuilt) is type(style) and repr(rebuilt) == repr(style)
+    assert describe_style(rebuilt) == describe_style(style)
 
 
 def test_style_classes_cover_both_modules():
@@ -164,7 +185,7 @@ def test_emit_hf_names_styles_without_a_string_in_a_warning(capsys):
     captured = capsys.readouterr()
     assert json.loads(captured.out)["model.layers.*.self_attn.q_proj"] == "colwise"
     assert captured.err.startswith("autotp: warning: --emit hf left out 8 plan key(s)")
-    assert "model.layers.*.input_layernorm (SequenceParallelAllGather)" in captured.err
+    assert "model.layers.*.input_layernorm (Boundary)" in captured.err
     assert captured.err.count("\n") == 1 and "error" not in captured.err
 
 

@@ -78,9 +78,10 @@ def _report(model, plan, tp):
     return report
 
 
-def _sharing(plan) -> styles.SharedReplicatedInput:
+def _sharing(plan) -> styles.Boundary:
     """The one style that shares the mixer's four columns' input."""
-    found = [(key, style) for key, style in plan.items() if isinstance(style, styles.SharedReplicatedInput)]
+    found = [(key, style) for key, style in plan.items() if getattr(style, "columns", None)
+             and isinstance(style, styles.Boundary)]
     assert len(found) == 1, found
     key, style = found[0]
     assert {f"{key}.{c}".removeprefix("layers.*.") for c in style.columns} == {f"mixer.{p}_proj" for p in "vgab"}
@@ -100,7 +101,7 @@ def test_masked_columns_reduce_their_input_gradient_once(tp, sequence_parallel):
     model = Model()
     plan = synthesize(model, example_inputs=_inputs(), tp_size=tp, sequence_parallel=sequence_parallel, verify=False)
     shared = _sharing(plan)
-    assert shared.partial_grad is sequence_parallel
+    assert (shared.input_grad == "partial") is sequence_parallel
     report = _report(model, plan, tp)
     assert report.collectives_backward == _mirrored(report.collectives)
     assert report.comm_volume_backward == report.comm_volume
@@ -114,7 +115,7 @@ def test_a_learned_scale_before_the_columns_keeps_the_gradient_reduced(sequence_
     anyway (the scale's gradient is then off by the other ranks' share)."""
     model = Model(learned_scale=True)
     plan = synthesize(model, example_inputs=_inputs(), tp_size=2, sequence_parallel=sequence_parallel, verify=False)
-    assert not _sharing(plan).partial_grad
+    assert _sharing(plan).input_grad == "whole"
     report = _report(model, plan, 2)
     if sequence_parallel:  # the columns' summed gradient all-reduced once per layer; the rest mirrored
         assert report.collectives_backward == {"all_reduce": LAYERS, "all_gather_into_tensor": 2 * LAYERS + 1,

@@ -69,7 +69,7 @@ def test_mixed_column_inputs_cost_the_backward_no_more_than_the_forward(tp, sequ
     plan, report = _verified(tp, sequence_parallel)
     assert report.comm_volume_backward <= report.comm_volume, (report.comm_volume, report.comm_volume_backward)
     mixer = plan["layers.*.mixer"]
-    assert mixer.partial_grad and mixer.wrapped.reduce == ("mix_k", "mix_r", "mix_v"), mixer
+    assert mixer.input_grad == "partial" and mixer.wrapped.reduce == ("mix_k", "mix_r", "mix_v"), mixer
     assert mixer.wrapped.shard_dims == {"decay": 0}, mixer  # sharded as before: same parameter fractions
     assert all(abs(f - 1 / tp) < 0.01 for f in report.param_fraction), report.param_fraction
 
@@ -79,4 +79,4 @@ def test_a_mix_also_read_whole_keeps_one_reduction_per_column():
     may not run on partial gradients; the columns reduce their own inputs, and the plan is exact."""
     plan, _ = _verified(2, False, stray_read=True)
     mixer = plan["layers.*.mixer"]
-    assert not getattr(mixer, "partial_grad", False) and not getattr(mixer, "partial_grad_inputs", False), mixer
+    assert getattr(mixer, "input_grad", "whole") == "whole" and not getattr(mixer, "partial_grad_inputs", False), mixer

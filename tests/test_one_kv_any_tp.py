@@ -3,7 +3,7 @@
 Every tp is above one kv head, and the plan for it is the same at each: every rank holds the head
 (:class:`~autotp.styles.ReplicatedKVColwise`, its copies' gradients summed) and the attention's
 head counts are set per rank from the mesh when the plan is applied
-(:class:`~autotp.styles.KVHeadCounts`). So ``synthesize`` without ``tp_size`` writes that plan, and
+(:class:`~autotp.styles.ShardCounts` with ``query_heads``). So ``synthesize`` without ``tp_size`` writes that plan, and
 it verifies at tp 2 and 4; it used to keep the attention (and a tied embedding with it) whole
 (0.51 of the parameters per rank at tp 4, where the plan written for tp 4 holds 0.34). Where the
 one-head plan cannot be written without a tp (query heads that 2 does not divide), synthesis asks

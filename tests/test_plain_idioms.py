@@ -552,8 +552,8 @@ def test_head_counts_sizing_the_kv_repeat_take_their_per_rank_values():
     plan, report = run(model, 8)
     assert report.ok, str(report)
     style = plan["layers.*.attn"]
-    assert isinstance(style, styles.KVHeadCounts) and style.kv_attributes == ("n_kv_head",), style
-    assert {style.attribute, *style.head_attributes} == {"n_rep", "n_head"}, style
+    assert isinstance(style, styles.ShardCounts) and style.kv_names == ("n_kv_head",), style
+    assert {style.ratio, *style.head_names} == {"n_rep", "n_head"}, style
     assert max(report.param_fraction) < 0.2, report.param_fraction  # k/v one head per rank, the rest 1/8
 
 
@@ -589,7 +589,7 @@ def test_a_head_on_the_tied_embedding_in_the_models_own_code(model_class, tp, se
     assert report.ok, str(report)
     assert "layers.*.attn.wq" in plan and type(plan.get("embed")).__name__ != "VocabParallelEmbedding", plan
     if sequence_parallel:
-        assert type(plan["norm"]).__name__ == "SequenceParallelAllGather" and plan["norm"].use_local_output, plan
+        assert plan["norm"].outputs == "gather" and plan["norm"].local_outputs, plan
         assert report.comm_volume_backward <= report.comm_volume, report
 
 
@@ -695,12 +695,12 @@ def test_per_head_parameter_with_kv_heads_replicated(sequence_parallel):
     """Would catch the kv-head counts and the per-head parameter competing for the attention's one
     plan key (before: the counts won, the temperature stayed whole and broadcast over 2 of 8 heads,
     and the sharded run failed on the shapes)."""
-    from autotp.styles import HeadParams, KVHeadCounts
+    from autotp.styles import HeadParams, ShardCounts
 
     model = Decoder(attention=HeadTemperatureGQA)
     plan, report = run(model, 4, sequence_parallel)
     assert report.ok, str(report)
     style = plan["layers.*.attn"]
-    assert isinstance(style, KVHeadCounts) and isinstance(style.base, HeadParams), style
+    assert isinstance(style, ShardCounts) and style.query_heads and isinstance(style.base, HeadParams), style
     assert style.base.shard_dims == {"temperature": 0}
     assert all(f <= 1 / 4 + 0.1 for f in report.param_fraction), report.param_fraction

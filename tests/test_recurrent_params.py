@@ -92,7 +92,7 @@ def _verified(model, tp: int, sequence_parallel: bool = False, inputs=None):
 def test_recurrence_parameters_read_every_step_are_sharded(tp, sequence_parallel):
     plan, report = _verified(_model(), tp, sequence_parallel)
     # The key reads a learned mix of the stream: the mixer takes it with a partial gradient
-    # (SharedReplicatedInput around its HeadParams, autotp.synth.mixes), one reduction per layer.
+    # (a Boundary with columns around its HeadParams, autotp.synth.mixes), one reduction per layer.
     mixer = plan["layers.*.mixer"].wrapped
     assert mixer.shard_dims == {"bonus": 0, "decay": 0} and mixer.gather_inputs == sequence_parallel, plan
     assert mixer.reduce == ("mix",) and mixer.partial_grad_inputs, plan

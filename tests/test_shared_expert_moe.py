@@ -172,7 +172,7 @@ def test_columns_of_a_partial_sum_block_are_shared_by_the_block_alone():
     _, plan = model_and_plan("dense", 2, True)
     block_columns = {f"blocks.*.ffn.{c}" for c in plan["blocks.*.ffn"].columns}
     for key, style in plan.items():
-        if isinstance(style, styles.SharedReplicatedInput):
+        if isinstance(style, styles.Boundary) and style.columns:
             shared = {f"{key}.{c}" for c in style.columns}
             assert not shared & block_columns, (key, style)
 

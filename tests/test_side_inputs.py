@@ -5,7 +5,7 @@ query, key and value projections: the norm's output, twice the stream's width, h
 all-reduced in every layer that runs the block. The backward of the norm and of the concatenation
 is linear in the incoming gradient, so the columns' partial sums may run back through them; the
 block then reduces its stream input in each layer and the root value once, after every layer has
-added its share (:class:`~autotp.styles.ReducedInputGrads`).
+added its share (``Boundary(inputs="reduce_grad")``).
 
 Where the first layer normalises the embeddings themselves before its own columns, and the block
 reads a copy of them, the first layer's norm takes them at its entry the same way: its partial
@@ -127,7 +127,7 @@ def test_side_input_reduced_once_for_every_layer(tp, monkeypatch):
     model = SideInputModel(layers)
     plan = _plan(model, tp)
     mixer = plan["blocks.*.mixer"]  # shares the columns' input too
-    assert isinstance(mixer, styles.SharedReplicatedInput) and isinstance(mixer.style, styles.ReducedInputGrads), mixer
+    assert mixer.columns and mixer.style.inputs == "reduce_grad", mixer
     assert isinstance(plan["blocks.*.mixer.norm"], styles.ReplicatedWithGradAllReduce), plan["blocks.*.mixer.norm"]
     report = _report(model, plan, tp)
     assert max(report.param_fraction) < 1.2 / tp, report.param_fraction
@@ -146,7 +146,7 @@ def test_one_layer_keeps_the_norm_reduction():
     costs what the norm's output does, and the plan keeps that one reduction."""
     model = SideInputModel(1, mlp_layers=2)
     plan = _plan(model, 2)
-    assert not any(isinstance(style, styles.ReducedInputGrads) for style in plan.values()), plan
+    assert not any("reduce_grad" in repr(style) for style in plan.values()), plan
     assert any(getattr(style, "outputs", None) == "replicate" for key, style in plan.items() if key.endswith("mixer.norm"))
     _report(model, plan, 2)
 
@@ -164,7 +164,7 @@ def test_side_copy_of_the_first_layers_input_costs_nothing(tp, layers, copy, mon
     model = CopiedSideModel(layers, copy=copy)
     plan = _plan(model, tp)
     first = plan["blocks.0.ln"]
-    assert isinstance(first, styles.ReducedInputGrads) and first.partial_params, first
+    assert first.inputs == "reduce_grad" and isinstance(first.style, styles.ReplicatedWithGradAllReduce), first
     report = _report(model, plan, tp)
     assert max(report.param_fraction) < 1.2 / tp, report.param_fraction
     assert report.comm_volume_backward == report.comm_volume, (report.comm_volume, report.comm_volume_backward)
@@ -214,7 +214,7 @@ def test_reduced_input_grads_refuses_a_module_returning_its_input(monkeypatch):
     from autotp.styles import boundaries
 
     monkeypatch.setattr(boundaries, "all_reduce_backward", lambda value, mesh: value.view_as(value))
-    module = styles.ReducedInputGrads()._apply(nn.Identity(), device_mesh=object())
+    module = styles.Boundary(inputs="reduce_grad")._apply(nn.Identity(), device_mesh=object())
     with pytest.raises(PlanError, match="Identity returns one of its inputs"):
         module(torch.randn(3, requires_grad=True) * 2)
     assert module(torch.randn(3)).shape == (3,)  # no gradient: nothing taken
@@ -235,5 +235,5 @@ def test_reduced_input_grads_hooks_a_module_once():
     a second would all-reduce an already reduced gradient again (tp times the gradient)."""
     module = Mixer()
     for _ in range(2):
-        styles.ReducedInputGrads()._apply(module, device_mesh=None)
+        styles.Boundary(inputs="reduce_grad")._apply(module, device_mesh=None)
     assert len(module._forward_pre_hooks) == 1

@@ -26,6 +26,11 @@ from autotp.synth import synthesize
 from synth_toy import DIM, MLP, VOCAB, CausalSelfAttention, GPTBlock, example_tokens, verify_toy
 
 
+def _dtensor_params(style) -> bool:
+    """A module's own parameters kept replicated DTensors during its forward."""
+    return isinstance(style, styles.ReplicatedWithGradAllReduce) and style.dtensor
+
+
 class ScaledResidual(nn.Module):
     """Adds a branch's output to the residual, each with a learned scale and bias."""
 
@@ -110,7 +115,7 @@ def test_stream_modules_are_exact_under_sequence_parallel(mixer, tp, sequence_pa
     if sequence_parallel:
         # The two-input residual module holds only parameters of its own: replicated DTensors, its
         # inputs left as the sequence-sharded DTensors they arrive as.
-        assert isinstance(plan["layers.*.res_1"], styles.ReplicatedParams), plan["layers.*.res_1"]
+        assert _dtensor_params(plan["layers.*.res_1"]), plan["layers.*.res_1"]
         if mixer == "raw_cumulative":
             # A weight product, not a norm: gathered whole at entry, not run as SequenceParallel.
             assert not isinstance(plan["layers.*.mixer"], SequenceParallel), plan["layers.*.mixer"]
@@ -293,7 +298,7 @@ def test_module_masking_the_stream_reads_it_gathered(tp):
     model = MaskedModel()
     plan = synthesize(model, example_inputs=(tokens, mask), tp_size=tp, sequence_parallel=True, verify=False)
     norm = plan["layers.*.ln_1"]
-    assert isinstance(norm, styles.SequenceParallelAllGather) and norm.use_local_output, norm
+    assert isinstance(norm, styles.Boundary) and norm.outputs == "gather" and norm.local_outputs, norm
     assert isinstance(plan["layers.*.mixer"], styles.HeadParams), plan.get("layers.*.mixer")
     report = verify(model, plan, tp_size=tp, example_inputs=(tokens, mask))
     assert report.ok, str(report)
@@ -350,7 +355,7 @@ def test_body_parameter_expanded_into_the_stream_is_replicated(tp):
     replicated DTensor, its gradient is summed over the sequence shards."""
     model = SeededModel()
     plan = synthesize(model, example_inputs=(example_tokens(),), tp_size=tp, sequence_parallel=True, verify=False)
-    assert isinstance(plan.get("body"), styles.ReplicatedParams), plan.get("body")
+    assert _dtensor_params(plan.get("body")), plan.get("body")
     report = verify_toy(model, plan, tp)
     assert all(f <= _whole_fraction(model, tp) + 0.01 for f in report.param_fraction), report.param_fraction
 
@@ -734,13 +739,13 @@ def test_scalars_picked_from_a_block_parameter_meet_the_stream_as_dtensors(seque
     plan = synthesize(model, example_inputs=(example_tokens(),), tp_size=2, sequence_parallel=sequence_parallel,
                       verify=False)
     if sequence_parallel:
-        assert isinstance(plan.get("layers.*"), styles.ReplicatedParams), plan.get("layers.*")
+        assert _dtensor_params(plan.get("layers.*")), plan.get("layers.*")
     verify_toy(model, plan, 2)
 
 
 def test_a_plain_parameter_with_a_dtensor_gradient_is_a_failure_not_a_crash():
-    """The SP plan without the block's ``ReplicatedParams``: ``lambdas`` stays a plain parameter and
-    gets a DTensor gradient, which no optimizer can step; the verifier names it."""
+    """The SP plan without the block's ``ReplicatedWithGradAllReduce(dtensor=True)``: ``lambdas``
+    stays a plain parameter and gets a DTensor gradient, which no optimizer can step; the verifier names it."""
     from autotp.verifier import verify
 
     model = PickedScaleModel()

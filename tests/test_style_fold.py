@@ -12,7 +12,7 @@ import pytest
 import torch
 from torch import nn
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
-from torch.distributed.tensor.parallel import ParallelStyle
+from torch.distributed.tensor.parallel import ParallelStyle, SequenceParallel
 
 from autotp import styles
 from autotp._simulate import simulated_mesh
@@ -25,9 +25,9 @@ def _public_styles() -> list[str]:
             and issubclass(getattr(styles, n), ParallelStyle)]
 
 
-def test_public_styles_are_28_and_every_one_is_exported():
+def test_public_styles_are_20_and_every_one_is_exported():
     names = _public_styles()
-    assert len(names) == 28, names
+    assert len(names) == 20, names
     defined = {n for n, v in vars(styles).items() if inspect.isclass(v) and issubclass(v, ParallelStyle)}
     assert defined == set(names), defined ^ set(names)
 
@@ -45,6 +45,10 @@ def test_a_folded_name_says_its_new_spelling(old):
     ({"inputs": "gather", "input_grad": "partial"}, "only inputs taken as 'replicate'"),
     ({"outputs": "replicate", "output_grad": "partial"}, "drop outputs"),
     ({"outputs": "shard"}, "needs inputs='gather'"),
+    ({"stream": 0}, "set inputs='replicate'"),
+    ({"inputs": "replicate", "stream": 0, "input_grad": "partial"}, "drop columns and input_grad"),
+    ({"outputs": "gather", "style": SequenceParallel(use_local_output=True)}, "must stay a Shard"),
+    ({"outputs": "sum", "output_grad": "partial"}, "or use 'gather' / 'slice'"),
 ])
 def test_boundary_refuses_sides_that_do_not_go_together(case):
     options, message = case  # one parameter: every case runs in the default tier (conftest keeps a
@@ -87,6 +91,55 @@ def test_boundary_sides_on_two_ranks():
         assert not isinstance(seen[0], DTensor) and seen[0].shape == (1, 4, 2)  # whole and plain inside
         assert isinstance(out, DTensor) and out.placements == (Shard(1),)
         assert torch.equal(out.full_tensor(), stream * 2)
+
+
+def test_second_fold_sides_on_two_ranks():
+    """The sides the second fold added: a sequence-parallel norm's output gathered once (plain, or
+    kept a Replicate() DTensor), a whole output cut to this rank's positions (with a gradient that
+    comes back partial and is summed in the parameters), and the stream alone taken as a DTensor."""
+    with simulated_mesh(2) as mesh:
+        stream = torch.arange(16.0).view(1, 4, 4)
+        sharded = DTensor.from_local(stream, mesh, [Replicate()], run_check=False).redistribute(placements=[Shard(1)])
+        for local in (True, False):
+            norm = styles.Boundary(outputs="gather", local_outputs=local, style=SequenceParallel())._apply(
+                nn.LayerNorm(4), mesh)
+            out = norm(sharded)
+            assert isinstance(out, DTensor) is not local
+            assert torch.allclose(out.full_tensor() if not local else out, nn.functional.layer_norm(stream, (4,)))
+
+        table = nn.Linear(4, 4)
+        whole = table(stream)
+        cut = styles.Boundary(outputs="slice", output_grad="partial", style=styles.ReplicatedWithGradAllReduce())._apply(
+            table, mesh)
+        out = cut(stream)
+        assert isinstance(out, DTensor) and out.placements == (Shard(1),)
+        assert torch.allclose(out.full_tensor(), whole)
+        out.full_tensor().sum().backward()
+        assert torch.allclose(table.weight.grad.full_tensor(), torch.ones(1, 4, 4).mul(stream).sum((0, 1)).expand(4, 4))
+
+        seen = []
+
+        class Block(nn.Module):
+            def forward(self, x, scale):
+                seen.append((x, scale))
+                return x * scale
+
+        block = styles.Boundary(inputs="replicate", outputs="local", stream=0)._apply(Block(), mesh)
+        out = block(stream, torch.ones(1))
+        assert isinstance(seen[0][0], DTensor) and not isinstance(seen[0][1], DTensor)
+        assert not isinstance(out, DTensor) and torch.equal(out, stream)
+        with pytest.raises(PlanError, match="found no such input"):
+            styles.Boundary(inputs="replicate", outputs="local", stream="hidden")._apply(Block(), mesh)(stream, 1.0)
+
+
+def test_a_sliced_output_with_partial_gradients_needs_the_parameters_reduced():
+    """Every parameter behind a cut whose gradient comes back partial must have that gradient
+    summed: a child's parameters, or the module's own without ``ReplicatedWithGradAllReduce``, are refused."""
+    with simulated_mesh(2) as mesh:
+        with pytest.raises(PlanError, match="belongs to a child"):
+            styles.Boundary(outputs="slice", output_grad="partial")._apply(nn.Sequential(nn.Linear(2, 2)), mesh)
+        with pytest.raises(PlanError, match="add style=ReplicatedWithGradAllReduce"):
+            styles.Boundary(outputs="slice", output_grad="partial")._apply(nn.Linear(2, 2), mesh)
 
 
 def test_the_plan_table_shows_only_the_options_a_style_sets():

@@ -192,7 +192,7 @@ def test_parameters_of_a_module_holding_the_layers_meet_the_sequence_sharded_str
     body sequence parallel instead would replicate every child's parameters."""
     model = ScaledInputLM()
     plan = synthesize(model, example_inputs=(example_tokens(),), sequence_parallel=True, tp_size=2, verify=False)
-    assert isinstance(plan["model"], styles.ReplicatedParams)
+    assert isinstance(plan["model"], styles.ReplicatedWithGradAllReduce) and plan["model"].dtensor
     assert "model.layers.*.attention_norm" in plan and "model.layers.*.attention.wq" in plan
     _verify(model, plan)
 

@@ -39,8 +39,8 @@ def test_tp_above_kv_heads_replicates_kv_heads_exactly(family, tp_size, sequence
     attn = "model.layers.*.self_attn"
     assert repr(plan[f"{attn}.k_proj"]).startswith("ReplicatedKVColwise")
     assert (plan[f"{attn}.k_proj"].kv_heads, plan[f"{attn}.k_proj"].head_dim) == (2, 16)
-    assert isinstance(plan[attn], styles.KVHeadCounts) and plan[attn].heads == 8
-    assert plan[attn].attribute == "num_key_value_groups"
+    assert isinstance(plan[attn], styles.ShardCounts) and plan[attn].query_heads == 8
+    assert plan[attn].ratio == "num_key_value_groups"
     report = _verify(model, plan, tp_size)
     assert report.collectives == _optimum(sequence_parallel, gathered=True)
     assert report.comm_volume_backward == report.comm_volume, report
@@ -120,6 +120,6 @@ def test_sp_norm_read_by_several_whole_linears_gathers_once():
 
     model = build_model("deepseek_v3", tiny=True, tp=2, device="cpu")
     plan = synthesize(model, sequence_parallel=True, tp_size=2, verify=False)
-    assert type(plan["model.layers.*.input_layernorm"]).__name__ == "SequenceParallelAllGather", plan
+    assert plan["model.layers.*.input_layernorm"].outputs == "gather", plan
     report = _verify(model, plan, 2)
     assert report.collectives["all_gather_into_tensor"] == 5, report.collectives

@@ -81,24 +81,42 @@ class ShardCounts(ParallelStyle):
     at the calls the code makes (``view``, ``reshape``, ``unflatten``, ``split``, ``narrow``,
     ``x[..., a:b]``).
 
+    When tp exceeds the kv heads (``query_heads`` given), a rank holds ``heads / tp`` query heads
+    and one kv head, so its local grouped-query ratio is ``heads / tp``, not the global ``heads /
+    kv_heads``: code that repeats kv heads by the stored ratio (``num_key_value_groups`` in
+    transformers) must see the local one, and code that sizes its views by the head counts
+    (``view(b, t, self.n_kv_heads, hd)``) needs 1 kv head and ``heads / tp`` query heads.
+
     Keyword Args:
         names (tuple[str, ...]): attribute paths relative to the module. Default: ().
         literals (tuple): rules ``(op, in_rank, in_dim, in_size, at, size, shape)`` for sizes
             written in the code (a view's ``at``: the place in its shape, ``shape``: its global
             shape; a split's ``size``: its global split size; a slice's ``at, size``: its global
             start and end). Default: ().
+        query_heads (int | None): the module's query heads, where its kv heads are repeated over
+            the ranks (tp larger than the kv heads). Default: None.
+        ratio (str | None): with ``query_heads``, the attribute holding the grouped-query ratio, set
+            to ``heads / tp``. Default: ``"num_key_value_groups"``.
+        kv_names (tuple[str, ...]): with ``query_heads``, attributes holding the kv head count, set to 1.
+        head_names (tuple[str, ...]): with ``query_heads``, attributes holding the query head count,
+            set to ``heads / tp``.
         base (ParallelStyle | None): the module's own style, applied after the division (a
             :class:`~autotp.styles.Boundary` (``inputs="gather"``) of a block gathered whole under sequence
-            parallel). Default: None.
+            parallel, a :class:`~autotp.styles.HeadParams` sharding a per-head parameter). Default: None.
 
     Example::
-        >>> plan = {"model.layers.*.self_attn": ShardCounts(names=("num_key_value_heads",))}
+        >>> plan = {"model.layers.*.self_attn": ShardCounts(names=("num_key_value_heads",)),
+        ...         "model.layers.*.mixer": ShardCounts(query_heads=32)}  # tp 8 over 4 kv heads
     """
 
-    def __init__(self, *, names: tuple[str, ...] = (), literals: tuple = (), base: ParallelStyle | None = None):
+    def __init__(self, *, names: tuple[str, ...] = (), literals: tuple = (), query_heads: int | None = None,
+                 ratio: str | None = "num_key_value_groups", kv_names: tuple[str, ...] = (),
+                 head_names: tuple[str, ...] = (), base: ParallelStyle | None = None):
         super().__init__()
         self.names = tuple(names)
         self.literals = tuple(tuple(rule) for rule in literals)
+        self.query_heads, self.ratio = query_heads, ratio
+        self.kv_names, self.head_names = tuple(kv_names), tuple(head_names)
         self.base = base
 
     def localize(self, module: nn.Module, tp: int) -> None:
@@ -109,7 +127,8 @@ class ShardCounts(ParallelStyle):
 
     def around(self, style: ParallelStyle | None) -> ShardCounts:
         """This rewrite around ``style``, the module's own (``None``: standing alone)."""
-        return ShardCounts(names=self.names, literals=self.literals, base=style)
+        return ShardCounts(names=self.names, literals=self.literals, query_heads=self.query_heads, ratio=self.ratio,
+                           kv_names=self.kv_names, head_names=self.head_names, base=style)
 
     @property
     def wrapped(self) -> ParallelStyle:
@@ -123,6 +142,13 @@ class ShardCounts(ParallelStyle):
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         tp = device_mesh.size()
+        if self.query_heads is not None:  # kv heads repeated over the ranks: the counts of one rank's heads
+            for name in ((self.ratio,) if self.ratio else ()) + self.head_names:
+                setattr(module, name, self.query_heads // tp)
+            for name in self.kv_names:
+                setattr(module, name, 1)
+            if not self.names and not self.literals:
+                return self.base._apply(module, device_mesh) if self.base is not None else module
         copied: set[str] = set()
         for name in self.names:
             owner, attr = count_holder(module, name, copied)
@@ -135,12 +161,17 @@ class ShardCounts(ParallelStyle):
         return self.base._apply(module, device_mesh) if self.base is not None else module
 
     def __repr__(self) -> str:
-        literals = f", literals={self.literals}" if self.literals else ""
-        base = f", base={self.base!r}" if self.base is not None else ""
-        return f"{self.__class__.__name__}(names={self.names}{literals}{base})"
+        options = [f"names={self.names}"] if self.names or self.query_heads is None else []
+        options += [f"literals={self.literals}"] if self.literals else []
+        if self.query_heads is not None:
+            options += [f"query_heads={self.query_heads}", f"ratio={self.ratio!r}"]
+            options += [f"{k}={v!r}" for k, v in (("kv_names", self.kv_names), ("head_names", self.head_names)) if v]
+        options += [f"base={self.base!r}"] if self.base is not None else []
+        return f"{self.__class__.__name__}({', '.join(options)})"
 
     def declares(self) -> Shards:
-        return Shards(counts=self.names or None, rewrites=(self,) if self.literals else None)
+        return Shards(counts=self.names or None, rewrites=(self,) if self.literals else None,
+                      kv_counts=self.query_heads is not None)
 
 
 class _LiteralSizes(TorchFunctionMode):
@@ -490,53 +521,3 @@ def _sum_kv_shards(grad: DTensor, kv_heads: int, head_dim: int) -> DTensor:
     partial_sum = DTensor.from_local(slots, mesh, [Partial()], run_check=False)
     summed = partial_sum.redistribute(placements=[Replicate()]).to_local()
     return DTensor.from_local(summed.index_select(0, head).squeeze(0), mesh, [Shard(0)], run_check=False)
-
-
-class KVHeadCounts(ParallelStyle):
-    """Set an attention module's grouped-query counts for the heads one rank holds.
-
-    When tp exceeds the kv heads, a rank holds ``heads / tp`` query heads and one kv head, so its
-    local ratio is ``heads / tp``, not the global ``heads / kv_heads``; code that repeats kv heads
-    by the stored ratio (``num_key_value_groups`` in transformers) must see the local one. Code that
-    also sizes its views by the head counts (``view(b, t, self.n_kv_heads, hd)``, ``expand(...,
-    self.n_kv_heads, self.n_rep, hd).reshape(b, t, self.n_heads, hd)``) needs those per rank too: 1
-    kv head and ``heads / tp`` query heads.
-
-    Keyword Args:
-        heads (int): query heads of the module.
-        attribute (str | None): the ratio attribute. Default: ``"num_key_value_groups"``.
-        kv_attributes (tuple[str, ...]): attributes holding the kv head count, set to 1.
-        head_attributes (tuple[str, ...]): attributes holding the query head count, set to heads / tp.
-        base (ParallelStyle | None): the module's own style, applied after the counts are set (a
-            :class:`~autotp.styles.HeadParams` sharding a per-head parameter with the heads).
-            Default: None.
-    """
-
-    def __init__(self, *, heads: int, attribute: str | None = "num_key_value_groups",
-                 kv_attributes: tuple[str, ...] = (), head_attributes: tuple[str, ...] = (),
-                 base: ParallelStyle | None = None):
-        super().__init__()
-        self.heads = heads
-        self.attribute = attribute
-        self.kv_attributes, self.head_attributes = tuple(kv_attributes), tuple(head_attributes)
-        self.base = base
-
-    def sharded_param_dims(self, module: nn.Module) -> dict[str, int]:
-        return sharded_param_dims(module, self.base) if self.base is not None else {}
-
-    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
-        local = self.heads // device_mesh.size()
-        for name in ((self.attribute,) if self.attribute else ()) + self.head_attributes:
-            setattr(module, name, local)
-        for name in self.kv_attributes:
-            setattr(module, name, 1)
-        return self.base._apply(module, device_mesh) if self.base is not None else module
-
-    def __repr__(self) -> str:
-        extra = "".join(f", {k}={v!r}" for k, v in (("kv_attributes", self.kv_attributes),
-                                                    ("head_attributes", self.head_attributes),
-                                                    ("base", self.base)) if v)
-        return f"{self.__class__.__name__}(heads={self.heads}, attribute={self.attribute!r}{extra})"
-
-    def declares(self) -> Shards:
-        return Shards(kv_counts=True)

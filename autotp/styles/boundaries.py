@@ -1,8 +1,8 @@
-"""Layouts at the edges of the sharded regions: one gather or one Replicate() DTensor shared by several
-column projections, whole modules inside a DTensor stream, reductions and copies of outputs.
-
-Long because each boundary style is small but there are many: every place a plan changes
-layout between sharded regions (shared DTensors, gathers, whole modules, output reductions).
+"""Layouts at the edges of the sharded regions: :class:`Boundary`, one style for every conversion of a
+module's inputs and outputs (one gather or one ``Replicate()`` DTensor shared by several column
+projections, whole modules inside a DTensor stream, reductions, slices and copies of outputs), and
+the styles that act at a region's edge in ways no conversion names (partial sums added up inside a
+block, per-head values cut at entry).
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from functools import partial
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_module
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 from torch.distributed.tensor.parallel import SequenceParallel
 from torch.distributed.tensor.parallel.style import ParallelStyle
 from torch.utils._pytree import tree_leaves
@@ -23,249 +23,11 @@ from autotp.errors import PlanError
 from autotp.styles.declared import Shards
 from autotp.styles.embedding import VocabParallelEmbedding  # noqa: F401 (doctest)
 from autotp.styles.norms import ReplicatedWithGradAllReduce
-from autotp.styles.base import (LocalParamsStyle, ReduceBeforeLiveDropout, WrapperStyle, all_reduce_backward,
-                                all_reduce_forward, scale_grad, mode_during_forward, reduce_feature_grads, to_local)
+from autotp.styles.base import (ReduceBeforeLiveDropout, WrapperStyle, all_reduce_backward, all_reduce_forward,
+                                scale_grad, mode_during_forward, reduce_feature_grads, to_local)
 
 
-class SequenceParallelAllGather(SequenceParallel):
-    """A sequence-parallel norm whose output is all-gathered once, for column-parallel consumers.
-
-    The norm runs on the ``Shard(sequence_dim)`` input with replicated weights (their gradients are
-    partial sums and get all-reduced, as in :class:`SequenceParallel`). Its output is redistributed
-    to ``Replicate()``, so q/k/v (or gate/up) projections that read it share one all-gather.
-
-    With ``use_local_output=False`` the output stays a ``Replicate()`` DTensor: each column
-    projection's input gradient comes back ``Partial()``, autograd sums them as DTensors, and the
-    all-gather's backward reduce-scatters the sum once. With a plain tensor each projection would
-    all-reduce its own input gradient (3 for q/k/v where 1 reduce-scatter suffices). Only use it
-    where every reader of the output accepts a DTensor (torch's Linear styles do).
-
-    With ``partial_grad`` the output is a plain tensor whose gradient is taken as this rank's
-    partial sum and reduce-scattered: for readers that cannot take a DTensor (a padding mask
-    multiplies it first) but whose every path ends in column projections that hand back partial
-    gradients (:class:`SharedReplicatedInput` with ``partial_grad``). Any other reader would add a
-    whole gradient to partial ones, and the sum would be wrong: the synthesizer proves there is none.
-
-    Keyword Args:
-        sequence_dim (int): the sequence dimension of the input. Default: 1.
-        use_local_output (bool): return a plain tensor instead of the ``Replicate()`` DTensor.
-            Default: True.
-        partial_grad (bool): the plain output's gradient is a partial sum, reduce-scattered.
-            Default: False.
-
-    Example::
-        >>> plan = {"model.layers.*.input_layernorm": SequenceParallelAllGather(use_local_output=False)}
-    """
-
-    def __init__(self, *, sequence_dim: int = 1, use_local_output: bool = True, partial_grad: bool = False):
-        super().__init__(sequence_dim=sequence_dim, use_local_output=use_local_output)
-        self.partial_grad = partial_grad
-
-    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
-        local = "partial" if self.partial_grad else self.use_local_output
-        return distribute_module(module, device_mesh, self._replicate_module_fn,
-                                 partial(self._prepare_input_fn, self.sequence_sharding),
-                                 partial(self._prepare_output_fn, local))
-
-    @staticmethod
-    def _prepare_output_fn(use_local_output, mod, outputs, device_mesh):
-        # use_local_output: True, False, or "partial" (a plain tensor with a partial-sum gradient)
-        if isinstance(outputs, DTensor):
-            outputs = outputs.redistribute(placements=[Replicate()])
-            if use_local_output == "partial":
-                return outputs.to_local(grad_placements=[Partial()])
-            return outputs.to_local() if use_local_output else outputs
-        return outputs
-
-    def __repr__(self) -> str:
-        flags = ", ".join(f for f, on in (("use_local_output=False", not self.use_local_output),
-                                          ("partial_grad=True", self.partial_grad)) if on)
-        return f"{self.__class__.__name__}({flags})"
-
-
-class OwnPositionsOutput(LocalParamsStyle):
-    """A module computed whole on every rank (a learned position table looked up by positions)
-    hands on only this rank's positions of its output, as a ``Shard(sequence_dim)`` DTensor.
-
-    Under sequence parallel, a table ``wpe(positions)`` added to the ``Shard(1)`` stream is cut to
-    each rank's positions. Wrapped as a ``Replicate()`` DTensor (:class:`Boundary` with ``outputs="replicate"``) the cut
-    is free forward, but its backward all-gathers the output's gradient (a ``(1, t, d)`` tensor per
-    step that the forward never moved). Here the cut is an ``index_select`` of this rank's
-    positions, whose backward scatters into zeros: no communication. Each rank's parameter gradients
-    then cover only its own positions, so the parameters are ``Replicate()`` DTensors with
-    ``Partial()`` gradients, summed when the gradient is read (optimizer step, clipping, ``full_tensor``).
-
-    Exact only where the module's inputs carry no gradient (positions, ids, shapes): the synthesizer
-    asks that of the graph. The module's parameters must be its own (a child's would be missed: a
-    :class:`~autotp.errors.PlanError`).
-
-    Keyword Args:
-        sequence_dim (int): the output's dim that lines up with the stream's sequence. Default: 1.
-
-    Example::
-        >>> plan = {"transformer.wpe": OwnPositionsOutput(sequence_dim=1)}
-    """
-
-    def __init__(self, *, sequence_dim: int = 1):
-        super().__init__()
-        self.sequence_dim = sequence_dim
-
-    def _placement(self, name, param):
-        return Replicate()
-
-    def _grad_placement(self, name, param):
-        return [Partial()]
-
-    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
-        children = [name for name, _ in module.named_parameters() if "." in name]
-        if children:
-            raise PlanError(f"{type(module).__name__}: OwnPositionsOutput leaves the gradients of the module's own "
-                            f"parameters partial, but {children[0]} belongs to a child; apply it to the child "
-                            "that holds the parameters, or keep this module whole (Boundary(outputs='replicate'))")
-        return super()._apply(module, device_mesh)
-
-    def _prepare_output(self, output, device_mesh):
-        if isinstance(output, tuple) and output:
-            return (self._prepare_output(output[0], device_mesh), *output[1:])
-        if not isinstance(output, torch.Tensor) or isinstance(output, DTensor):
-            return output
-        dim = self.sequence_dim % output.ndim
-        positions = torch.arange(output.shape[dim], device=output.device)
-        # This rank's positions, in DTensor's own Shard split (the stream's): a local cut.
-        own = DTensor.from_local(positions, device_mesh, [Replicate()], run_check=False).redistribute(
-            placements=[Shard(0)]).to_local()
-        strides = [1] * output.ndim  # the whole output's, contiguous (an uneven split cannot infer it)
-        for d in range(output.ndim - 2, -1, -1):
-            strides[d] = strides[d + 1] * output.shape[d + 1]
-        return DTensor.from_local(output.index_select(dim, own), device_mesh, [Shard(dim)], run_check=False,
-                                  shape=output.shape, stride=tuple(strides))
-
-    def __repr__(self) -> str:
-        return f"{self.__class__.__name__}(sequence_dim={self.sequence_dim})"
-
-
-class SharedReplicatedInput(WrapperStyle):
-    """Column projections of a module that read one plain tensor share one ``Replicate()`` DTensor of it.
-
-    Without a norm before them (OLMo2 normalises after attention and MLP), q, k and v read the
-    residual stream as it enters their module, and no producer can return a DTensor
-    (:class:`Boundary` with ``outputs="replicate"``): the residual add reads the same tensor. Each ``ColwiseParallel``
-    would wrap it itself and all-reduce its own ``Partial()`` input gradient. Here the first of
-    ``columns`` to read a tensor during one call of the module wraps it (a pre-hook that runs
-    before the Linear's style), and the others reading the same tensor get that DTensor: their
-    gradients are summed, and ``from_local``'s backward all-reduces the sum once. A column reading
-    another tensor gets its own wrapper, so sharing never changes values.
-
-    With ``partial_grad`` the wrapper's backward hands the summed gradient back unreduced, as this
-    rank's partial sum: for a value whose reduction happens further back (a sequence-parallel norm
-    whose all-gather reduce-scatters it, :class:`SequenceParallelAllGather` with ``partial_grad``).
-
-    Keyword Args:
-        columns (tuple[str, ...]): the column-parallel children, relative to the module.
-        partial_grad (bool): leave the input gradient a partial sum. Default: False.
-        style (ParallelStyle, optional): a style of the module itself, applied first (a
-            :class:`~autotp.styles.ShardCounts` dividing its head count).
-
-    Example::
-        >>> plan = {"model.layers.*.self_attn": SharedReplicatedInput(columns=("q_proj", "k_proj", "v_proj"))}
-    """
-
-    def __init__(self, *, columns: tuple[str, ...], partial_grad: bool = False, style: ParallelStyle | None = None):
-        super().__init__()
-        self.columns = tuple(columns)
-        self.partial_grad = partial_grad
-        self.style = style
-
-    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
-        module = self._apply_wrapped(module, device_mesh)
-        shared = share_column_inputs(module, self.columns, device_mesh, partial_grad=self.partial_grad)
-        module.register_forward_pre_hook(lambda mod, args: shared.clear())
-        module.register_forward_hook(lambda mod, args, out: shared.clear())
-        return module
-
-    def __repr__(self) -> str:
-        flag = ", partial_grad=True" if self.partial_grad else ""
-        inner = f", style={self.style!r}" if self.style is not None else ""
-        return f"{self.__class__.__name__}(columns={self.columns!r}{flag}{inner})"
-
-
-class ReducedInputGrads(ParallelStyle):
-    """A module kept whole whose floating inputs feed column Linears through replicated computation:
-    their gradients arrive as per-rank partial sums and are all-reduced here, at entry.
-
-    A block that reads a concatenation of the residual stream and a value made once at the model's
-    root (Zamba's shared transformer reads ``concat(hidden, embeddings)``, normalises it and hands
-    it to q, k and v) all-reduced its gradient at the concatenation's width: twice the stream's, in
-    every layer that runs the block. A backward is linear in its incoming gradient, so the norm and
-    the concatenation may run theirs on the columns' partial sums (their weights'
-    gradients left ``Partial()``, :class:`~autotp.styles.ReplicatedWithGradAllReduce`), and each
-    input is reduced where it enters. An input that several calls share (the same tensor handed to
-    every layer, or a ``clone()`` of it) is wrapped once per autograd graph: autograd adds every
-    call's partial gradient before that one all-reduce, so the embeddings' half costs one reduction
-    per step, not one per layer, and none at all where the first layer's own branch takes the
-    embeddings the same way (a norm with this style and ``partial_params``). A value without a
-    gradient, or one seen outside autograd (``no_grad``, the first pass of reentrant
-    checkpointing), is left as it is.
-
-    Only for a module every read of whose floating inputs ends in column Linears that hand their
-    input gradients back unreduced (:class:`SharedReplicatedInput` with ``partial_grad``).
-
-    Keyword Args:
-        partial_params (bool): the module's own parameters run in that replicated computation too
-            (a norm at the head of the branch): kept replicated, their gradients left ``Partial()``
-            as :class:`~autotp.styles.ReplicatedWithGradAllReduce` leaves them. Default: False.
-
-    Example::
-        >>> from autotp.styles import ReplicatedWithGradAllReduce
-        >>> plan = {"model.layers.*.shared_transf": ReducedInputGrads(),
-        ...         "model.layers.*.shared_transf.input_layernorm": ReplicatedWithGradAllReduce(),
-        ...         "model.layers.*.shared_transf.self_attn": SharedReplicatedInput(
-        ...             columns=("q_proj", "k_proj", "v_proj"), partial_grad=True)}
-    """
-
-    def __init__(self, *, partial_params: bool = False):
-        super().__init__()
-        self.partial_params = partial_params
-
-    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
-        if getattr(module, "_autotp_reduced_inputs", False):
-            return module  # one module object under two plan keys (a block shared by several layers)
-        module._autotp_reduced_inputs = True
-        if self.partial_params:
-            module = ReplicatedWithGradAllReduce()._apply(module, device_mesh)
-
-        taken: list[torch.Tensor] = []
-
-        def take(value):
-            if (not isinstance(value, torch.Tensor) or isinstance(value, DTensor) or not value.is_floating_point()
-                    or not value.requires_grad or not torch.is_grad_enabled()):
-                return value
-            taken.append(reduced_once(value, device_mesh))
-            return taken[-1]
-
-        def pre_hook(mod, args, kwargs):
-            taken.clear()
-            return tuple(take(a) for a in args), {k: take(v) for k, v in kwargs.items()}
-
-        def returned_input(mod, args, kwargs, output):
-            # The wrapper's gradient is reduced as a partial sum: the caller's own (whole) gradient
-            # must not reach it, as it would through an input handed back as the output.
-            if any(leaf is wrapped for leaf in tree_leaves(output) for wrapped in taken):
-                raise PlanError(f"{type(mod).__name__} returns one of its inputs as it took it, so ReducedInputGrads "
-                                "would all-reduce the caller's gradient of it too; keep this module's inputs whole "
-                                "(no ReducedInputGrads on it) or put the style on a module that computes its output")
-            taken.clear()
-
-        module.register_forward_pre_hook(pre_hook, with_kwargs=True)
-        module.register_forward_hook(returned_input, with_kwargs=True)
-        return module
-
-    def __repr__(self) -> str:
-        flag = "partial_params=True" if self.partial_params else ""
-        return f"{self.__class__.__name__}({flag})"
-
-
-# The wrapper each value a ReducedInputGrads module took was handed on as, keyed by the autograd
+# The wrapper each value a ``Boundary(inputs="reduce_grad")`` module took was handed on as, keyed by the autograd
 # output the value copies: ``(id(node), output index)`` after stepping back through ``clone()``s, so a
 # value and its clones share one wrapper. An entry lives as long as the value that made it (which
 # keeps the node alive, so its id is not reused meanwhile).
@@ -415,95 +177,6 @@ class _ReplicatedWithPartialGrad(torch.autograd.Function):
         return grad, None
 
 
-class ReplicatedStream(ParallelStyle):
-    """Run a block on the residual stream as a ``Replicate()`` DTensor, so that partial sums from
-    several row-parallel branches are added before one reduction (a parallel block).
-
-    A parallel block computes ``x + attn(norm(x)) + mlp(norm(x))``. With each row projection
-    all-reducing its own output that is two all-reduces per layer in each direction. If instead
-    both rows return ``Partial()`` DTensors (``RowwiseParallel(output_layouts=Partial(),
-    use_local_output=False)``), their sum is still a partial sum, and adding the replicated
-    residual reduces it once; in backward the column projections' ``Partial()`` input gradients
-    are likewise summed before the norm reduces them once. For that the residual must be a DTensor
-    inside the block: the stream input is wrapped as ``Replicate()`` at entry (free: every rank
-    holds it) and the output is made replicated and local at exit. The norm on the stream needs
-    DTensor parameters (:class:`ReplicatedParams`). Under sequence parallel the stream is already a
-    ``Shard(1)`` DTensor and this style is not needed. A branch's partial sum that meets a live
-    dropout (training, ``p > 0``) is all-reduced before it, while the block runs: the mask applies
-    to the whole sum (:class:`~autotp.styles.base.ReduceBeforeLiveDropout`).
-
-    Keyword Args:
-        stream (int | str): the positional index or keyword name of the residual-stream input.
-            Default: 0.
-
-    Example::
-        >>> from torch.distributed.tensor import Partial
-        >>> from torch.distributed.tensor.parallel import RowwiseParallel
-        >>> plan = {"model.layers.*": ReplicatedStream(),
-        ...         "model.layers.*.input_layernorm": ReplicatedParams(),
-        ...         "model.layers.*.mlp.fc2": RowwiseParallel(output_layouts=Partial(), use_local_output=False)}
-    """
-
-    def __init__(self, *, stream: int | str = 0):
-        super().__init__()
-        self.stream = stream
-
-    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
-        def wrap(value):
-            if isinstance(value, torch.Tensor) and not isinstance(value, DTensor):
-                return DTensor.from_local(value, device_mesh, (Replicate(),), run_check=False)
-            return value
-
-        def pre_hook(mod, args, kwargs):
-            if isinstance(self.stream, int) and self.stream < len(args):
-                args = (*args[: self.stream], wrap(args[self.stream]), *args[self.stream + 1:])
-            elif isinstance(self.stream, str) and self.stream in kwargs:
-                kwargs = {**kwargs, self.stream: wrap(kwargs[self.stream])}
-            else:
-                raise PlanError(
-                    f"{type(mod).__name__}: ReplicatedStream(stream={self.stream!r}) found no such input "
-                    f"(positional: {len(args)}, keywords: {sorted(kwargs)}); name the residual-stream input "
-                    "by its position or keyword."
-                )
-            return args, kwargs
-
-        def hook(mod, args, kwargs, out):
-            if type(out) in (tuple, list) and out:
-                return type(out)([to_local(out[0]), *out[1:]])
-            return to_local(out)
-
-        module.register_forward_pre_hook(pre_hook, with_kwargs=True)
-        mode_during_forward(module, ReduceBeforeLiveDropout)  # a branch's partial sum meeting a live dropout
-        module.register_forward_hook(hook, with_kwargs=True)
-        return module
-
-    def __repr__(self) -> str:
-        return f"{self.__class__.__name__}(stream={self.stream!r})"
-
-
-class ReplicatedParams(ParallelStyle):
-    """Make a module's own parameters (not its children's) replicated DTensors; no hooks.
-
-    For a module that applies parameters of its own to the sequence-sharded stream (an input
-    scale or bias on a model that also holds the layers): DTensor reduces their gradients over
-    the sequence shards, as ``SequenceParallel`` does for a norm's weight, while the children keep
-    their own styles.
-
-    Example::
-        >>> plan = {"model": ReplicatedParams()}
-    """
-
-    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
-        for name, param in list(module.named_parameters(recurse=False)):
-            if not isinstance(param, DTensor):
-                dist = DTensor.from_local(param, device_mesh, [Replicate()], run_check=False)
-                module.register_parameter(name, nn.Parameter(dist, requires_grad=param.requires_grad))
-        return module
-
-    def __repr__(self) -> str:
-        return f"{self.__class__.__name__}()"
-
-
 def _owned(out):
     if isinstance(out, torch.Tensor) and not isinstance(out, DTensor):
         return out.clone()
@@ -581,8 +254,8 @@ class ShardedInputs(WrapperStyle):
         return Shards(slices_entries=True)
 
 
-_INPUTS = (None, "replicate", "gather", "slice", "whole")
-_OUTPUTS = (None, "replicate", "local", "sum", "shard", "shard_all", "sum_shard")
+_INPUTS = (None, "replicate", "gather", "slice", "whole", "reduce_grad")
+_OUTPUTS = (None, "replicate", "local", "sum", "shard", "shard_all", "sum_shard", "gather", "slice")
 _GRADS = ("whole", "partial")
 
 
@@ -599,7 +272,15 @@ class Boundary(WrapperStyle):
       value), so the column Linears inside that read them return ``Partial()`` input gradients
       which autograd sums as DTensors before one all-reduce. With ``input_grad="partial"`` that
       sum is handed back unreduced, as this rank's partial sum, for a value reduced once further
-      back (where it was gathered).
+      back (where it was gathered). With ``stream`` only that argument (a position or a keyword:
+      the residual stream of a parallel block) is taken so and must be present, the output is
+      made plain with ``outputs="local"``, and a branch's ``Partial()`` sum that meets a live
+      dropout inside is all-reduced before it (:class:`~autotp.styles.base.ReduceBeforeLiveDropout`):
+      rows returning ``Partial()`` DTensors add up before one reduction. With ``columns`` the
+      conversion happens at those column children's entry instead (q, k, v reading the stream as
+      their module gets it, with no norm before them): the first to read a plain tensor during one
+      call wraps it, and the others reading the same tensor share that DTensor, so their gradients
+      are summed before one reduction; a column reading another tensor gets its own.
     - ``"gather"``: ``Shard(sequence_dim)`` DTensors are all-gathered once (one tensor passed several
       times, ``attn(h, h, h)``, once), handed on plain, or as ``Replicate()`` DTensors with
       ``local_inputs=False`` (every reader a column Linear: the gather's backward then
@@ -611,6 +292,16 @@ class Boundary(WrapperStyle):
     - ``"whole"``: DTensors are made whole and plain (a module kept whole, a Mamba mixer beside
       sharded projections): ``to_local()`` of a replica is free and its gradient comes back
       ``Replicate()``; sequence-sharded ones are all-gathered.
+    - ``"reduce_grad"``: plain floating inputs that carry a gradient stay plain, and the gradient
+      the module hands back for them, this rank's partial sum (every read ends in column Linears
+      handing theirs back unreduced, the module's own parameters' gradients left ``Partial()`` by
+      ``style=ReplicatedWithGradAllReduce()``), is all-reduced at entry. An input several calls
+      share (the same tensor handed to every layer, or a ``clone()`` of it) is wrapped once per
+      autograd graph, so every call's partial gradient is added before that one all-reduce (Zamba's
+      shared block reading ``concat(hidden, embeddings)``: the embeddings' half is reduced once per
+      step, not once per layer). A value without a gradient, or seen outside autograd, passes.
+      Applied once to a module that two plan keys match; a module that hands an input back as its
+      output is refused (the caller's own gradient would be reduced too).
 
     ``outputs`` (the module's output, or the first element of a tuple):
 
@@ -625,9 +316,23 @@ class Boundary(WrapperStyle):
     - ``"sum_shard"``: the output is this rank's partial sum (experts with ``partial_output``),
       reduce-scattered onto the ``Shard(sequence_dim)`` stream; children's ``Partial()`` DTensor
       outputs are taken local, so the block's own code adds them into the one reduce-scatter.
+    - ``"gather"``: a sequence-sharded DTensor output (a norm under ``style=SequenceParallel()``)
+      is made ``Replicate()`` once, so the column projections reading it (q, k, v or gate, up)
+      share one all-gather; handed on plain, or as the DTensor with ``local_outputs=False`` (the
+      columns' ``Partial()`` input gradients are then summed as DTensors and the gather's backward
+      reduce-scatters them once; every reader must take a DTensor), or plain with
+      ``output_grad="partial"`` (its gradient taken as this rank's partial sum and
+      reduce-scattered: readers that cannot take a DTensor but whose every path ends in columns
+      handing back partial gradients).
+    - ``"slice"``: a plain output computed whole on every rank is handed on as this rank's
+      ``Shard(sequence_dim)`` positions; its backward all-gathers the gradient. With
+      ``output_grad="partial"`` the cut is an ``index_select`` whose backward scatters into zeros
+      (no communication): for a module computed from inputs without gradient (a learned position
+      table looked up by positions) whose own parameters' gradients are left ``Partial()``
+      (``style=ReplicatedWithGradAllReduce()``, required; a child's parameters are refused).
 
-    ``output_grad="partial"``: a plain output's gradient is this rank's partial sum (its readers
-    run their backward on partial gradients, down to column Linears that hand theirs back
+    ``output_grad="partial"`` (alone): a plain output's gradient is this rank's partial sum (its
+    readers run their backward on partial gradients, down to column Linears that hand theirs back
     unreduced) and is all-reduced on the way back. ``reduce_grad_features``: only ``(start, stop)``
     spans of the output's last dim have their gradient all-reduced (of a tuple, the first element
     with a gradient): spans read through a broadcast by sharded computation (a rope key cut from
@@ -636,26 +341,35 @@ class Boundary(WrapperStyle):
     ``to_local()`` view cannot take.
 
     Keyword Args:
-        inputs (str | None): ``"replicate"``, ``"gather"``, ``"slice"``, ``"whole"`` or None. Default: None.
+        inputs (str | None): ``"replicate"``, ``"gather"``, ``"slice"``, ``"whole"``, ``"reduce_grad"``
+            or None. Default: None.
         outputs (str | None): ``"replicate"``, ``"local"``, ``"sum"``, ``"shard"``, ``"shard_all"``,
-            ``"sum_shard"`` or None. Default: None.
+            ``"sum_shard"``, ``"gather"``, ``"slice"`` or None. Default: None.
         input_grad (str): ``"whole"`` or ``"partial"`` (with ``inputs="replicate"``). Default: ``"whole"``.
-        output_grad (str): ``"whole"`` or ``"partial"``. Default: ``"whole"``.
+        output_grad (str): ``"whole"`` or ``"partial"`` (alone, or with ``outputs="gather"`` / ``"slice"``).
+            Default: ``"whole"``.
         local_inputs (bool): with ``inputs="gather"``, hand the gathered inputs on plain. Default: True.
+        local_outputs (bool): with ``outputs="gather"``, hand the gathered output on plain. Default: True.
+        stream (int | str | None): with ``inputs="replicate"``, the one argument taken so. Default: None.
+        columns (tuple[str, ...]): with ``inputs="replicate"``, the column children at whose entry
+            the conversion happens, shared. Default: ().
         reduce_grad_features (tuple[tuple[int, int], ...]): output spans whose gradient is all-reduced.
         copy_output (bool): return a copy of a plain output. Default: False.
         sequence_dim (int): the sequence dim of the stream. Default: 1.
         style (ParallelStyle, optional): the module's own style, applied first.
 
     Example::
+        >>> from torch.distributed.tensor.parallel import SequenceParallel
         >>> plan = {"model.layers.*.input_layernorm": Boundary(outputs="replicate"),
+        ...         "model.layers.*.post_attention_layernorm": Boundary(outputs="gather", style=SequenceParallel()),
         ...         "model.layers.*.self_attn": Boundary(inputs="gather"),
         ...         "model.layers.*.mamba": Boundary(inputs="whole"),
         ...         "transformer.wte": Boundary(copy_output=True, style=VocabParallelEmbedding())}
     """
 
     def __init__(self, *, inputs: str | None = None, outputs: str | None = None, input_grad: str = "whole",
-                 output_grad: str = "whole", local_inputs: bool = True,
+                 output_grad: str = "whole", local_inputs: bool = True, local_outputs: bool = True,
+                 stream: int | str | None = None, columns: tuple[str, ...] = (),
                  reduce_grad_features: tuple[tuple[int, int], ...] = (), copy_output: bool = False,
                  sequence_dim: int = 1, style: ParallelStyle | None = None):
         super().__init__()
@@ -666,27 +380,51 @@ class Boundary(WrapperStyle):
         if input_grad == "partial" and inputs != "replicate":
             raise PlanError(f"Boundary(input_grad='partial') with inputs={inputs!r}: only inputs taken as "
                             "'replicate' hand back a partial gradient; set inputs='replicate'")
-        if output_grad == "partial" and outputs is not None:
+        if output_grad == "partial" and outputs not in (None, "gather", "slice"):
             raise PlanError(f"Boundary(output_grad='partial') with outputs={outputs!r}: a plain output's "
-                            "gradient is what gets reduced; drop outputs")
+                            "gradient is what gets reduced; drop outputs (or use 'gather' / 'slice')")
+        if (stream is not None or columns) and inputs != "replicate":
+            raise PlanError(f"Boundary(stream=..., columns=...) with inputs={inputs!r}: they say where inputs "
+                            "are taken as 'replicate'; set inputs='replicate'")
+        if stream is not None and (columns or input_grad == "partial"):
+            raise PlanError("Boundary(stream=...) takes the stream as a Replicate() DTensor with its whole "
+                            "gradient, at the module's entry; drop columns and input_grad")
+        if outputs == "gather" and isinstance(style, SequenceParallel) and style.use_local_output:
+            raise PlanError("Boundary(outputs='gather', style=SequenceParallel(use_local_output=True)): the "
+                            "norm's output must stay a Shard() DTensor to be gathered; use SequenceParallel()")
         if outputs in ("shard", "shard_all", "sum_shard") and inputs != "gather":
             raise PlanError(f"Boundary(outputs={outputs!r}) needs inputs='gather': the module runs on the whole "
                             "sequence and hands back this rank's slice")
         self.inputs, self.outputs = inputs, outputs
         self.input_grad, self.output_grad = input_grad, output_grad
-        self.local_inputs = local_inputs
+        self.local_inputs, self.local_outputs = local_inputs, local_outputs
+        self.stream, self.columns = stream, tuple(columns)
         self.reduce_grad_features = tuple((int(a), int(b)) for a, b in reduce_grad_features)
         self.copy_output = copy_output
         self.sequence_dim = sequence_dim
         self.style = style
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        if self.inputs == "reduce_grad":
+            if getattr(module, "_autotp_reduced_inputs", False):
+                return module  # one module object under two plan keys (a block shared by several layers)
+            module._autotp_reduced_inputs = True
+        if self.outputs == "slice" and self.output_grad == "partial":
+            _check_own_partial_params(module, self.style)
         module = self._apply_wrapped(module, device_mesh)
         prepend = self.style is not None  # before the wrapped style's own input hook
         dim = self.sequence_dim
-        if self.inputs == "replicate":
+        if self.inputs == "replicate" and self.columns:
+            shared = share_column_inputs(module, self.columns, device_mesh, partial_grad=self.input_grad == "partial")
+            module.register_forward_pre_hook(lambda mod, args: shared.clear())
+            module.register_forward_hook(lambda mod, args, out: shared.clear())
+        elif self.inputs == "replicate" and self.stream is not None:
+            _replicate_stream(module, self.stream, device_mesh, prepend)
+        elif self.inputs == "replicate":
             wrap = _replicated_with_partial_grad if self.input_grad == "partial" else _as_replicated
             _on_floating_inputs(module, partial(wrap, device_mesh=device_mesh), prepend)
+        elif self.inputs == "reduce_grad":
+            _reduce_input_grads(module, device_mesh)
         elif self.inputs == "gather":
             _gather_inputs(module, dim, self.local_inputs, self.outputs in ("shard", "shard_all"), prepend)
         elif self.inputs == "slice":
@@ -709,6 +447,14 @@ class Boundary(WrapperStyle):
             _slice_back_outputs(module, dim, device_mesh, every=self.outputs == "shard_all")
         elif self.outputs == "sum_shard":
             _reduce_scatter_output(module, dim, device_mesh)
+        elif self.outputs == "gather":
+            grad = "partial" if self.output_grad == "partial" else self.local_outputs
+            module.register_forward_hook(lambda mod, args, out: _on_first_output(
+                out, partial(_gathered, local=grad), device_mesh))
+        elif self.outputs == "slice":
+            cut = _own_positions if self.output_grad == "partial" else _sliced
+            module.register_forward_hook(lambda mod, args, out: _on_first_output(
+                out, partial(cut, sequence_dim=dim), device_mesh))
         elif self.outputs is not None or self.output_grad == "partial":
             convert = {"replicate": _as_replicated, "local": _local, "sum": _summed, None: _reduced_grad}[self.outputs]
             module.register_forward_hook(lambda mod, args, out: _on_first_output(out, convert, device_mesh))
@@ -720,13 +466,80 @@ class Boundary(WrapperStyle):
     def shares_output(self) -> bool:
         """The output's readers reduce their input gradients once, here: handed a ``Replicate()``
         DTensor, or a plain output whose partial gradient this style all-reduces."""
-        return self.outputs == "replicate" or self.output_grad == "partial"
+        return self.outputs == "replicate" or (self.output_grad == "partial" and self.outputs is None)
 
     def __repr__(self) -> str:
         options = ", ".join(f"{p.name}={getattr(self, p.name)!r}"
                             for p in inspect.signature(Boundary.__init__).parameters.values()
                             if p.default is not p.empty and getattr(self, p.name) != p.default)
         return f"{self.__class__.__name__}({options})"
+
+
+def _replicate_stream(module: nn.Module, stream: int | str, device_mesh: DeviceMesh, prepend: bool) -> None:
+    """``inputs="replicate"`` with ``stream``: that argument (by position or keyword) a ``Replicate()``
+    DTensor; a partial sum meeting a live dropout reduced first, while the module runs."""
+    def wrap(value):
+        if isinstance(value, torch.Tensor) and not isinstance(value, DTensor):
+            return DTensor.from_local(value, device_mesh, (Replicate(),), run_check=False)
+        return value
+
+    def pre_hook(mod, args, kwargs):
+        if isinstance(stream, int) and stream < len(args):
+            args = (*args[:stream], wrap(args[stream]), *args[stream + 1:])
+        elif isinstance(stream, str) and stream in kwargs:
+            kwargs = {**kwargs, stream: wrap(kwargs[stream])}
+        else:
+            raise PlanError(f"{type(mod).__name__}: Boundary(stream={stream!r}) found no such input "
+                            f"(positional: {len(args)}, keywords: {sorted(kwargs)}); name the residual-stream "
+                            "input by its position or keyword.")
+        return args, kwargs
+
+    module.register_forward_pre_hook(pre_hook, with_kwargs=True, prepend=prepend)
+    mode_during_forward(module, ReduceBeforeLiveDropout)  # a branch's partial sum meeting a live dropout
+
+
+def _reduce_input_grads(module: nn.Module, device_mesh: DeviceMesh) -> None:
+    """``inputs="reduce_grad"``: each plain floating input with a gradient wrapped so that its
+    gradient is all-reduced, once per autograd graph (:func:`reduced_once`)."""
+    taken: list[torch.Tensor] = []
+
+    def take(value):
+        if (not isinstance(value, torch.Tensor) or isinstance(value, DTensor) or not value.is_floating_point()
+                or not value.requires_grad or not torch.is_grad_enabled()):
+            return value
+        taken.append(reduced_once(value, device_mesh))
+        return taken[-1]
+
+    def pre_hook(mod, args, kwargs):
+        taken.clear()
+        return tuple(take(a) for a in args), {k: take(v) for k, v in kwargs.items()}
+
+    def returned_input(mod, args, kwargs, output):
+        # The wrapper's gradient is reduced as a partial sum: the caller's own (whole) gradient
+        # must not reach it, as it would through an input handed back as the output.
+        if any(leaf is wrapped for leaf in tree_leaves(output) for wrapped in taken):
+            raise PlanError(f"{type(mod).__name__} returns one of its inputs as it took it, so "
+                            "Boundary(inputs='reduce_grad') would all-reduce the caller's gradient of it too; keep "
+                            "this module's inputs whole (no reduce_grad on it) or put the style on a module that "
+                            "computes its output")
+        taken.clear()
+
+    module.register_forward_pre_hook(pre_hook, with_kwargs=True)
+    module.register_forward_hook(returned_input, with_kwargs=True)
+
+
+def _check_own_partial_params(module: nn.Module, style: ParallelStyle | None) -> None:
+    """``outputs="slice"`` with a partial gradient leaves every parameter's gradient partial: they
+    must be the module's own, under a style that reduces them."""
+    children = [name for name, _ in module.named_parameters() if "." in name]
+    if children:
+        raise PlanError(f"{type(module).__name__}: Boundary(outputs='slice', output_grad='partial') leaves the "
+                        f"gradients of the module's parameters partial, but {children[0]} belongs to a child; apply "
+                        "it to the child that holds the parameters, or keep this module whole "
+                        "(Boundary(outputs='replicate'))")
+    if dict(module.named_parameters(recurse=False)) and not isinstance(style, ReplicatedWithGradAllReduce):
+        raise PlanError(f"{type(module).__name__}: Boundary(outputs='slice', output_grad='partial') leaves its "
+                        "parameters' gradients partial; add style=ReplicatedWithGradAllReduce() to reduce them")
 
 
 def _on_floating_inputs(module: nn.Module, wrap, prepend: bool) -> None:
@@ -757,6 +570,42 @@ def _as_replicated(value, device_mesh):
     if isinstance(value, torch.Tensor) and not isinstance(value, DTensor):
         return DTensor.from_local(value, device_mesh, (Replicate(),), run_check=False)
     return value
+
+
+def _gathered(value, device_mesh, *, local):
+    """``outputs="gather"``: a DTensor made ``Replicate()``; ``local``: True (plain), False (the
+    DTensor), ``"partial"`` (plain, its gradient this rank's partial sum)."""
+    if not isinstance(value, DTensor):
+        return value
+    value = value.redistribute(placements=[Replicate()])
+    if local == "partial":
+        return value.to_local(grad_placements=[Partial()])
+    return value.to_local() if local else value
+
+
+def _sliced(value, device_mesh, *, sequence_dim):
+    """``outputs="slice"``: a plain output cut to this rank's ``Shard(sequence_dim)`` positions."""
+    if not isinstance(value, torch.Tensor) or isinstance(value, DTensor):
+        return value
+    whole = DTensor.from_local(value, device_mesh, [Replicate()], run_check=False)
+    return whole.redistribute(placements=[Shard(sequence_dim % value.ndim)])
+
+
+def _own_positions(value, device_mesh, *, sequence_dim):
+    """``outputs="slice"`` with a partial gradient: this rank's positions by ``index_select``,
+    whose backward scatters into zeros (no communication)."""
+    if not isinstance(value, torch.Tensor) or isinstance(value, DTensor):
+        return value
+    dim = sequence_dim % value.ndim
+    positions = torch.arange(value.shape[dim], device=value.device)
+    # This rank's positions, in DTensor's own Shard split (the stream's): a local cut.
+    own = DTensor.from_local(positions, device_mesh, [Replicate()], run_check=False).redistribute(
+        placements=[Shard(0)]).to_local()
+    strides = [1] * value.ndim  # the whole output's, contiguous (an uneven split cannot infer it)
+    for d in range(value.ndim - 2, -1, -1):
+        strides[d] = strides[d + 1] * value.shape[d + 1]
+    return DTensor.from_local(value.index_select(dim, own), device_mesh, [Shard(dim)], run_check=False,
+                              shape=value.shape, stride=tuple(strides))
 
 
 def _summed(value, device_mesh):

@@ -196,7 +196,8 @@ class ExpertsParallel(LocalParamsStyle):
                 raise PlanError(
                     "ExpertsParallel(partial_grad_inputs=True) got no DTensor input: the MoE block's input "
                     "must arrive as the Replicate() DTensor its norm returns (Boundary(outputs='replicate'), or "
-                    "SequenceParallelAllGather(use_local_output=False)); else drop partial_grad_inputs.")
+                    "Boundary(outputs='gather', local_outputs=False, style=SequenceParallel())); else drop "
+                    "partial_grad_inputs.")
             # From a PartialGradRouter, which divides its outputs' gradients by tp: times tp here
             # keeps this partial sum whole, while a full gradient from elsewhere counts once.
             take = partial(_partial_grad_input, scale=float(device_mesh.size()))

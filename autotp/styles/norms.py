@@ -27,10 +27,24 @@ class ReplicatedWithGradAllReduce(LocalParamsStyle):
     ``head_dim`` only, so its local result is exact, and its weight's gradient sums over this
     rank's heads only.
 
+    With ``dtensor=True`` the module's own parameters (not its children's) become ``Replicate()``
+    DTensors and stay so during its forward (no hooks): for a module that applies them to a DTensor
+    stream (a norm inside a block run on a ``Replicate()`` stream, an input scale on the
+    sequence-sharded stream of a model that also holds the layers), where DTensor itself reduces
+    their gradients, while the children keep their own styles.
+
+    Keyword Args:
+        dtensor (bool): keep the parameters DTensors in the forward. Default: False.
+
     Example::
         >>> plan = {"model.layers.*.mlp.gate_norm": ReplicatedWithGradAllReduce(),
-        ...         "model.layers.*.self_attn.q_norm": ReplicatedWithGradAllReduce()}
+        ...         "model.layers.*.self_attn.q_norm": ReplicatedWithGradAllReduce(),
+        ...         "model": ReplicatedWithGradAllReduce(dtensor=True)}
     """
+
+    def __init__(self, *, dtensor: bool = False):
+        super().__init__()
+        self.dtensor = dtensor
 
     def _placement(self, name, param):
         return Replicate()
@@ -38,8 +52,21 @@ class ReplicatedWithGradAllReduce(LocalParamsStyle):
     def _grad_placement(self, name, param):
         return [Partial()]
 
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        if not self.dtensor:
+            return super()._apply(module, device_mesh)
+        for name, param in list(module.named_parameters(recurse=False)):
+            if not isinstance(param, DTensor):
+                dist = DTensor.from_local(param, device_mesh, [Replicate()], run_check=False)
+                module.register_parameter(name, nn.Parameter(dist, requires_grad=param.requires_grad))
+        return module
+
+    def __repr__(self) -> str:
+        return f"{self.__class__.__name__}({'dtensor=True' if self.dtensor else ''})"
+
     def declares(self) -> Shards:
-        return Shards(grads_reduced=("*",))
+        # With DTensor parameters the module computes on DTensors, which reduce the gradients themselves.
+        return Shards() if self.dtensor else Shards(grads_reduced=("*",))
 
 
 class WidthShardedNorm(ParallelStyle):

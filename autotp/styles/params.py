@@ -12,7 +12,9 @@ gradient covers only that rank's heads. :class:`HeadParams` makes every one of t
 - the module's other parameters are left alone (replicated, their gradient already whole).
 
 It may also divide integer attributes (head counts) by tp, as :class:`~autotp.styles.ShardCounts`
-does, for a module that both reshapes into heads with a fixed count and owns such parameters.
+does, for a module that both reshapes into heads with a fixed count and owns such parameters; and
+shard raw weight parameters its code multiplies like Linears' (``columns`` / ``rows``, see
+:mod:`autotp.styles.raw_linear`).
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ from autotp.errors import PlanError
 from autotp.styles.attention import ShardCounts
 from autotp.styles.base import LocalParamsStyle, all_reduce_backward, packed_row_order, permute_rows, to_local
 from autotp.styles.declared import Shards
+from autotp.styles.raw_linear import add_products, missing_weights
 
 __all__ = ["HeadParams"]
 
@@ -60,16 +63,28 @@ class HeadParams(LocalParamsStyle):
             reduced once at entry (all-reduce; a sequence-sharded input is gathered and its gradient
             reduce-scattered): for a module whose column Linears read values its code computes from
             the input with replicated pointwise ops (learned mixes of a token shift), the columns
-            handing their input gradients back unreduced (:class:`~autotp.styles.SharedReplicatedInput`
-            with ``partial_grad``) and the mixes' parameters in ``reduce``. Default: False.
+            handing their input gradients back unreduced (:class:`~autotp.styles.Boundary` with
+            ``columns`` and ``input_grad="partial"``) and the mixes' parameters in ``reduce``. Default: False.
+        columns (tuple[str, ...]): raw weights the module's code multiplies as a column Linear's
+            (``x @ self.wq.T``, ``F.linear(x, self.wk)``, einsum, bmm), sharded on their output
+            features in ``shard_dims``; the input of each product has its gradient all-reduced.
+            Default: ().
+        rows (tuple[str, ...]): raw weights multiplied as a row Linear's, sharded on their input
+            features; each product is all-reduced before its bias and any other reader. With
+            ``columns`` or ``rows`` a sequence-sharded input is gathered whole (the code around raw
+            weights reads every position). Default: ().
+        seq_output (bool): the (reduced, whole) output goes back to a sequence-sharded stream:
+            each rank keeps its ``Shard(1)`` slice. Default: False.
 
     Example::
-        >>> plan = {"layers.*.attn": HeadParams(shard_dims={"sink": 0}, reduce=("lambda_q",))}
+        >>> plan = {"layers.*.attn": HeadParams(shard_dims={"sink": 0}, reduce=("lambda_q",)),
+        ...         "layers.*.mix": HeadParams(shard_dims={"wq": 0, "wo": 1}, columns=("wq",), rows=("wo",))}
     """
 
     def __init__(self, *, shard_dims: dict[str, int] | None = None, reduce: tuple[str, ...] = (),
                  counts: tuple[str, ...] = (), packed: dict[str, tuple[int, ...]] | None = None,
-                 gather_inputs: bool = False, partial_grad_inputs: bool = False):
+                 gather_inputs: bool = False, partial_grad_inputs: bool = False, columns: tuple[str, ...] = (),
+                 rows: tuple[str, ...] = (), seq_output: bool = False):
         super().__init__()
         self.shard_dims = dict(shard_dims or {})
         self.reduce = tuple(reduce)
@@ -77,15 +92,31 @@ class HeadParams(LocalParamsStyle):
         self.packed = {name: tuple(sizes) for name, sizes in (packed or {}).items()}
         self.gather_inputs = gather_inputs
         self.partial_grad_inputs = partial_grad_inputs
+        self.columns, self.rows, self.seq_output = tuple(columns), tuple(rows), seq_output
+
+    @property
+    def raw_linear(self) -> bool:
+        """The module multiplies raw weights of its own like Linears (``columns`` / ``rows``)."""
+        return bool(self.columns or self.rows)
 
     def _prepare_inputs(self, args, kwargs, device_mesh):
-        if self.partial_grad_inputs:
+        if self.raw_linear:
+            # A sequence-sharded stream is gathered whole: the code around raw weights reads every position.
+            take = lambda v: to_local(v) if isinstance(v, DTensor) else v  # noqa: E731
+        elif self.partial_grad_inputs:
             take = partial(_partial_grad_input, device_mesh=device_mesh)
         elif self.gather_inputs:
             take = lambda v: to_local(v) if isinstance(v, DTensor) else v
         else:
             return super()._prepare_inputs(args, kwargs, device_mesh)
         return tree_map(take, args), tree_map(take, kwargs)
+
+    def _prepare_output(self, output, device_mesh):
+        # Back to the sequence-sharded stream: each rank keeps its positions of the reduced output.
+        if not self.seq_output or not isinstance(output, torch.Tensor) or isinstance(output, DTensor):
+            return output
+        return DTensor.from_local(output, device_mesh, [Replicate()], run_check=False).redistribute(
+            placements=[Shard(1)])
 
     def _placement(self, name, param):
         # A per-head vector is cut like the heads it scales: contiguous blocks of heads per rank,
@@ -148,6 +179,10 @@ class HeadParams(LocalParamsStyle):
             owner.register_parameter(leaf, new)
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        missing = missing_weights(module, {*self.shard_dims, *self.columns, *self.rows}) if self.raw_linear else ()
+        if missing:
+            raise PlanError(f"{type(module).__name__}: HeadParams names {sorted(missing)}, which the module does "
+                            f"not own (it has {sorted(module._parameters)}); fix the names")
         if self.counts:
             ShardCounts(names=self.counts)._apply(module, device_mesh)
         super()._apply(module, device_mesh)
@@ -168,18 +203,23 @@ class HeadParams(LocalParamsStyle):
         if children:
             module.register_forward_pre_hook(pre_hook, with_kwargs=True)
             module.register_forward_hook(post_hook, with_kwargs=True)
+        if self.raw_linear:
+            add_products(module, self, device_mesh)  # after the pre-hooks that swap in the local tensors
         return module
 
     def __repr__(self) -> str:
         options = [f"{k}={v!r}" for k, v in (("shard_dims", self.shard_dims), ("reduce", self.reduce),
                                               ("counts", self.counts), ("packed", self.packed),
                                               ("gather_inputs", self.gather_inputs),
-                                              ("partial_grad_inputs", self.partial_grad_inputs)) if v]
+                                              ("partial_grad_inputs", self.partial_grad_inputs),
+                                              ("columns", self.columns), ("rows", self.rows),
+                                              ("seq_output", self.seq_output)) if v]
         return f"{self.__class__.__name__}({', '.join(options)})"
 
     def declares(self) -> Shards:
+        """Per-head parameters, and the raw weights it multiplies like a Linear's, by role."""
         return Shards(param_dims=dict(self.shard_dims), param_packed=dict(self.packed), grads_reduced=self.reduce,
-                      counts=self.counts)
+                      counts=self.counts, raw_linear=(self.columns, self.rows) if self.raw_linear else None)
 
 
 def _partial_grad_input(value, *, device_mesh: DeviceMesh):

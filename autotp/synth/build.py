@@ -17,7 +17,6 @@ from torch.distributed.tensor.parallel.style import ParallelStyle
 from autotp import styles
 from autotp.plan import describe_style
 from autotp.styles.linear import gathered_param_sizes, gathered_sizes
-from autotp.styles.raw_linear import LinearParams
 from autotp.synth.roles import Role
 from autotp.synth.stages import idiom_kind
 from autotp.synth.copies import row_copies
@@ -52,7 +51,8 @@ def style_for(role: Role, *, loss_parallel: bool = True) -> ParallelStyle | None
     if role.entry_inputs:
         style = styles.ShardedInputs(inputs=role.entry_inputs, style=style)
     if role.shared_columns:
-        style = styles.SharedReplicatedInput(columns=role.shared_columns, partial_grad=role.partial_grad, style=style)
+        style = styles.Boundary(inputs="replicate", columns=role.shared_columns, style=style,
+                                input_grad="partial" if role.partial_grad else "whole")
     if role.width_view:
         style = styles.LocalWidthInputs(inputs=role.width_view[0], readers=role.width_view[1], style=style)
     if role.statistics:
@@ -114,10 +114,10 @@ def _kv_head_counts(role: Role, loss_parallel: bool, base: ParallelStyle | None 
     # The ratio and the query heads both become heads / tp per rank: one ratio attribute is named
     # as such (the common case, ``num_key_value_groups``), any other is set with the head counts.
     ratios = [n for n, k in role.kv_counts if k == "ratio"]
-    return styles.KVHeadCounts(heads=role.heads, attribute=ratios[0] if ratios else None,
-                               kv_attributes=tuple(n for n, k in role.kv_counts if k == "kv"),
-                               head_attributes=tuple(ratios[1:] + [n for n, k in role.kv_counts if k == "heads"]),
-                               base=base)
+    return styles.ShardCounts(query_heads=role.heads, ratio=ratios[0] if ratios else None,
+                              kv_names=tuple(n for n, k in role.kv_counts if k == "kv"),
+                              head_names=tuple(ratios[1:] + [n for n, k in role.kv_counts if k == "heads"]),
+                              base=base)
 
 
 def _head(role: Role, loss_parallel: bool) -> ParallelStyle:
@@ -164,17 +164,19 @@ _STYLES: dict[str, Callable[[Role, bool], ParallelStyle | None]] = {
     "head_norm": lambda role, lp: styles.ReplicatedWithGradAllReduce(),
     "width_norm": lambda role, lp: styles.WidthShardedNorm(shard_dim=role.shard_dim),
     "seq_norm": lambda role, lp: SequenceParallel(),
-    "seq_params": lambda role, lp: styles.ReplicatedParams(),
-    "seq_norm_gather": lambda role, lp: styles.SequenceParallelAllGather(use_local_output=not role.dtensor_output,
-                                                                         partial_grad=role.partial_grad),
+    "seq_params": lambda role, lp: styles.ReplicatedWithGradAllReduce(dtensor=True),
+    "seq_norm_gather": lambda role, lp: styles.Boundary(
+        outputs="gather", local_outputs=not role.dtensor_output, output_grad="partial" if role.partial_grad else "whole",
+        style=SequenceParallel()),
     "shared_input": lambda role, lp: styles.Boundary(**({"output_grad": "partial"} if role.partial_grad
                                                         else {"outputs": "replicate"})),
     "whole_module": lambda role, lp: styles.Boundary(inputs="whole"),
     "broadcast_source": lambda role, lp: styles.Boundary(inputs="whole", reduce_grad_features=role.grad_spans),
     "router": lambda role, lp: styles.PartialGradRouter(partial_grad_plain=role.partial_grad),
-    "shared_entry": lambda role, lp: styles.SharedReplicatedInput(columns=role.names, partial_grad=role.partial_grad),
-    "stream_block": lambda role, lp: styles.ReplicatedStream(),
-    "stream_params": lambda role, lp: styles.ReplicatedParams(),
+    "shared_entry": lambda role, lp: styles.Boundary(inputs="replicate", columns=role.names,
+                                                     input_grad="partial" if role.partial_grad else "whole"),
+    "stream_block": lambda role, lp: styles.Boundary(inputs="replicate", outputs="local", stream=0),
+    "stream_params": lambda role, lp: styles.ReplicatedWithGradAllReduce(dtensor=True),
     "experts": _experts,
     "seq_gather": _seq_gather,
     "seq_slice": lambda role, lp: styles.Boundary(inputs="slice"),
@@ -187,11 +189,12 @@ _STYLES: dict[str, Callable[[Role, bool], ParallelStyle | None]] = {
     "head_params": lambda role, lp: styles.HeadParams(
         shard_dims=dict(role.param_dims), reduce=role.grad_reduced, counts=role.names, packed=dict(role.param_packed),
         gather_inputs=role.seq_input, partial_grad_inputs=role.partial_grad_inputs),
-    "linear_params": lambda role, lp: LinearParams(
+    "linear_params": lambda role, lp: styles.HeadParams(
         shard_dims=dict(role.param_dims), columns=role.columns, rows=role.rows, reduce=role.grad_reduced,
         counts=role.names, packed=dict(role.param_packed), seq_output=role.seq_output),
     "partial_grad_module": lambda role, lp: styles.ReplicatedWithGradAllReduce(),
-    "reduced_inputs": lambda role, lp: styles.ReducedInputGrads(partial_params=role.partial_params),
+    "reduced_inputs": lambda role, lp: styles.Boundary(
+        inputs="reduce_grad", style=styles.ReplicatedWithGradAllReduce() if role.partial_params else None),
     "replicate": lambda role, lp: _replicated_at_sequence_edge(role),
 }
 
@@ -220,7 +223,8 @@ def _replicated_at_sequence_edge(role: Role) -> ParallelStyle | None:
     if role.seq_join and role.seq_input:  # a whole Linear between two points of the stream
         return styles.Boundary(inputs="gather", outputs="shard")
     if role.seq_join and role.seq_cut is not None:  # its own positions only, gradients partial
-        return styles.OwnPositionsOutput(sequence_dim=role.seq_cut)
+        return styles.Boundary(outputs="slice", output_grad="partial", sequence_dim=role.seq_cut,
+                               style=styles.ReplicatedWithGradAllReduce())
     if role.seq_join:  # its (first) output a Replicate() DTensor that the sharded stream can meet
         return styles.Boundary(outputs="replicate")
     if role.seq_input:

@@ -233,7 +233,7 @@ def partial_sum_breaks(g: nx.DiGraph, rows: dict[str, frozenset], module_of) -> 
     for row in rows:
         weight = _weight_node(g, row)
         # A raw stacked weight's row (``torch.bmm`` in the module's own code) is reduced at the
-        # product by its style (``LinearParams``): only the experts style leaves partial sums.
+        # product by its style (``HeadParams`` with ``rows``): only the experts style leaves partial sums.
         if weight is not None and len(g.nodes[weight]["shape"]) == 3 and not raw_weight(g, row):
             by_module.setdefault(module_of(g, row), []).append(row)
     bad = {}

@@ -27,7 +27,7 @@ sharing it would save nothing.
 
 A front may also start at a module's inputs (:func:`_input_fronts`, plain TP): a block that
 normalises the concatenation of the stream and a value made once at the model's root (Zamba's
-shared transformer) reduces each input at its entry (:class:`~autotp.styles.ReducedInputGrads`)
+shared transformer) reduces each input at its entry (``Boundary(inputs="reduce_grad")``)
 rather than the norm's output, twice the stream's width. Only where the root value is read by a
 layer that stands for several: every layer adds its partial gradient into that value's one
 reduction per step, the stream is reduced at its own width. Or where the root value is a copy of

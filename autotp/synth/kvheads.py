@@ -3,7 +3,7 @@
 With ``kv_heads < tp`` (a multiple of it), a column split would cut kv heads in pieces. Each rank
 instead holds the one kv head its ``heads / tp`` query heads read
 (:class:`~autotp.styles.ReplicatedKVColwise`), and the attention's grouped-query ratio becomes the
-per-rank ``heads / tp`` (:class:`~autotp.styles.KVHeadCounts`). Which attributes hold that ratio
+per-rank ``heads / tp`` (:class:`~autotp.styles.ShardCounts` with ``query_heads``). Which attributes hold that ratio
 (and, in code that sizes its views by them, the kv and query head counts) is found as
 :mod:`autotp.synth.localize` finds head counts: integer attributes of the attention module equal
 to ``heads / kv_heads``, ``kv_heads`` or ``heads``, confirmed by running the module alone at
@@ -133,7 +133,7 @@ def _ratio_roles(model, example_inputs, roles, kv_roles, attention, tp, groups) 
             raise MeshError(module=fqn, found=f"tp={tp} exceeds its {kv} kv heads and no integer attributes set to "
                             f"their per-rank values (the grouped-query ratio heads / kv_heads = {heads // kv}, the "
                             f"kv heads {kv}, the query heads {heads}) let it run at per-rank shapes",
-                            fix=f"use tp <= {kv} or write the plan by hand with KVHeadCounts")
+                            fix=f"use tp <= {kv} or write the plan by hand with ShardCounts(query_heads=...)")
         if not counts:
             continue
         said = ", ".join(f"{name} ({kind}) becomes {1 if kind == 'kv' else heads // tp}" for name, kind in counts)

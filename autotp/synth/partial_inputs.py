@@ -8,7 +8,7 @@ DTensor can run (``index`` with a plain index tensor), so the norm cannot hand t
 
 Every reader's input gradient can be made this rank's share of the whole instead, and the norm's
 backward all-reduces their sum once (``Boundary(output_grad="partial")``; under sequence
-parallel its all-gather reduce-scatters it, ``SequenceParallelAllGather(partial_grad=True)``):
+parallel its all-gather reduce-scatters it, ``Boundary(outputs="gather", output_grad="partial")``):
 
 - a column Linear hands back its ``Partial()`` input gradient unreduced (``Boundary(inputs="replicate", input_grad="partial")``);
 - experts columns do the same with their plain inputs (``ExpertsParallel(partial_grad_plain=True)``);

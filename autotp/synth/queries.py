@@ -227,7 +227,7 @@ def raw_weight(g: nx.DiGraph, name: str) -> bool:
     """Whether Linear-like node ``name`` multiplies by a raw parameter of the module whose code runs
     it (``x @ self.wq.T``, ``F.linear(x, self.wk)``, an einsum, a ``bmm`` by a stacked 3-D weight):
     no ``nn.Linear``'s weight, so
-    the module gets :class:`~autotp.styles.raw_linear.LinearParams` rather than a Linear style."""
+    the module gets :class:`~autotp.styles.HeadParams` (``columns`` / ``rows``) rather than a Linear style."""
     return raw_like(g, name) and _only_reader(g, linear_weight(g, name), name)
 
 

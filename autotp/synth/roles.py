@@ -85,7 +85,7 @@ class Role:
         seq_cut: of a ``seq_join`` module whose output depends only on its own parameters and on
             inputs without gradient (a position table looked up by positions): the output's dim that
             lines up with the stream's sequence. Each rank keeps its own positions of the output
-            (:class:`~autotp.styles.OwnPositionsOutput`: no all-gather of its gradient), the
+            (``Boundary(outputs="slice", output_grad="partial")``: no all-gather of its gradient), the
             parameters' gradients left ``Partial()``.
         param_dims: of ``experts`` and ``head_params``, (parameter name, sharded dim) pairs.
         grad_reduced: of ``head_params``, parameters kept whole whose gradient is all-reduced.

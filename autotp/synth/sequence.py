@@ -722,7 +722,7 @@ def joining_modules(g: nx.DiGraph, flow: Flow, region: set[str], roles: dict[str
 
 def _own_positions_dim(g: nx.DiGraph, module: str, region: set[str], reader: str) -> int | None:
     """The dim of ``module``'s output that lines up with the stream's sequence at ``reader``, where
-    each rank may keep only its own positions of it (:class:`~autotp.styles.OwnPositionsOutput`):
+    each rank may keep only its own positions of it (``Boundary(outputs="slice", output_grad="partial")``):
     the module's parameters are its own, nothing it reads carries a gradient (no parameter is behind
     its inputs: positions, ids, shapes), it has one output, read only by ops of the stream, and that
     output spans the whole sequence on that dim. None otherwise (the output is then handed on
@@ -996,7 +996,7 @@ def sequence_parallel_roles(g: nx.DiGraph, flow: Flow, roles: dict[str, Role], g
         else:
             del out[module]
     # Modules whose inputs are gathered whole at entry: the Linears inside read them whole.
-    # (``LinearParams`` gathers its module's inputs: the code around raw weights reads every position.)
+    # (``HeadParams`` with raw weights gathers its module's inputs: the code around raw weights reads every position.)
     gathered = {m for m, r in out.items() if r.kind in ("seq_norm_gather", "seq_gather", "linear_params")} | masked
     out.update(found := gathered_params_modules(g, region, out, gathered))
     gathered |= set(found)

@@ -15,7 +15,7 @@ This pass finds, from the graph:
   modules take it local (``Boundary(inputs="whole")``).
 - :func:`shared_entries` (plain TP): column Linears that read one tensor entering their module
   with no norm before them (OLMo2's q/k/v read the residual stream): the module shares one
-  ``Replicate()`` DTensor of it among them (:class:`~autotp.styles.SharedReplicatedInput`).
+  ``Replicate()`` DTensor of it among them (``Boundary(inputs="replicate", columns=...)``).
 - :func:`dtensor_gathers` (SP): all-gathering norms and module-entry gathers whose readers are
   all column Linears keep the gathered value a DTensor, so the backward reduce-scatters once.
 - :func:`expert_inputs`: an MoE block's input (a norm's output) read by the grouped experts, the
@@ -29,8 +29,8 @@ This pass finds, from the graph:
 - :func:`parallel_blocks`: two row Linears whose outputs are added before anything else reads
   them (attention and MLP side by side: GPT-J, Phi, Cohere) leave their outputs ``Partial()`` and
   the sum is reduced once per layer. Under plain TP the decoder layer then runs on a
-  ``Replicate()`` DTensor stream (:class:`~autotp.styles.ReplicatedStream`), with its norms'
-  parameters replicated DTensors; not where another row's reduced, plain output returns to that
+  ``Replicate()`` DTensor stream (``Boundary(inputs="replicate", outputs="local", stream=0)``),
+  with its norms' parameters replicated DTensors; not where another row's reduced, plain output returns to that
   stream (a sequential MLP after the branches): there each branch reduces its own output.
 
 Long because the three shared-input patterns (a norm read by several columns, a module entry,
@@ -162,7 +162,7 @@ def shared_entries(g: nx.DiGraph, roles: dict[str, Role]) -> dict[str, Role]:
     after a padding mask multiplies it, inside the mixer. The sharing scope is the innermost
     module holding those Linears, or the nearest module above it without a role of its own (a
     mixer whose own parameters have a style); the tensor is shared for one call of that scope.
-    Sharing is by identity (:class:`~autotp.styles.SharedReplicatedInput`), so it never changes
+    Sharing is by identity (``Boundary(inputs="replicate", columns=...)``), so it never changes
     values: only the number of reductions of the input gradient.
     """
     found: dict[str, Role] = {}
