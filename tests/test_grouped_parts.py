@@ -269,3 +269,19 @@ def test_group_copies_are_proven_on_a_meta_model(tp):
     on_meta = synthesize(meta, example_inputs=(example_tokens().to("meta"),), tp_size=tp, verify=False)
     assert isinstance(on_meta["layers.*.mixer.in_proj"], GroupCopies), on_meta
     assert {k: repr(v) for k, v in on_meta.items()} == {k: repr(v) for k, v in on_cpu.items()}
+
+
+def test_the_expansion_is_the_pipelines_last_logged_stage(caplog):
+    """The group-copy expansion runs inside the pipeline as its last stage, logged with the roles it
+    changed; without it (``expand_groups=False``) the grouped projection keeps no column role."""
+    import logging
+
+    from autotp.synth.pipeline import run
+
+    model = _model(lambda: GroupedScanMixer(groups=1, norm_group=HEADS * HEAD_DIM))
+    with caplog.at_level(logging.INFO, logger="autotp.synth.pipeline"):
+        expanded = run(model, example_inputs=(example_tokens(),), tp_size=2)
+    assert any(r.getMessage().startswith("group_copy_expansion: ") for r in caplog.records), caplog.text
+    assert expanded.copies and expanded.roles["layers.0.mixer.in_proj"].kind == "packed_column", expanded.roles
+    plain = run(model, example_inputs=(example_tokens(),), tp_size=2, expand_groups=False)
+    assert not plain.copies and getattr(plain.roles.get("layers.0.mixer.in_proj"), "kind", None) != "packed_column"

@@ -12,7 +12,6 @@ from torch.distributed.tensor.parallel.style import ParallelStyle
 
 from autotp.plan import key_matches
 from autotp.synth.build import build_plan
-from autotp.synth.groups import group_copies
 from autotp.synth.pipeline import run
 from autotp.synth.stages import Analysis
 from autotp.synth.trace import LayerGroups, restored_module_state
@@ -44,8 +43,7 @@ def analyse_model(model: nn.Module, *, example_inputs=None, sequence_parallel: b
     (:func:`~autotp.synth.trace.restored_module_state`).
     """
     with restored_module_state(model):
-        analysis = run(model, example_inputs=example_inputs, sequence_parallel=sequence_parallel, tp_size=tp_size)
-        return group_copies(analysis, run)
+        return run(model, example_inputs=example_inputs, sequence_parallel=sequence_parallel, tp_size=tp_size)
 
 
 def plan_with_analysis(model: nn.Module, *, example_inputs=None, sequence_parallel: bool = False,

@@ -384,7 +384,8 @@ def group_copies(analysis, run) -> object:
 
     Args:
         analysis: a :class:`~autotp.synth.stages.Analysis` made with a tp size.
-        run: the pipeline (:func:`~autotp.synth.pipeline.run`), to analyse the expanded model.
+        run: the pipeline without this stage (:func:`~autotp.synth.pipeline.run` with
+            ``expand_groups=False``), to analyse the expanded model.
     """
     a, tp = analysis, analysis.tp_size
     if not tp or tp < 2:

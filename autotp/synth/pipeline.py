@@ -1,7 +1,7 @@
-"""The synthesis pipeline: one :class:`~autotp.synth.stages.Analysis`, a constraint fixpoint, then
-the post-passes (:func:`~autotp.synth.stages.post_passes`: those of the idioms, registered in their
+"""The synthesis pipeline: one :class:`~autotp.synth.stages.Analysis`, a constraint fixpoint, the
+post-passes (:func:`~autotp.synth.stages.post_passes`: those of the idioms, registered in their
 own modules, and the pipeline's own below: shard counts, kv replication, sequence parallel,
-divisibility, owned outputs, untraced Linears and siblings).
+divisibility, owned outputs, untraced Linears and siblings), then the group-copy expansion.
 
 ::
 
@@ -10,6 +10,7 @@ divisibility, owned outputs, untraced Linears and siblings).
     analysis = constraint_fixpoint(...)             # analyse -> roles -> constraints, until none is new
     for step in post_passes():                      # each Analysis -> Analysis, logging what it changed
         analysis = step(analysis)
+    analysis = group_copy_expansion(analysis)       # parts with fewer groups than ranks, held as copies
 
 The fixpoint's constraints are facts that keep Linears whole and that only a converged analysis
 can reveal: weights read outside their module, a tied weight its users would shard two ways, a
@@ -21,6 +22,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+from functools import partial
 import re
 import warnings
 from collections.abc import Callable
@@ -36,6 +38,7 @@ from autotp.synth.queries import module_of
 from autotp.synth.assign import assign_roles, foreign_reads, mutated_outputs, tie_conflicts, tied_embedding_modules
 from autotp.synth.copies import copied_roles
 from autotp.synth.graph import build_graph
+from autotp.synth.groups import group_copies
 from autotp.synth.groups_first import fewer_groups_than_tp
 from autotp.synth.kvheads import replicate_kv
 from autotp.synth.shape_proof import localize
@@ -52,8 +55,9 @@ log = logging.getLogger(__name__)
 
 
 def run(model: nn.Module, *, example_inputs=None, sequence_parallel: bool = False,
-        tp_size: int | None = None) -> Analysis:
-    """The whole pipeline on ``model``: trace, graph, constraint fixpoint, then the post-passes in order."""
+        tp_size: int | None = None, expand_groups: bool = True) -> Analysis:
+    """The whole pipeline on ``model``: trace, graph, constraint fixpoint, the post-passes in order,
+    then (``expand_groups``) the group-copy expansion."""
     program, groups = trace(model, example_inputs)
     g = build_graph(program)
     require_language_model(model, g)
@@ -62,7 +66,18 @@ def run(model: nn.Module, *, example_inputs=None, sequence_parallel: bool = Fals
     for step in post_passes():
         analysis = _logged(step, analysis)
     log.info("synthesis: %d graph nodes, %d roles", g.number_of_nodes(), len(analysis.roles))
+    if expand_groups:
+        analysis = _logged(group_copy_expansion, analysis)
     return analysis
+
+
+def group_copy_expansion(a: Analysis) -> Analysis:
+    """The last stage: parts of a packed output with fewer groups than ranks (Mamba's B / C with
+    one group, a k / v of fewer heads than ranks read per group) held as copies, each rank a share of
+    one group (:func:`~autotp.synth.groups.group_copies`). The model with those parts expanded goes
+    through this pipeline once more, without this stage; its roles are kept where they shard the
+    parts, else ``a`` as it was."""
+    return group_copies(a, partial(run, expand_groups=False))
 
 
 def constraint_fixpoint(g: nx.DiGraph, groups: LayerGroups, model: nn.Module, example_inputs,
