@@ -148,9 +148,11 @@ def test_the_plan_table_shows_only_the_options_a_style_sets():
 
     rows = plan_rows({"norm": styles.Boundary(outputs="replicate"),
                       "fused": styles.Colwise(sizes=(8, 4, 4)),
-                      "row": styles.Rowwise(output_layouts=Partial(), use_local_output=False)})
+                      "row": styles.Rowwise(output_layouts=Partial(), use_local_output=False),
+                      "sp_norm": styles.Boundary(outputs="gather", local_outputs=False, style=SequenceParallel())})
     options = {row[0]: row[5] for row in rows}
-    assert options == {"norm": "outputs=replicate", "fused": "sizes=8,4,4", "row": ""}, options
+    assert options == {"norm": "outputs=replicate", "fused": "sizes=8,4,4", "row": "",
+                       "sp_norm": "local_outputs=False, outputs=gather"}, options  # a wrapper's own options too
 
 
 def test_a_forward_that_raises_leaves_its_mode():
