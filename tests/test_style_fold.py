@@ -117,6 +117,12 @@ def test_second_fold_sides_on_two_ranks():
         out.full_tensor().sum().backward()
         assert torch.allclose(table.weight.grad.full_tensor(), torch.ones(1, 4, 4).mul(stream).sum((0, 1)).expand(4, 4))
 
+        whole_grad = torch.randn(1, 4, 4, requires_grad=True)  # without output_grad: the gradient gathered whole
+        cut = styles.Boundary(outputs="slice")._apply(nn.Identity(), mesh)(whole_grad)
+        assert isinstance(cut, DTensor) and cut.placements == (Shard(1),) and cut.to_local().shape == (1, 2, 4)
+        cut.full_tensor().sum().backward()
+        assert torch.equal(whole_grad.grad, torch.ones(1, 4, 4))
+
         seen = []
 
         class Block(nn.Module):
