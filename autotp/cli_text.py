@@ -139,7 +139,15 @@ def plan_rows(plan) -> list[list[str]]:
     >>> plan_rows({"model.layers.*.mlp.up_proj": ColwiseParallel()})
     [['model.layers.*.mlp.up_proj', 'ColwiseParallel', 'R', 'S(-1)', 'yes', '']]
     """
-    from autotp.plan import base_style, describe_style
+    from autotp.emit import _parameters
+    from autotp.plan import _plain, base_style, describe_style
+
+    def set_options(desc: dict, style) -> list[str]:
+        # key=value for each option of desc (style's description) off its default, leaving out
+        # those the layout columns show
+        defaults = {p.name: _plain(p.default) for p in _parameters(type(style)) if p.default is not p.empty}
+        return [f"{k}={_short(v)}" for k, v in desc.items()
+                if k not in _SHOWN and v is not None and (k not in defaults or defaults[k] != v)]
 
     rows = []
     for key, style in plan.items():
@@ -150,10 +158,10 @@ def plan_rows(plan) -> list[list[str]]:
         if base is not style:
             desc["style"] = f"{type(style).__name__}({desc['style']})"
         local = desc.get("use_local_output")
-        options = ", ".join(_set_options(desc, base))
+        options = ", ".join(set_options(desc, base))
         if base is not style:  # the wrapper's own options first (Boundary(outputs=gather) around SequenceParallel)
             outer = {k: v for k, v in describe_style(style).items() if k not in ("style", "wrapped")}
-            options = ", ".join([*_set_options(outer, style), *([options] if options else [])])
+            options = ", ".join([*set_options(outer, style), *([options] if options else [])])
         rows.append([
             key,
             desc["style"],
@@ -163,17 +171,6 @@ def plan_rows(plan) -> list[list[str]]:
             options,
         ])
     return rows
-
-
-def _set_options(desc: dict, style) -> list[str]:
-    """``key=value`` for each option of ``desc`` (``style``'s description) off its default, leaving
-    out those the layout columns show."""
-    from autotp.emit import _parameters
-    from autotp.plan import _plain
-
-    defaults = {p.name: _plain(p.default) for p in _parameters(type(style)) if p.default is not p.empty}
-    return [f"{k}={_short(v)}" for k, v in desc.items()
-            if k not in _SHOWN and v is not None and (k not in defaults or defaults[k] != v)]
 
 
 def _as_data(value):
