@@ -24,19 +24,12 @@ import sys
 import time
 from pathlib import Path
 
-from plan_equality import run_in_tree, tree_name
+from plan_equality import PREAMBLE, run_in_tree, tree_name
 
 HERE = Path(__file__).resolve().parent
 RESULTS = HERE / "results" / "checker_equality.json"
 
-CHILD = r"""
-import json, sys, warnings
-warnings.simplefilter("ignore")
-sys.path.insert(0, {tests!r})
-import torch
-torch.set_num_threads(1)
-import autotp
-assert autotp.__file__.startswith({tree!r}), autotp.__file__
+CHILD = PREAMBLE + r"""
 from autotp import check_plan
 from autotp.synth import synthesize
 import test_backward_comm as comm

@@ -35,7 +35,9 @@ HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 RESULTS = HERE / "results" / "plan_equality.json"
 
-CHILD = r"""
+# The start of a child's script (a ``str.format`` template: ``tests``, ``tree``): this checkout's test
+# models importable, one thread, and ``autotp`` checked to be the tree's.
+PREAMBLE = r"""
 import inspect, json, sys, warnings
 warnings.simplefilter("ignore")
 sys.path.insert(0, {tests!r})
@@ -43,6 +45,9 @@ import torch
 torch.set_num_threads(1)
 import autotp
 assert autotp.__file__.startswith({tree!r}), autotp.__file__
+"""
+
+CHILD = PREAMBLE + r"""
 from test_synth_matrix import FAMILIES, TOYS, _model
 options = {{"verify": False}} if "verify" in inspect.signature(autotp.synthesize).parameters else {{}}
 out = {{}}

@@ -147,8 +147,6 @@ class ShardCounts(ParallelStyle):
                 setattr(module, name, self.query_heads // tp)
             for name in self.kv_names:
                 setattr(module, name, 1)
-            if not self.names and not self.literals:
-                return self.base._apply(module, device_mesh) if self.base is not None else module
         copied: set[str] = set()
         for name in self.names:
             owner, attr = count_holder(module, name, copied)

@@ -478,10 +478,7 @@ class Boundary(WrapperStyle):
 def _replicate_stream(module: nn.Module, stream: int | str, device_mesh: DeviceMesh, prepend: bool) -> None:
     """``inputs="replicate"`` with ``stream``: that argument (by position or keyword) a ``Replicate()``
     DTensor; a partial sum meeting a live dropout reduced first, while the module runs."""
-    def wrap(value):
-        if isinstance(value, torch.Tensor) and not isinstance(value, DTensor):
-            return DTensor.from_local(value, device_mesh, (Replicate(),), run_check=False)
-        return value
+    wrap = partial(_as_replicated, device_mesh=device_mesh)
 
     def pre_hook(mod, args, kwargs):
         if isinstance(stream, int) and stream < len(args):
@@ -729,9 +726,8 @@ def _slice_stream_input(module: nn.Module, sequence_dim: int, device_mesh: Devic
     first = next(iter(inspect.signature(module.forward).parameters), None)
 
     def shard(value):
-        if isinstance(value, torch.Tensor) and not isinstance(value, DTensor) and value.is_floating_point():
-            whole = DTensor.from_local(value, device_mesh, [Replicate()], run_check=False)
-            return whole.redistribute(placements=[Shard(sequence_dim)])
+        if isinstance(value, torch.Tensor) and value.is_floating_point():
+            return _sliced(value, device_mesh, sequence_dim=sequence_dim)
         return value
 
     def pre_hook(mod, args, kwargs):

@@ -100,13 +100,11 @@ class HeadParams(LocalParamsStyle):
         return bool(self.columns or self.rows)
 
     def _prepare_inputs(self, args, kwargs, device_mesh):
-        if self.raw_linear:
-            # A sequence-sharded stream is gathered whole: the code around raw weights reads every position.
-            take = lambda v: to_local(v) if isinstance(v, DTensor) else v  # noqa: E731
-        elif self.partial_grad_inputs:
+        if self.partial_grad_inputs and not self.raw_linear:
             take = partial(_partial_grad_input, device_mesh=device_mesh)
-        elif self.gather_inputs:
-            take = lambda v: to_local(v) if isinstance(v, DTensor) else v
+        elif self.gather_inputs or self.raw_linear:
+            # A sequence-sharded stream is gathered whole (the code around raw weights reads every position).
+            take = lambda v: to_local(v) if isinstance(v, DTensor) else v  # noqa: E731
         else:
             return super()._prepare_inputs(args, kwargs, device_mesh)
         return tree_map(take, args), tree_map(take, kwargs)
